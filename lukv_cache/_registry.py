@@ -1,0 +1,44 @@
+"""A tiny name -> object registry shared by scorers and allocators."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from .errors import ConfigurationError, UnknownNameError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def add(self, name: str, item: T, *, overwrite: bool = False) -> T:
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"A {self.kind} name must be a non-empty string, got {name!r}.")
+        if name in self._items and not overwrite:
+            raise ConfigurationError(
+                f"A {self.kind} named {name!r} is already registered; pass overwrite=True to replace it."
+            )
+        self._items[name] = item
+        return item
+
+    def get(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except (KeyError, TypeError):
+            raise UnknownNameError(
+                f"Unknown {self.kind} {name!r}. Known {self.kind}s: {', '.join(sorted(self._items))}. "
+                f"Register your own with register_{self.kind}()."
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._items))

@@ -1,0 +1,114 @@
+"""The built-in allocators: uniform, pyramid (PyramidKV), adakv (AdaKV) and profile (LU-KV)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import ConfigurationError
+from . import AllocationRequest, largest_remainder, register_allocator
+
+
+@register_allocator("uniform")
+def uniform():
+    """Every head of every layer keeps the same share: round((1 - ratio) * n) tokens, give or take one."""
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        return largest_remainder(torch.ones(1, req.num_heads), req.layer_total(), req)
+
+    return allocate
+
+
+@register_allocator("pyramid")
+def pyramid(beta: float = 20.0):
+    """PyramidKV (arXiv 2406.02069): layer budgets shrink linearly from the bottom layer to the top one.
+
+    With an average budget k per head, the top layer keeps k / beta and the bottom one 2k - k / beta; heads
+    of a layer share its budget uniformly. Layer totals are rounded model-wide by largest remainder, so
+    the model keeps round((1 - ratio) * n * H * L) tokens (less only where a layer's share exceeds n).
+    """
+    if beta <= 0:
+        raise ConfigurationError(f"pyramid: beta must be > 0, got {beta}.")
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        num_layers = req.num_layers
+        lo, hi = 1.0 / beta, 2.0 - 1.0 / beta
+        share = torch.linspace(hi, lo, num_layers) if num_layers > 1 else torch.ones(1)
+        layer_req = AllocationRequest(
+            req.scores, req.n_evictable * req.num_heads, req.ratio, req.layer_idx, num_layers, 0.0
+        )
+        model_total = torch.round((1.0 - req.ratio) * req.n_evictable.double() * req.num_heads * num_layers)
+        layer_totals = largest_remainder(share.unsqueeze(0), model_total.long(), layer_req)
+        return largest_remainder(torch.ones(1, req.num_heads), layer_totals[:, req.layer_idx], req)
+
+    return allocate
+
+
+@register_allocator("adakv")
+def adakv(alpha_safeguard: float = 0.2):
+    """AdaKV (arXiv 2407.11550): within a layer, keep the globally top-scored tokens across heads, with a
+    safeguard: each head first keeps ``alpha_safeguard`` of its uniform share. Scores of different heads
+    are compared directly, so this suits scorers whose scale means the same for every head."""
+    if not 0.0 <= alpha_safeguard <= 1.0:
+        raise ConfigurationError(f"adakv: alpha_safeguard must be in [0, 1], got {alpha_safeguard}.")
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        b, h, r = req.scores.shape
+        total = req.layer_total()  # [B]
+        guaranteed = torch.maximum(
+            torch.floor(alpha_safeguard * total.double() / h).long(), req.min_counts()
+        ).clamp_max(req.n_evictable)  # [B]
+        ranked = req.scores.sort(dim=-1, descending=True).values  # [B, H, R]
+        rank = torch.arange(r, device=ranked.device)
+        # tokens beyond each head's guaranteed ones compete globally within the layer
+        open_ = ranked.masked_fill(rank < guaranteed.view(b, 1, 1).to(ranked.device), float("-inf"))
+        counts = guaranteed.view(b, 1).expand(b, h).clone()
+        for row in range(b):  # one top-k per batch row, not per head
+            extra = int((total[row] - guaranteed[row] * h).clamp_min(0))
+            flat = open_[row].flatten()
+            extra = min(extra, int(torch.isfinite(flat).sum()))
+            if extra:
+                winners = flat.topk(extra).indices // r
+                counts[row] += torch.bincount(winners.cpu(), minlength=h)
+        return torch.minimum(counts, req.n_evictable.view(b, 1))
+
+    return allocate
+
+
+@register_allocator("profile")
+def profile(evict_ratio=None):
+    """LU-KV (arXiv 2602.08585): per-head evict ratios read from an offline profile, ``[L, H_kv]``.
+
+    Integer budgets are computed once for the whole model by largest remainder, so the kept total is the
+    profile's own total, and each layer reads its row."""
+    if evict_ratio is None:
+        raise ConfigurationError(
+            "allocator='profile' needs an evict-ratio table: pass evict_ratio=<[layers, kv_heads] array> "
+            "or use LUKVCache.from_pretrained(model_id, ratio=...) to read it from a profile."
+        )
+    table = torch.as_tensor(np.asarray(evict_ratio, dtype=np.float64))
+    if table.ndim != 2:
+        raise ConfigurationError(
+            f"allocator='profile': evict_ratio must be a [layers, kv_heads] table, got shape {tuple(table.shape)}."
+        )
+    if not torch.isfinite(table).all() or (table < 0).any() or (table > 1).any():
+        raise ConfigurationError("allocator='profile': evict_ratio values must be finite and in [0, 1].")
+    keep = (1.0 - table).flatten().unsqueeze(0)  # [1, L*H]
+    memo: dict[tuple, torch.Tensor] = {}
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        num_layers, num_heads = table.shape
+        if num_heads != req.num_heads or req.layer_idx >= num_layers:
+            raise ConfigurationError(
+                f"allocator='profile': the evict-ratio table has shape {tuple(table.shape)} but the model has "
+                f"layer {req.layer_idx} with {req.num_heads} KV heads. Use a profile built for this model."
+            )
+        key = tuple(req.n_evictable.tolist())
+        if key not in memo:
+            model_req = AllocationRequest(req.scores, req.n_evictable, req.ratio, 0, num_layers, req.min_keep)
+            totals = torch.round((keep * req.n_evictable.double().unsqueeze(-1)).sum(-1)).long()
+            memo.clear()
+            memo[key] = largest_remainder(keep, totals, model_req).view(-1, num_layers, num_heads)
+        return memo[key][:, req.layer_idx]
+
+    return allocate

