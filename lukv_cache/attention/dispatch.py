@@ -67,6 +67,8 @@ def compressed_attention(
         bias = _as_bias(attention_mask[:, 0])  # [B or 1, Q, L]
         bias = bias.expand(b, q_len, bias.shape[-1])
         suffix_bias = bias[:, None, :, bias.shape[-1] - s :].repeat(1, 1, g, 1)  # [B, 1, M, S]
+        if not bool((suffix_bias < 0).any()):
+            suffix_bias = None  # decode without padding in the suffix: take the fused path
         if layer.has_store:
             rows = layer._segment_ids() // h
             key_bias = bias[rows, :, layer.store_positions.long()]  # [N, Q]

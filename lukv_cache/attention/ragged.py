@@ -21,6 +21,12 @@ def _softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
+try:  # torch's fused CPU flash attention returns the log-sum-exp we need for the merge
+    _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+except (AttributeError, RuntimeError):  # pragma: no cover - older torch
+    _flash_cpu = None
+
+
 def partial_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -33,17 +39,30 @@ def partial_attention(
     """Softmax attention of ``query [..., M, D]`` over ``keys/values [..., n, D]``; fp32 out and lse.
 
     ``bias``: additive fp32 ``[..., M, n]`` (0 = attend, very negative = masked). An empty part gives
-    ``out = 0`` and ``lse = -inf`` so that it vanishes in :func:`merge_partials`.
+    ``out = 0`` and ``lse = -inf`` so that it vanishes in :func:`merge_partials`. Without bias or
+    softcap on CPU this is one fused kernel call (fp32 accumulation inside); otherwise plain fp32 math.
     """
     if keys.shape[-2] == 0:
         shape = query.shape[:-1]
         out = query.new_zeros((*shape, values.shape[-1]), dtype=torch.float32)
         return out, query.new_full(shape, float("-inf"), dtype=torch.float32)
+    if (
+        _flash_cpu is not None
+        and bias is None
+        and softcap is None
+        and query.device.type == "cpu"
+        and query.dtype == keys.dtype == values.dtype
+        and keys.shape[-1] == values.shape[-1]
+    ):
+        lead = query.shape[:-2]
+        q4, k4, v4 = (t.reshape(-1, 1, *t.shape[-2:]) for t in (query, keys, values))
+        out, lse = _flash_cpu(q4, k4, v4, 0.0, False, attn_mask=None, scale=scaling)[:2]
+        return out.float().view(*lead, *out.shape[-2:]), lse.view(*lead, lse.shape[-1])
     logits = _softcap(query.float() @ keys.float().transpose(-1, -2) * scaling, softcap)
     if bias is not None:
         logits = logits + bias
     lse = torch.logsumexp(logits, dim=-1)
-    out = torch.exp(logits - lse.unsqueeze(-1)) @ values.float()
+    out = torch.softmax(logits, dim=-1) @ values.float()
     return out, lse
 
 
@@ -74,6 +93,8 @@ def ragged_attention_reference(
     fallback): one small matmul per segment, never a padded copy of the store.
     """
     b, h, m, _ = query.shape
+    if key_bias is not None and not bool((key_bias < 0).any()):
+        key_bias = None  # the usual case: stored tokens are real and precede every query
     bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets
     out = query.new_empty((b, h, m, values.shape[-1]), dtype=torch.float32)
     lse = query.new_empty((b, h, m), dtype=torch.float32)
