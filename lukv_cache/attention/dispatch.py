@@ -105,7 +105,34 @@ def _route(stock: Callable | None) -> Callable:
         return output
 
     attention.__name__ = f"lukv_{getattr(stock, '__name__', 'eager')}"
+    attention._lukv_wrapped = True
     return attention
+
+
+def _guard(name: str, fn: Callable) -> Callable:
+    """Wrap an implementation that cannot read a LUKVCache: untagged calls pass through unchanged, a
+    LUKVCache's keys raise instead of being attended to partially."""
+
+    def guarded(module, query, key, *args, **kwargs):
+        if getattr(key, "_lukv_layer", None) is not None:
+            raise IncompatibleAttentionError(
+                f"attn_implementation={name!r} cannot read a LUKVCache (its compressed tokens live in a ragged "
+                "store). Use attn_implementation='sdpa' or 'eager' for this model, e.g. "
+                "model.set_attn_implementation('sdpa'), or use transformers' DynamicCache."
+            )
+        return fn(module, query, key, *args, **kwargs)
+
+    guarded._lukv_wrapped = True
+    guarded.__wrapped__ = fn
+    return guarded
+
+
+def guard_all() -> None:
+    """Guard every registered implementation that is not ours (cheap; re-run before each prefill so
+    implementations registered after import are covered too)."""
+    for name, fn in list(AttentionInterface._global_mapping.items()):
+        if not getattr(fn, "_lukv_wrapped", False):
+            AttentionInterface.register(name, _guard(name, fn))
 
 
 _INSTALLED = False
@@ -120,4 +147,5 @@ def install() -> None:
     AttentionInterface.register("eager", _route(None))
     AttentionInterface.register("lukv", _route(sdpa_attention_forward))
     AttentionMaskInterface.register("lukv", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    guard_all()
     _INSTALLED = True

@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicCache, get_layer_types_and_kwargs
 
 from ..allocation import get_allocator
+from ..attention.dispatch import guard_all
 from ..errors import ConfigurationError
 from ..scorers import Scorer, get_scorer
 from .layer import LUKVLayer
@@ -153,6 +154,8 @@ class LUKVCache(DynamicCache):
 
     # ------------------------------------------------------------------ layer management
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            guard_all()  # implementations registered since import must not read this cache silently
         while len(self.layers) <= layer_idx:
             self.layers.append(LUKVLayer(self, len(self.layers)))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
