@@ -109,6 +109,7 @@ class LUKVCache(DynamicCache):
         token: str | bool | None = None,
         local_dir: str | os.PathLike | None = None,
         cache_dir: str | os.PathLike | None = None,
+        endpoint: str | None = None,
         sink: int | None = None,
         window: int | None = None,
         **kwargs: Any,
@@ -127,7 +128,7 @@ class LUKVCache(DynamicCache):
         ratio = _check_ratio(ratio)
         profile = resolve_profile(
             model_or_profile, scorer, revision=revision, repo_id=repo_id, token=token,
-            local_dir=local_dir, cache_dir=cache_dir,
+            local_dir=local_dir, cache_dir=cache_dir, endpoint=endpoint,
         )
         config = getattr(model_or_profile, "config", None)
         if config is not None:

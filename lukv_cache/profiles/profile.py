@@ -23,7 +23,9 @@ from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchErro
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
 DEFAULT_SCORER = "keydiff"
-_FORMAT_NAME = "lukv_cache.profile"  # metadata["format"]: tells a profile apart from any other safetensors file
+_FORMAT_NAME = (
+    "lukv_cache.profile"  # metadata["format"]: tells a profile apart from any other safetensors file
+)
 _TENSORS = ("grid", "evict_ratio")
 
 # metadata key -> how to parse its string value
@@ -57,7 +59,7 @@ class Profile:
     >>> grid = np.array([0.25, 0.75], dtype=np.float32)
     >>> ratios = np.stack([np.full((2, 3), 0.2), np.full((2, 3), 0.6)]).astype(np.float32)
     >>> p = Profile(grid, ratios, model_id="org/tiny", scorer="keydiff")
-    >>> p.num_layers, p.num_kv_heads, float(p.at(0.5)[0, 0])
+    >>> p.num_layers, p.num_kv_heads, round(float(p.at(0.5)[0, 0]), 4)
     (2, 3, 0.4)
     """
 
@@ -85,6 +87,13 @@ class Profile:
         self.evict_ratio = _as_float32(self.evict_ratio, "evict_ratio", where)
         _check_values(self, where)
 
+    def __repr__(self) -> str:  # the arrays are large: summarise them
+        return (
+            f"Profile(model_id={self.model_id!r}, scorer={self.scorer!r}, num_layers={self.num_layers}, "
+            f"num_kv_heads={self.num_kv_heads}, grid={self.grid.size} ratios in "
+            f"[{self.grid[0]:.2f}, {self.grid[-1]:.2f}], created={self.created!r})"
+        )
+
     # ------------------------------------------------------------------------------------ shape
 
     @property
@@ -110,7 +119,9 @@ class Profile:
         """
         ratio = float(ratio)
         if not 0.0 <= ratio <= 1.0 or math.isnan(ratio):
-            raise ConfigurationError(f"ratio must be in [0, 1] (the fraction of KV entries removed), got {ratio}.")
+            raise ConfigurationError(
+                f"ratio must be in [0, 1] (the fraction of KV entries removed), got {ratio}."
+            )
         grid = self.grid.astype(np.float64)
         if ratio <= grid[0]:
             return self.evict_ratio[0].copy()
@@ -119,7 +130,9 @@ class Profile:
         hi = int(np.searchsorted(grid, ratio, side="right"))
         lo = hi - 1
         w = (ratio - grid[lo]) / (grid[hi] - grid[lo])
-        out = (1.0 - w) * self.evict_ratio[lo].astype(np.float64) + w * self.evict_ratio[hi].astype(np.float64)
+        out = (1.0 - w) * self.evict_ratio[lo].astype(np.float64) + w * self.evict_ratio[hi].astype(
+            np.float64
+        )
         return np.clip(out, 0.0, 1.0).astype(np.float32)
 
     def validate_for(self, config: Any) -> None:
@@ -209,7 +222,7 @@ class Profile:
             "num_layers": str(self.num_layers),
             "num_kv_heads": str(self.num_kv_heads),
             "head_dim": json.dumps(self.head_dim),
-            "scorer_params": json.dumps(self.scorer_params, sort_keys=True),
+            "scorer_params": _to_json(self.scorer_params),
             "sink": str(self.sink),
             "window": str(self.window),
             "min_keep": repr(float(self.min_keep)),
@@ -217,7 +230,7 @@ class Profile:
             "calibration": self.calibration,
             "library_version": self.library_version,
             "created": self.created,
-            "extra": json.dumps(self.extra, sort_keys=True),
+            "extra": _to_json(self.extra),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -284,6 +297,21 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def _json_default(value: Any) -> Any:
+    # numpy scalars and arrays turn up in scorer parameters and provenance; store them as plain JSON
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _to_json(value: dict) -> str:
+    return json.dumps(value, sort_keys=True, default=_json_default)
+
+
 def _as_float32(value: Any, name: str, where: str) -> np.ndarray:
     try:
         array = np.asarray(value)
@@ -298,7 +326,9 @@ def _check_values(p: Profile, where: str) -> None:
     """Shapes and values: the checks every profile passes, loaded or built."""
     grid, ratios = p.grid, p.evict_ratio
     if grid.ndim != 1 or grid.size == 0:
-        raise ProfileFormatError(f"{where}: grid must be a non-empty 1-D array, got shape {list(grid.shape)}.")
+        raise ProfileFormatError(
+            f"{where}: grid must be a non-empty 1-D array, got shape {list(grid.shape)}."
+        )
     if ratios.ndim != 3 or ratios.shape[0] != grid.size or 0 in ratios.shape:
         raise ProfileFormatError(
             f"{where}: evict_ratio must have shape [G={grid.size}, layers, KV heads], got {list(ratios.shape)}."
@@ -329,6 +359,13 @@ def _check_values(p: Profile, where: str) -> None:
     for name in ("model_id", "scorer"):
         if not isinstance(getattr(p, name), str) or not getattr(p, name):
             raise ProfileFormatError(f"{where}: {name} must be a non-empty string.")
+    for name in ("scorer_params", "extra"):
+        try:
+            if not isinstance(getattr(p, name), dict):
+                raise TypeError(f"expected a dict, got {type(getattr(p, name)).__name__}")
+            _to_json(getattr(p, name))
+        except (TypeError, ValueError) as err:
+            raise ProfileFormatError(f"{where}: {name} must be a JSON-serialisable dict ({err}).") from None
     if p.sink < 0 or p.window < 0 or p.k_max < 1 or not 0.0 <= p.min_keep <= 1.0:
         raise ProfileFormatError(
             f"{where}: sink/window must be >= 0, k_max >= 1 and min_keep in [0, 1] "
@@ -400,5 +437,7 @@ def _parse_metadata(metadata: dict[str, str], source: str) -> dict[str, Any]:
     except ProfileFormatError:
         raise
     except (ValueError, TypeError) as err:
-        raise ProfileFormatError(f"{source}: malformed metadata {key}={metadata[key]!r} ({err}). {_REBUILD}") from None
+        raise ProfileFormatError(
+            f"{source}: malformed metadata {key}={metadata[key]!r} ({err}). {_REBUILD}"
+        ) from None
     return values

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -47,7 +48,9 @@ class _Repo:
 
 
 class _HubError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, body: dict | None = None, **headers):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, body: dict | None = None, **headers
+    ):
         super().__init__(message)
         self.status, self.body = status, body
         self.headers = {"X-Error-Code": code} if code else {}
@@ -60,6 +63,9 @@ class HubServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.repos: dict[tuple[str, str], _Repo] = {}
         self.refuse_uploads = False
+        # called (without the lock) when a commit arrives, before it is applied: lets a test slip in a
+        # concurrent commit
+        self.before_commit: Callable[[], None] | None = None
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, for assertions
         self._lock = threading.Lock()
         self._counter = itertools.count()
@@ -69,7 +75,9 @@ class HubServer:
         self.url = f"http://{host}:{self._httpd.server_address[1]}"
 
     def start(self) -> HubServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(0.05,), name="hub-server", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -102,12 +110,17 @@ class HubServer:
             return True, url
 
     def commit(self, repo_type: str, repo_id: str, revision: str, lines: list[dict]) -> str:
+        hook, self.before_commit = self.before_commit, None  # once
+        if hook is not None:
+            hook()
         with self._lock:
             if self.refuse_uploads:
                 raise _HubError(403, "Uploads are refused by this test server (refuse_uploads=True).")
             repo = self._repo(repo_type, repo_id)
             if revision not in repo.branches:
-                raise _HubError(404, f"Branch {revision!r} not found (commits go to branches).", "RevisionNotFound")
+                raise _HubError(
+                    404, f"Branch {revision!r} not found (commits go to branches).", "RevisionNotFound"
+                )
             head = repo.branches[revision]
             files = dict(repo.snapshots[head])
             for line in lines:
@@ -115,7 +128,9 @@ class HubServer:
                 if key == "header":
                     parent = value.get("parentCommit")
                     if parent is not None and parent != head:
-                        raise _HubError(412, f"Parent commit {parent} is not the head of {revision} ({head}).")
+                        raise _HubError(
+                            412, f"Parent commit {parent} is not the head of {revision} ({head})."
+                        )
                 elif key == "file":
                     if value.get("encoding") != "base64":
                         raise _HubError(400, "Only base64 file contents are supported.")
@@ -158,7 +173,9 @@ def _tree(files: dict[str, bytes], folder: str, recursive: bool) -> list[dict]:
         parts = path[len(prefix) :].split("/")
         for depth in range(1, len(parts)):  # folders on the way
             folder_path = prefix + "/".join(parts[:depth])
-            entries.setdefault(folder_path, {"type": "directory", "path": folder_path, "oid": "0" * 40, "size": 0})
+            entries.setdefault(
+                folder_path, {"type": "directory", "path": folder_path, "oid": "0" * 40, "size": 0}
+            )
             if not recursive:
                 break
         if recursive or len(parts) == 1:
@@ -248,7 +265,9 @@ def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 raise _HubError(400, "This test server needs repo ids of the form 'namespace/name'.")
             created, url = hub.create_repo(payload.get("type") or "model", f"{organization}/{name}")
             if not created:  # exist_ok=True reads the url from the 409 body
-                raise _HubError(409, "You already created this model repo", body={"error": "exists", "url": url})
+                raise _HubError(
+                    409, "You already created this model repo", body={"error": "exists", "url": url}
+                )
             return self._json({"url": url, "name": f"{organization}/{name}"})
 
         def _preupload(self, repo_type: str, repo_id: str, revision: str) -> None:
@@ -277,7 +296,9 @@ def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
         def _repo_info(self, repo_type: str, repo_id: str, revision: str) -> None:
             sha, files = hub._snapshot(repo_type, repo_id, revision)
             siblings = [{"rfilename": path} for path in sorted(files)]
-            self._json({"id": repo_id, "modelId": repo_id, "sha": sha, "private": False, "siblings": siblings})
+            self._json(
+                {"id": repo_id, "modelId": repo_id, "sha": sha, "private": False, "siblings": siblings}
+            )
 
         def _resolve(self, repo_type: str, repo_id: str, revision: str, path: str) -> None:
             sha, files = hub._snapshot(repo_type, repo_id, revision)

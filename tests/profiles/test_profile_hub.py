@@ -1,0 +1,361 @@
+"""Publishing and resolving profiles with the real huggingface_hub client against the test Hub server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hub_server import HubServer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lukv_cache.errors import (
+    ConfigurationError,
+    HubUnavailableError,
+    ProfileNotFoundError,
+    PublishError,
+)
+from lukv_cache.profiles import (
+    Profile,
+    list_profiles,
+    profile_filename,
+    resolve_profile,
+    save_to_local_dir,
+)
+
+REPO = "lukv-test/profiles"
+MODEL = "org/tiny-llama"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _resolve(hub, cache, model=MODEL, scorer=None, **kw) -> Profile:
+    return resolve_profile(model, scorer, repo_id=REPO, endpoint=hub.url, cache_dir=cache, **kw)
+
+
+# ------------------------------------------------------------------------------------------ publish / list
+
+
+def test_push_puts_profile_and_index_in_one_commit(hub, profile):
+    sha = profile.push_to_hub(repo_id=REPO, endpoint=hub.url)
+    repo = hub.repos[("model", REPO)]
+    assert repo.branches["main"] == sha and len(sha) == 40
+    assert sorted(repo.snapshots[sha]) == ["index.json", "org/tiny-llama/keydiff.safetensors"]
+    # the commit before it (repo creation) holds neither: both files arrived together
+    assert repo.snapshots[repo.history[-2]] == {}
+
+
+def test_list_profiles_reads_the_index(hub, hf_cache, make_profile):
+    make_profile(scorer="keydiff").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    make_profile(scorer="snapkv", layers=3).push_to_hub(repo_id=REPO, endpoint=hub.url)
+    make_profile(model_id="other/model").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    entries = list_profiles(REPO, endpoint=hub.url, cache_dir=hf_cache)
+    assert [(e["model_id"], e["scorer"]) for e in entries] == [
+        ("org/tiny-llama", "keydiff"),
+        ("org/tiny-llama", "snapkv"),
+        ("other/model", "keydiff"),
+    ]
+    snapkv = entries[1]
+    assert snapkv["num_layers"] == 3 and snapkv["num_kv_heads"] == 2
+    assert snapkv["grid"] == {"size": 5, "min": pytest.approx(0.1), "max": pytest.approx(0.9)}
+    assert snapkv["path"] == "org/tiny-llama/snapkv.safetensors"
+    assert {"calibration", "created", "library_version"} <= set(snapkv)
+    only = list_profiles(REPO, model_id="other/model", endpoint=hub.url, cache_dir=hf_cache)
+    assert [e["model_id"] for e in only] == ["other/model"]
+
+
+def test_repush_replaces_the_index_entry(hub, hf_cache, make_profile):
+    make_profile(calibration="first").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    make_profile(calibration="second").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    entries = list_profiles(REPO, endpoint=hub.url, cache_dir=hf_cache)
+    assert [e["calibration"] for e in entries] == ["second"]
+
+
+def test_list_profiles_of_a_repo_without_index_is_empty(hub, hf_cache):
+    from huggingface_hub import HfApi
+
+    HfApi(endpoint=hub.url).create_repo(REPO)
+    assert list_profiles(REPO, endpoint=hub.url, cache_dir=hf_cache) == []
+
+
+def test_push_under_another_model_id_records_that_id(hub, hf_cache, profile):
+    profile.push_to_hub("meta-llama/Llama-3.1-8B-Instruct", repo_id=REPO, endpoint=hub.url)
+    fetched = _resolve(hub, hf_cache, "meta-llama/Llama-3.1-8B-Instruct")
+    assert fetched.model_id == "meta-llama/Llama-3.1-8B-Instruct"
+    assert fetched.extra["built_from_model_id"] == MODEL
+    assert profile.model_id == MODEL  # the caller's object is unchanged
+
+
+def test_save_to_local_dir_writes_profile_and_index(tmp_path, profile):
+    path = save_to_local_dir(profile, tmp_path)
+    assert path == tmp_path / "org" / "tiny-llama" / "keydiff.safetensors"
+    assert [e["scorer"] for e in list_profiles(local_dir=tmp_path)] == ["keydiff"]
+
+
+def test_shipped_profiles_hub_index_is_valid():
+    entries = list_profiles(local_dir=ROOT / "profiles_hub")
+    for entry in entries:  # every listed profile is there and loads
+        assert Profile.load(ROOT / "profiles_hub" / entry["path"]).scorer == entry["scorer"]
+
+
+# ------------------------------------------------------------------------------------------ resolve
+
+
+def test_download_by_default_gets_the_latest_push(hub, hf_cache, make_profile):
+    make_profile(calibration="v1").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    make_profile(calibration="v2").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    fetched = _resolve(hub, hf_cache)
+    assert fetched.calibration == "v2" and fetched.scorer == "keydiff"
+    assert str(hf_cache) in fetched.source  # it came through huggingface_hub's cache
+
+
+def test_download_by_pinned_revision_gets_that_commit(hub, hf_cache, make_profile):
+    first = make_profile(calibration="v1").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    make_profile(calibration="v2").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    pinned = _resolve(hub, hf_cache, revision=first)
+    assert pinned.calibration == "v1" and first in pinned.source
+
+
+def test_resolve_a_loaded_model_uses_its_name_or_path(hub, hf_cache, profile):
+    profile.push_to_hub(repo_id=REPO, endpoint=hub.url)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config)
+    model.config.name_or_path = MODEL
+    fetched = _resolve(hub, hf_cache, model)
+    fetched.validate_for(model.config)
+    np.testing.assert_array_equal(fetched.evict_ratio, profile.evict_ratio)
+
+
+def test_resolve_a_file_path_loads_it(tmp_path, profile):
+    path = profile.save(tmp_path / "mine.safetensors")
+    assert resolve_profile(str(path)).model_id == MODEL
+    assert resolve_profile(path).model_id == MODEL
+
+
+def test_local_dir_is_searched_before_the_hub(hub, hf_cache, tmp_path, make_profile):
+    make_profile(calibration="hub").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    save_to_local_dir(make_profile(calibration="local"), tmp_path)
+    assert _resolve(hub, hf_cache, local_dir=tmp_path).calibration == "local"
+    assert _resolve(hub, hf_cache, local_dir=tmp_path, scorer="keydiff").calibration == "local"
+
+
+def test_local_dir_from_environment(hub, hf_cache, tmp_path, monkeypatch, make_profile):
+    save_to_local_dir(make_profile(calibration="env"), tmp_path)
+    monkeypatch.setenv("LUKV_PROFILE_DIR", str(tmp_path))
+    hub.stop()  # never asked
+    assert _resolve(hub, hf_cache).calibration == "env"
+
+
+def test_repo_id_from_environment(hub, hf_cache, monkeypatch, profile):
+    profile.push_to_hub(repo_id="someone/else", endpoint=hub.url)
+    monkeypatch.setenv("LUKV_PROFILE_REPO", "someone/else")
+    assert resolve_profile(MODEL, endpoint=hub.url, cache_dir=hf_cache).model_id == MODEL
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_model_id_with_no_profile_says_none_exist(hub, hf_cache, profile):
+    profile.push_to_hub(repo_id=REPO, endpoint=hub.url)
+    with pytest.raises(ProfileNotFoundError) as info:
+        _resolve(hub, hf_cache, "org/unknown-model")
+    message = str(info.value)
+    assert "org/unknown-model" in message and "org/unknown-model/keydiff.safetensors" in message
+    assert "profile for this model: none" in message and "lukv push" in message
+
+
+def test_scorer_with_no_profile_lists_the_scorers_that_exist(hub, hf_cache, make_profile):
+    make_profile(scorer="keydiff").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    make_profile(scorer="snapkv").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    with pytest.raises(ProfileNotFoundError) as info:
+        _resolve(hub, hf_cache, scorer="tova")
+    message = str(info.value)
+    assert "no 'tova' profile for 'org/tiny-llama'" in message
+    assert "exist for the scorers: keydiff, snapkv" in message and "scorer=" in message
+
+
+def test_unknown_revision_raises_profile_not_found(hub, hf_cache, profile):
+    profile.push_to_hub(repo_id=REPO, endpoint=hub.url)
+    with pytest.raises(ProfileNotFoundError, match="Revision 'v9' does not exist"):
+        _resolve(hub, hf_cache, revision="v9")
+
+
+def test_missing_repository_raises_profile_not_found(hub, hf_cache):
+    with pytest.raises(
+        ProfileNotFoundError, match="repository 'lukv-test/profiles' was not found.*LUKV_PROFILE_REPO"
+    ):
+        _resolve(hub, hf_cache)
+
+
+def test_local_path_as_model_id_raises_configuration_error(hf_cache):
+    with pytest.raises(ConfigurationError, match="not a Hub model id"):
+        resolve_profile("/home/me/models/llama", cache_dir=hf_cache)
+
+
+def test_missing_profile_file_path_raises_profile_not_found(tmp_path):
+    with pytest.raises(ProfileNotFoundError, match="No profile file at"):
+        resolve_profile(str(tmp_path / "nope.safetensors"))
+
+
+def test_hub_unreachable_with_nothing_cached_names_offline_mode_and_local_file(hub, hf_cache, monkeypatch):
+    import huggingface_hub.utils._http as hf_http
+
+    # The client's real backoff retries a refused connection 5 times, sleeping 1+2+4+8+8 s; only the
+    # sleeping is skipped here (the requests and the client's decisions are unchanged).
+    waits: list[float] = []
+    monkeypatch.setattr(hf_http.time, "sleep", waits.append)
+    hub.stop()
+    with pytest.raises(HubUnavailableError) as info:
+        _resolve(hub, hf_cache)
+    message = str(info.value)
+    assert hub.url in message and "org/tiny-llama/keydiff.safetensors" in message
+    assert "HF_HUB_OFFLINE" in message and "profile.safetensors" in message
+    assert waits  # the client really retried (5 times in huggingface_hub 2.4)
+
+
+def test_cached_profile_is_served_when_the_hub_goes_away(hub, hf_cache, profile):
+    profile.push_to_hub(repo_id=REPO, endpoint=hub.url)
+    _resolve(hub, hf_cache)
+    hub.stop()
+    assert _resolve(hub, hf_cache).model_id == MODEL
+
+
+def test_failed_upload_raises_publish_error_and_touches_nothing(hub, tmp_path, make_profile):
+    path = make_profile(calibration="first").save(tmp_path / "keydiff.safetensors")
+    Profile.load(path).push_to_hub(repo_id=REPO, endpoint=hub.url)
+    before_files = {p: p.read_bytes() for p in tmp_path.rglob("*")}
+    repo = hub.repos[("model", REPO)]
+    before_head = repo.branches["main"]
+    hub.refuse_uploads = True
+    changed = Profile.load(path)
+    changed.calibration = "second"
+    with pytest.raises(PublishError) as info:
+        changed.push_to_hub(repo_id=REPO, endpoint=hub.url)
+    message = str(info.value)
+    assert "org/tiny-llama" in message and "org/tiny-llama/keydiff.safetensors" in message
+    assert "403" in message and "write access" in message
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*")} == before_files
+    assert repo.branches["main"] == before_head
+
+
+def test_concurrent_publish_is_refused_not_overwritten(hub, hf_cache, make_profile):
+    make_profile(scorer="keydiff").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    # another publisher commits between our read of index.json and our commit
+    hub.before_commit = lambda: make_profile(scorer="snapkv").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    with pytest.raises(PublishError, match="changed while publishing: retry"):
+        make_profile(scorer="tova").push_to_hub(repo_id=REPO, endpoint=hub.url)
+    entries = list_profiles(REPO, endpoint=hub.url, cache_dir=hf_cache)
+    assert [e["scorer"] for e in entries] == ["keydiff", "snapkv"]
+
+
+def test_push_to_unreachable_hub_raises_publish_error(hub, profile, monkeypatch):
+    import huggingface_hub.utils._http as hf_http
+
+    monkeypatch.setattr(hf_http.time, "sleep", lambda seconds: None)  # skip the backoff waits only
+    hub.stop()
+    with pytest.raises(PublishError, match="while creating the repository"):
+        profile.push_to_hub(repo_id=REPO, endpoint=hub.url)
+
+
+def test_bad_scorer_name_raises_configuration_error():
+    with pytest.raises(ConfigurationError, match="cannot name a profile file"):
+        profile_filename(MODEL, "../evil")
+
+
+# ------------------------------------------------------------------------------------------ offline
+
+_OFFLINE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, types
+
+    # Load lukv_cache.profiles without the package __init__ (torch + transformers: many seconds);
+    # the code under test is the same files.
+    package = types.ModuleType("lukv_cache")
+    package.__path__ = [os.path.join(sys.argv[1], "lukv_cache")]
+    package.__version__ = "test"
+    sys.modules["lukv_cache"] = package
+
+    from huggingface_hub import constants
+    from lukv_cache.errors import LUKVError
+    from lukv_cache.profiles import resolve_profile
+
+    endpoint, cache, repo, sha = sys.argv[2:6]
+    out = {"offline": constants.is_offline_mode()}
+    for name, kw in [
+        ("default", {}),
+        ("pinned", {"revision": sha}),
+        ("uncached", {"scorer": "snapkv"}),
+    ]:
+        try:
+            p = resolve_profile("org/tiny-llama", repo_id=repo, endpoint=endpoint, cache_dir=cache, **kw)
+            out[name] = {"calibration": p.calibration}
+        except LUKVError as err:
+            out[name] = {"error": type(err).__name__, "message": str(err)}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def offline_run(tmp_path_factory):
+    """Publish twice, download into a fresh cache, stop the Hub, then resolve with HF_HUB_OFFLINE=1."""
+    from conftest import _make_profile
+
+    cache = tmp_path_factory.mktemp("offline-cache")
+    server = HubServer().start()
+    try:
+        first = _make_profile(calibration="v1").push_to_hub(repo_id=REPO, endpoint=server.url)
+        _make_profile(calibration="v2").push_to_hub(repo_id=REPO, endpoint=server.url)
+        _make_profile(scorer="snapkv").push_to_hub(repo_id=REPO, endpoint=server.url)
+        for revision in (None, first):  # what a user would have fetched while online
+            resolve_profile(MODEL, repo_id=REPO, endpoint=server.url, cache_dir=cache, revision=revision)
+    finally:
+        server.stop()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", _OFFLINE_SCRIPT, str(ROOT), server.url, str(cache), REPO, first],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def test_offline_mode_serves_the_default_revision_from_the_cache(offline_run):
+    assert offline_run["offline"] is True
+    assert offline_run["default"] == {"calibration": "v2"}
+
+
+def test_offline_mode_serves_a_pinned_revision_from_the_cache(offline_run):
+    assert offline_run["pinned"] == {"calibration": "v1"}
+
+
+def test_offline_mode_with_nothing_cached_names_hf_hub_offline(offline_run):
+    uncached = offline_run["uncached"]
+    assert uncached["error"] == "HubUnavailableError"
+    assert (
+        "HF_HUB_OFFLINE is set" in uncached["message"]
+        and "org/tiny-llama/snapkv.safetensors" in uncached["message"]
+    )
+    assert "lukv pull org/tiny-llama" in uncached["message"]
