@@ -27,11 +27,26 @@ def _model(small: bool, max_positions: int):
 
     torch.manual_seed(0)
     if small:
-        cfg = LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+        cfg = LlamaConfig(
+            vocab_size=256,
+            hidden_size=96,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
     else:  # SmolLM2-135M's shape
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+        cfg = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            tie_word_embeddings=True,
+        )
     cfg.max_position_embeddings = max_positions
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg).eval()
@@ -118,8 +133,20 @@ def child(method: str, tokens: int, ratio: float, steps: int, small: bool, keep_
 
 
 def run_child(args, method: str, tokens: int, keep_per_head: int = 0) -> dict:
-    cmd = [sys.executable, __file__, "--child", method, "--contexts", str(tokens), "--ratio", str(args.ratio),
-           "--decode-steps", str(args.decode_steps), "--keep-per-head", str(keep_per_head)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        method,
+        "--contexts",
+        str(tokens),
+        "--ratio",
+        str(args.ratio),
+        "--decode-steps",
+        str(args.decode_steps),
+        "--keep-per-head",
+        str(keep_per_head),
+    ]
     if args.small:
         cmd.append("--small")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -139,8 +166,18 @@ def main(argv=None) -> int:
     p.add_argument("--keep-per-head", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.contexts[0], args.ratio, args.decode_steps, args.small,
-                               args.keep_per_head)))
+        print(
+            json.dumps(
+                child(
+                    args.child,
+                    args.contexts[0],
+                    args.ratio,
+                    args.decode_steps,
+                    args.small,
+                    args.keep_per_head,
+                )
+            )
+        )
         return 0
     rows = []
     for tokens in args.contexts:
@@ -149,22 +186,42 @@ def main(argv=None) -> int:
         # same tokens per head as the compressed cache holds (store + suffix after prefill), dense
         uni = run_child(args, "dynamic_uniform", tokens, keep_per_head=round(lukv["kept_per_head"]) + 1)
         rows.append({"tokens": tokens, "dynamic": dyn, "lukv": lukv, "dynamic_uniform": uni})
-    print(f"\nLUKVCache(ratio={args.ratio}, keydiff, uniform) vs DynamicCache; decode over {args.decode_steps} steps")
-    header = ("context", "bytes/ideal", "bytes/Dynamic", "decode ms LUKV", "ms Dynamic", "ms uniform-Dyn",
-              "LUKV/Dynamic", "LUKV/uniform", "evict share", "prefill s L/D", "peak MiB L/D")
+    print(
+        f"\nLUKVCache(ratio={args.ratio}, keydiff, uniform) vs DynamicCache; decode over {args.decode_steps} steps"
+    )
+    header = (
+        "context",
+        "bytes/ideal",
+        "bytes/Dynamic",
+        "decode ms LUKV",
+        "ms Dynamic",
+        "ms uniform-Dyn",
+        "LUKV/Dynamic",
+        "LUKV/uniform",
+        "evict share",
+        "prefill s L/D",
+        "peak MiB L/D",
+    )
     print(" | ".join(header))
     for r in rows:
         d, lk, u = r["dynamic"], r["lukv"], r["dynamic_uniform"]
-        print(" | ".join([
-            str(r["tokens"]),
-            f"{lk['store_bytes'] / lk['ideal_store_bytes']:.4f} (+suffix {lk['suffix_bytes'] / 2**20:.2f} MiB)",
-            f"{lk['kv_bytes'] / d['kv_bytes']:.3f}",
-            f"{lk['decode_ms']:.2f}", f"{d['decode_ms']:.2f}", f"{u['decode_ms']:.2f}",
-            f"{lk['decode_ms'] / d['decode_ms']:.3f}", f"{lk['decode_ms'] / u['decode_ms']:.3f}",
-            f"{lk['compress_s'] / lk['prefill_s']:.2%}",
-            f"{lk['prefill_s']:.1f}/{d['prefill_s']:.1f}",
-            f"{lk['prefill_peak_rss_delta_mib']:.0f}/{d['prefill_peak_rss_delta_mib']:.0f}",
-        ]))
+        print(
+            " | ".join(
+                [
+                    str(r["tokens"]),
+                    f"{lk['store_bytes'] / lk['ideal_store_bytes']:.4f} (+suffix {lk['suffix_bytes'] / 2**20:.2f} MiB)",
+                    f"{lk['kv_bytes'] / d['kv_bytes']:.3f}",
+                    f"{lk['decode_ms']:.2f}",
+                    f"{d['decode_ms']:.2f}",
+                    f"{u['decode_ms']:.2f}",
+                    f"{lk['decode_ms'] / d['decode_ms']:.3f}",
+                    f"{lk['decode_ms'] / u['decode_ms']:.3f}",
+                    f"{lk['compress_s'] / lk['prefill_s']:.2%}",
+                    f"{lk['prefill_s']:.1f}/{d['prefill_s']:.1f}",
+                    f"{lk['prefill_peak_rss_delta_mib']:.0f}/{d['prefill_peak_rss_delta_mib']:.0f}",
+                ]
+            )
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"ratio": args.ratio, "rows": rows}, f, indent=2)

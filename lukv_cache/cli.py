@@ -12,7 +12,9 @@ _COMMAND_MODULES = ("lukv_cache.profiles.cli", "lukv_cache.profiling.cli", "lukv
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lukv", description="LU-KV per-head KV-cache eviction: profiles, demo.")
+    parser = argparse.ArgumentParser(
+        prog="lukv", description="LU-KV per-head KV-cache eviction: profiles, demo."
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:

@@ -51,7 +51,9 @@ Allocator = Callable[[AllocationRequest], torch.Tensor]
 ALLOCATORS: Registry[Callable[..., Allocator]] = Registry("allocator")
 
 
-def register_allocator(name: str, factory: Callable[..., Allocator] | None = None, *, overwrite: bool = False):
+def register_allocator(
+    name: str, factory: Callable[..., Allocator] | None = None, *, overwrite: bool = False
+):
     """Register an allocator *factory* (called with the cache's allocator kwargs) under ``name``.
 
     >>> @register_allocator("half_first_head")

@@ -98,10 +98,10 @@ def profile(evict_ratio=None):
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
         num_layers, num_heads = table.shape
-        if num_heads != req.num_heads or req.layer_idx >= num_layers:
+        if num_heads != req.num_heads or num_layers != req.num_layers or req.layer_idx >= num_layers:
             raise ConfigurationError(
                 f"allocator='profile': the evict-ratio table has shape {tuple(table.shape)} but the model has "
-                f"layer {req.layer_idx} with {req.num_heads} KV heads. Use a profile built for this model."
+                f"{req.num_layers} layers with {req.num_heads} KV heads. Use a profile built for this model."
             )
         key = tuple(req.n_evictable.tolist())
         if key not in memo:

@@ -72,11 +72,19 @@ def compressed_attention(
         if layer.has_store:
             rows = layer._segment_ids() // h
             key_bias = bias[rows, :, layer.store_positions.long()]  # [N, Q]
-    out, lse = partial_attention(grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias)
+    out, lse = partial_attention(
+        grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
+    )
     if layer.has_store:
         out_r, lse_r = ragged_attention(
-            grouped, layer.store_keys, layer.store_values, layer.offsets,
-            scaling=scaling, softcap=softcap, key_bias=key_bias, offsets_list=layer._offsets_list,
+            grouped,
+            layer.store_keys,
+            layer.store_values,
+            layer.offsets,
+            scaling=scaling,
+            softcap=softcap,
+            key_bias=key_bias,
+            offsets_list=layer._offsets_list,
         )
         out, lse = merge_partials(out_r, lse_r, out, lse)
     return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
@@ -97,7 +105,10 @@ def _route(stock: Callable | None) -> Callable:
             return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if layer.has_store:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            output = (compressed_attention(layer, query, key, value, attention_mask, scale, kwargs.get("softcap")), None)
+            output = (
+                compressed_attention(layer, query, key, value, attention_mask, scale, kwargs.get("softcap")),
+                None,
+            )
         else:
             output = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if layer.wants_compression(query.shape[2]):

@@ -131,6 +131,11 @@ def ragged_attention(
         if impl is not None:
             return impl(query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias)
     return ragged_attention_reference(
-        query, keys, values, offsets_list if offsets_list is not None else offsets,
-        scaling=scaling, softcap=softcap, key_bias=key_bias,
+        query,
+        keys,
+        values,
+        offsets_list if offsets_list is not None else offsets,
+        scaling=scaling,
+        softcap=softcap,
+        key_bias=key_bias,
     )

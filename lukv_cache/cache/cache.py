@@ -77,7 +77,9 @@ class LUKVCache(DynamicCache):
         kwargs = dict(allocator_kwargs or {})
         if evict_ratio is not None:
             kwargs["evict_ratio"] = evict_ratio
-        self.allocator_name = allocator if isinstance(allocator, str) else getattr(allocator, "__name__", "custom")
+        self.allocator_name = (
+            allocator if isinstance(allocator, str) else getattr(allocator, "__name__", "custom")
+        )
         self.allocator = get_allocator(allocator, **kwargs) if isinstance(allocator, str) else allocator
         self.profile = None
         self.num_layers: int | None = None
@@ -91,7 +93,9 @@ class LUKVCache(DynamicCache):
             layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
             for idx, (kind, kw) in enumerate(zip(layer_types, per_layer_kwargs)):
                 layers.append(
-                    LUKVLayer(self, idx) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
+                    LUKVLayer(self, idx)
+                    if kind == "full_attention"
+                    else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
                 )
             self._check_config(config)
         super(DynamicCache, self).__init__(layers=layers)
@@ -127,8 +131,14 @@ class LUKVCache(DynamicCache):
 
         ratio = _check_ratio(ratio)
         profile = resolve_profile(
-            model_or_profile, scorer, revision=revision, repo_id=repo_id, token=token,
-            local_dir=local_dir, cache_dir=cache_dir, endpoint=endpoint,
+            model_or_profile,
+            scorer,
+            revision=revision,
+            repo_id=repo_id,
+            token=token,
+            local_dir=local_dir,
+            cache_dir=cache_dir,
+            endpoint=endpoint,
         )
         config = getattr(model_or_profile, "config", None)
         if config is not None:
@@ -165,6 +175,14 @@ class LUKVCache(DynamicCache):
         return self.window
 
     def activate_past_recording(self):
+        # generate() calls this before assisted decoding, whose first forward is the prompt plus draft tokens
+        if self.ratio > 0 and not any(getattr(layer, "compressed", False) for layer in self.layers):
+            warnings.warn(
+                "LUKVCache with assisted decoding: the first forward holds the prompt and the assistant's draft "
+                "tokens, so the drafts take part in the eviction (rejected ones are cropped out afterwards). "
+                "The tokens can differ from plain greedy decoding with the same cache settings.",
+                stacklevel=2,
+            )
         self._record_past = True
         super().activate_past_recording()
 
@@ -196,7 +214,9 @@ class LUKVCache(DynamicCache):
             if isinstance(layer, LUKVLayer):
                 total += layer.memory_bytes()
             elif getattr(layer, "is_initialized", False):
-                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
+                total += sum(
+                    t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None
+                )
         return total
 
     def stored_tokens(self) -> torch.Tensor:

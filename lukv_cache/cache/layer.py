@@ -49,6 +49,8 @@ class LUKVLayer(DynamicLayer):
         self._suffix_len = 0
         self.compressed = False
         self._awaiting_attention = False
+        # [B] sinks still to protect (a chunk of a chunked prefill may be all padding)
+        self._sinks_left: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ storage primitives
     def _clear_store(self) -> None:
@@ -128,6 +130,7 @@ class LUKVLayer(DynamicLayer):
         self.cumulative_length = 0
         self.compressed = False
         self._awaiting_attention = False
+        self._sinks_left = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -154,9 +157,7 @@ class LUKVLayer(DynamicLayer):
     def _filter_store(self, keep: torch.Tensor) -> None:
         seg = self._segment_ids()
         counts = torch.bincount(seg[keep], minlength=len(self._offsets_list) - 1)
-        self._set_store(
-            self.store_keys[keep], self.store_values[keep], self.store_positions[keep], counts
-        )
+        self._set_store(self.store_keys[keep], self.store_values[keep], self.store_positions[keep], counts)
 
     def _segment_ids(self) -> torch.Tensor:
         counts = self.offsets.diff()
@@ -174,18 +175,19 @@ class LUKVLayer(DynamicLayer):
             return
         rows = rows.to(self._kbuf.device)
         self._set_suffix(
-            self.keys.index_select(0, rows), self.values.index_select(0, rows),
+            self.keys.index_select(0, rows),
+            self.values.index_select(0, rows),
             capacity=self._kbuf.shape[-2] if self.compressed else None,
         )
+        if self._sinks_left is not None:
+            self._sinks_left = self._sinks_left[rows.to(self._sinks_left.device)]
         if self.has_store:
             h = self._kbuf.shape[1]
             old = (rows.view(-1, 1) * h + torch.arange(h, device=rows.device)).flatten()  # new seg -> old seg
             starts, counts = self.offsets[:-1][old], self.offsets.diff()[old]
             idx = torch.repeat_interleave(starts - torch.cumsum(counts, 0) + counts, counts)
             idx = idx + torch.arange(idx.numel(), device=idx.device)
-            self._set_store(
-                self.store_keys[idx], self.store_values[idx], self.store_positions[idx], counts
-            )
+            self._set_store(self.store_keys[idx], self.store_values[idx], self.store_positions[idx], counts)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx)
@@ -196,13 +198,23 @@ class LUKVLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            rows = torch.arange(self._kbuf.shape[0])[indices.cpu() if isinstance(indices, torch.Tensor) else indices]
+            rows = torch.arange(self._kbuf.shape[0])[
+                indices.cpu() if isinstance(indices, torch.Tensor) else indices
+            ]
             self._select_rows(rows)
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> int:
         """Bytes of every tensor this layer holds (store, positions, offsets, suffix buffers)."""
-        tensors = [self.store_keys, self.store_values, self.store_positions, self.offsets, self._kbuf, self._vbuf]
+        tensors = [
+            self.store_keys,
+            self.store_values,
+            self.store_positions,
+            self.offsets,
+            self._kbuf,
+            self._vbuf,
+            self._sinks_left,
+        ]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def stored_counts(self) -> torch.Tensor:
@@ -242,10 +254,11 @@ class LUKVLayer(DynamicLayer):
         b, h, s, _ = keys.shape
         region = max(s - window, 0)
         valid = _valid_from_mask(attention_mask, b, s, keys.device)[:, :region]
-        if not self.compressed:  # sinks: the first `sink` real tokens of each row
-            sinks = valid & (valid.long().cumsum(-1) <= cache.sink)
-        else:
-            sinks = torch.zeros_like(valid)
+        # sinks: the first `sink` real tokens of each row, wherever they fall in a chunked prefill
+        if self._sinks_left is None:
+            self._sinks_left = torch.full((b,), cache.sink, dtype=torch.long, device=keys.device)
+        sinks = valid & (valid.long().cumsum(-1) <= self._sinks_left.unsqueeze(-1))
+        self._sinks_left = self._sinks_left - sinks.sum(-1)
         evictable = valid & ~sinks
         n_evictable = evictable.sum(-1)
         keep = sinks.unsqueeze(1).expand(b, h, region).clone()
@@ -267,9 +280,7 @@ class LUKVLayer(DynamicLayer):
             )
             keep |= (rank < counts.unsqueeze(-1)) & evictable.unsqueeze(1)
         self._absorb(keys[:, :, :region], values[:, :, :region], keep, self.cumulative_length - s)
-        self._set_suffix(
-            keys[:, :, region:], values[:, :, region:], capacity=window + _MIN_SUFFIX_CAPACITY
-        )
+        self._set_suffix(keys[:, :, region:], values[:, :, region:], capacity=window + _MIN_SUFFIX_CAPACITY)
         self.compressed = True
 
     def _absorb(self, keys, values, keep: torch.Tensor, start: int) -> None:

@@ -1,0 +1,188 @@
+"""Allocators turn a ratio into integer budgets that sum exactly and respect the minimums.
+
+Minimum per head: max(1, ceil(min_keep * n)) and never more than n, the head's evictable tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from core_models import prompt, tiny_model
+
+from lukv_cache import AllocationRequest, LUKVCache, UnknownNameError, get_allocator, register_allocator
+from lukv_cache.allocation import ALLOCATORS, largest_remainder
+from lukv_cache.errors import ConfigurationError
+
+RATIOS = [0.0, 0.1, 0.5, 0.8, 0.95, 0.999]
+ROWS = [(1,), (7,), (100,), (1000,), (1000, 300, 37)]  # evictable tokens per batch row
+
+
+def request(
+    n_rows, heads=4, ratio=0.5, layer_idx=0, num_layers=1, min_keep=0.01, seed=0
+) -> AllocationRequest:
+    """Random scores over a region as long as the longest row; -inf past each row's evictable tokens."""
+    n = torch.tensor(n_rows, dtype=torch.long)
+    width = int(n.max())
+    scores = torch.rand(len(n_rows), heads, width, generator=torch.Generator().manual_seed(seed))
+    # heads differ in scale, so adakv's global competition is uneven
+    scores = scores * torch.logspace(0, 2, heads).view(1, heads, 1)
+    scores = scores.masked_fill(torch.arange(width) >= n.view(-1, 1, 1), float("-inf"))
+    return AllocationRequest(scores, n, ratio, layer_idx, num_layers, min_keep)
+
+
+def minimum(n: int, min_keep: float = 0.01) -> int:
+    return min(max(1, math.ceil(min_keep * n)), n)
+
+
+def assert_budgets_valid(counts: torch.Tensor, n_rows) -> None:
+    assert counts.dtype == torch.long
+    for row, n in enumerate(n_rows):
+        assert (counts[row] >= minimum(n)).all(), (counts[row], n)
+        assert (counts[row] <= n).all(), (counts[row], n)
+
+
+def layer_target(n: int, heads: int, ratio: float) -> int:
+    """round((1 - ratio) * n * H), raised to the minimums when they need more."""
+    return max(round((1 - ratio) * n * heads), heads * minimum(n))
+
+
+@pytest.mark.parametrize("n_rows", ROWS)
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("name", ["uniform", "adakv"])
+def test_per_layer_allocator_budgets_sum_exactly_and_respect_minimums(name, ratio, n_rows):
+    req = request(n_rows, ratio=ratio)
+    counts = get_allocator(name)(req)
+    assert counts.shape == (len(n_rows), 4)
+    assert_budgets_valid(counts, n_rows)
+    for row, n in enumerate(n_rows):
+        assert int(counts[row].sum()) == layer_target(n, 4, ratio)
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_uniform_gives_every_head_the_same_share_give_or_take_one(ratio):
+    counts = get_allocator("uniform")(request((1000, 37), heads=3, ratio=ratio))
+    assert (counts.amax(-1) - counts.amin(-1) <= 1).all()
+
+
+def test_adakv_favours_high_scoring_heads_but_keeps_the_safeguard():
+    req = request((1000,), heads=4, ratio=0.8)  # head 3's scores are 100x head 0's
+    counts = get_allocator("adakv", alpha_safeguard=0.2)(req)[0]
+    share = 0.2 * 1000  # uniform share per head
+    assert counts[3] > share > counts[0]
+    assert counts[0] >= math.floor(0.2 * share)
+
+
+@pytest.mark.parametrize("n_rows", ROWS)
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_pyramid_budgets_sum_exactly_over_the_model_and_shrink_with_depth(ratio, n_rows):
+    layers, heads = 6, 2
+    counts = torch.stack(
+        [
+            get_allocator("pyramid")(request(n_rows, heads, ratio, idx, layers, seed=idx))
+            for idx in range(layers)
+        ]
+    )  # [L, B, H]
+    for row, n in enumerate(n_rows):
+        assert_budgets_valid(counts[:, row], [n] * layers)
+        per_layer = counts[:, row].sum(-1)
+        assert (per_layer[:-1] >= per_layer[1:]).all(), per_layer  # bottom keeps most
+        total = round((1 - ratio) * n * heads * layers)
+        # exact, except where the minimums force more or a layer's share is capped at n
+        if (counts[:, row] > minimum(n)).all() and (counts[:, row] < n).all():
+            assert int(per_layer.sum()) == total
+
+
+def test_pyramid_is_strictly_pyramid_shaped_for_a_mid_ratio():
+    counts = [get_allocator("pyramid")(request((1000,), 2, 0.8, idx, 4)).sum().item() for idx in range(4)]
+    assert counts[0] > counts[1] > counts[2] > counts[3]
+    assert sum(counts) == round(0.2 * 1000 * 2 * 4)
+
+
+def profile_table(layers=3, heads=2, seed=0) -> torch.Tensor:
+    return torch.rand(layers, heads, generator=torch.Generator().manual_seed(seed)) * 0.9
+
+
+@pytest.mark.parametrize("n_rows", ROWS)
+def test_profile_budgets_follow_the_table_and_sum_exactly_over_the_model(n_rows):
+    table = profile_table()
+    layers, heads = table.shape
+    allocate = get_allocator("profile", evict_ratio=table)
+    counts = torch.stack(
+        [allocate(request(n_rows, heads, 0.5, idx, layers, seed=idx)) for idx in range(layers)]
+    )  # [L, B, H]
+    for row, n in enumerate(n_rows):
+        assert_budgets_valid(counts[:, row], [n] * layers)
+        wanted = (1 - table.double()) * n
+        if (wanted >= minimum(n) + 1).all():
+            assert int(counts[:, row].sum()) == round(float(wanted.sum()))
+            assert ((counts[:, row] - wanted).abs() < 1).all()
+
+
+def test_profile_table_of_a_higher_evict_ratio_keeps_fewer_tokens():
+    table = torch.tensor([[0.2, 0.9], [0.5, 0.0]])
+    allocate = get_allocator("profile", evict_ratio=table)
+    counts = torch.cat([allocate(request((100,), 2, 0.5, idx, 2)) for idx in range(2)])
+    assert counts.tolist() == [[80, 10], [50, 100]]
+
+
+def test_largest_remainder_is_proportional_exact_and_bounded():
+    req = request((50,), heads=5, ratio=0.5)
+    weights = torch.tensor([[1.0, 2.0, 3.0, 4.0, 0.0]])
+    counts = largest_remainder(weights, torch.tensor([100]), req)
+    assert int(counts.sum()) == 100
+    assert counts[0, 4] == minimum(50)  # zero weight: only the minimum
+    assert (counts[0, :3].diff() > 0).all() and counts[0, 3] <= 50
+
+
+def test_row_with_nothing_evictable_keeps_nothing():
+    req = request((100, 0), heads=2, ratio=0.5)
+    for name in ("uniform", "adakv"):
+        counts = get_allocator(name)(req)
+        assert counts[1].tolist() == [0, 0]
+        assert int(counts[0].sum()) == 100
+
+
+def test_cache_keeps_exactly_the_uniform_budget_per_head_plus_sinks_and_window():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 80, seed=3)
+    cache = LUKVCache(0.8, "keydiff", "uniform", sink=4, window=2)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    evictable = 80 - 4 - 2
+    stored = cache.stored_tokens()  # [L, B, H]
+    assert stored.shape == (2, 1, 2)
+    assert (stored - 4 - 2).sum(-1).flatten().tolist() == [round(0.2 * evictable * 2)] * 2
+
+
+def test_register_allocator_makes_a_name_usable_by_the_cache(monkeypatch):
+    monkeypatch.setattr(ALLOCATORS, "_items", dict(ALLOCATORS._items))
+
+    @register_allocator("test_first_head_only")
+    def first_head_only(extra: int = 0):
+        def allocate(req):
+            counts = req.min_counts().view(-1, 1).repeat(1, req.num_heads)
+            counts[:, 0] = req.n_evictable
+            return counts
+
+        return allocate
+
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.5, allocator="test_first_head_only", allocator_kwargs={"extra": 1}, sink=0, window=1)
+    with torch.no_grad():
+        model(prompt(1, 41), past_key_values=cache)
+    assert cache.stored_tokens()[:, 0].tolist() == [[41, 2], [41, 2]]  # 40 evictable: min 1 + window 1
+
+
+def test_unknown_allocator_error_lists_the_known_names():
+    with pytest.raises(UnknownNameError) as info:
+        LUKVCache(0.5, allocator="pyramidkv")
+    for name in ("uniform", "pyramid", "adakv", "profile"):
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [("pyramid", {"beta": 0}), ("adakv", {"alpha_safeguard": 1.5})])
+def test_allocator_parameters_out_of_range_raise_configuration_error(name, kwargs):
+    with pytest.raises(ConfigurationError):
+        LUKVCache(0.5, allocator=name, allocator_kwargs=kwargs)
