@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from .cache import LUKVCache
 
 _MIN_SUFFIX_CAPACITY = 64
+# A decoding suffix this long is folded into the ragged store: the store is rebuilt once per this many
+# steps (amortised O(store / 256) per step) and the suffix buffer's slack stays bounded.
+_FOLD_AT = 256
 
 
 def _valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
@@ -88,9 +91,13 @@ class LUKVLayer(DynamicLayer):
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         s, n = self._suffix_len, key_states.shape[-2]
         if s + n > self._kbuf.shape[-2]:
-            # geometric growth once decoding; exact size for the (large, soon compressed) prefill
-            grow = max(2 * (s + n), _MIN_SUFFIX_CAPACITY) if (self.compressed or n == 1) else 0
-            self._set_suffix(self.keys, self.values, capacity=max(s + n, grow))
+            if self.compressed and n == 1 and s >= _FOLD_AT:
+                self.fold()
+                s = 0
+            else:
+                # geometric growth once decoding; exact size for the (large, soon compressed) prefill
+                grow = max(2 * (s + n), _MIN_SUFFIX_CAPACITY) if (self.compressed or n == 1) else 0
+                self._set_suffix(self.keys, self.values, capacity=max(s + n, grow))
         self._kbuf[:, :, s : s + n] = key_states
         self._vbuf[:, :, s : s + n] = value_states
         self._suffix_len = s + n
@@ -305,6 +312,16 @@ class LUKVLayer(DynamicLayer):
             torch.cat([self.store_positions, new_pos])[order],
             self.offsets.diff() + counts,
         )
+
+    def fold(self) -> None:
+        """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one."""
+        s = self._suffix_len
+        if not s:
+            return
+        b, h = self._kbuf.shape[:2]
+        keep = torch.ones(b, h, s, dtype=torch.bool, device=self._kbuf.device)
+        self._absorb(self.keys, self.values, keep, self.cumulative_length - s)
+        self._set_suffix(self.keys[:, :, :0], self.values[:, :, :0], capacity=_FOLD_AT + 1)
 
     def to_sliding(self, sliding_window: int) -> DynamicSlidingWindowLayer:
         """The stock sliding layer holding what this (never compressed) layer holds."""

@@ -127,7 +127,9 @@ def test_assisted_decoding_with_eviction_never_keeps_rejected_draft_tokens(monke
     crops = count_crops(monkeypatch)
     cache = LUKVCache(0.5)
     with pytest.warns(UserWarning, match="draft tokens"):
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=8, assistant_model=assistant, **GREEDY)
+        out = model.generate(
+            ids, past_key_values=cache, max_new_tokens=8, assistant_model=assistant, **GREEDY
+        )
     assert any(n < 0 for n in crops)
     length = out.sequences.shape[1] - 1  # the last token was sampled but never fed
     for layer in cache.layers:
@@ -216,6 +218,20 @@ def test_keep_all_matches_dynamic_cache_over_a_long_decode():
     ref, out, cache = both(model, dict(input_ids=ids, attention_mask=mask, max_new_tokens=80))
     assert_same_generation(ref, out)
     assert cache.get_seq_length() == ids.shape[1] + 79
+
+
+def test_long_decode_folds_the_suffix_into_the_store_and_still_matches_dynamic_cache():
+    """300 new tokens: past 256 the decoding suffix is folded into the ragged store (nothing evicted)."""
+    model = tiny_model("llama", "sdpa")
+    ids, mask = left_padded((20, 9, 14), seed=21)
+    ref, out, cache = both(
+        model, dict(input_ids=ids, attention_mask=mask, max_new_tokens=300, min_new_tokens=300)
+    )
+    assert_same_generation(ref, out)
+    for layer in cache.layers:
+        assert layer._kbuf.shape[-2] <= 257, "the suffix buffer kept growing instead of folding"
+        assert int(layer.store_positions.max()) >= 256, "decoded tokens never reached the store"
+        assert layer.stored_counts().tolist() == cache.layers[0].stored_counts().tolist()
 
 
 def test_compressed_cache_can_switch_between_sdpa_and_eager():
