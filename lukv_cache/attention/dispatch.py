@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from ..errors import IncompatibleAttentionError
+from . import cuda
 from .ragged import merge_partials, partial_attention, ragged_attention
 
 
@@ -67,11 +68,26 @@ def compressed_attention(
         bias = _as_bias(attention_mask[:, 0])  # [B or 1, Q, L]
         bias = bias.expand(b, q_len, bias.shape[-1])
         suffix_bias = bias[:, None, :, bias.shape[-1] - s :].repeat(1, 1, g, 1)  # [B, 1, M, S]
-        if not bool((suffix_bias < 0).any()):
-            suffix_bias = None  # decode without padding in the suffix: take the fused path
         if layer.has_store:
-            rows = layer._segment_ids() // h
-            key_bias = bias[rows, :, layer.store_positions.long()]  # [N, Q]
+            key_bias = bias[layer._segment_ids() // h, :, layer.store_positions.long()]  # [N, Q]
+    if layer.has_store:
+        fused = cuda.get_ragged_suffix_kernel(grouped, key_bias=key_bias, softcap=softcap)
+        if fused is not None:  # store + suffix in one kernel pass, no host sync
+            out, lse = fused(
+                grouped,
+                layer.store_keys,
+                layer.store_values,
+                layer.offsets,
+                suffix_keys,
+                suffix_values,
+                scaling=scaling,
+                softcap=softcap,
+                key_bias=key_bias,
+                suffix_bias=suffix_bias,
+            )
+            return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+    if suffix_bias is not None and not bool((suffix_bias < 0).any()):
+        suffix_bias = None  # decode without padding in the suffix: take the fused CPU path
     out, lse = partial_attention(
         grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
     )

@@ -124,12 +124,11 @@ def ragged_attention(
     offsets_list: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: a fused kernel for CUDA tensors when one is available, else the torch reference."""
-    if query.is_cuda:
-        from . import cuda
+    from . import cuda  # picks a fused kernel for CUDA tensors (or Triton's interpreter), else None
 
-        impl = cuda.get_ragged_kernel(query, key_bias=key_bias, softcap=softcap)
-        if impl is not None:
-            return impl(query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias)
+    impl = cuda.get_ragged_kernel(query, key_bias=key_bias, softcap=softcap)
+    if impl is not None:
+        return impl(query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias)
     return ragged_attention_reference(
         query,
         keys,

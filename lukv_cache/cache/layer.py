@@ -18,6 +18,14 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..allocation import AllocationRequest
+from ..attention.cuda import (
+    concat_ragged,
+    flat_index_from_mask,
+    gather_ragged,
+    keep_mask_from_counts,
+    offsets_from_counts,
+    segment_ids_from_offsets,
+)
 from ..errors import IncompatibleAttentionError
 
 if TYPE_CHECKING:
@@ -167,8 +175,7 @@ class LUKVLayer(DynamicLayer):
         self._set_store(self.store_keys[keep], self.store_values[keep], self.store_positions[keep], counts)
 
     def _segment_ids(self) -> torch.Tensor:
-        counts = self.offsets.diff()
-        return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        return segment_ids_from_offsets(self.offsets, self.store_keys.shape[0])
 
     def _set_store(self, keys, values, positions, counts: torch.Tensor) -> None:
         self.store_keys, self.store_values, self.store_positions = keys, values, positions
@@ -281,11 +288,7 @@ class LUKVLayer(DynamicLayer):
                 scores, n_evictable.cpu(), cache.ratio, self.layer_idx, cache.num_layers, cache.min_keep
             )
             counts = cache.allocator(request).to(keys.device)  # [B, H]
-            order = scores.argsort(dim=-1, descending=True, stable=True)
-            rank = torch.empty_like(order).scatter_(
-                -1, order, torch.arange(region, device=keys.device).expand_as(order)
-            )
-            keep |= (rank < counts.unsqueeze(-1)) & evictable.unsqueeze(1)
+            keep |= keep_mask_from_counts(scores, counts) & evictable.unsqueeze(1)
         self._absorb(keys[:, :, :region], values[:, :, :region], keep, self.cumulative_length - s)
         self._set_suffix(keys[:, :, region:], values[:, :, region:], capacity=window + _MIN_SUFFIX_CAPACITY)
         self.compressed = True
@@ -294,24 +297,19 @@ class LUKVLayer(DynamicLayer):
         """Move the kept tokens (``keep [B, H, R]``) of a dense block starting at logical ``start`` into
         the ragged store, merged segment by segment with what it already holds."""
         b, h, r = keep.shape
-        flat = keep.flatten().nonzero().squeeze(-1)  # sorted: segment-major, positions ascending
         counts = keep.sum(-1).flatten()
-        d_k, d_v = keys.shape[-1], values.shape[-1]
-        new_k = keys.reshape(-1, d_k).index_select(0, flat)
-        new_v = values.reshape(-1, d_v).index_select(0, flat)
+        flat = flat_index_from_mask(keep)  # segment-major, positions ascending: the store layout
+        # gather straight from [B, H, R, D] (often a strided view): no copy of the whole block
+        new_k, new_v = gather_ragged(keys, flat), gather_ragged(values, flat)
         new_pos = (flat % r + start).to(torch.int32)
         if not self.has_store:
             self._set_store(new_k, new_v, new_pos, counts)
             return
-        seg_old = self._segment_ids()
-        seg_new = torch.repeat_interleave(torch.arange(b * h, device=keys.device), counts)
-        order = torch.cat([seg_old, seg_new]).argsort(stable=True)
-        self._set_store(
-            torch.cat([self.store_keys, new_k])[order],
-            torch.cat([self.store_values, new_v])[order],
-            torch.cat([self.store_positions, new_pos])[order],
-            self.offsets.diff() + counts,
-        )
+        new_offsets = offsets_from_counts(counts)
+        merged_k, offsets = concat_ragged(self.store_keys, self.offsets, new_k, new_offsets)
+        merged_v, _ = concat_ragged(self.store_values, self.offsets, new_v, new_offsets)
+        merged_pos, _ = concat_ragged(self.store_positions, self.offsets, new_pos, new_offsets)
+        self._set_store(merged_k, merged_v, merged_pos, offsets.diff())
 
     def fold(self) -> None:
         """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one."""

@@ -1,0 +1,67 @@
+"""Generate with a compressed LUKVCache through the Triton kernels (Triton's interpreter on CPU) and
+through the torch reference; print one JSON object comparing them.
+
+Run with ``TRITON_INTERPRET=1`` (set before triton is first imported, hence a separate process).
+``LUKV_RAGGED_KERNEL=triton`` is what routes CPU tensors to the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from lukv_cache import LUKVCache  # noqa: E402
+from lukv_cache.attention import _triton_ragged, cuda  # noqa: E402
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1")
+    torch.set_num_threads(1)
+    calls = {"triton": 0}
+    kernel = _triton_ragged.triton_ragged_attention
+
+    def counted(*args, **kwargs):
+        calls["triton"] += 1
+        return kernel(*args, **kwargs)
+
+    _triton_ragged.triton_ragged_attention = counted
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (2, 60))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding: the mask reaches the kernels as key and suffix biases
+
+    results = {}
+    for kernel_name in ("torch", "triton"):
+        os.environ[cuda.KERNEL_ENV] = kernel_name
+        cache = LUKVCache(ratio=0.7, scorer="keydiff", allocator="uniform", window=4)
+        with torch.no_grad():
+            results[kernel_name] = model.generate(
+                ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+    ref, got = results["torch"], results["triton"]
+    diff = (torch.stack(got.logits) - torch.stack(ref.logits)).abs().max().item()
+    print(json.dumps({
+        "triton_calls": calls["triton"],
+        "tokens_equal": bool(torch.equal(got.sequences, ref.sequences)),
+        "max_logit_diff": diff,
+        "triton_failure": cuda.triton_failure(),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Batched ragged-store helpers (top-k per head with per-head budgets, gathers, folds) match simple loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lukv_cache.attention.cuda import (
+    append_dense_to_ragged,
+    concat_ragged,
+    flat_index_from_mask,
+    gather_ragged,
+    keep_mask_from_counts,
+    offsets_from_counts,
+    segment_ids_from_offsets,
+    select_ragged,
+)
+
+
+def loop_select(scores: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int]]:
+    b, h, t = scores.shape
+    flat, offsets = [], [0]
+    for i in range(b):
+        for j in range(h):
+            k = int(min(max(int(counts[i, j]), 0), t))
+            top = sorted(scores[i, j].topk(k).indices.tolist())
+            flat += [(i * h + j) * t + p for p in top]
+            offsets.append(offsets[-1] + k)
+    return flat, offsets
+
+
+@pytest.mark.parametrize("with_total", [False, True])
+def test_select_ragged_matches_per_head_topk_loop(with_total):
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 4, 50, generator=gen)
+    counts = torch.randint(0, 51, (3, 4), generator=gen)
+    counts[0, 0], counts[1, 2], counts[2, 3] = 0, 50, 1
+    total = int(counts.sum()) if with_total else None
+    flat, offsets = select_ragged(scores, counts, total=total)
+    want_flat, want_offsets = loop_select(scores, counts)
+    assert flat.tolist() == want_flat
+    assert offsets.tolist() == want_offsets
+    assert flat.dtype == offsets.dtype == torch.int64
+
+
+def test_select_ragged_clamps_counts_to_the_sequence():
+    scores = torch.tensor([[[0.3, 0.1, 0.2], [1.0, 2.0, 3.0]]])
+    flat, offsets = select_ragged(scores, torch.tensor([[5, -2]]))
+    assert flat.tolist() == [0, 1, 2]
+    assert offsets.tolist() == [0, 3, 3]
+
+
+def test_keep_mask_breaks_ties_towards_earlier_positions():
+    scores = torch.tensor([[[1.0, 1.0, 1.0, 0.0]]])
+    assert keep_mask_from_counts(scores, torch.tensor([[2]])).tolist() == [[[True, True, False, False]]]
+
+
+def test_flat_index_without_sync_equals_nonzero():
+    gen = torch.Generator().manual_seed(1)
+    keep = torch.rand(2, 3, 40, generator=gen) < 0.3
+    expected = keep.flatten().nonzero().squeeze(-1)
+    assert torch.equal(flat_index_from_mask(keep, total=int(keep.sum())), expected)
+    assert torch.equal(flat_index_from_mask(keep), expected)
+    assert flat_index_from_mask(torch.zeros(2, 5, dtype=torch.bool), total=0).numel() == 0
+
+
+def test_segment_ids_and_offsets_round_trip():
+    counts = torch.tensor([[2, 0, 3], [0, 0, 1]])
+    offsets = offsets_from_counts(counts)
+    assert offsets.tolist() == [0, 2, 2, 5, 5, 5, 6]
+    assert segment_ids_from_offsets(offsets, 6).tolist() == [0, 0, 2, 2, 2, 5]
+
+
+def test_gather_ragged_reads_a_transposed_view_like_a_contiguous_copy():
+    gen = torch.Generator().manual_seed(2)
+    dense = torch.randn(2, 7, 3, 5, generator=gen).transpose(1, 2)  # [B, H, T, D] view, as in transformers
+    scores = torch.randn(2, 3, 7, generator=gen)
+    flat, _ = select_ragged(scores, torch.tensor([[1, 7, 0], [3, 2, 4]]))
+    got = gather_ragged(dense, flat)
+    assert torch.equal(got, dense.contiguous().reshape(-1, 5)[flat])
+    assert got.is_contiguous() and got.untyped_storage().data_ptr() != dense.untyped_storage().data_ptr()
+
+
+def test_append_dense_to_ragged_matches_per_segment_concatenation():
+    gen = torch.Generator().manual_seed(3)
+    counts = [2, 0, 4, 1, 0, 3]  # B = 2, H = 3
+    offsets = offsets_from_counts(torch.tensor(counts))
+    store = torch.randn(sum(counts), 4, generator=gen)
+    dense = torch.randn(2, 3, 2, 4, generator=gen)
+    new_store, new_offsets = append_dense_to_ragged(store, offsets, dense)
+    bounds = offsets.tolist()
+    want = torch.cat([torch.cat([store[bounds[s] : bounds[s + 1]], dense[s // 3, s % 3]]) for s in range(6)])
+    assert torch.equal(new_store, want)
+    assert new_offsets.tolist() == [0, 4, 6, 12, 15, 17, 22]
+
+
+def test_append_dense_to_ragged_works_for_int32_positions_and_empty_blocks():
+    offsets = torch.tensor([0, 1, 3])
+    positions = torch.tensor([4, 0, 9], dtype=torch.int32)
+    new, new_offsets = append_dense_to_ragged(
+        positions, offsets, torch.tensor([[[20], [21]]], dtype=torch.int32)
+    )
+    assert new.tolist() == [4, 20, 0, 9, 21] and new.dtype == torch.int32
+    assert new_offsets.tolist() == [0, 2, 5]
+    same, same_offsets = append_dense_to_ragged(positions, offsets, torch.zeros(1, 2, 0, dtype=torch.int32))
+    assert same is positions and same_offsets is offsets
+
+
+def test_concat_ragged_matches_per_segment_concatenation():
+    gen = torch.Generator().manual_seed(5)
+    first_counts, second_counts = [3, 0, 2, 0], [1, 2, 0, 0]
+    first_offsets = offsets_from_counts(torch.tensor(first_counts))
+    second_offsets = offsets_from_counts(torch.tensor(second_counts))
+    first, second = torch.randn(5, 3, generator=gen), torch.randn(3, 3, generator=gen)
+    rows, offsets = concat_ragged(first, first_offsets, second, second_offsets)
+    a, b = first_offsets.tolist(), second_offsets.tolist()
+    want = torch.cat([torch.cat([first[a[s] : a[s + 1]], second[b[s] : b[s + 1]]]) for s in range(4)])
+    assert torch.equal(rows, want)
+    assert offsets.tolist() == [0, 4, 6, 8, 8]
