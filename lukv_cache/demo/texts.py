@@ -31,8 +31,17 @@ GENSIM_INSTALL = "pip install --no-deps gensim"
 _WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 _NEWS_FILE = "lee_background.cor"
 # Sections after which a Wikipedia article is only lists of links and citations, not prose.
-_TAIL_SECTIONS = ("See also", "References", "Notes", "External links", "Further reading", "Bibliography",
-                  "Sources", "Footnotes", "Citations")
+_TAIL_SECTIONS = (
+    "See also",
+    "References",
+    "Notes",
+    "External links",
+    "Further reading",
+    "Bibliography",
+    "Sources",
+    "Footnotes",
+    "Citations",
+)
 
 
 class TextUnavailableError(ConfigurationError):
@@ -131,8 +140,9 @@ def strip_wiki_markup(wikitext: str) -> str:
     text = re.sub(r"<!--.*?-->", "", text, flags=re.DOTALL)
     text = re.sub(r"<ref[^>]*/>", "", text)
     text = re.sub(r"<ref[^>]*>.*?</ref>", "", text, flags=re.DOTALL)
-    text = re.sub(r"<(gallery|math|timeline|score|syntaxhighlight|source)[^>]*>.*?</\1>", "", text,
-                  flags=re.DOTALL)
+    text = re.sub(
+        r"<(gallery|math|timeline|score|syntaxhighlight|source)[^>]*>.*?</\1>", "", text, flags=re.DOTALL
+    )
     text = _drop_balanced(text, "{{", "}}")
     text = _drop_balanced(text, "{|", "|}")
     text = _drop_file_links(text)
@@ -162,7 +172,7 @@ def strip_wiki_markup(wikitext: str) -> str:
     return prose.strip()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _wikipedia_articles() -> tuple[Article, ...]:
     namespace = "{http://www.mediawiki.org/xml/export-0.10/}"
     articles: list[Article] = []
@@ -193,10 +203,12 @@ def wikipedia_articles(min_chars: int = 0) -> list[Article]:
     return [a for a in _wikipedia_articles() if len(a.text) >= min_chars]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _news_articles() -> tuple[Article, ...]:
     lines = (_test_data_dir() / _NEWS_FILE).read_text(encoding="utf-8", errors="replace").splitlines()
-    return tuple(Article(f"news-{i:03d}", " ".join(line.split())) for i, line in enumerate(lines) if line.strip())
+    return tuple(
+        Article(f"news-{i:03d}", " ".join(line.split())) for i, line in enumerate(lines) if line.strip()
+    )
 
 
 def news_articles() -> list[Article]:

@@ -315,7 +315,7 @@ _OFFLINE_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory):
     """Publish twice, download into a fresh cache, stop the Hub, then resolve with HF_HUB_OFFLINE=1."""
-    from conftest import _make_profile
+    from profile_factory import _make_profile
 
     cache = tmp_path_factory.mktemp("offline-cache")
     server = HubServer().start()

