@@ -31,7 +31,7 @@ from ..errors import IncompatibleAttentionError
 if TYPE_CHECKING:
     from .cache import LUKVCache
 
-_MIN_SUFFIX_CAPACITY = 64
+_MIN_SUFFIX_CAPACITY = 16  # room to decode after compression before the buffer first grows
 # A decoding suffix this long is folded into the ragged store: the store is rebuilt once per this many
 # steps (amortised O(store / 256) per step) and the suffix buffer's slack stays bounded.
 _FOLD_AT = 256
@@ -103,8 +103,10 @@ class LUKVLayer(DynamicLayer):
                 self.fold()
                 s = 0
             else:
-                # geometric growth once decoding; exact size for the (large, soon compressed) prefill
+                # geometric growth once decoding (up to the fold size); exact size for a prefill
                 grow = max(2 * (s + n), _MIN_SUFFIX_CAPACITY) if (self.compressed or n == 1) else 0
+                if self.compressed and n == 1:
+                    grow = min(grow, _FOLD_AT + 1)
                 self._set_suffix(self.keys, self.values, capacity=max(s + n, grow))
         self._kbuf[:, :, s : s + n] = key_states
         self._vbuf[:, :, s : s + n] = value_states
