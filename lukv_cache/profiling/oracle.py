@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +37,6 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import ConfigurationError
-from ..scorers import Scorer
 
 ATTN_NAME = "lukv_oracle"
 
@@ -49,9 +48,7 @@ class _Recorder:
     context_len: int
     mode: str = "context"  # "context": prefill of the context; "decode": question + answer tokens
     kv_len: int = 0  # keys a full-attention layer holds in the current forward (to skip sliding layers)
-    scorers: Sequence[Scorer] = ()
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_q, T_ctx], sums to 1
-    scores: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # scorer -> layer -> [H_kv, T]
     importance: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_kv, T_ctx] running max
 
 
@@ -101,9 +98,6 @@ def _observe(rec: _Recorder, module, query, key, value, attention_mask, scaling,
         if key.shape[-2] != t:
             return
         rec.value_norms[layer] = _value_norms(module, value, t)
-        for scorer in rec.scorers:  # the cache's own scorer code, on the context prefill
-            queries = query[:, :, -scorer.n_queries :] if scorer.n_queries else None
-            rec.scores.setdefault(scorer.name, {})[layer] = scorer(key, value, queries)[0].float()
         return
     if key.shape[-2] != rec.kv_len or layer not in rec.value_norms:
         return  # a sliding-window layer only holds its window: not part of the optimisation
@@ -124,7 +118,7 @@ def _observe(rec: _Recorder, module, query, key, value, attention_mask, scaling,
 
 
 def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Stock attention output; while a recorder is active, also records value norms, scores, oracle maxima."""
+    """Stock attention output; while a recorder is active, also records value norms and oracle maxima."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if kwargs.get("softcap") is not None:
         out = _eager_output(module, query, key, value, attention_mask, scaling, kwargs["softcap"])
@@ -158,12 +152,11 @@ def _recording(model, rec: _Recorder) -> Iterator[_Recorder]:
 
 @dataclass
 class ContextState:
-    """The context after prefill: its cache (copied for each question), value norms and captured scores."""
+    """The context after prefill: its cache (copied for each question) and its value-projection norms."""
 
     cache: DynamicCache
     context_len: int
     value_norms: dict[int, torch.Tensor]
-    scores: dict[str, dict[int, torch.Tensor]]
     num_layers: int
     num_kv_heads: int
 
@@ -172,16 +165,14 @@ def _text_config(model):
     return model.config.get_text_config()
 
 
-def prefill_context(model, context_ids: torch.Tensor, scorers: Sequence[Scorer] = ()) -> ContextState:
-    """Prefill ``context_ids [1, T]`` once; every question then starts from a copy of this cache.
-
-    ``scorers``: also capture their scores on the context (``[H_kv, T]`` per full-attention layer), computed
-    by the scorer code on the same post-RoPE keys and queries the cache sees at prefill.
-    """
+def prefill_context(model, context_ids: torch.Tensor) -> ContextState:
+    """Prefill ``context_ids [1, T]`` once; every question then starts from a copy of this cache."""
     if context_ids.ndim != 2 or context_ids.shape[0] != 1:
-        raise ConfigurationError(f"The calibration context must be one sequence [1, T], got {context_ids.shape}.")
+        raise ConfigurationError(
+            f"The calibration context must be one sequence [1, T], got {context_ids.shape}."
+        )
     config = _text_config(model)
-    rec = _Recorder(context_len=context_ids.shape[1], scorers=list(scorers))
+    rec = _Recorder(context_len=context_ids.shape[1])
     cache = DynamicCache(config=config)
     with _recording(model, rec), torch.inference_mode():
         model(input_ids=context_ids.to(model.device), past_key_values=cache, use_cache=True)
@@ -189,7 +180,6 @@ def prefill_context(model, context_ids: torch.Tensor, scorers: Sequence[Scorer] 
         cache=cache,
         context_len=rec.context_len,
         value_norms=rec.value_norms,
-        scores=rec.scores,
         num_layers=config.num_hidden_layers,
         num_kv_heads=config.num_key_value_heads,
     )
@@ -207,7 +197,9 @@ def oracle_importance(
     if k_max < 1:
         raise ConfigurationError(f"k_max must be at least 1, got {k_max}.")
     if question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.shape[1] < 1:
-        raise ConfigurationError(f"A question must be one non-empty sequence [1, n], got {question_ids.shape}.")
+        raise ConfigurationError(
+            f"A question must be one non-empty sequence [1, n], got {question_ids.shape}."
+        )
     eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
     rec = _Recorder(context_len=state.context_len, mode="decode", value_norms=state.value_norms)
     cache = copy.deepcopy(state.cache)

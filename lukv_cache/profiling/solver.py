@@ -49,7 +49,7 @@ def scorer_order_gains(oracle: np.ndarray, scores: np.ndarray) -> np.ndarray:
     >>> scorer_order_gains(np.array([1.0, 5.0, 2.0]), np.array([0.1, 0.3, 0.2]))
     array([5., 2., 1.])
     """
-    order = np.argsort(-np.asarray(scores, dtype=np.float64), axis=-1, kind="stable")
+    order = np.argsort(-np.asarray(scores), axis=-1, kind="stable")  # float32 scores sort ~2x faster
     return np.take_along_axis(np.asarray(oracle, dtype=np.float64), order, axis=-1)
 
 
@@ -238,7 +238,7 @@ def exact_keep_counts(curves: Sequence[np.ndarray], budget: int, min_keep: Seque
     choice = np.zeros((h, budget + 1), dtype=np.int64)
     for i, curve in enumerate(curves):
         new = np.full(budget + 1, np.inf)
-        for b in range(mins[i], len(curve)):
+        for b in range(mins[i], min(len(curve), budget + 1)):
             cand = np.full(budget + 1, np.inf)
             cand[b:] = best[: budget + 1 - b] + curve[b]
             better = cand < new
@@ -260,7 +260,9 @@ def exact_keep_counts(curves: Sequence[np.ndarray], budget: int, min_keep: Seque
 def _check_grid(grid) -> np.ndarray:
     grid = np.asarray(grid, dtype=np.float64).reshape(-1)
     if grid.size == 0 or np.any(grid <= 0) or np.any(grid >= 1) or np.any(np.diff(grid) <= 0):
-        raise ConfigurationError("grid must be a non-empty, strictly increasing sequence of ratios in (0, 1).")
+        raise ConfigurationError(
+            "grid must be a non-empty, strictly increasing sequence of ratios in (0, 1)."
+        )
     return grid
 
 
@@ -286,7 +288,9 @@ def solve_evict_ratios(
     """
     oracle, scores = np.asarray(oracle), np.asarray(scores)
     if oracle.shape != scores.shape or oracle.ndim != 3:
-        raise ConfigurationError(f"oracle {oracle.shape} and scores {scores.shape} must both be [L, H_kv, T].")
+        raise ConfigurationError(
+            f"oracle {oracle.shape} and scores {scores.shape} must both be [L, H_kv, T]."
+        )
     grid = _check_grid(grid)
     num_layers, num_heads, t = oracle.shape
     n = t - sink - window

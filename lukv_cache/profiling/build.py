@@ -1,0 +1,413 @@
+"""``build_profile``: calibration set -> oracle importance -> solver -> averaged :class:`Profile`.
+
+The method (DESIGN.md §1, arXiv 2602.08585): for every calibration question, decode its answer with a full
+cache and record the oracle importance of every context token; rank the same tokens with the scorer the
+cache will use (on the context alone, so the ranking is question-agnostic); solve the relaxed allocation
+for every global ratio of the grid; average each head's local evict ratio over the questions.
+
+Per-question oracle importances and the context's scores are cached on disk, keyed by the model's
+fingerprint, the calibration text and the settings that change them, so an interrupted build resumes and
+profiles for other scorers or grids reuse the expensive decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigurationError
+from ..scorers import Scorer, get_scorer
+from .calibration import load_calibration
+from .oracle import oracle_importance, prefill_context
+from .solver import DEFAULT_GRID, _check_grid, solve_evict_ratios
+
+# Plain completion, no chat template (DESIGN.md §5: small models answer nothing in chat format).
+QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
+_CACHE_FORMAT = 1  # bump when what is cached, or how it is computed, changes
+
+
+def default_cache_dir() -> Path:
+    """``$LUKV_CACHE_DIR/profiling``, else ``$XDG_CACHE_HOME/lukv_cache/profiling``, else ``~/.cache/...``.
+
+    >>> default_cache_dir().name
+    'profiling'
+    """
+    if os.environ.get("LUKV_CACHE_DIR"):
+        return Path(os.environ["LUKV_CACHE_DIR"]).expanduser() / "profiling"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lukv_cache" / "profiling"
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the model's config and a sample of every weight (fast even for 8B models): cached
+    results of another model, or of other weights under the same name, are never reused."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            flat = param.detach().reshape(-1)
+            sample = torch.cat([flat[:256], flat[:: max(1, flat.numel() // 256)][:256]])
+            h.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+            h.update(sample.float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _sha(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class _ResultStore:
+    """Per-question results as safetensors files (no pickle), written atomically."""
+
+    def __init__(self, root: Path | None):
+        self.root = root
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+
+    def load(self, key: str) -> dict[str, np.ndarray] | None:
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
+        if self.root is None or not (self.root / f"{key}.safetensors").is_file():
+            return None
+        try:
+            return load_file(self.root / f"{key}.safetensors")
+        except (SafetensorError, OSError, ValueError):
+            return None  # a torn or foreign file: recompute it
+
+    def save(self, key: str, tensors: dict[str, np.ndarray]) -> None:
+        from safetensors.numpy import save_file
+
+        if self.root is None:
+            return
+        path = self.root / f"{key}.safetensors"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp)
+        os.replace(tmp, path)
+
+
+def _context_scores(model, context_ids: torch.Tensor, scorer: Scorer) -> dict[int, np.ndarray]:
+    """The scores the cache ranks by at prefill, per compressed layer: ``{layer: [H_kv, T]}``."""
+    from ..cache import prefill_scores
+
+    with torch.inference_mode():
+        per_layer = prefill_scores(model, context_ids.to(model.device), scorer)
+    return {i: s[0].float().cpu().numpy() for i, s in enumerate(per_layer) if s is not None}
+
+
+def _select_questions(questions: list[str], max_questions: int | None, seed: int) -> list[int]:
+    if max_questions is None or max_questions >= len(questions):
+        return list(range(len(questions)))
+    if max_questions < 1:
+        raise ConfigurationError(f"max_questions must be at least 1, got {max_questions}.")
+    rng = np.random.default_rng(seed)
+    return sorted(rng.choice(len(questions), size=max_questions, replace=False).tolist())
+
+
+@dataclass
+class CalibrationRun:
+    """A model on a calibration set: the tokenised prompts and the (cached) per-question results.
+
+    Shared by :func:`build_profiles` and the diagnostics, so both read the same oracle importances.
+    """
+
+    model: Any
+    tokenizer: Any
+    context_ids: torch.Tensor
+    question_ids: list[torch.Tensor]
+    selected: list[int]
+    total_questions: int
+    description: str
+    k_max: int
+    store: _ResultStore
+    context_sha: str
+    fingerprint: str
+    _state: Any = None
+
+    @property
+    def context_len(self) -> int:
+        return int(self.context_ids.shape[1])
+
+    def scores(self, scorer: Scorer) -> dict[int, np.ndarray]:
+        """The scorer's prefill scores on the context, ``{layer: [H_kv, T]}`` (compressed layers only)."""
+        key = "scores-" + _sha(
+            _CACHE_FORMAT,
+            scorer.name,
+            scorer.params,
+            scorer.n_queries,
+            scorer.fn.__module__,
+            scorer.fn.__qualname__,
+        )
+        cached = self.store.load(key)
+        if cached is not None:
+            return {int(k): v for k, v in cached.items() if k != "none"}
+        scores = _context_scores(self.model, self.context_ids, scorer)
+        self.store.save(key, {str(layer): v for layer, v in scores.items()} or {"none": np.zeros(1)})
+        return scores
+
+    def oracle(self, index: int) -> np.ndarray:
+        """Oracle importance ``[L, H_kv, T]`` of the ``index``-th selected question (decoded once, then cached)."""
+        ids = self.question_ids[index]
+        key = "oracle-" + _sha(_CACHE_FORMAT, ids.tolist(), self.k_max)
+        cached = self.store.load(key)
+        if cached is None:
+            if self._state is None:  # prefilled only when something must be decoded (resumed builds skip it)
+                self._state = prefill_context(self.model, self.context_ids)
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            importance, answer = oracle_importance(
+                self.model, self._state, ids, k_max=self.k_max, eos_token_id=eos
+            )
+            cached = {"importance": importance, "answer": np.asarray(answer, dtype=np.int64)}
+            self.store.save(key, cached)
+        return cached["importance"]
+
+
+def prepare_run(
+    model,
+    tokenizer,
+    calibration: str | os.PathLike = "default",
+    *,
+    k_max: int = 64,
+    max_questions: int | None = None,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None | bool = None,
+) -> CalibrationRun:
+    """Tokenise a calibration set for ``model`` and open its result cache (nothing is decoded yet).
+
+    >>> run = prepare_run(model, tokenizer, "default", k_max=64)  # doctest: +SKIP
+    >>> importance = run.oracle(0)  # [L, H_kv, T]  # doctest: +SKIP
+    """
+    if k_max < 1:
+        raise ConfigurationError(f"k_max must be at least 1, got {k_max}.")
+    context, questions, description = load_calibration(calibration)
+    selected = _select_questions(questions, max_questions, seed)
+    config = model.config.get_text_config()
+    context_ids = tokenizer(context, return_tensors="pt").input_ids
+    question_ids = [
+        tokenizer(
+            QUESTION_TEMPLATE.format(question=questions[i]), return_tensors="pt", add_special_tokens=False
+        ).input_ids
+        for i in selected
+    ]
+    t = context_ids.shape[1]
+    longest = t + max(q.shape[1] for q in question_ids) + k_max
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and longest > limit:
+        raise ConfigurationError(
+            f"Context ({t} tokens) + longest question + k_max={k_max} needs {longest} positions but the model "
+            f"has {limit}; use a shorter calibration file or a smaller k_max."
+        )
+    fingerprint = model_fingerprint(model)
+    context_sha = _sha(context, context_ids.tolist())
+    root = None if cache_dir is False else Path(cache_dir or default_cache_dir()).expanduser()
+    store = _ResultStore(None if root is None else root / f"{fingerprint}-{context_sha}")
+    return CalibrationRun(
+        model,
+        tokenizer,
+        context_ids,
+        question_ids,
+        selected,
+        len(questions),
+        description,
+        k_max,
+        store,
+        context_sha,
+        fingerprint,
+    )
+
+
+def build_profiles(
+    model,
+    tokenizer,
+    scorers: Sequence[str | Scorer] = ("keydiff",),
+    calibration: str | os.PathLike = "default",
+    *,
+    k_max: int = 64,
+    grid: Sequence[float] | np.ndarray | None = None,
+    sink: int = 4,
+    window: int | None = None,
+    min_keep: float = 0.01,
+    scope: str = "all",
+    max_questions: int | None = None,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None | bool = None,
+    show_progress: bool = True,
+    model_id: str | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """Build one LU-KV profile per scorer from one oracle pass: ``{scorer_name: Profile}``.
+
+    Same arguments as :func:`build_profile`, with ``scorers`` a list. The full-cache decoding of each
+    question (the expensive part) is shared by all scorers.
+
+    >>> profiles = build_profiles(model, tokenizer, scorers=["keydiff", "snapkv"])  # doctest: +SKIP
+    >>> profiles["snapkv"].window  # doctest: +SKIP
+    32
+    """
+    from tqdm.auto import tqdm
+
+    from ..profiles.profile import Profile
+
+    scorer_objs = list({s.name: s for s in map(get_scorer, scorers)}.values())
+    if not scorer_objs:
+        raise ConfigurationError("build_profiles needs at least one scorer.")
+    grid_arr = _check_grid(DEFAULT_GRID if grid is None else grid)
+    if scope not in ("all", "layer"):
+        raise ConfigurationError(f"scope must be 'all' or 'layer', got {scope!r}.")
+    if sink < 0 or (window is not None and window < 0):
+        raise ConfigurationError(f"sink and window must be >= 0, got sink={sink}, window={window}.")
+    model_id = model_id or getattr(model.config, "name_or_path", "") or ""
+    if not model_id:
+        raise ConfigurationError(
+            "The model has no name_or_path; pass model_id='org/name' so the profile says which model it is for."
+        )
+    run = prepare_run(
+        model,
+        tokenizer,
+        calibration,
+        k_max=k_max,
+        max_questions=max_questions,
+        seed=seed,
+        cache_dir=cache_dir,
+    )
+    t = run.context_len
+    windows = {s.name: s.window if window is None else window for s in scorer_objs}
+    for name, w in windows.items():
+        if t - sink - w < 1:
+            raise ConfigurationError(
+                f"The calibration context has {t} tokens: nothing left to evict after {sink} sinks and a "
+                f"window of {w} (scorer {name!r}). Use a longer context."
+            )
+    config = model.config.get_text_config()
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        scores = {}
+        for s in scorer_objs:
+            layer_scores = run.scores(s)
+            full = np.zeros((config.num_hidden_layers, config.num_key_value_heads, t), dtype=np.float32)
+            for layer, v in layer_scores.items():
+                full[layer] = v
+            scores[s.name] = (full, sorted(layer_scores))
+        shape = (len(grid_arr), config.num_hidden_layers, config.num_key_value_heads)
+        sums = {s.name: np.zeros(shape) for s in scorer_objs}
+        progress = tqdm(
+            total=len(run.selected), desc="LU-KV profile", unit="question", disable=not show_progress
+        )
+        with progress:
+            for index in range(len(run.selected)):
+                importance = run.oracle(index)
+                for s in scorer_objs:
+                    full, layers = scores[s.name]
+                    sums[s.name] += solve_evict_ratios(
+                        importance,
+                        full,
+                        grid=grid_arr,
+                        sink=sink,
+                        window=windows[s.name],
+                        min_keep=min_keep,
+                        scope=scope,
+                        layers=layers,
+                    )
+                progress.update(1)
+    finally:
+        model.train(was_training)
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    selected = run.selected
+    provenance = {
+        "prompt_format": "context" + QUESTION_TEMPLATE,
+        "scope": scope,
+        "questions": len(selected),
+        "question_indices": selected if len(selected) < run.total_questions else "all",
+        "seed": seed,
+        "context_tokens": t,
+        "calibration_sha256": run.context_sha,
+        "model_fingerprint": run.fingerprint,
+        "ratio_of": "evictable tokens (sinks and window excluded)",
+        **(extra or {}),
+    }
+    return {
+        s.name: Profile(
+            grid=grid_arr.astype(np.float32),
+            evict_ratio=(sums[s.name] / len(selected)).astype(np.float32),
+            model_id=model_id,
+            scorer=s.name,
+            head_dim=int(head_dim),
+            scorer_params=dict(s.params),
+            sink=sink,
+            window=windows[s.name],
+            min_keep=min_keep,
+            k_max=k_max,
+            calibration=run.description,
+            extra=provenance,
+        )
+        for s in scorer_objs
+    }
+
+
+def build_profile(
+    model,
+    tokenizer,
+    scorer: str | Scorer = "keydiff",
+    calibration: str | os.PathLike = "default",
+    *,
+    k_max: int = 64,
+    grid: Sequence[float] | np.ndarray | None = None,
+    sink: int = 4,
+    window: int | None = None,
+    min_keep: float = 0.01,
+    scope: str = "all",
+    max_questions: int | None = None,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None | bool = None,
+    show_progress: bool = True,
+    model_id: str | None = None,
+    extra: dict | None = None,
+):
+    """Build the LU-KV profile of ``model`` for ``scorer`` from a calibration set.
+
+    ``calibration``: a shipped set (``"default"``, ``"expository"``) or a JSONL file (format in
+    ``lukv_cache/profiling/calibration/README.md``). ``k_max``: answer tokens decoded per question.
+    ``grid``: global ratios (default 0.01 ... 0.99). ``sink``/``window``: protected tokens, never counted
+    (``window=None``: the scorer's own window). ``min_keep``: fraction of its evictable tokens every head
+    keeps. ``scope``: ``"all"`` (one budget over all layers) or ``"layer"``. ``max_questions``: use a seeded
+    random subset. ``cache_dir``: where per-question results are kept (``False`` disables, default
+    :func:`default_cache_dir`). ``model_id``: defaults to ``model.config.name_or_path``. ``extra``: free JSON
+    metadata stored in the profile (e.g. where the weights came from).
+
+    >>> from lukv_cache import build_profile
+    >>> profile = build_profile(model, tokenizer, scorer="keydiff")  # doctest: +SKIP
+    >>> profile.at(0.8).shape  # doctest: +SKIP
+    (30, 3)
+    """
+    return next(
+        iter(
+            build_profiles(
+                model,
+                tokenizer,
+                [scorer],
+                calibration,
+                k_max=k_max,
+                grid=grid,
+                sink=sink,
+                window=window,
+                min_keep=min_keep,
+                scope=scope,
+                max_questions=max_questions,
+                seed=seed,
+                cache_dir=cache_dir,
+                show_progress=show_progress,
+                model_id=model_id,
+                extra=extra,
+            ).values()
+        )
+    )

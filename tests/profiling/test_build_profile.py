@@ -1,0 +1,143 @@
+"""End-to-end profile building on a tiny random model."""
+
+import numpy as np
+import pytest
+
+import lukv_cache.profiling.build as build_module
+from lukv_cache import build_profile
+from lukv_cache.errors import ConfigurationError
+from lukv_cache.profiles.profile import Profile
+from lukv_cache.profiling import build_profiles
+
+
+def test_end_to_end_build_gives_a_valid_profile(tiny_model, byte_tokenizer, tiny_calibration, tmp_path):
+    profile = build_profile(
+        tiny_model,
+        byte_tokenizer,
+        "keydiff",
+        tiny_calibration,
+        k_max=4,
+        model_id="org/tiny",
+        cache_dir=tmp_path / "cache",
+        show_progress=False,
+    )
+    assert profile.evict_ratio.shape == (99, 2, 2)
+    assert profile.evict_ratio.min() >= 0 and profile.evict_ratio.max() <= 1 - 0.01 + 1e-6
+    # every question keeps round((1 - rho) * N) tokens, so the average over heads is rho
+    np.testing.assert_allclose(profile.evict_ratio.mean(axis=(1, 2)), profile.grid, atol=0.01)
+    assert (profile.model_id, profile.scorer, profile.window, profile.k_max) == ("org/tiny", "keydiff", 1, 4)
+    assert profile.head_dim == 16 and "tiny.jsonl" in profile.calibration and profile.extra["questions"] == 3
+    saved = Profile.load(profile.save(tmp_path / "keydiff.safetensors"))
+    np.testing.assert_array_equal(saved.evict_ratio, profile.evict_ratio)
+
+
+def test_several_scorers_share_one_oracle_pass(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch
+):
+    calls = []
+    real = build_module.oracle_importance
+    monkeypatch.setattr(build_module, "oracle_importance", lambda *a, **k: calls.append(1) or real(*a, **k))
+    profiles = build_profiles(
+        tiny_model,
+        byte_tokenizer,
+        ["keydiff", "snapkv", "knorm"],
+        tiny_calibration,
+        k_max=3,
+        model_id="org/tiny",
+        cache_dir=False,
+        show_progress=False,
+    )
+    assert sorted(profiles) == ["keydiff", "knorm", "snapkv"] and len(calls) == 3
+    assert profiles["snapkv"].window == 32 and profiles["snapkv"].scorer_params == {"kernel_size": 5}
+    assert not np.allclose(profiles["keydiff"].evict_ratio, profiles["knorm"].evict_ratio)
+
+
+def test_interrupted_build_resumes_from_cached_questions(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch
+):
+    calls = []
+    real = build_module.oracle_importance
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the user stops the build during the third question
+        return real(*args, **kwargs)
+
+    kwargs = dict(k_max=3, model_id="org/tiny", cache_dir=tmp_path / "cache", show_progress=False)
+    monkeypatch.setattr(build_module, "oracle_importance", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        build_profile(tiny_model, byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
+    resumed = build_profile(tiny_model, byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
+    assert len(calls) == 4  # only the third question was decoded again
+    monkeypatch.setattr(build_module, "oracle_importance", real)
+    fresh = build_profile(
+        tiny_model, byte_tokenizer, "keydiff", tiny_calibration, **{**kwargs, "cache_dir": False}
+    )
+    np.testing.assert_array_equal(resumed.evict_ratio, fresh.evict_ratio)
+
+
+def test_cached_results_of_another_model_are_not_reused(
+    make_tiny_model, byte_tokenizer, tiny_calibration, tmp_path
+):
+    kwargs = dict(k_max=3, model_id="org/tiny", cache_dir=tmp_path / "cache", show_progress=False)
+    a = build_profile(make_tiny_model(seed=0), byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
+    b = build_profile(make_tiny_model(seed=5), byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
+    assert not np.array_equal(a.evict_ratio, b.evict_ratio)
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_build_is_deterministic_with_a_seeded_question_subset(
+    tiny_model, byte_tokenizer, tmp_path, calibration_writer
+):
+    path = calibration_writer(tmp_path / "six.jsonl", n_questions=6)
+    kwargs = dict(k_max=2, model_id="org/tiny", cache_dir=False, show_progress=False, max_questions=2, seed=3)
+    a = build_profile(tiny_model, byte_tokenizer, "knorm", path, **kwargs)
+    b = build_profile(tiny_model, byte_tokenizer, "knorm", path, **kwargs)
+    np.testing.assert_array_equal(a.evict_ratio, b.evict_ratio)
+    assert (
+        a.extra["question_indices"] == b.extra["question_indices"] and len(a.extra["question_indices"]) == 2
+    )
+
+
+def test_model_without_name_needs_model_id(tiny_model, byte_tokenizer, tiny_calibration):
+    with pytest.raises(ConfigurationError, match="model_id"):
+        build_profile(
+            tiny_model, byte_tokenizer, "keydiff", tiny_calibration, cache_dir=False, show_progress=False
+        )
+
+
+def test_context_too_long_for_the_model_raises(make_tiny_model, byte_tokenizer, tmp_path, calibration_writer):
+    path = calibration_writer(tmp_path / "long.jsonl", context="x" * 600)
+    with pytest.raises(ConfigurationError, match="positions"):
+        build_profile(make_tiny_model(), byte_tokenizer, "keydiff", path, model_id="o/t", cache_dir=False)
+
+
+def test_sliding_window_layers_keep_the_global_ratio(byte_tokenizer, tiny_calibration):
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=16,
+    )
+    profile = build_profile(
+        Gemma2ForCausalLM(config).eval(),
+        byte_tokenizer,
+        "keydiff",
+        tiny_calibration,
+        k_max=2,
+        model_id="org/gemma",
+        cache_dir=False,
+        show_progress=False,
+    )
+    np.testing.assert_allclose(profile.evict_ratio[:, 0], np.repeat(profile.grid[:, None], 2, axis=1))
+    np.testing.assert_allclose(profile.evict_ratio[:, 1].mean(axis=1), profile.grid, atol=0.02)

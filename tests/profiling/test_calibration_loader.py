@@ -1,0 +1,56 @@
+"""The calibration loader: shipped sets, user files and clear errors."""
+
+import json
+
+import pytest
+
+from lukv_cache.errors import ConfigurationError, UnknownNameError
+from lukv_cache.profiling.calibration import CalibrationFormatError, load_calibration, shipped_calibrations
+
+
+def _write(path, rows):
+    path.write_text(
+        "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n", encoding="utf-8"
+    )
+    return path
+
+
+def test_shipped_sets_load_by_name():
+    assert {"default", "expository"} <= set(shipped_calibrations())
+    context, questions, description = load_calibration("default")
+    assert len(context) > 10_000 and len(questions) == 30 and description.startswith("default.jsonl")
+
+
+def test_user_file_with_only_required_fields_loads(tmp_path):
+    path = _write(
+        tmp_path / "c.jsonl", [{"type": "context", "text": "A text."}, {"type": "question", "text": "Q?"}]
+    )
+    assert load_calibration(path) == ("A text.", ["Q?"], "c.jsonl: 1 questions")
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([], "empty"),
+        ([{"type": "context", "text": "A"}], "no questions"),
+        ([{"type": "question", "text": "Q?"}], "first line"),
+        ([{"type": "context", "text": "A"}, {"type": "context", "text": "B"}], "after the first"),
+        ([{"type": "context", "text": "A"}, {"type": "question", "text": "  "}], "non-empty"),
+        ([{"type": "context", "text": "A"}, '{"type": "question", "text": '], "line 2: not valid JSON"),
+        ([{"type": "context", "text": "A"}, "[1, 2]"], "JSON object"),
+    ],
+)
+def test_malformed_file_raises_calibration_format_error(tmp_path, rows, message):
+    path = _write(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(CalibrationFormatError, match=message):
+        load_calibration(path)
+
+
+def test_unknown_name_lists_the_shipped_sets():
+    with pytest.raises(UnknownNameError, match="default"):
+        load_calibration("nonexistent")
+
+
+def test_missing_file_raises_configuration_error(tmp_path):
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        load_calibration(tmp_path / "missing.jsonl")

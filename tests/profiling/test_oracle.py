@@ -1,0 +1,92 @@
+"""Streamed oracle importance against a direct eager computation."""
+
+import numpy as np
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+from lukv_cache.profiling.oracle import oracle_importance, prefill_context
+
+
+def _direct_oracle(model, context, question, answer, layers=None):
+    """I[l,h,j] from the full eager attention weights of context + question + answer in one forward."""
+    eager = type(model)(model.config)
+    eager.load_state_dict(model.state_dict())
+    eager.set_attn_implementation("eager")
+    t, q = context.shape[1], question.shape[1]
+    full = torch.cat([context, question, torch.tensor([answer[:-1]])], dim=1)
+    with torch.no_grad():
+        out = eager.eval()(full, output_attentions=True, use_cache=True)
+    cfg = model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    result = np.zeros((cfg.num_hidden_layers, hkv, t), dtype=np.float32)
+    for layer in range(cfg.num_hidden_layers) if layers is None else layers:
+        # rows of the queries that produce the answer tokens: last question token, then each answer token
+        attn = out.attentions[layer][0, :, t + q - 1 : t + q - 1 + len(answer), :t]  # [Hq, K, T]
+        values = out.past_key_values.layers[layer].values[0, :, :t]  # [Hkv, T, D]
+        w_o = eager.model.layers[layer].self_attn.o_proj.weight
+        norms = torch.stack(
+            [(values[h // (hq // hkv)] @ w_o[:, h * d : (h + 1) * d].T).norm(dim=-1) for h in range(hq)]
+        )
+        contrib = (attn * (norms / norms.sum())[:, None]).amax(dim=1)  # max over steps: [Hq, T]
+        result[layer] = contrib.view(hkv, hq // hkv, t).amax(dim=1).detach().numpy()
+    return result
+
+
+def test_streamed_oracle_matches_direct_eager_computation(tiny_model):
+    model = tiny_model
+    context, question = torch.randint(0, 128, (1, 48)), torch.randint(0, 128, (1, 6))
+    state = prefill_context(model, context)
+    importance, answer = oracle_importance(model, state, question, k_max=7)
+    assert len(answer) == 7 and importance.shape == (2, 2, 48)
+    expected = _direct_oracle(model, context, question, answer)
+    np.testing.assert_allclose(importance, expected, rtol=1e-4, atol=1e-9)
+    assert importance.max() > 0
+
+
+def test_oracle_with_logit_softcap_and_sliding_layers_matches_eager_on_full_layers():
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=16,
+    )  # layer 0 slides over 16 tokens, layer 1 is full; both softcap their logits
+    model = Gemma2ForCausalLM(config).eval()
+    context, question = torch.randint(0, 128, (1, 40)), torch.randint(0, 128, (1, 5))
+    importance, answer = oracle_importance(model, prefill_context(model, context), question, k_max=4)
+    assert not importance[0].any()  # a sliding layer is never compressed: nothing recorded
+    expected = _direct_oracle(model, context, question, answer, layers=[1])
+    np.testing.assert_allclose(importance[1], expected[1], rtol=1e-4, atol=1e-9)
+
+
+def test_oracle_answer_is_the_greedy_generation(make_tiny_model):
+    model = make_tiny_model(seed=1)
+    context, question = torch.randint(0, 128, (1, 30)), torch.randint(0, 128, (1, 4))
+    _, answer = oracle_importance(model, prefill_context(model, context), question, k_max=5)
+    generated = model.generate(
+        torch.cat([context, question], 1), max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+    assert answer == generated[0, 34:].tolist()
+
+
+def test_oracle_leaves_the_model_attention_implementation_unchanged(tiny_model):
+    model = tiny_model
+    before = model.config._attn_implementation
+    oracle_importance(
+        model, prefill_context(model, torch.randint(0, 128, (1, 20))), torch.ones(1, 2).long(), k_max=2
+    )
+    assert model.config._attn_implementation == before
+
+
+def test_context_cache_is_not_modified_by_a_question(tiny_model):
+    model = tiny_model
+    state = prefill_context(model, torch.randint(0, 128, (1, 20)))
+    first, _ = oracle_importance(model, state, torch.tensor([[5, 6, 7]]), k_max=3)
+    assert state.cache.get_seq_length() == 20
+    again, _ = oracle_importance(model, state, torch.tensor([[5, 6, 7]]), k_max=3)
+    np.testing.assert_array_equal(first, again)
