@@ -6,6 +6,9 @@ side by side at the end.
 
     python benchmarks/cache_bench.py --contexts 8192 16384 --ratio 0.8
     python benchmarks/cache_bench.py --contexts 512 --decode-steps 4 --small   # seconds, for CI
+
+``BENCH_THREADS`` (default 2) sets torch's threads in each measurement; on a shared machine use 1:
+two OpenMP threads on a contended core make every op wait (seen here: 2 s/token instead of 0.1 s).
 """
 
 from __future__ import annotations
