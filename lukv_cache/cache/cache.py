@@ -171,9 +171,6 @@ class LUKVCache(DynamicCache):
             self.layers.append(LUKVLayer(self, len(self.layers)))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def window_for_layer(self) -> int:
-        return self.window
-
     def activate_past_recording(self):
         # generate() calls this before assisted decoding, whose first forward is the prompt plus draft tokens
         if self.ratio > 0 and not any(getattr(layer, "compressed", False) for layer in self.layers):

@@ -255,7 +255,7 @@ class LUKVLayer(DynamicLayer):
         if not self.compressed:
             return True
         chunk = self._cache.prefill_chunk_size
-        return chunk is not None and self._suffix_len - self._cache.window_for_layer() >= chunk
+        return chunk is not None and self._suffix_len - self._cache.window >= chunk
 
     def compress(self, queries: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Evict from the dense suffix (all but the protected window) into the ragged store.
@@ -265,7 +265,7 @@ class LUKVLayer(DynamicLayer):
         """
         cache = self._cache
         scorer = cache.scorer
-        window = cache.window_for_layer()
+        window = cache.window
         keys, values = self.keys, self.values
         b, h, s, _ = keys.shape
         region = max(s - window, 0)
