@@ -13,23 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from transformers import DynamicCache  # noqa: E402
 
-from lukv_cache import LUKVCache, get_scorer  # noqa: E402
-from lukv_cache.demo.bench import Method, SharedPrefill, make_cache, model_id_of, profile_file  # noqa: E402
-from lukv_cache.demo.cli import load_model  # noqa: E402
-from lukv_cache.demo.tasks import kv_bytes  # noqa: E402
-from lukv_cache.demo.texts import wikipedia_articles  # noqa: E402
+from lukv_cache import LUKVCache, ProfileError, get_scorer
+from lukv_cache.cache import kv_cache_bytes
+from lukv_cache.evaluation.methods import Method, make_cache
+from lukv_cache.evaluation.prefill import SharedPrefill
+from lukv_cache.evaluation.texts import wikipedia_articles
+from lukv_cache.models import load_model
 
 
 def real_text_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:
@@ -113,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         stored = cache.stored_tokens().double().mean().item() if hasattr(cache, "stored_tokens") else None
         if stored is None:
             stored = float(cache.layers[0].keys.shape[-2])
-        held = kv_bytes(cache)
+        held = kv_cache_bytes(cache)
         ms = decode_ms(model, cache, int(last_logits.argmax()), t, args.decode_steps)
         rows.append(
             {
@@ -137,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     add("DynamicCache (full)", full, seconds, last)
     del full
 
-    has_profile = profile_file(args.profiles, model_id_of(model), args.scorer).is_file()
+    try:
+        make_cache(Method("profile", args.scorer, 0.5), model, args.profiles)
+        has_profile = True
+    except ProfileError:
+        has_profile = False
     for ratio in args.ratios:
         allocator = "profile" if has_profile else "uniform"
         cache = make_cache(Method(allocator, args.scorer, ratio), model, args.profiles)

@@ -38,8 +38,8 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 import lukv_cache  # noqa: E402  (wraps sdpa/eager so LUKVCache works with the stock model)
 from lukv_cache import LUKVCache  # noqa: E402
-from lukv_cache.attention import cuda as ragged_cuda  # noqa: E402
-from lukv_cache.attention.ragged import ragged_attention, ragged_attention_reference  # noqa: E402
+from lukv_cache.attention import kernels as ragged_cuda  # noqa: E402
+from lukv_cache.attention.partial import ragged_attention, ragged_attention_reference  # noqa: E402
 
 GIB = 1024**3
 # Relative L2 error of bf16 attention outputs vs an fp32 reference: bf16 has an 8-bit mantissa
@@ -140,8 +140,8 @@ class KernelCalls:
             self.counts[name + ("+bias" if key_bias is not None else "")] += 1
             return self._store(query, key_bias=key_bias, softcap=softcap)
 
-        def fused(query, key_bias=None, softcap=None):
-            fn = self._fused(query, key_bias=key_bias, softcap=softcap)
+        def fused(query):
+            fn = self._fused(query)
             self.counts["fused:" + ("triton" if fn is not None else "none")] += 1
             return fn
 
@@ -255,9 +255,7 @@ def kernel_check(device: torch.device, toy: bool) -> list[dict]:
                     fused = (
                         ragged_cuda._triton_suffix_or_reference
                         if device.type == "cpu"
-                        else ragged_cuda.get_ragged_suffix_kernel(
-                            query, key_bias=bias, softcap=case["softcap"]
-                        )
+                        else ragged_cuda.get_ragged_suffix_kernel(query)
                     )
                     if fused is None:
                         raise RuntimeError("get_ragged_suffix_kernel returned None on CUDA")

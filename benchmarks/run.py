@@ -8,12 +8,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lukv_cache.demo.cli import add_bench_arguments, run_bench  # noqa: E402
+from lukv_cache.evaluation.cli import add_bench_arguments, run_bench
 
 
 def main(argv: list[str] | None = None) -> int:

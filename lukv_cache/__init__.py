@@ -6,19 +6,24 @@
 
 __version__ = "0.1.0"
 
-from .allocation import AllocationRequest, get_allocator, register_allocator  # noqa: E402
+from .allocation import AllocationRequest, Allocator, get_allocator, register_allocator  # noqa: E402
 from .attention import install as _install_attention  # noqa: E402
-from .cache import LUKVCache, prefill_scores  # noqa: E402
+from .attention import lukv_aware  # noqa: E402
+from .cache import LUKVCache  # noqa: E402
 from .errors import (  # noqa: E402
+    BatchMismatchError,
+    CalibrationFormatError,
     ConfigurationError,
     HubUnavailableError,
     IncompatibleAttentionError,
     LUKVError,
+    ModelUnavailableError,
     ProfileError,
     ProfileFormatError,
     ProfileMismatchError,
     ProfileNotFoundError,
     PublishError,
+    TextUnavailableError,
     UnknownNameError,
 )
 from .scorers import Scorer, get_scorer, register_scorer  # noqa: E402
@@ -41,11 +46,15 @@ def __getattr__(name: str):
 
 __all__ = [
     "AllocationRequest",
+    "Allocator",
+    "BatchMismatchError",
+    "CalibrationFormatError",
     "ConfigurationError",
     "HubUnavailableError",
     "IncompatibleAttentionError",
     "LUKVCache",
     "LUKVError",
+    "ModelUnavailableError",
     "Profile",
     "ProfileError",
     "ProfileFormatError",
@@ -53,12 +62,13 @@ __all__ = [
     "ProfileNotFoundError",
     "PublishError",
     "Scorer",
+    "TextUnavailableError",
     "UnknownNameError",
     "build_profile",
     "build_profiles",
     "get_allocator",
     "get_scorer",
-    "prefill_scores",
+    "lukv_aware",
     "register_allocator",
     "register_scorer",
 ]

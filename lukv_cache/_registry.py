@@ -11,6 +11,16 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
+    """Names to objects of one ``kind`` ("scorer", "allocator"); unknown names raise
+    :class:`~lukv_cache.errors.UnknownNameError` listing the known ones.
+
+    >>> reg = Registry("widget")
+    >>> reg.add("a", 1)
+    1
+    >>> reg.names()
+    ['a']
+    """
+
     def __init__(self, kind: str):
         self.kind = kind
         self._items: dict[str, T] = {}
@@ -30,15 +40,18 @@ class Registry(Generic[T]):
             return self._items[name]
         except (KeyError, TypeError):
             raise UnknownNameError(
-                f"Unknown {self.kind} {name!r}. Known {self.kind}s: {', '.join(sorted(self._items))}. "
-                f"Register your own with register_{self.kind}()."
+                f"Unknown {self.kind} {name!r}. Known {self.kind}s: {', '.join(self.names())}. "
+                f"Register your own with register_{self.kind}().",
+                kind=self.kind,
+                name=name,
+                known=self.names(),
             ) from None
 
     def names(self) -> list[str]:
         return sorted(self._items)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return isinstance(name, str) and name in self._items
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._items))
+        return iter(self.names())

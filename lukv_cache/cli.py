@@ -8,12 +8,12 @@ import sys
 
 from .errors import LUKVError
 
-_COMMAND_MODULES = ("lukv_cache.profiles.cli", "lukv_cache.profiling.cli", "lukv_cache.demo.cli")
+_COMMAND_MODULES = ("lukv_cache.profiles.cli", "lukv_cache.profiling.cli", "lukv_cache.evaluation.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lukv", description="LU-KV per-head KV-cache eviction: profiles, demo."
+        prog="lukv", description="LU-KV per-head KV-cache eviction: profiles, profiling, evaluation."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:

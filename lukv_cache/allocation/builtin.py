@@ -14,7 +14,8 @@ def uniform():
     """Every head of every layer keeps the same share: round((1 - ratio) * n) tokens, give or take one."""
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
-        return largest_remainder(torch.ones(1, req.num_heads), req.layer_total(), req)
+        counts = largest_remainder(torch.ones(1, req.num_heads), req.layer_total(), req)
+        return counts.unsqueeze(0).expand(len(req.layers), -1, -1)
 
     return allocate
 
@@ -34,12 +35,19 @@ def pyramid(beta: float = 20.0):
         num_layers = req.num_layers
         lo, hi = 1.0 / beta, 2.0 - 1.0 / beta
         share = torch.linspace(hi, lo, num_layers) if num_layers > 1 else torch.ones(1)
+        # layer totals over all layers: the "heads" of this allocation are the layers, each holding n * H
         layer_req = AllocationRequest(
-            req.scores, req.n_evictable * req.num_heads, req.ratio, req.layer_idx, num_layers, 0.0
+            req.scores[:1, :, :1].expand(1, -1, num_layers, -1),
+            req.n_evictable * req.num_heads,
+            req.ratio,
+            req.layers[:1],
+            num_layers,
+            0.0,
         )
         model_total = torch.round((1.0 - req.ratio) * req.n_evictable.double() * req.num_heads * num_layers)
         layer_totals = largest_remainder(share.unsqueeze(0), model_total.long(), layer_req)
-        return largest_remainder(torch.ones(1, req.num_heads), layer_totals[:, req.layer_idx], req)
+        heads = torch.ones(1, req.num_heads)
+        return req.per_layer(lambda layer, _: largest_remainder(heads, layer_totals[:, layer], req))
 
     return allocate
 
@@ -52,13 +60,13 @@ def adakv(alpha_safeguard: float = 0.2):
     if not 0.0 <= alpha_safeguard <= 1.0:
         raise ConfigurationError(f"adakv: alpha_safeguard must be in [0, 1], got {alpha_safeguard}.")
 
-    def allocate(req: AllocationRequest) -> torch.Tensor:
-        b, h, r = req.scores.shape
+    def layer_counts(req: AllocationRequest, scores: torch.Tensor) -> torch.Tensor:
+        b, h, r = scores.shape
         total = req.layer_total()  # [B]
         guaranteed = torch.maximum(
             torch.floor(alpha_safeguard * total.double() / h).long(), req.min_counts()
         ).clamp_max(req.n_evictable)  # [B]
-        ranked = req.scores.sort(dim=-1, descending=True).values  # [B, H, R]
+        ranked = scores.sort(dim=-1, descending=True).values  # [B, H, R]
         rank = torch.arange(r, device=ranked.device)
         # tokens beyond each head's guaranteed ones compete globally within the layer
         open_ = ranked.masked_fill(rank < guaranteed.view(b, 1, 1).to(ranked.device), float("-inf"))
@@ -71,6 +79,9 @@ def adakv(alpha_safeguard: float = 0.2):
                 winners = flat.topk(extra).indices // r
                 counts[row] += torch.bincount(winners.cpu(), minlength=h)
         return torch.minimum(counts, req.n_evictable.view(b, 1))
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        return req.per_layer(lambda _, scores: layer_counts(req, scores))
 
     return allocate
 
@@ -98,17 +109,24 @@ def profile(evict_ratio=None):
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
         num_layers, num_heads = table.shape
-        if num_heads != req.num_heads or num_layers != req.num_layers or req.layer_idx >= num_layers:
+        if num_heads != req.num_heads or num_layers != req.num_layers or max(req.layers) >= num_layers:
             raise ConfigurationError(
                 f"allocator='profile': the evict-ratio table has shape {tuple(table.shape)} but the model has "
                 f"{req.num_layers} layers with {req.num_heads} KV heads. Use a profile built for this model."
             )
         key = tuple(req.n_evictable.tolist())
         if key not in memo:
-            model_req = AllocationRequest(req.scores, req.n_evictable, req.ratio, 0, num_layers, req.min_keep)
+            model_req = AllocationRequest(
+                req.scores[:1, :, :1].expand(1, -1, num_layers * num_heads, -1),
+                req.n_evictable,
+                req.ratio,
+                (0,),
+                num_layers,
+                req.min_keep,
+            )
             totals = torch.round((keep * req.n_evictable.double().unsqueeze(-1)).sum(-1)).long()
             memo.clear()
             memo[key] = largest_remainder(keep, totals, model_req).view(-1, num_layers, num_heads)
-        return memo[key][:, req.layer_idx]
+        return memo[key][:, list(req.layers)].transpose(0, 1)
 
     return allocate

@@ -1,6 +1,30 @@
-"""Attention over the ragged store, and the routing that makes stock sdpa/eager use it."""
+"""Attention over a compressed LUKVCache, and the routing that makes stock sdpa/eager read it.
 
-from .dispatch import install
-from .ragged import merge_partials, partial_attention, ragged_attention, ragged_attention_reference
+* :mod:`.calls`: the contract with the cache (:class:`AttentionCall`, :func:`claim_attention`) and the
+  guard for implementations that cannot read it (:func:`lukv_aware` marks your own wrappers);
+* :mod:`.routing`: the wrapped ``sdpa`` / ``eager`` / ``lukv`` functions;
+* :mod:`.compressed`: store + dense suffix, exact;
+* :mod:`.partial`: the torch math (partial attentions and their log-sum-exp merge);
+* :mod:`.kernels`: which kernel serves a call (flash-attn, Triton, torch).
+"""
 
-__all__ = ["install", "merge_partials", "partial_attention", "ragged_attention", "ragged_attention_reference"]
+from .calls import AttentionCall, claim_attention, guard_attention, is_lukv_aware, lukv_aware, peek_attention
+from .compressed import compressed_attention
+from .partial import merge_partials, partial_attention, ragged_attention, ragged_attention_reference
+from .routing import install, route
+
+__all__ = [
+    "AttentionCall",
+    "claim_attention",
+    "compressed_attention",
+    "guard_attention",
+    "install",
+    "is_lukv_aware",
+    "lukv_aware",
+    "merge_partials",
+    "partial_attention",
+    "peek_attention",
+    "ragged_attention",
+    "ragged_attention_reference",
+    "route",
+]

@@ -1,6 +1,6 @@
 """Triton kernels: grouped queries over a flat ragged KV store (and optionally the dense suffix too).
 
-Same contract as :func:`lukv_cache.attention.ragged.ragged_attention_reference` (see that module for the
+Same contract as :func:`lukv_cache.attention.partial.ragged_attention_reference` (see that module for the
 layout): ``out [B, H_kv, M, D]`` fp32 normalised over the keys attended and ``lse [B, H_kv, M]`` fp32,
 nothing to attend giving ``out = 0``, ``lse = -inf``.
 
@@ -11,7 +11,7 @@ one more split per segment attends to it, so store + suffix cost two launches in
 merge included. The split count is chosen on the host from shapes only, and each program reads its
 segment's bounds from ``offsets`` on the device, so a call never waits for the GPU.
 
-Importing this module needs ``triton``; :mod:`lukv_cache.attention.cuda` imports it lazily. With
+Importing this module needs ``triton``; :mod:`lukv_cache.attention.kernels` imports it lazily. With
 ``TRITON_INTERPRET=1`` set *before triton is first imported* the kernels run on CPU tensors in Triton's
 interpreter (slow; tests only).
 """

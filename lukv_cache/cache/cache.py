@@ -2,27 +2,76 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import warnings
 from typing import Any
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicCache, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from ..allocation import get_allocator
-from ..attention.dispatch import guard_all
-from ..errors import ConfigurationError
+from ..allocation import AllocationRequest, get_allocator
+from ..attention.calls import AttentionCall, announce_attention, guard_attention
+from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
 from ..scorers import Scorer, get_scorer
+from .compression import (
+    CompressionPolicy,
+    Region,
+    keep_mask,
+    masked_scores,
+    plan_region,
+    score_suffix,
+)
 from .layer import LUKVLayer
 
 
-def _check_ratio(ratio: Any) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) < 1.0:
+def check_ratio(ratio: Any) -> float:
+    """``ratio`` as a float in [0, 1): Python, numpy and 0-d torch numbers are accepted; bools, NaN,
+    strings and anything out of range raise :class:`~lukv_cache.errors.ConfigurationError`.
+
+    >>> check_ratio(0.8)
+    0.8
+    """
+    if isinstance(ratio, torch.Tensor) and ratio.ndim == 0 and ratio.dtype != torch.bool:
+        ratio = ratio.item()
+    valid = (
+        isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and type(ratio).__name__ != "bool_"
+    )
+    if not valid or math.isnan(float(ratio)) or not 0.0 <= float(ratio) < 1.0:
         raise ConfigurationError(
             f"ratio is the fraction of the prompt's KV entries to remove and must be in [0, 1); got {ratio!r}. "
             "ratio=0.8 keeps 20% of the tokens."
         )
     return float(ratio)
+
+
+def _check_count(name: str, value: Any, *, positive: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+        kind = "a positive" if positive else "a non-negative"
+        raise ConfigurationError(f"{name} must be {kind} integer, got {value!r}.")
+
+
+def kv_cache_bytes(cache: Any) -> int:
+    """Bytes of every tensor a transformers cache holds: a LUKVCache's stores, positions, offsets and suffix
+    buffers, and the keys/values of stock layers (``DynamicCache`` and sliding layers).
+
+    >>> kv_cache_bytes(DynamicCache())
+    0
+    """
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        if isinstance(layer, LUKVLayer):
+            total += layer.memory_bytes()
+        elif getattr(layer, "is_initialized", False):
+            total += sum(
+                t.numel() * t.element_size()
+                for t in (layer.keys, layer.values)
+                if isinstance(t, torch.Tensor)
+            )
+    return total
 
 
 class LUKVCache(DynamicCache):
@@ -41,6 +90,7 @@ class LUKVCache(DynamicCache):
             pile up (chunked prefill); by default only the first forward (the context) is compressed.
         evict_ratio: ``[layers, kv_heads]`` local evict ratios for ``allocator="profile"``.
         config: the model config; lets sliding-window layers use the stock sliding layer from the start.
+        keep_scores: keep each layer's prefill scores (fp32 ``[B, H_kv, T]``) in :attr:`prefill_scores`.
 
     Example:
         >>> cache = LUKVCache(ratio=0.8, scorer="keydiff", allocator="uniform")
@@ -52,7 +102,7 @@ class LUKVCache(DynamicCache):
         self,
         ratio: float = 0.5,
         scorer: str | Scorer = "keydiff",
-        allocator: str | Any = "uniform",
+        allocator: Any = "uniform",
         *,
         sink: int = 4,
         window: int | None = None,
@@ -61,44 +111,75 @@ class LUKVCache(DynamicCache):
         evict_ratio: Any = None,
         allocator_kwargs: dict | None = None,
         config: Any = None,
+        keep_scores: bool = False,
     ):
-        self.ratio = _check_ratio(ratio)
-        self.scorer = get_scorer(scorer)
-        for name, value in (("sink", sink), ("window", window), ("prefill_chunk_size", prefill_chunk_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ConfigurationError(f"{name} must be a non-negative integer, got {value!r}.")
-        if prefill_chunk_size == 0:
-            raise ConfigurationError("prefill_chunk_size must be positive (or None to compress once).")
-        if not 0.0 <= float(min_keep) < 1.0:
-            raise ConfigurationError(f"min_keep must be in [0, 1), got {min_keep!r}.")
-        self.sink, self.min_keep = sink, float(min_keep)
-        self.window = self.scorer.window if window is None else window
-        self.prefill_chunk_size = prefill_chunk_size
+        ratio = check_ratio(ratio)
+        scorer_obj = get_scorer(scorer)
+        _check_count("sink", sink)
+        _check_count("window", window)
+        _check_count("prefill_chunk_size", prefill_chunk_size, positive=True)
+        if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Real) or not 0.0 <= min_keep < 1.0:
+            raise ConfigurationError(f"min_keep must be a number in [0, 1), got {min_keep!r}.")
         kwargs = dict(allocator_kwargs or {})
         if evict_ratio is not None:
             kwargs["evict_ratio"] = evict_ratio
-        self.allocator_name = (
-            allocator if isinstance(allocator, str) else getattr(allocator, "__name__", "custom")
+        self.policy = CompressionPolicy(
+            ratio=ratio,
+            scorer=scorer_obj,
+            allocator=get_allocator(allocator, **kwargs),
+            sink=sink,
+            window=scorer_obj.window if window is None else window,
+            min_keep=float(min_keep),
+            prefill_chunk_size=prefill_chunk_size,
         )
-        self.allocator = get_allocator(allocator, **kwargs) if isinstance(allocator, str) else allocator
-        self.profile = None
+        super().__init__(config=config)  # DynamicCache's own layers: sliding ones from the config
+        if config is None:
+            self.layer_class_to_replicate = LUKVLayer
+        else:
+            self.layers = [LUKVLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.profile = None  # the Profile the budgets come from (set by from_pretrained)
+        self.prefill_scores: dict[int, torch.Tensor] | None = {} if keep_scores else None
         self.num_layers: int | None = None
-        self._record_past = False
-        self._recorded_scores: dict[int, torch.Tensor] | None = None
+        self._last_full_layer: int | None = None
         self._config_checked = False
-        layers = []
+        self._record_past = False
+        self._awaiting: int | None = None  # layer whose announced attention has not run yet
+        self._deferred: dict[int, tuple[Region, torch.Tensor | None]] = {}
         if config is not None:
-            text_config = config.get_text_config(decoder=True)
-            self.num_layers = text_config.num_hidden_layers
-            layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
-            for idx, (kind, kw) in enumerate(zip(layer_types, per_layer_kwargs)):
-                layers.append(
-                    LUKVLayer(self, idx)
-                    if kind == "full_attention"
-                    else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
-                )
-            self._check_config(config)
-        super(DynamicCache, self).__init__(layers=layers)
+            self._learn_model(config)
+
+    # ------------------------------------------------------------------ the policy, read-only
+    @property
+    def ratio(self) -> float:
+        return self.policy.ratio
+
+    @property
+    def scorer(self) -> Scorer:
+        return self.policy.scorer
+
+    @property
+    def allocator(self):
+        return self.policy.allocator
+
+    @property
+    def allocator_name(self) -> str:
+        return self.policy.allocator.name
+
+    @property
+    def sink(self) -> int:
+        return self.policy.sink
+
+    @property
+    def window(self) -> int:
+        return self.policy.window
+
+    @property
+    def min_keep(self) -> float:
+        return self.policy.min_keep
+
+    @property
+    def prefill_chunk_size(self) -> int | None:
+        return self.policy.prefill_chunk_size
 
     # ------------------------------------------------------------------ construction from a profile
     @classmethod
@@ -114,6 +195,7 @@ class LUKVCache(DynamicCache):
         local_dir: str | os.PathLike | None = None,
         cache_dir: str | os.PathLike | None = None,
         endpoint: str | None = None,
+        local_files_only: bool = False,
         sink: int | None = None,
         window: int | None = None,
         **kwargs: Any,
@@ -123,23 +205,16 @@ class LUKVCache(DynamicCache):
         ``model_or_profile``: a model id (looked up in ``local_dir`` / ``$LUKV_PROFILE_DIR`` first, then
         in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
         ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
-        The profile's scorer, sink and window become the cache's unless overridden.
+        The profile's scorer, sink and window become the cache's unless overridden. ``revision``,
+        ``repo_id``, ``token``, ``cache_dir``, ``endpoint`` and ``local_files_only`` go to huggingface_hub.
 
         >>> cache = LUKVCache.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct", ratio=0.8)  # doctest: +SKIP
         """
-        from ..profiles import resolve_profile
+        from ..profiles import HubLocation, resolve_profile
 
-        ratio = _check_ratio(ratio)
-        profile = resolve_profile(
-            model_or_profile,
-            scorer,
-            revision=revision,
-            repo_id=repo_id,
-            token=token,
-            local_dir=local_dir,
-            cache_dir=cache_dir,
-            endpoint=endpoint,
-        )
+        ratio = check_ratio(ratio)
+        hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only)
+        profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
         config = getattr(model_or_profile, "config", None)
         if config is not None:
             profile.validate_for(config)
@@ -163,17 +238,132 @@ class LUKVCache(DynamicCache):
         cache.profile = profile
         return cache
 
-    # ------------------------------------------------------------------ layer management
+    # ------------------------------------------------------------------ the forward
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
-            guard_all()  # implementations registered since import must not read this cache silently
-        while len(self.layers) <= layer_idx:
-            self.layers.append(LUKVLayer(self, len(self.layers)))
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+            guard_attention()  # implementations registered since import must not read this cache silently
+            if self._deferred:  # a forward ended before its last full-attention layer compressed
+                self._evict_deferred()
+        if self._awaiting is not None and (self.ratio > 0 or self.is_compressed):
+            raise IncompatibleAttentionError(
+                f"LUKVCache layer {self._awaiting}: the previous attention call did not go through lukv_cache's "
+                "attention (the model's attn_implementation cannot read a compressed cache). "
+                "Load the model with attn_implementation='sdpa' or 'eager' (import lukv_cache first)."
+            )
+        self._check_batch(key_states)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if isinstance(layer, LUKVLayer):
+            self._awaiting = layer_idx
+            announce_attention(AttentionCall(layer_idx, keys, values, layer.store, self._after_attention))
+        return keys, values
+
+    def _check_batch(self, key_states: torch.Tensor) -> None:
+        for layer in self.layers:
+            if isinstance(layer, LUKVLayer):
+                held = layer.batch_size if layer.is_initialized else None
+            else:
+                held = layer.keys.shape[0] if getattr(layer, "is_initialized", False) else None
+            if held is not None:
+                if key_states.shape[0] != held:
+                    raise BatchMismatchError(
+                        f"LUKVCache holds a batch of {held} rows but this forward has {key_states.shape[0]}; the "
+                        "cache is unchanged. Use the same batch for the whole generation (batch_select_indices / "
+                        "batch_repeat_interleave change it on purpose), or start a fresh cache.",
+                        expected=held,
+                        got=int(key_states.shape[0]),
+                    )
+                return
+
+    def _after_attention(
+        self,
+        call: AttentionCall,
+        module: Any,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        sliding_window: int | None,
+    ) -> None:
+        """The layer's attention ran (see :class:`~lukv_cache.attention.AttentionCall`): compress it, or
+        hand a sliding-window layer to the stock sliding layer."""
+        self._awaiting = None
+        idx = call.layer_idx
+        layer = self.layers[idx]
+        if sliding_window is not None and not layer.compressed:
+            self.layers[idx] = layer.to_sliding(sliding_window, record_past=self._record_past)
+            return
+        self._learn_model(getattr(module, "config", None))
+        if not self._wants_compression(layer, query.shape[2]):
+            return
+        region = plan_region(layer, self.policy, attention_mask)
+        scores = None
+        if (region.length and bool(region.n_evictable.any())) or self.prefill_scores is not None:
+            raw = score_suffix(self.policy.scorer, layer, query)
+            if self.prefill_scores is not None:
+                self.prefill_scores[idx] = raw
+            scores = masked_scores(raw, region) if region.length and bool(region.n_evictable.any()) else None
+        if self.policy.defers:
+            self._deferred[idx] = (region, scores)
+            if idx == self._last_full_layer:
+                self._evict_deferred()
+        else:
+            self._evict({idx: (region, scores)})
+
+    def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
+        """Compress after a multi-token forward: always the first time, then whenever chunked prefill
+        (``prefill_chunk_size``) has piled up that many uncompressed tokens."""
+        if query_length <= 1:
+            return False
+        if not layer.compressed:
+            return True
+        chunk = self.policy.prefill_chunk_size
+        return chunk is not None and layer.suffix_length - self.policy.window >= chunk
+
+    def _evict_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, {}
+        self._evict(deferred)
+
+    def _evict(self, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
+        """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call."""
+        scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
+        counts = {}
+        if scored:
+            region = steps[scored[0]][0]
+            batch = region.evictable.shape[0]
+            request = AllocationRequest(
+                scores=torch.stack([steps[idx][1] for idx in scored]),
+                n_evictable=region.n_evictable.cpu(),
+                ratio=torch.full((batch,), self.ratio, dtype=torch.float64),
+                layers=tuple(scored),
+                num_layers=self.num_layers or max(scored) + 1,
+                min_keep=self.policy.min_keep,
+            )
+            counts = dict(zip(scored, self.policy.allocator(request)))
+        for idx, (region, scores) in steps.items():
+            layer = self.layers[idx]
+            if scores is None:
+                b, h = layer.batch_size, layer.num_heads
+                keep = region.sinks.unsqueeze(1).expand(b, h, region.length)
+            else:
+                keep = keep_mask(region, scores, counts[idx])
+            layer.evict(keep, window_capacity=self.policy.window)
+
+    # ------------------------------------------------------------------ the model
+    def _learn_model(self, config: Any) -> None:
+        """Once per cache: the model's layers (count, last full-attention one) and the profile's fit."""
+        if self._config_checked or config is None or not hasattr(config, "get_text_config"):
+            return
+        text = config.get_text_config(decoder=True)
+        self.num_layers = text.num_hidden_layers
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * self.num_layers
+        full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+        self._last_full_layer = full[-1] if full else None
+        if self.profile is not None:
+            self.profile.validate_for(config)
+        self._config_checked = True
 
     def activate_past_recording(self):
         # generate() calls this before assisted decoding, whose first forward is the prompt plus draft tokens
-        if self.ratio > 0 and not any(getattr(layer, "compressed", False) for layer in self.layers):
+        if self.ratio > 0 and not self.is_compressed:
             warnings.warn(
                 "LUKVCache with assisted decoding: the first forward holds the prompt and the assistant's draft "
                 "tokens, so the drafts take part in the eviction (rejected ones are cropped out afterwards). "
@@ -183,38 +373,16 @@ class LUKVCache(DynamicCache):
         self._record_past = True
         super().activate_past_recording()
 
-    def _make_sliding(self, layer: LUKVLayer, sliding_window: int) -> None:
-        self.layers[layer.layer_idx] = layer.to_sliding(sliding_window)
-
-    def _check_config(self, config: Any) -> None:
-        """Once per cache: the model's layer count, and the profile's shape if there is one."""
-        if self._config_checked or config is None:
-            return
-        text_config = config.get_text_config(decoder=True)
-        self.num_layers = self.num_layers or text_config.num_hidden_layers
-        if self.profile is not None:
-            self.profile.validate_for(config)
-        self._config_checked = True
-
-    def _compress_layer(self, layer: LUKVLayer, module, query: torch.Tensor, attention_mask) -> None:
-        self._check_config(getattr(module, "config", None))
-        if self.num_layers is None:
-            self.num_layers = len(self.layers)
-        layer.compress(query, attention_mask)
-
     # ------------------------------------------------------------------ reporting
+    @property
+    def is_compressed(self) -> bool:
+        """Whether any layer holds a compressed store."""
+        return any(isinstance(layer, LUKVLayer) and layer.compressed for layer in self.layers)
+
     def memory_bytes(self) -> int:
         """Bytes held by every tensor of the cache (ragged stores, positions, offsets, suffix buffers,
         stock sliding layers)."""
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, LUKVLayer):
-                total += layer.memory_bytes()
-            elif getattr(layer, "is_initialized", False):
-                total += sum(
-                    t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None
-                )
-        return total
+        return kv_cache_bytes(self)
 
     def stored_tokens(self) -> torch.Tensor:
         """int64 ``[layers, batch, kv_heads]``: tokens stored per (layer, row, KV head)."""
@@ -232,21 +400,3 @@ class LUKVCache(DynamicCache):
             f"LUKVCache(ratio={self.ratio}, scorer={self.scorer.name!r}, allocator={self.allocator_name!r}, "
             f"sink={self.sink}, window={self.window}, layers={len(self.layers)})"
         )
-
-
-def prefill_scores(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    scorer: str | Scorer,
-    attention_mask: torch.Tensor | None = None,
-) -> list[torch.Tensor | None]:
-    """The scores the cache ranks by at prefill, per layer: fp32 ``[B, H_kv, T]`` (None for layers that
-    are never compressed, e.g. sliding-window ones). Used by the profiling pipeline so that profiles
-    rank tokens with exactly the cache's code.
-    """
-    cache = LUKVCache(ratio=0.0, scorer=scorer, config=model.config, sink=0, window=0)
-    cache._recorded_scores = {}
-    with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return [cache._recorded_scores.get(idx) for idx in range(num_layers)]

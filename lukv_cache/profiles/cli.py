@@ -10,7 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
-from .profile import DEFAULT_SCORER, Profile
+from .location import DEFAULT_SCORER, HubLocation
+from .profile import Profile
 
 
 def _hub_options(parser: argparse.ArgumentParser, *, revision_help: str) -> None:
@@ -20,6 +21,16 @@ def _hub_options(parser: argparse.ArgumentParser, *, revision_help: str) -> None
     parser.add_argument("--revision", help=revision_help)
     parser.add_argument("--endpoint", help="Hub endpoint (default: huggingface_hub's, i.e. $HF_ENDPOINT)")
     parser.add_argument("--token", help="Hub token (default: huggingface_hub's stored token / $HF_TOKEN)")
+
+
+def _hub(args: argparse.Namespace) -> HubLocation:
+    return HubLocation(
+        repo_id=args.repo_id,
+        revision=args.revision,
+        token=args.token,
+        cache_dir=getattr(args, "cache_dir", None),
+        endpoint=args.endpoint,
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -85,18 +96,9 @@ def _describe(profile: Profile) -> str:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from .hub import download_profile
+    from .download import download_profile
 
-    path = download_profile(
-        args.model_id,
-        args.scorer,
-        revision=args.revision,
-        repo_id=args.repo_id,
-        token=args.token,
-        local_dir=args.local_dir,
-        cache_dir=args.cache_dir,
-        endpoint=args.endpoint,
-    )
+    path = download_profile(args.model_id, args.scorer, hub=_hub(args), local_dir=args.local_dir)
     profile = Profile.load(path)
     print(_describe(profile))
     print(f"file: {path}")
@@ -106,7 +108,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    from .hub import save_to_local_dir
+    from .index import save_to_local_dir
 
     profile = Profile.load(args.file)
     if args.local_dir:
@@ -121,17 +123,9 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from .hub import list_profiles
+    from .index import list_profiles
 
-    entries = list_profiles(
-        args.repo_id,
-        model_id=args.model_id,
-        revision=args.revision,
-        token=args.token,
-        endpoint=args.endpoint,
-        cache_dir=args.cache_dir,
-        local_dir=args.local_dir,
-    )
+    entries = list_profiles(model_id=args.model_id, hub=_hub(args), local_dir=args.local_dir)
     if args.json:
         print(json.dumps(entries, indent=2))
         return 0

@@ -22,7 +22,6 @@ from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchErro
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
-DEFAULT_SCORER = "keydiff"
 _FORMAT_NAME = (
     "lukv_cache.profile"  # metadata["format"]: tells a profile apart from any other safetensors file
 )
@@ -36,7 +35,7 @@ _JSON_DICT_KEYS = ("scorer_params", "extra")
 _REQUIRED_KEYS = ("format", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_JSON_DICT_KEYS, "head_dim")
 
 
-def _library_version() -> str:
+def library_version() -> str:
     import lukv_cache  # the package is importing or imported when this runs: no cycle at call time
 
     return str(getattr(lukv_cache, "__version__", "0.1.0"))
@@ -74,7 +73,7 @@ class Profile:
     min_keep: float = 0.01
     k_max: int = 64
     calibration: str = ""
-    library_version: str = field(default_factory=_library_version)
+    library_version: str = field(default_factory=library_version)
     created: str = field(default_factory=_utc_now)
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
@@ -178,7 +177,7 @@ class Profile:
         PosixPath('keydiff.safetensors')
         """
         path = Path(path)
-        _atomic_write(path, self.to_bytes())
+        atomic_write(path, self.to_bytes())
         return path
 
     @classmethod
@@ -266,23 +265,17 @@ class Profile:
         >>> Profile.load("keydiff.safetensors").push_to_hub("meta-llama/Llama-3.1-8B-Instruct")  # doctest: +SKIP
         '3f1c...'
         """
-        from .hub import push_profile
+        from .location import HubLocation
+        from .publish import push_profile
 
-        return push_profile(
-            self,
-            model_id,
-            repo_id=repo_id,
-            token=token,
-            endpoint=endpoint,
-            revision=revision,
-            commit_message=commit_message,
-        )
+        hub = HubLocation(repo_id=repo_id, revision=revision, token=token, endpoint=endpoint)
+        return push_profile(self, model_id, hub=hub, commit_message=commit_message)
 
 
 _REBUILD = "Rebuild the profile, or fetch it again (lukv pull <model id>)."
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

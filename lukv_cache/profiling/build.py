@@ -1,6 +1,6 @@
 """``build_profile``: calibration set -> oracle importance -> solver -> averaged :class:`Profile`.
 
-The method (DESIGN.md §1, arXiv 2602.08585): for every calibration question, decode its answer with a full
+The method (``docs/design.md``, arXiv 2602.08585): for every calibration question, decode its answer with a full
 cache and record the oracle importance of every context token; rank the same tokens with the scorer the
 cache will use (on the context alone, so the ranking is question-agnostic); solve the relaxed allocation
 for every global ratio of the grid; average each head's local evict ratio over the questions.
@@ -23,27 +23,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._paths import cache_root
 from ..errors import ConfigurationError
 from ..scorers import Scorer, get_scorer
 from .calibration import load_calibration
 from .oracle import oracle_importance, prefill_context
-from .solver import DEFAULT_GRID, _check_grid, solve_evict_ratios
+from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
 
-# Plain completion, no chat template (DESIGN.md §5: small models answer nothing in chat format).
+# Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 _CACHE_FORMAT = 1  # bump when what is cached, or how it is computed, changes
 
 
 def default_cache_dir() -> Path:
-    """``$LUKV_CACHE_DIR/profiling``, else ``$XDG_CACHE_HOME/lukv_cache/profiling``, else ``~/.cache/...``.
+    """Per-question results: ``<lukv_cache's cache root>/profiling`` (``$LUKV_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/lukv_cache``, else ``~/.cache/lukv_cache``).
 
     >>> default_cache_dir().name
     'profiling'
     """
-    if os.environ.get("LUKV_CACHE_DIR"):
-        return Path(os.environ["LUKV_CACHE_DIR"]).expanduser() / "profiling"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lukv_cache" / "profiling"
+    return cache_root() / "profiling"
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -95,7 +94,7 @@ class _ResultStore:
 
 def _context_scores(model, context_ids: torch.Tensor, scorer: Scorer) -> dict[int, np.ndarray]:
     """The scores the cache ranks by at prefill, per compressed layer: ``{layer: [H_kv, T]}``."""
-    from ..cache import prefill_scores
+    from .scores import prefill_scores
 
     with torch.inference_mode():
         per_layer = prefill_scores(model, context_ids.to(model.device), scorer)
@@ -258,7 +257,7 @@ def build_profiles(
     scorer_objs = list({s.name: s for s in map(get_scorer, scorers)}.values())
     if not scorer_objs:
         raise ConfigurationError("build_profiles needs at least one scorer.")
-    grid_arr = _check_grid(DEFAULT_GRID if grid is None else grid)
+    grid_arr = check_grid(DEFAULT_GRID if grid is None else grid)
     if scope not in ("all", "layer"):
         raise ConfigurationError(f"scope must be 'all' or 'layer', got {scope!r}.")
     if sink < 0 or (window is not None and window < 0):

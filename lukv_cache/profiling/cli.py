@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-SMOLLM2_ALIAS = "smollm2"
+from ..models import SMOLLM2_ALIAS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -94,23 +94,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load_model(name: str):
-    if name == SMOLLM2_ALIAS:
-        from ..demo.model import load_smollm2, smollm2_provenance
+    from ..models import load_model, weights_provenance
 
-        model, tokenizer = load_smollm2()
-        provenance = smollm2_provenance()
-        weights = f"{provenance['source_package']}=={provenance['source_package_version']} {provenance['source_file']}"
-        return model, tokenizer, {"weights": weights, "weights_quantization": provenance["quantization"]}
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..errors import ConfigurationError
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name)
-    except OSError as err:
-        raise ConfigurationError(f"Cannot load model {name!r}: {err}") from None
-    return model.eval(), tokenizer, {"weights": name}
+    model, tokenizer = load_model(name)
+    return model, tokenizer, weights_provenance(name)
 
 
 def _build(args: argparse.Namespace) -> int:

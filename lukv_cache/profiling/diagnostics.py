@@ -195,18 +195,18 @@ def _method_keep_counts(
         allocator = get_allocator("profile", evict_ratio=profile.at(ratio))
     else:
         allocator = get_allocator(method)
-    num_layers = scores.shape[0]
     keep = np.zeros(scores.shape[:2], dtype=np.int64)
-    for layer in layers:
-        request = AllocationRequest(
-            scores=torch.from_numpy(np.ascontiguousarray(scores[layer][None], dtype=np.float32)),
-            n_evictable=torch.tensor([n]),
-            ratio=float(ratio),
-            layer_idx=layer,
-            num_layers=num_layers,
-            min_keep=min_keep,
-        )
-        keep[layer] = allocator(request)[0].numpy()
+    if not layers:
+        return keep
+    request = AllocationRequest(
+        scores=torch.from_numpy(np.ascontiguousarray(scores[layers][:, None], dtype=np.float32)),
+        n_evictable=torch.tensor([n]),
+        ratio=torch.tensor([float(ratio)], dtype=torch.float64),
+        layers=tuple(layers),
+        num_layers=scores.shape[0],
+        min_keep=min_keep,
+    )
+    keep[layers] = allocator(request)[:, 0].numpy()
     return keep
 
 

@@ -1,4 +1,4 @@
-"""Oracle importance (DESIGN.md §1): what each context token really contributes to the answer.
+"""Oracle importance (``docs/design.md``): what each context token really contributes to the answer.
 
 For layer ``l``, KV head ``h`` and context position ``j``::
 
@@ -10,9 +10,9 @@ question token for ``k = 0``, then each generated token), ``W_O[q]`` is query he
 ``o_proj`` and ``Z_l`` is the sum of ``||v_j @ W_O[q]||`` over the layer's query heads and context positions,
 so that layers compare.
 
-It is streamed: a custom attention function, registered with ``AttentionInterface`` and paired with the
-stock ``sdpa`` mask (without the pair transformers hands it ``attention_mask=None``), returns the stock output
-and, during decoding, also reads the softmax row of the newest query and folds it into a running max.
+It is streamed: a custom attention function (swapped in for the pass with
+:func:`~lukv_cache.attention.swap.attention_swapped`) returns the stock output and, during decoding, also
+reads the softmax row of the newest query and folds it into a running max.
 Nothing larger than one layer's ``[H_q, T]`` attention row is ever held.
 
 Example::
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..attention.swap import attention_swapped
 from ..errors import ConfigurationError
 
 ATTN_NAME = "lukv_oracle"
@@ -133,21 +133,15 @@ def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out
 
 
-AttentionInterface.register(ATTN_NAME, oracle_attention)
-AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-
-
 @contextlib.contextmanager
 def _recording(model, rec: _Recorder) -> Iterator[_Recorder]:
     """Route the model's attention through :func:`oracle_attention` and activate ``rec``; restore after."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
     token = _ACTIVE.set(rec)
     try:
-        yield rec
+        with attention_swapped(model, ATTN_NAME, oracle_attention):
+            yield rec
     finally:
         _ACTIVE.reset(token)
-        model.set_attn_implementation(previous)
 
 
 @dataclass

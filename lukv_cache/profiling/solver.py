@@ -1,4 +1,4 @@
-"""The LU-KV allocation solver (DESIGN.md §1), pure numpy, no model.
+"""The LU-KV allocation solver (``docs/design.md``), pure numpy, no model.
 
 For one calibration question and one (layer, KV head) ``h``:
 
@@ -213,7 +213,7 @@ def greedy_keep_counts(
     """
     gains = np.asarray(gains, dtype=np.float64)
     h, n = gains.shape
-    grid = _check_grid(grid)
+    grid = check_grid(grid)
     m = min_keep_count(n, min_keep)
     keep = total_keep(h * n, grid, h * m)
     if m == n:
@@ -257,7 +257,7 @@ def exact_keep_counts(curves: Sequence[np.ndarray], budget: int, min_keep: Seque
 # one calibration question -> local evict ratios
 
 
-def _check_grid(grid) -> np.ndarray:
+def check_grid(grid) -> np.ndarray:
     grid = np.asarray(grid, dtype=np.float64).reshape(-1)
     if grid.size == 0 or np.any(grid <= 0) or np.any(grid >= 1) or np.any(np.diff(grid) <= 0):
         raise ConfigurationError(
@@ -291,7 +291,7 @@ def solve_evict_ratios(
         raise ConfigurationError(
             f"oracle {oracle.shape} and scores {scores.shape} must both be [L, H_kv, T]."
         )
-    grid = _check_grid(grid)
+    grid = check_grid(grid)
     num_layers, num_heads, t = oracle.shape
     n = t - sink - window
     if sink < 0 or window < 0 or n < 1:

@@ -22,14 +22,24 @@ ROWS = [(1,), (7,), (100,), (1000,), (1000, 300, 37)]  # evictable tokens per ba
 def request(
     n_rows, heads=4, ratio=0.5, layer_idx=0, num_layers=1, min_keep=0.01, seed=0
 ) -> AllocationRequest:
-    """Random scores over a region as long as the longest row; -inf past each row's evictable tokens."""
+    """One layer's request: random scores over a region as long as the longest row; -inf past each row's
+    evictable tokens."""
     n = torch.tensor(n_rows, dtype=torch.long)
     width = int(n.max())
     scores = torch.rand(len(n_rows), heads, width, generator=torch.Generator().manual_seed(seed))
     # heads differ in scale, so adakv's global competition is uneven
     scores = scores * torch.logspace(0, 2, heads).view(1, heads, 1)
     scores = scores.masked_fill(torch.arange(width) >= n.view(-1, 1, 1), float("-inf"))
-    return AllocationRequest(scores, n, ratio, layer_idx, num_layers, min_keep)
+    ratios = torch.full((len(n_rows),), ratio, dtype=torch.float64)
+    return AllocationRequest(scores.unsqueeze(0), n, ratios, (layer_idx,), num_layers, min_keep)
+
+
+def whole_model(n_rows, heads, ratio, num_layers) -> AllocationRequest:
+    """One request for every layer of a model (what the cache sends a ``whole_model`` allocator)."""
+    reqs = [request(n_rows, heads, ratio, idx, num_layers, seed=idx) for idx in range(num_layers)]
+    first = reqs[0]
+    scores = torch.cat([r.scores for r in reqs])
+    return AllocationRequest(scores, first.n_evictable, first.ratio, tuple(range(num_layers)), num_layers)
 
 
 def minimum(n: int, min_keep: float = 0.01) -> int:
@@ -53,7 +63,7 @@ def layer_target(n: int, heads: int, ratio: float) -> int:
 @pytest.mark.parametrize("name", ["uniform", "adakv"])
 def test_per_layer_allocator_budgets_sum_exactly_and_respect_minimums(name, ratio, n_rows):
     req = request(n_rows, ratio=ratio)
-    counts = get_allocator(name)(req)
+    counts = get_allocator(name)(req)[0]
     assert counts.shape == (len(n_rows), 4)
     assert_budgets_valid(counts, n_rows)
     for row, n in enumerate(n_rows):
@@ -62,13 +72,13 @@ def test_per_layer_allocator_budgets_sum_exactly_and_respect_minimums(name, rati
 
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_uniform_gives_every_head_the_same_share_give_or_take_one(ratio):
-    counts = get_allocator("uniform")(request((1000, 37), heads=3, ratio=ratio))
+    counts = get_allocator("uniform")(request((1000, 37), heads=3, ratio=ratio))[0]
     assert (counts.amax(-1) - counts.amin(-1) <= 1).all()
 
 
 def test_adakv_favours_high_scoring_heads_but_keeps_the_safeguard():
     req = request((1000,), heads=4, ratio=0.8)  # head 3's scores are 100x head 0's
-    counts = get_allocator("adakv", alpha_safeguard=0.2)(req)[0]
+    counts = get_allocator("adakv", alpha_safeguard=0.2)(req)[0, 0]
     share = 0.2 * 1000  # uniform share per head
     assert counts[3] > share > counts[0]
     assert counts[0] >= math.floor(0.2 * share)
@@ -80,7 +90,7 @@ def test_pyramid_budgets_sum_exactly_over_the_model_and_shrink_with_depth(ratio,
     layers, heads = 6, 2
     counts = torch.stack(
         [
-            get_allocator("pyramid")(request(n_rows, heads, ratio, idx, layers, seed=idx))
+            get_allocator("pyramid")(request(n_rows, heads, ratio, idx, layers, seed=idx))[0]
             for idx in range(layers)
         ]
     )  # [L, B, H]
@@ -96,6 +106,7 @@ def test_pyramid_budgets_sum_exactly_over_the_model_and_shrink_with_depth(ratio,
 
 def test_pyramid_is_strictly_pyramid_shaped_for_a_mid_ratio():
     counts = [get_allocator("pyramid")(request((1000,), 2, 0.8, idx, 4)).sum().item() for idx in range(4)]
+    assert counts == [int(c) for c in get_allocator("pyramid")(whole_model((1000,), 2, 0.8, 4)).sum((1, 2))]
     assert counts[0] > counts[1] > counts[2] > counts[3]
     assert sum(counts) == round(0.2 * 1000 * 2 * 4)
 
@@ -110,7 +121,7 @@ def test_profile_budgets_follow_the_table_and_sum_exactly_over_the_model(n_rows)
     layers, heads = table.shape
     allocate = get_allocator("profile", evict_ratio=table)
     counts = torch.stack(
-        [allocate(request(n_rows, heads, 0.5, idx, layers, seed=idx)) for idx in range(layers)]
+        [allocate(request(n_rows, heads, 0.5, idx, layers, seed=idx))[0] for idx in range(layers)]
     )  # [L, B, H]
     for row, n in enumerate(n_rows):
         assert_budgets_valid(counts[:, row], [n] * layers)
@@ -123,7 +134,8 @@ def test_profile_budgets_follow_the_table_and_sum_exactly_over_the_model(n_rows)
 def test_profile_table_of_a_higher_evict_ratio_keeps_fewer_tokens():
     table = torch.tensor([[0.2, 0.9], [0.5, 0.0]])
     allocate = get_allocator("profile", evict_ratio=table)
-    counts = torch.cat([allocate(request((100,), 2, 0.5, idx, 2)) for idx in range(2)])
+    counts = torch.cat([allocate(request((100,), 2, 0.5, idx, 2))[0] for idx in range(2)])
+    assert allocate(whole_model((100,), 2, 0.5, 2)).flatten(0, 1).tolist() == counts.tolist()
     assert counts.tolist() == [[80, 10], [50, 100]]
 
 
@@ -139,7 +151,7 @@ def test_largest_remainder_is_proportional_exact_and_bounded():
 def test_row_with_nothing_evictable_keeps_nothing():
     req = request((100, 0), heads=2, ratio=0.5)
     for name in ("uniform", "adakv"):
-        counts = get_allocator(name)(req)
+        counts = get_allocator(name)(req)[0]
         assert counts[1].tolist() == [0, 0]
         assert int(counts[0].sum()) == 100
 
@@ -162,9 +174,12 @@ def test_register_allocator_makes_a_name_usable_by_the_cache(monkeypatch):
     @register_allocator("test_first_head_only")
     def first_head_only(extra: int = 0):
         def allocate(req):
-            counts = req.min_counts().view(-1, 1).repeat(1, req.num_heads)
-            counts[:, 0] = req.n_evictable
-            return counts
+            def layer_counts(layer, scores):
+                counts = req.min_counts().view(-1, 1).repeat(1, req.num_heads)
+                counts[:, 0] = req.n_evictable
+                return counts
+
+            return req.per_layer(layer_counts)
 
         return allocate
 

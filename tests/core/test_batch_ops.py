@@ -24,9 +24,9 @@ def forward(model, cache, ids):
 
 def segments(layer: LUKVLayer) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per (row, head) segment of the ragged store: (positions, keys, values)."""
-    bounds = layer.offsets.tolist()
+    bounds = layer.store.offsets.tolist()
     return [
-        (layer.store_positions[lo:hi], layer.store_keys[lo:hi], layer.store_values[lo:hi])
+        (layer.store.positions[lo:hi], layer.store.keys[lo:hi], layer.store.values[lo:hi])
         for lo, hi in zip(bounds[:-1], bounds[1:])
     ]
 

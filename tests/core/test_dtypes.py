@@ -43,9 +43,9 @@ def test_keep_all_in_low_precision_is_as_close_to_fp32_as_dynamic_cache(arch, at
     assert (ours - reference).abs().max() <= 1.5 * (dense - reference).abs().max() + 1e-3
     for layer in cache.layers:
         if isinstance(layer, LUKVLayer):
-            assert layer.store_keys.dtype == layer.store_values.dtype == dtype
+            assert layer.store.keys.dtype == layer.store.values.dtype == dtype
             assert layer.keys.dtype == layer.values.dtype == dtype
-            assert layer.store_positions.dtype == torch.int32
+            assert layer.store.positions.dtype == torch.int32
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -53,8 +53,8 @@ def test_ragged_attention_in_low_precision_matches_the_dense_reference(monkeypat
     model = tiny_model("llama", "sdpa", dtype)
     ids, mask = left_padded((60, 47, 40), seed=11)
     full_mask = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], dim=1)
-    recorder = AttentionRecorder(monkeypatch, lambda: full_mask)
     cache = LUKVCache(0.8, "keydiff")
+    recorder = AttentionRecorder(monkeypatch, lambda: full_mask, cache)
     out = model.generate(
         input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False
     )
@@ -63,4 +63,4 @@ def test_ragged_attention_in_low_precision_matches_the_dense_reference(monkeypat
     # the output is rounded to the model dtype once, after fp32 accumulation
     tolerance = {torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     assert all(d[2] < tolerance for d in recorder.diffs), recorder.diffs
-    assert all(layer.store_keys.dtype == dtype for layer in cache.layers)
+    assert all(layer.store.keys.dtype == dtype for layer in cache.layers)

@@ -15,20 +15,21 @@ import torch
 from core_models import left_padded, tiny_model
 from transformers import AttentionInterface, DynamicCache
 
-from lukv_cache import LUKVCache
+from lukv_cache import LUKVCache, lukv_aware
+from lukv_cache.attention import claim_attention, peek_attention
 from lukv_cache.cache.layer import LUKVLayer
 
 ATOL = 2e-5
 
 
-def snapshot(layer: LUKVLayer) -> dict:
-    """The layer's ragged store as the attention call sees it (compression replaces, never mutates, it)."""
+def snapshot(store, logical: int) -> dict:
+    """A layer's ragged store as the attention call sees it (compression replaces, never mutates, it)."""
     return dict(
-        keys=layer.store_keys,
-        values=layer.store_values,
-        positions=layer.store_positions.clone(),
-        offsets=layer.offsets.clone(),
-        logical=layer.cumulative_length,
+        keys=store.keys,
+        values=store.values,
+        positions=store.positions.clone(),
+        offsets=store.offsets.clone(),
+        logical=logical,
     )
 
 
@@ -62,8 +63,9 @@ class AttentionRecorder:
     """Wraps the registered ``sdpa``/``eager`` functions (lukv's routing) and records, for every call on a
     compressed layer, the library's output next to the dense fp64 reference."""
 
-    def __init__(self, monkeypatch, mask2d_fn):
+    def __init__(self, monkeypatch, mask2d_fn, cache):
         self.mask2d_fn = mask2d_fn  # () -> the [B, L] padding mask valid for the current forward
+        self.cache = cache
         self.diffs: list[tuple[int, int, float]] = []
         mapping = AttentionInterface._global_mapping
         for name in ("sdpa", "eager"):
@@ -71,8 +73,10 @@ class AttentionRecorder:
 
     def _wrap(self, inner):
         def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-            layer = getattr(key, "_lukv_layer", None)
-            store = snapshot(layer) if layer is not None and layer.has_store else None
+            call = peek_attention(key)
+            store = None
+            if call is not None and call.store is not None:
+                store = snapshot(call.store, self.cache.layers[call.layer_idx].cumulative_length)
             out, weights = inner(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
@@ -83,11 +87,10 @@ class AttentionRecorder:
                 # padding queries see no key at all (reference: NaN); their output is never used
                 real = torch.isfinite(ref)
                 diff = (out.double() - ref)[real].abs().max().item()
-                self.diffs.append((layer.layer_idx, query.shape[2], diff))
+                self.diffs.append((call.layer_idx, query.shape[2], diff))
             return out, weights
 
-        attention._lukv_wrapped = True  # reads a LUKVCache (through `inner`): lukv's guard must let it be
-        return attention
+        return lukv_aware(attention)  # reads a LUKVCache (through `inner`): lukv's guard must let it be
 
 
 CASES = [
@@ -110,8 +113,8 @@ def test_ragged_attention_equals_dense_attention_over_kept_tokens(
     ids, mask = left_padded((60, 47, 40), seed=11)
     new = 4
     masks = {"current": mask}
-    recorder = AttentionRecorder(monkeypatch, lambda: masks["current"])
     cache = LUKVCache(ratio, scorer, allocator)
+    recorder = AttentionRecorder(monkeypatch, lambda: masks["current"], cache)
     # generate extends the mask by one column per step; the recorder's mask grows with it
     masks["current"] = torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], dim=1)
     model.generate(
@@ -121,7 +124,7 @@ def test_ragged_attention_equals_dense_attention_over_kept_tokens(
     # the stored count really shrank: evictable tokens (not sinks/window/padding) were removed
     real = mask.sum(-1)
     for layer in compressed:
-        counts = layer.offsets.diff().view(3, -1)
+        counts = layer.store.offsets.diff().view(3, -1)
         assert (counts < real.view(3, 1)).all()
     decode_calls = [d for d in recorder.diffs if d[1] == 1]
     assert len(decode_calls) == len(compressed) * (new - 1), recorder.diffs
@@ -145,34 +148,35 @@ def test_ragged_store_holds_exact_copies_of_the_prefill_keys_at_their_positions(
             continue
         keys, values = full.layers[idx].keys, full.layers[idx].values
         b, h = keys.shape[:2]
-        bounds = layer.offsets.tolist()
+        bounds = layer.store.offsets.tolist()
         for row in range(b):
             for head in range(h):
                 lo, hi = bounds[row * h + head], bounds[row * h + head + 1]
-                pos = layer.store_positions[lo:hi].long()
+                pos = layer.store.positions[lo:hi].long()
                 assert torch.all(pos[1:] > pos[:-1]), "positions in a segment must be unique and ascending"
                 assert (mask[row, pos] == 1).all(), "a padding token was kept"
                 # the 4 sinks (first real tokens) are always kept
                 sinks = torch.arange(pad[row], pad[row] + 4)
                 assert torch.isin(sinks, pos).all()
-                assert torch.equal(layer.store_keys[lo:hi], keys[row, head, pos])
-                assert torch.equal(layer.store_values[lo:hi], values[row, head, pos])
+                assert torch.equal(layer.store.keys[lo:hi], keys[row, head, pos])
+                assert torch.equal(layer.store.values[lo:hi], values[row, head, pos])
         # the dense suffix is the protected window: the last `window` prompt tokens
         window = cache.window
         assert torch.equal(layer.keys, keys[:, :, keys.shape[2] - window :])
 
 
-def _reference_attention(mask2d_fn):
-    """An attention function that ignores lukv's kernels: dense fp64 over the snapshot, per head."""
+def _reference_attention(mask2d_fn, cache):
+    """An attention function that ignores lukv's kernels: it claims the cache's call and computes dense
+    fp64 attention over the snapshot of the store, per head (the same public contract lukv's own uses)."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        layer = key._lukv_layer
-        layer._awaiting_attention = False
-        out = dense_reference(query, key, value, snapshot(layer), mask2d_fn(), scaling, kwargs.get("softcap"))
+        call = claim_attention(module, key)
+        store = snapshot(call.store, cache.layers[call.layer_idx].cumulative_length)
+        out = dense_reference(query, key, value, store, mask2d_fn(), scaling, kwargs.get("softcap"))
+        call.finish(module, query, attention_mask)
         return out.to(query.dtype), None
 
-    attention._lukv_wrapped = True  # it reads the ragged store itself: lukv's guard must let it be
-    return attention
+    return lukv_aware(attention)  # it reads the ragged store itself: lukv's guard must let it be
 
 
 @pytest.mark.parametrize(
@@ -199,16 +203,15 @@ def test_next_token_logits_after_compression_equal_a_dense_per_head_reference_mo
     with torch.no_grad():
         logits = model(input_ids=question, attention_mask=full_mask, past_key_values=cache).logits
         mapping = AttentionInterface._global_mapping
-        reference = _reference_attention(lambda: full_mask)
-        # gemma3's sliding layers stay stock: only tagged keys go to the reference
+        reference = _reference_attention(lambda: full_mask, twin)
+        # gemma3's sliding layers stay stock: only keys the cache announced go to the reference
         stock = mapping["sdpa"]
 
         def routed(module, query, key, *args, **kwargs):
-            fn = reference if hasattr(key, "_lukv_layer") else stock
+            fn = reference if peek_attention(key) is not None else stock
             return fn(module, query, key, *args, **kwargs)
 
-        routed._lukv_wrapped = True
-        monkeypatch.setitem(mapping, "sdpa", routed)
+        monkeypatch.setitem(mapping, "sdpa", lukv_aware(routed))
         ref_logits = model(input_ids=question, attention_mask=full_mask, past_key_values=twin).logits
     assert cache.stored_tokens().sum() < DynamicCacheSize.of(model, context).sum()
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
@@ -228,8 +231,8 @@ def test_ragged_attention_is_exact_under_chunked_prefill_with_eviction(monkeypat
     ids, mask = left_padded((60, 47, 40), seed=15)
     full_mask = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], dim=1)
     masks = {"current": mask}
-    recorder = AttentionRecorder(monkeypatch, lambda: masks["current"])
     cache = LUKVCache(0.5, scorer, prefill_chunk_size=16)
+    recorder = AttentionRecorder(monkeypatch, lambda: masks["current"], cache)
     # during chunked prefill the mask is the prompt's; the recorder only needs the columns seen so far
     masks["current"] = full_mask
     model.generate(
@@ -259,11 +262,11 @@ def test_chunked_prefill_keeps_the_sinks_of_left_padded_rows():
     )
     pad = (mask == 0).sum(-1).tolist()
     for layer in cache.layers:
-        bounds = layer.offsets.tolist()
+        bounds = layer.store.offsets.tolist()
         h = layer.keys.shape[1]
         for row in range(3):
             for head in range(h):
-                kept = layer.store_positions[bounds[row * h + head] : bounds[row * h + head + 1]].tolist()
+                kept = layer.store.positions[bounds[row * h + head] : bounds[row * h + head + 1]].tolist()
                 sinks = list(range(pad[row], pad[row] + 4))
                 assert kept[:4] == sinks, f"layer {layer.layer_idx} row {row} head {head}: kept {kept[:6]}"
 
@@ -274,8 +277,8 @@ def test_ragged_attention_is_exact_in_beam_search_with_left_padding_and_eviction
     beams, new = 3, 3
     # generate expands every row to its beams before the prefill: the mask rows repeat likewise
     full_mask = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], dim=1).repeat_interleave(beams, 0)
-    recorder = AttentionRecorder(monkeypatch, lambda: full_mask)
     cache = LUKVCache(0.5, "keydiff")
+    recorder = AttentionRecorder(monkeypatch, lambda: full_mask, cache)
     model.generate(
         input_ids=ids,
         attention_mask=mask,

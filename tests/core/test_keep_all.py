@@ -36,7 +36,7 @@ def assert_ragged_path_used(cache: LUKVCache) -> None:
     """At least one layer holds a ragged store, and every LUKV layer that saw the prompt compressed it."""
     layers = [layer for layer in cache.layers if isinstance(layer, LUKVLayer)]
     assert layers, "no LUKV layer: the ragged path was not exercised"
-    assert all(layer.compressed and layer.has_store for layer in layers)
+    assert all(layer.compressed and layer.store is not None for layer in layers)
 
 
 def both(model, gen_kwargs: dict, cache_kwargs: dict | None = None):
@@ -134,7 +134,7 @@ def test_assisted_decoding_with_eviction_never_keeps_rejected_draft_tokens(monke
     length = out.sequences.shape[1] - 1  # the last token was sampled but never fed
     for layer in cache.layers:
         assert layer.cumulative_length == length
-        assert int(layer.store_positions.max()) < length - layer.keys.shape[-2]
+        assert int(layer.store.positions.max()) < length - layer.keys.shape[-2]
 
 
 @pytest.mark.parametrize(("arch", "attn"), [("llama", "sdpa"), ("gemma3", "eager")])
@@ -230,7 +230,7 @@ def test_long_decode_folds_the_suffix_into_the_store_and_still_matches_dynamic_c
     assert_same_generation(ref, out)
     for layer in cache.layers:
         assert layer._kbuf.shape[-2] <= 257, "the suffix buffer kept growing instead of folding"
-        assert int(layer.store_positions.max()) >= 256, "decoded tokens never reached the store"
+        assert int(layer.store.positions.max()) >= 256, "decoded tokens never reached the store"
         assert layer.stored_counts().tolist() == cache.layers[0].stored_counts().tolist()
 
 

@@ -11,6 +11,7 @@ from core_models import prompt, tiny_model
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
+from lukv_cache.attention import lukv_aware, peek_attention
 from lukv_cache.cache.layer import LUKVLayer
 
 PROMPT = 601  # odd, so no unrelated tensor dimension matches it by accident
@@ -82,7 +83,7 @@ def suffix_buffer_bytes(cache) -> int:
 def test_memory_after_compression_is_at_most_ideal_bytes_plus_suffix(dtype):
     _, cache = compressed_cache(0.8, dtype=dtype)
     size = torch.empty(0, dtype=dtype).element_size()
-    kept_in_store = sum(layer.store_keys.shape[0] for layer in cache.layers)
+    kept_in_store = sum(layer.store.keys.shape[0] for layer in cache.layers)
     ideal = kept_in_store * HEAD_DIM * 2 * size
     assert cache.memory_bytes() <= 1.02 * ideal + suffix_buffer_bytes(cache)
     # the store is ~20% of a full cache: 20% of the evictable tokens plus the 4 sinks, per head
@@ -103,10 +104,10 @@ def test_store_tensors_are_compact_and_not_views_of_the_prefill():
     _, cache = compressed_cache(0.8)
     for layer in cache.layers:
         assert isinstance(layer, LUKVLayer) and layer.compressed
-        for name in ("store_keys", "store_values", "store_positions", "offsets"):
-            t = getattr(layer, name)
+        for name in ("keys", "values", "positions", "offsets"):
+            t = getattr(layer.store, name)
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{name} is a view of more"
-        assert layer.store_positions.dtype == torch.int32
+        assert layer.store.positions.dtype == torch.int32
         # the suffix is its own small buffer (protected window + room to decode), not the prefill tensor
         for buf, view in ((layer._kbuf, layer.keys), (layer._vbuf, layer.values)):
             assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
@@ -156,17 +157,18 @@ def test_each_layer_is_compressed_before_the_next_layer_attends(monkeypatch):
     seen: list[tuple[int, list[int]]] = []
     stock = AttentionInterface._global_mapping["sdpa"]
 
-    def attention(module, query, key, *args, **kwargs):
-        layer = getattr(key, "_lukv_layer", None)
-        if layer is not None and not layer.compressed:
-            earlier = layer._cache.layers[: layer.layer_idx]
-            seen.append((layer.layer_idx, [int(e.stored_counts().sum()) for e in earlier]))
-        return stock(module, query, key, *args, **kwargs)
-
-    attention._lukv_wrapped = True  # delegates to lukv's routing: the guard must let it be
-    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", attention)
     model = tiny_model("llama", "sdpa", num_hidden_layers=4)
     cache = LUKVCache(0.8)
+
+    def attention(module, query, key, *args, **kwargs):
+        call = peek_attention(key)
+        if call is not None and not cache.layers[call.layer_idx].compressed:
+            earlier = cache.layers[: call.layer_idx]
+            seen.append((call.layer_idx, [int(e.stored_counts().sum()) for e in earlier]))
+        return stock(module, query, key, *args, **kwargs)
+
+    # delegates to lukv's routing: the guard must let it be
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", lukv_aware(attention))
     with torch.no_grad():
         model(prompt(1, 200, seed=22), past_key_values=cache)
     assert [idx for idx, _ in seen] == [0, 1, 2, 3]

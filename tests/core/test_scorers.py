@@ -8,9 +8,10 @@ import torch
 from core_models import prompt, tiny_model
 from transformers import AttentionInterface, DynamicCache
 
-from lukv_cache import LUKVCache, Scorer, UnknownNameError, get_scorer, prefill_scores, register_scorer
+from lukv_cache import LUKVCache, Scorer, UnknownNameError, get_scorer, lukv_aware, register_scorer
 from lukv_cache.cache.layer import LUKVLayer
 from lukv_cache.errors import ConfigurationError
+from lukv_cache.profiling import prefill_scores
 from lukv_cache.scorers import SCORERS
 
 T, D = 40, 16
@@ -134,9 +135,9 @@ def test_streaming_cache_keeps_sinks_and_the_most_recent_tokens():
     kept = round(0.2 * (50 - 4 - 1))
     expected = list(range(4)) + list(range(49 - kept, 49))
     for layer in cache.layers:
-        bounds = layer.offsets.tolist()
+        bounds = layer.store.offsets.tolist()
         for head in range(2):
-            assert layer.store_positions[bounds[head] : bounds[head + 1]].tolist() == expected
+            assert layer.store.positions[bounds[head] : bounds[head + 1]].tolist() == expected
         assert layer.keys.shape[2] == 1  # the protected window: the last prompt token
 
 
@@ -149,8 +150,8 @@ def _record_queries(monkeypatch) -> dict[int, torch.Tensor]:
         seen[module.layer_idx] = query.detach().clone()
         return stock(module, query, *args, **kwargs)
 
-    attention._lukv_wrapped = True  # tell lukv's guard this function is ours to route
-    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", attention)
+    # delegates to lukv's routing: the guard must let it be
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", lukv_aware(attention))
     return seen
 
 

@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lukv_cache.attention._triton_ragged import triton_ragged_attention  # noqa: E402
-from lukv_cache.attention.cuda import ragged_with_suffix_reference  # noqa: E402
-from lukv_cache.attention.ragged import ragged_attention_reference  # noqa: E402
+from lukv_cache.attention.kernels import ragged_with_suffix_reference  # noqa: E402
+from lukv_cache.attention.partial import ragged_attention_reference  # noqa: E402
 
 NEG = torch.finfo(torch.float32).min
 

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from lukv_cache import LUKVCache  # noqa: E402
-from lukv_cache.attention import _triton_ragged, cuda  # noqa: E402
+from lukv_cache.attention import _triton_ragged
+from lukv_cache.attention import kernels as cuda  # noqa: E402
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from lukv_cache.attention import cuda
-from lukv_cache.attention.ragged import ragged_attention_reference
+from lukv_cache.attention import kernels as cuda
+from lukv_cache.attention.partial import ragged_attention_reference
 from lukv_cache.errors import ConfigurationError
 
 
@@ -150,10 +150,7 @@ def test_fused_suffix_kernel_is_triton_only_and_honours_forcing(no_backends):
     assert cuda.get_ragged_suffix_kernel(cuda_query()) is None  # no triton
     no_backends.setattr(cuda, "_import_or_none", lambda name: object() if name == "triton" else None)
     no_backends.setattr(cuda, "_flash_attn_varlen", lambda: fake_flash_attn_varlen_func)
-    assert (
-        cuda.get_ragged_suffix_kernel(cuda_query(), key_bias=torch.zeros(3, 1))
-        is cuda._triton_suffix_or_reference
-    )
+    assert cuda.get_ragged_suffix_kernel(cuda_query()) is cuda._triton_suffix_or_reference
     assert cuda.get_ragged_suffix_kernel(torch.zeros(1, 8, 4, 128)) is None  # CPU
     for forced in ("torch", "flash_attn"):
         no_backends.setenv(cuda.KERNEL_ENV, forced)

@@ -23,6 +23,7 @@ from lukv_cache.errors import (
     PublishError,
 )
 from lukv_cache.profiles import (
+    HubLocation,
     Profile,
     list_profiles,
     profile_filename,
@@ -35,8 +36,13 @@ MODEL = "org/tiny-llama"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _resolve(hub, cache, model=MODEL, scorer=None, **kw) -> Profile:
-    return resolve_profile(model, scorer, repo_id=REPO, endpoint=hub.url, cache_dir=cache, **kw)
+def _resolve(hub, cache, model=MODEL, scorer=None, *, revision=None, local_dir=None) -> Profile:
+    location = HubLocation(repo_id=REPO, revision=revision, endpoint=hub.url, cache_dir=cache)
+    return resolve_profile(model, scorer, hub=location, local_dir=local_dir)
+
+
+def _list(hub, cache, **kw) -> list[dict]:
+    return list_profiles(hub=HubLocation(repo_id=REPO, endpoint=hub.url, cache_dir=cache), **kw)
 
 
 # ------------------------------------------------------------------------------------------ publish / list
@@ -55,7 +61,7 @@ def test_list_profiles_reads_the_index(hub, hf_cache, make_profile):
     make_profile(scorer="keydiff").push_to_hub(repo_id=REPO, endpoint=hub.url)
     make_profile(scorer="snapkv", layers=3).push_to_hub(repo_id=REPO, endpoint=hub.url)
     make_profile(model_id="other/model").push_to_hub(repo_id=REPO, endpoint=hub.url)
-    entries = list_profiles(REPO, endpoint=hub.url, cache_dir=hf_cache)
+    entries = _list(hub, hf_cache)
     assert [(e["model_id"], e["scorer"]) for e in entries] == [
         ("org/tiny-llama", "keydiff"),
         ("org/tiny-llama", "snapkv"),
@@ -66,14 +72,14 @@ def test_list_profiles_reads_the_index(hub, hf_cache, make_profile):
     assert snapkv["grid"] == {"size": 5, "min": pytest.approx(0.1), "max": pytest.approx(0.9)}
     assert snapkv["path"] == "org/tiny-llama/snapkv.safetensors"
     assert {"calibration", "created", "library_version"} <= set(snapkv)
-    only = list_profiles(REPO, model_id="other/model", endpoint=hub.url, cache_dir=hf_cache)
+    only = _list(hub, hf_cache, model_id="other/model")
     assert [e["model_id"] for e in only] == ["other/model"]
 
 
 def test_repush_replaces_the_index_entry(hub, hf_cache, make_profile):
     make_profile(calibration="first").push_to_hub(repo_id=REPO, endpoint=hub.url)
     make_profile(calibration="second").push_to_hub(repo_id=REPO, endpoint=hub.url)
-    entries = list_profiles(REPO, endpoint=hub.url, cache_dir=hf_cache)
+    entries = _list(hub, hf_cache)
     assert [e["calibration"] for e in entries] == ["second"]
 
 
@@ -81,7 +87,7 @@ def test_list_profiles_of_a_repo_without_index_is_empty(hub, hf_cache):
     from huggingface_hub import HfApi
 
     HfApi(endpoint=hub.url).create_repo(REPO)
-    assert list_profiles(REPO, endpoint=hub.url, cache_dir=hf_cache) == []
+    assert _list(hub, hf_cache) == []
 
 
 def test_push_under_another_model_id_records_that_id(hub, hf_cache, profile):
@@ -165,7 +171,8 @@ def test_local_dir_from_environment(hub, hf_cache, tmp_path, monkeypatch, make_p
 def test_repo_id_from_environment(hub, hf_cache, monkeypatch, profile):
     profile.push_to_hub(repo_id="someone/else", endpoint=hub.url)
     monkeypatch.setenv("LUKV_PROFILE_REPO", "someone/else")
-    assert resolve_profile(MODEL, endpoint=hub.url, cache_dir=hf_cache).model_id == MODEL
+    location = HubLocation(endpoint=hub.url, cache_dir=hf_cache)
+    assert resolve_profile(MODEL, hub=location).model_id == MODEL
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -205,7 +212,7 @@ def test_missing_repository_raises_profile_not_found(hub, hf_cache):
 
 def test_local_path_as_model_id_raises_configuration_error(hf_cache):
     with pytest.raises(ConfigurationError, match="not a Hub model id"):
-        resolve_profile("/home/me/models/llama", cache_dir=hf_cache)
+        resolve_profile("/home/me/models/llama", hub=HubLocation(cache_dir=hf_cache))
 
 
 def test_missing_profile_file_path_raises_profile_not_found(tmp_path):
@@ -260,7 +267,7 @@ def test_concurrent_publish_is_refused_not_overwritten(hub, hf_cache, make_profi
     hub.before_commit = lambda: make_profile(scorer="snapkv").push_to_hub(repo_id=REPO, endpoint=hub.url)
     with pytest.raises(PublishError, match="changed while publishing: retry"):
         make_profile(scorer="tova").push_to_hub(repo_id=REPO, endpoint=hub.url)
-    entries = list_profiles(REPO, endpoint=hub.url, cache_dir=hf_cache)
+    entries = _list(hub, hf_cache)
     assert [e["scorer"] for e in entries] == ["keydiff", "snapkv"]
 
 
@@ -293,17 +300,18 @@ _OFFLINE_SCRIPT = textwrap.dedent(
 
     from huggingface_hub import constants
     from lukv_cache.errors import LUKVError
-    from lukv_cache.profiles import resolve_profile
+    from lukv_cache.profiles import HubLocation, resolve_profile
 
     endpoint, cache, repo, sha = sys.argv[2:6]
     out = {"offline": constants.is_offline_mode()}
     for name, kw in [
         ("default", {}),
         ("pinned", {"revision": sha}),
-        ("uncached", {"scorer": "snapkv"}),
+        ("uncached", {}),
     ]:
         try:
-            p = resolve_profile("org/tiny-llama", repo_id=repo, endpoint=endpoint, cache_dir=cache, **kw)
+            location = HubLocation(repo_id=repo, endpoint=endpoint, cache_dir=cache, **kw)
+            p = resolve_profile("org/tiny-llama", "snapkv" if name == "uncached" else None, hub=location)
             out[name] = {"calibration": p.calibration}
         except LUKVError as err:
             out[name] = {"error": type(err).__name__, "message": str(err)}
@@ -324,7 +332,8 @@ def offline_run(tmp_path_factory):
         _make_profile(calibration="v2").push_to_hub(repo_id=REPO, endpoint=server.url)
         _make_profile(scorer="snapkv").push_to_hub(repo_id=REPO, endpoint=server.url)
         for revision in (None, first):  # what a user would have fetched while online
-            resolve_profile(MODEL, repo_id=REPO, endpoint=server.url, cache_dir=cache, revision=revision)
+            location = HubLocation(repo_id=REPO, revision=revision, endpoint=server.url, cache_dir=cache)
+            resolve_profile(MODEL, hub=location)
     finally:
         server.stop()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from lukv_cache.errors import ConfigurationError, UnknownNameError
-from lukv_cache.profiling.calibration import CalibrationFormatError, load_calibration, shipped_calibrations
+from lukv_cache.errors import CalibrationFormatError, ConfigurationError, UnknownNameError
+from lukv_cache.profiling.calibration import load_calibration, shipped_calibrations
 
 
 def _write(path, rows):

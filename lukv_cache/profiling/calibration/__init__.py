@@ -11,13 +11,9 @@ import json
 import os
 from pathlib import Path
 
-from ...errors import ConfigurationError, UnknownNameError
+from ...errors import CalibrationFormatError, ConfigurationError, UnknownNameError
 
 _HERE = Path(__file__).resolve().parent
-
-
-class CalibrationFormatError(ConfigurationError):
-    """A calibration file that does not follow the documented JSONL format. The message names file and line."""
 
 
 def shipped_calibrations() -> list[str]:
@@ -39,7 +35,10 @@ def calibration_path(path_or_name: str | os.PathLike) -> Path:
     if isinstance(path_or_name, str) and os.sep not in path_or_name and not path.suffix:
         raise UnknownNameError(
             f"Unknown calibration set {path_or_name!r}. Shipped sets: {', '.join(shipped_calibrations())}; "
-            "or pass the path of your own JSONL file (format: lukv_cache/profiling/calibration/README.md)."
+            "or pass the path of your own JSONL file (format: lukv_cache/profiling/calibration/README.md).",
+            kind="calibration set",
+            name=path_or_name,
+            known=shipped_calibrations(),
         )
     raise ConfigurationError(f"Calibration file {str(path)!r} does not exist.")
 
@@ -59,7 +58,7 @@ def load_calibration(path_or_name: str | os.PathLike) -> tuple[str, list[str], s
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
-        raise CalibrationFormatError(f"{path}: not UTF-8 text ({exc}).") from None
+        raise CalibrationFormatError(f"{path}: not UTF-8 text ({exc}).", path=str(path)) from None
     rows = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -67,25 +66,39 @@ def load_calibration(path_or_name: str | os.PathLike) -> tuple[str, list[str], s
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise CalibrationFormatError(f"{path}, line {number}: not valid JSON ({exc.msg}).") from None
+            raise CalibrationFormatError(
+                f"{path}, line {number}: not valid JSON ({exc.msg}).", path=str(path), line=number
+            ) from None
         if not isinstance(row, dict):
-            raise CalibrationFormatError(f"{path}, line {number}: expected a JSON object, got {row!r:.60}.")
+            raise CalibrationFormatError(
+                f"{path}, line {number}: expected a JSON object, got {row!r:.60}.",
+                path=str(path),
+                line=number,
+            )
         text = row.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise CalibrationFormatError(f"{path}, line {number}: 'text' must be a non-empty string.")
+            raise CalibrationFormatError(
+                f"{path}, line {number}: 'text' must be a non-empty string.", path=str(path), line=number
+            )
         kind = row.get("type")
         expected = "context" if not rows else "question"
         if kind != expected:
             where = "the first line" if not rows else "every line after the first"
             raise CalibrationFormatError(
                 f"{path}, line {number}: 'type' is {kind!r}, but {where} must be {expected!r} "
-                "(one context, then the questions)."
+                "(one context, then the questions).",
+                path=str(path),
+                line=number,
             )
         rows.append(row)
     if not rows:
-        raise CalibrationFormatError(f"{path}: empty file; expected a context line and question lines.")
+        raise CalibrationFormatError(
+            f"{path}: empty file; expected a context line and question lines.", path=str(path)
+        )
     if len(rows) < 2:
-        raise CalibrationFormatError(f"{path}: a context but no questions; add at least one question line.")
+        raise CalibrationFormatError(
+            f"{path}: a context but no questions; add at least one question line.", path=str(path)
+        )
     head = rows[0]
     parts = [str(head[k]).strip() for k in ("title", "description") if str(head.get(k) or "").strip()]
     description = f"{path.name}: " + (". ".join(parts) if parts else f"{len(rows) - 1} questions")

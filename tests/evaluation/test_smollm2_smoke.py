@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from lukv_cache.demo.model import SMOLLM2_INSTALL, smollm2_available
-from lukv_cache.demo.texts import GENSIM_INSTALL, texts_available
+from lukv_cache.evaluation.texts import GENSIM_INSTALL, texts_available
+from lukv_cache.models import SMOLLM2_INSTALL, smollm2_available
 
 pytestmark = [
     pytest.mark.skipif(
@@ -17,7 +17,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from lukv_cache.demo.model import load_smollm2
+    from lukv_cache.models import load_smollm2
 
     return load_smollm2()
 
@@ -30,7 +30,8 @@ def test_smollm2_loads_with_its_hub_id_and_shape(smollm2):
 
 
 def test_smoke_benchmark_two_samples_one_ratio_one_scorer(smollm2, tmp_path):
-    from lukv_cache.demo.bench import BenchSettings, run_benchmark, write_results
+    from lukv_cache.evaluation.report import write_results
+    from lukv_cache.evaluation.runner import BenchSettings, run_benchmark
 
     model, tokenizer = smollm2
     settings = BenchSettings(

@@ -2,14 +2,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lukv_cache.demo.tasks import (
+from lukv_cache.errors import ConfigurationError
+from lukv_cache.evaluation.tasks import (
     ContinuationSample,
     RetrievalSample,
     evaluate_sample,
     make_samples,
     mean_and_sem,
 )
-from lukv_cache.errors import ConfigurationError
 
 
 def test_multikey_context_holds_every_needle_and_each_question_asks_one(tokenizer, articles):
@@ -85,7 +85,7 @@ def test_questions_decoded_as_one_batch_match_one_by_one_decoding(model, tokeniz
     import copy
 
     from lukv_cache import LUKVCache
-    from lukv_cache.demo.tasks import _stop_ids, context_ids, greedy_decode, prefill, score_prefilled
+    from lukv_cache.evaluation.tasks import _stop_ids, context_ids, greedy_decode, prefill, score_prefilled
 
     def new_cache():
         return DynamicCache() if cache_kind == "dynamic" else LUKVCache(0.5, "keydiff", config=model.config)

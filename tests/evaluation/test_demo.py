@@ -1,6 +1,6 @@
 from demo_helpers import tiny_profile
 
-from lukv_cache.demo.run_demo import format_report, run_demo
+from lukv_cache.evaluation.demo import format_report, run_demo
 from lukv_cache.profiles import save_to_local_dir
 
 

@@ -13,7 +13,7 @@ same cache. Several questions about one context share one prefill (each question
 Prompts are plain completions (context, then question, no chat template, no special tokens): SmolLM2-135M
 answers ~75% of multikey questions at ~1k tokens that way and ~0% with its chat template.
 
-    >>> from lukv_cache.demo.tasks import make_samples, evaluate_sample
+    >>> from lukv_cache.evaluation.tasks import make_samples, evaluate_sample
     >>> samples = make_samples("niah_multikey", tokenizer, n_samples=2, context_tokens=1000)  # doctest: +SKIP
     >>> evaluate_sample(model, tokenizer, samples[0], make_cache=DynamicCache).score  # doctest: +SKIP
     0.75
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..cache import kv_cache_bytes
 from ..errors import ConfigurationError
 from .texts import Article, wikipedia_articles
 
@@ -361,25 +362,6 @@ def make_samples(
 # --------------------------------------------------------------------------------------- running samples
 
 
-def kv_bytes(cache: Any) -> int:
-    """Bytes of KV the cache holds: ``cache.memory_bytes()`` when it has one, else every tensor in
-    ``cache.layers`` (a ``DynamicCache``).
-
-    >>> from transformers import DynamicCache
-    >>> kv_bytes(DynamicCache())
-    0
-    """
-    if hasattr(cache, "memory_bytes"):
-        return int(cache.memory_bytes())
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
-
-
 def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
@@ -520,7 +502,7 @@ def evaluate_sample(model: Any, tokenizer: Any, sample: Sample, make_cache: Cach
     started = time.perf_counter()
     last_logits = prefill(model, ids, cache)
     prefill_seconds = time.perf_counter() - started
-    held = kv_bytes(cache)
+    held = kv_cache_bytes(cache)
     score, outputs, question_scores = score_prefilled(model, tokenizer, sample, cache, last_logits)
     return SampleResult(score, held, ids.shape[1], outputs, question_scores, prefill_seconds)
 

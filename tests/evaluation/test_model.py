@@ -3,9 +3,10 @@ import json
 
 import pytest
 
-from lukv_cache.demo import model as demo_model
-from lukv_cache.demo.model import ModelUnavailableError, load_smollm2
+from lukv_cache import models as demo_model
+from lukv_cache._paths import cache_root
 from lukv_cache.errors import ConfigurationError
+from lukv_cache.models import ModelUnavailableError, load_smollm2
 
 
 def test_missing_package_raises_model_unavailable_error_with_the_pip_command(monkeypatch, tmp_path):
@@ -38,4 +39,4 @@ def test_a_converted_copy_from_another_source_is_not_trusted(tmp_path):
 def test_default_cache_dir_follows_xdg_cache_home(monkeypatch, tmp_path):
     monkeypatch.delenv("LUKV_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert demo_model.default_cache_dir() == tmp_path / "lukv_cache"
+    assert cache_root() == tmp_path / "lukv_cache"

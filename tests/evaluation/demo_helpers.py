@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from lukv_cache.demo.texts import Article
+from lukv_cache.evaluation.texts import Article
 from lukv_cache.profiles import Profile
 
 _WORDS = (

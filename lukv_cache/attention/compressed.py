@@ -1,0 +1,84 @@
+"""Exact attention over a compressed layer: its ragged store plus its dense suffix, merged in fp32.
+
+The mask transformers builds covers logical positions (every token seen), so it is read at each stored
+token's original position for the store and at the last ``S`` positions for the suffix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .calls import StoreView
+from .partial import merge_partials, partial_attention, ragged_attention
+
+
+def _as_bias(mask: torch.Tensor) -> torch.Tensor:
+    """Additive fp32 bias from a bool (True = attend) or float additive mask."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(torch.float32).min
+        )
+    return mask.float().clamp_min(torch.finfo(torch.float32).min)
+
+
+def compressed_attention(
+    store: StoreView,
+    query: torch.Tensor,
+    suffix_keys: torch.Tensor,
+    suffix_values: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``query [B, Hq, Q, D]`` over ``store`` and the dense suffix ``[B, H_kv, S, D]``.
+
+    Returns ``[B, Q, Hq, D]`` in the query's dtype, like transformers' stock attention functions.
+
+    >>> out = compressed_attention(call.store, query, key, value, mask, scaling=0.125)  # doctest: +SKIP
+    """
+    b, hq, q_len, d = query.shape
+    h = suffix_keys.shape[1]
+    g = hq // h
+    grouped = query.reshape(b, h, g * q_len, d)  # row m = g * Q + i
+    s = suffix_keys.shape[-2]
+
+    key_bias = None
+    suffix_bias = None
+    if attention_mask is not None:
+        bias = _as_bias(attention_mask[:, 0])  # [B or 1, Q, L]
+        bias = bias.expand(b, q_len, bias.shape[-1])
+        suffix_bias = bias[:, None, :, bias.shape[-1] - s :].repeat(1, 1, g, 1)  # [B, 1, M, S]
+        key_bias = bias[store.segment_ids() // h, :, store.positions.long()]  # [N, Q]
+    fused = kernels.get_ragged_suffix_kernel(grouped)
+    if fused is not None:  # store + suffix in one kernel pass, no host sync
+        out, _ = fused(
+            grouped,
+            store.keys,
+            store.values,
+            store.offsets,
+            suffix_keys,
+            suffix_values,
+            scaling=scaling,
+            softcap=softcap,
+            key_bias=key_bias,
+            suffix_bias=suffix_bias,
+        )
+        return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+    if suffix_bias is not None and not bool((suffix_bias < 0).any()):
+        suffix_bias = None  # decode without padding in the suffix: take the fused CPU path
+    out, lse = partial_attention(
+        grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
+    )
+    out_r, lse_r = ragged_attention(
+        grouped,
+        store.keys,
+        store.values,
+        store.offsets,
+        scaling=scaling,
+        softcap=softcap,
+        key_bias=key_bias,
+        offsets_list=list(store.offsets_list),
+    )
+    out, _ = merge_partials(out_r, lse_r, out, lse)
+    return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)

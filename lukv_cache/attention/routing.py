@@ -1,0 +1,74 @@
+"""Make the stock ``sdpa`` and ``eager`` attention read a LUKVCache; guard every other implementation.
+
+Importing :mod:`lukv_cache` calls :func:`install`, which registers wrapped ``sdpa`` and ``eager`` functions
+in transformers' ``AttentionInterface`` (paired with the stock mask functions in
+``AttentionMaskInterface``), plus ``"lukv"`` as an explicit name. A wrapper claims the call a LUKVCache
+announced for the keys it receives (:mod:`.calls`); any other call goes straight to the stock function,
+unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from ..errors import IncompatibleAttentionError
+from .calls import claim_attention, guard_attention, lukv_aware
+from .compressed import compressed_attention
+
+
+def _model_eager(module: torch.nn.Module) -> Callable:
+    """The ``eager_attention_forward`` of the module's own modeling file (softcap, sinks... included)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise IncompatibleAttentionError(
+            f"{type(module).__name__} has no eager_attention_forward in its modeling file; "
+            "use attn_implementation='sdpa' with LUKVCache."
+        )
+    return fn
+
+
+def route(stock: Callable | None) -> Callable:
+    """A lukv-aware attention function around ``stock`` (``None``: the module's own eager function).
+
+    >>> AttentionInterface.register("my_sdpa", route(sdpa_attention_forward))  # doctest: +SKIP
+    """
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        fn = stock if stock is not None else _model_eager(module)
+        call = claim_attention(module, key)
+        if call is None or call.store is None:
+            output = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        else:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            out = compressed_attention(
+                call.store, query, key, value, attention_mask, scale, kwargs.get("softcap")
+            )
+            output = (out, None)
+        if call is not None:
+            call.finish(module, query, attention_mask, sliding_window=kwargs.get("sliding_window"))
+        return output
+
+    attention.__name__ = f"lukv_{getattr(stock, '__name__', 'eager')}"
+    return lukv_aware(attention)
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Register the routing wrappers and guard every other implementation (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    AttentionInterface.register("sdpa", route(sdpa_attention_forward))
+    AttentionInterface.register("eager", route(None))
+    AttentionInterface.register("lukv", route(sdpa_attention_forward))
+    AttentionMaskInterface.register("lukv", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    guard_attention()
+    _INSTALLED = True

@@ -1,0 +1,128 @@
+"""One eviction step, as pure functions the cache composes: which suffix tokens are in play, how the
+scorer ranks them, and which the budgets keep.
+
+Sinks (the first ``sink`` real tokens of each row), the recent ``window`` and padding are never evicted
+and never count towards a budget; scores of non-evictable tokens are ``-inf``, so padding ranks below
+every real token whatever a scorer returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..allocation import Allocator
+from ..errors import ConfigurationError
+from ..scorers import Scorer
+from .layer import LUKVLayer
+from .ragged import keep_mask_from_counts
+
+
+@dataclass(frozen=True)
+class CompressionPolicy:
+    """What the cache keeps, shared by all its layers (a layer only stores; the cache decides).
+
+    ``ratio``: fraction of the evictable prompt tokens removed; ``sink``/``window``: protected first/last
+    tokens; ``min_keep``: fraction of its evictable tokens every head keeps (and at least one);
+    ``prefill_chunk_size``: also compress later multi-token forwards once that many uncompressed tokens
+    piled up.
+    """
+
+    ratio: float
+    scorer: Scorer
+    allocator: Allocator
+    sink: int
+    window: int
+    min_keep: float
+    prefill_chunk_size: int | None = None
+
+    @property
+    def defers(self) -> bool:
+        """Whether eviction waits for the whole prefill (budgets need every layer's scores first)."""
+        return self.allocator.whole_model
+
+
+@dataclass(frozen=True, eq=False)
+class Region:
+    """The first ``length`` tokens of a layer's dense suffix (all but the protected window), per row:
+    ``sinks`` (kept) and ``evictable`` tokens, bool ``[B, length]``."""
+
+    length: int
+    sinks: torch.Tensor
+    evictable: torch.Tensor
+
+    @property
+    def n_evictable(self) -> torch.Tensor:
+        return self.evictable.sum(-1)
+
+
+def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    """``[B, length]`` bool: which of the last ``length`` key positions the last query may read (not padding)."""
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    row = attention_mask[:, 0, -1, -length:]
+    if row.dtype != torch.bool:
+        row = row > torch.finfo(row.dtype).min / 2
+    return row.expand(batch, length).to(device)
+
+
+def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: torch.Tensor | None) -> Region:
+    """The region of ``layer``'s suffix this step decides about; marks this step's sinks as used."""
+    b, s, device = layer.batch_size, layer.suffix_length, layer.keys.device
+    length = max(s - policy.window, 0)
+    valid = valid_from_mask(attention_mask, b, s, device)[:, :length]
+    if layer.sinks_left is None:
+        layer.sinks_left = torch.full((b,), policy.sink, dtype=torch.long, device=device)
+    # sinks: the first `sink` real tokens of each row, wherever they fall in a chunked prefill
+    sinks = valid & (valid.long().cumsum(-1) <= layer.sinks_left.unsqueeze(-1))
+    layer.sinks_left = layer.sinks_left - sinks.sum(-1)
+    return Region(length, sinks, valid & ~sinks)
+
+
+def check_scores(scorer: Scorer, scores: object, expected: tuple[int, ...]) -> torch.Tensor:
+    """``scores`` as fp32 if it is a float tensor of shape ``expected``; else a ConfigurationError naming
+    the scorer and the shape it must return."""
+    if (
+        not isinstance(scores, torch.Tensor)
+        or tuple(scores.shape) != expected
+        or not scores.is_floating_point()
+    ):
+        got = (
+            f"a {scores.dtype} tensor of shape {list(scores.shape)}"
+            if isinstance(scores, torch.Tensor)
+            else type(scores).__name__
+        )
+        raise ConfigurationError(
+            f"Scorer {scorer.name!r} returned {got}; a scorer returns float scores of shape "
+            f"[B, H_kv, T] = {list(expected)} (higher = keep)."
+        )
+    return scores.float()
+
+
+def score_suffix(scorer: Scorer, layer: LUKVLayer, queries: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``[B, H, S]``: the scorer's scores of every token of the layer's suffix (from the last
+    ``scorer.n_queries`` post-RoPE queries of this forward)."""
+    keys, values = layer.keys, layer.values
+    q = queries[:, :, -scorer.n_queries :] if scorer.n_queries and queries is not None else None
+    return check_scores(scorer, scorer(keys, values, q), tuple(keys.shape[:3]))
+
+
+def masked_scores(scores: torch.Tensor, region: Region) -> torch.Tensor:
+    """Region scores ``[B, H, R]`` with ``-inf`` wherever a token is not evictable (sinks, padding).
+
+    A scorer's own non-finite scores become the largest finite ones (NaN and ``-inf``: the lowest), so
+    that every evictable token still ranks above every non-evictable one.
+    """
+    finfo = torch.finfo(torch.float32)
+    scores = scores[..., : region.length].nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    return scores.masked_fill(~region.evictable.unsqueeze(1), float("-inf"))
+
+
+def keep_mask(region: Region, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, H, R]``: the sinks plus each head's ``counts [B, H]`` best evictable tokens."""
+    b, h, r = scores.shape
+    keep = region.sinks.unsqueeze(1).expand(b, h, r).clone()
+    if r:
+        keep |= keep_mask_from_counts(scores, counts.to(scores.device)) & region.evictable.unsqueeze(1)
+    return keep

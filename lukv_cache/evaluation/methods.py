@@ -1,0 +1,69 @@
+"""The ways to hold a context that the evaluation compares: the full cache, or allocator x scorer x ratio."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import DynamicCache
+
+ALLOCATORS = ("uniform", "pyramid", "adakv", "profile")
+SCORERS = ("keydiff", "snapkv", "expected_attention", "knorm")
+RATIOS = (0.25, 0.5, 0.8, 0.9)
+FULL = "full"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to hold the context: the full cache, or an allocator + scorer at a compression ratio.
+
+    >>> Method("uniform", "keydiff", 0.8).name
+    'uniform/keydiff@0.8'
+    >>> Method(FULL).name
+    'full'
+    """
+
+    allocator: str
+    scorer: str | None = None
+    ratio: float | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.allocator == FULL
+
+    @property
+    def name(self) -> str:
+        return FULL if self.is_full else f"{self.allocator}/{self.scorer}@{self.ratio:g}"
+
+
+def build_methods(
+    allocators: Sequence[str], scorers: Sequence[str], ratios: Sequence[float], *, full: bool = True
+) -> list[Method]:
+    """The grid: the full cache (first) and every allocator x scorer x ratio.
+
+    >>> [m.name for m in build_methods(["uniform"], ["keydiff"], [0.5])]
+    ['full', 'uniform/keydiff@0.5']
+    """
+    grid = [Method(a, s, float(r)) for a in allocators for s in scorers for r in ratios]
+    return ([Method(FULL)] if full else []) + grid
+
+
+def make_cache(
+    method: Method, model: Any, profiles_dir: str | os.PathLike[str] | None = None, *, hub: bool = False
+) -> Any:
+    """A fresh, empty cache for ``method``. ``profile`` reads ``<profiles_dir>/<model id>/<scorer>`` (and
+    the shared Hub repository only when ``hub=True``); a missing profile raises a ``ProfileError``.
+
+    >>> cache = make_cache(Method("adakv", "keydiff", 0.8), model)  # doctest: +SKIP
+    """
+    if method.is_full:
+        return DynamicCache()
+    from ..cache import LUKVCache
+
+    if method.allocator != "profile":
+        return LUKVCache(method.ratio, method.scorer, method.allocator, config=model.config)
+    return LUKVCache.from_pretrained(
+        model, method.ratio, method.scorer, local_dir=profiles_dir, local_files_only=not hub
+    )

@@ -1,0 +1,102 @@
+"""One context prefill shared by every method of a benchmark.
+
+Compression happens right after each layer's prefill attention and never changes that layer's output, so
+every method sees the same keys, values and queries; :class:`SharedPrefill` records them once (with a full
+cache) and replays them into each method's fresh ``LUKVCache`` through the installed attention function,
+which compresses exactly as in a real prefill (``tests/evaluation`` checks that the replayed cache equals a
+real one).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..attention.swap import attention_swapped
+from ..errors import ConfigurationError
+from .methods import Method, make_cache
+
+_RECORD_IMPL = "lukv_bench_record"
+
+
+@dataclass
+class SharedPrefill:
+    """One context's prefill, recorded once: per layer the full keys/values and the last ``n_queries``
+    post-RoPE queries, plus the last-position logits. :meth:`cache_for` turns it into any method's cache.
+
+    >>> shared = SharedPrefill.record(model, ids, n_queries=64)  # doctest: +SKIP
+    >>> cache = shared.cache_for(Method("uniform", "keydiff", 0.8), model)  # doctest: +SKIP
+    """
+
+    n_queries: int
+    attn_implementation: str
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    modules: dict[int, Any] = field(default_factory=dict)
+    last_logits: torch.Tensor | None = None
+    seconds: float = 0.0
+
+    @classmethod
+    @torch.no_grad()
+    def record(cls, model: Any, input_ids: torch.Tensor, n_queries: int) -> SharedPrefill:
+        impl = model.config._attn_implementation
+        if impl not in ("sdpa", "eager"):
+            raise ConfigurationError(
+                f"The shared prefill needs attn_implementation sdpa or eager, got {impl!r}."
+            )
+        recording = cls(max(2, n_queries), impl)
+        stock = ALL_ATTENTION_FUNCTIONS[impl]
+
+        def observe(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any):
+            recording.queries[module.layer_idx] = query[:, :, -recording.n_queries :].detach().clone()
+            recording.modules[module.layer_idx] = module
+            return stock(module, query, key, *args, **kwargs)
+
+        cache = DynamicCache()
+        started = time.perf_counter()
+        with attention_swapped(model, _RECORD_IMPL, observe):
+            out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        recording.seconds = time.perf_counter() - started
+        recording.last_logits = out.logits[:, -1, :]
+        recording.keys = [layer.keys for layer in cache.layers]
+        recording.values = [layer.values for layer in cache.layers]
+        return recording
+
+    @torch.no_grad()
+    def cache_for(
+        self,
+        method: Method,
+        model: Any,
+        profiles_dir: str | os.PathLike[str] | None = None,
+        *,
+        hub: bool = False,
+    ) -> Any:
+        """``method``'s cache holding this context, as if the context had been prefilled into it."""
+        cache = make_cache(method, model, profiles_dir, hub=hub)
+        attention = ALL_ATTENTION_FUNCTIONS[self.attn_implementation]
+        for layer_idx, (keys, values) in enumerate(zip(self.keys, self.values)):
+            k, v = cache.update(keys.clone(), values.clone(), layer_idx)
+            if method.is_full:
+                continue
+            module = self.modules[layer_idx]
+            # The installed attention function compresses the layer after a multi-token forward, reading
+            # the queries it is given (the scorer takes the last n_queries). Its output is discarded.
+            attention(module, self.queries[layer_idx], k, v, None, dropout=0.0, scaling=module.scaling)
+        return cache
+
+
+def shareable(model: Any) -> bool:
+    """Whether the shared prefill applies: every layer full attention, attention sdpa or eager."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    no_sliding = all(t == "full_attention" for t in layer_types) and not getattr(
+        config, "sliding_window", None
+    )
+    return no_sliding and model.config._attn_implementation in ("sdpa", "eager")

@@ -1,0 +1,291 @@
+"""Benchmark results as tables, plots and JSON: means, standard errors, and LU-KV's share of the gap.
+
+>>> from lukv_cache.evaluation.report import write_results
+>>> paths = write_results(results, "benchmarks/results", "multikey_1k")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .methods import FULL
+from .runner import BenchResults
+from .tasks import RETRIEVAL_TASKS, mean_and_sem
+
+
+def _is_retrieval(task: str) -> bool:
+    return task in RETRIEVAL_TASKS
+
+
+def summarize(results: BenchResults) -> list[dict[str, Any]]:
+    """One row per (task, method): mean, standard error, 95% CI (normal approximation), sample counts,
+    KV bytes and kept fraction; for continuation also the excess NLL over the full cache (paired).
+
+    >>> rows = summarize(results)  # doctest: +SKIP
+    """
+    rows = []
+    for (task, _name), record in results.results.items():
+        mean, sem = mean_and_sem(record.scores)
+        row: dict[str, Any] = {
+            "task": task,
+            "method": record.method.name,
+            "allocator": record.method.allocator,
+            "scorer": record.method.scorer,
+            "ratio": record.method.ratio,
+            "metric": "accuracy" if _is_retrieval(task) else "nll",
+            "n_samples": len(record.scores),
+            "n_questions": sum(len(q) for q in record.question_scores) or len(record.scores),
+            "mean": mean,
+            "sem": sem,
+            "ci95": [mean - 1.96 * sem, mean + 1.96 * sem],
+            "kv_bytes_mean": sum(record.kv_bytes) / max(1, len(record.kv_bytes)),
+            "kept_fraction_mean": sum(record.kept_fraction) / max(1, len(record.kept_fraction)),
+            "seconds": record.seconds,
+            "per_sample": record.scores,
+        }
+        full = results.results.get((task, FULL))
+        if not _is_retrieval(task) and full is not None and len(full.scores) == len(record.scores):
+            excess = [a - b for a, b in zip(record.scores, full.scores)]
+            e_mean, e_sem = mean_and_sem(excess)
+            row["excess_nll"] = {
+                "mean": e_mean,
+                "sem": e_sem,
+                "ci95": [e_mean - 1.96 * e_sem, e_mean + 1.96 * e_sem],
+            }
+        rows.append(row)
+    return rows
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "–"
+    if row["metric"] == "accuracy":
+        return f"{100 * row['mean']:.1f} ± {100 * row['sem']:.1f}"
+    if "excess_nll" in row:
+        return f"{row['excess_nll']['mean']:+.3f} ± {row['excess_nll']['sem']:.3f}"
+    return f"{row['mean']:.3f} ± {row['sem']:.3f}"
+
+
+def _recovery(rows: dict[str, dict[str, Any]], scorer: str, ratio: float, retrieval: bool) -> str:
+    """LU-KV's share of the gap between uniform and the full cache: (profile - uniform) / (full - uniform)."""
+    full, uniform = rows.get(FULL), rows.get(f"uniform/{scorer}@{ratio:g}")
+    lukv = rows.get(f"profile/{scorer}@{ratio:g}")
+    if full is None or uniform is None or lukv is None:
+        return "–"
+    gap = full["mean"] - uniform["mean"]
+    if abs(gap) < 1e-9:
+        return "no gap"
+    return f"{100 * (lukv['mean'] - uniform['mean']) / gap:.0f}%"
+
+
+def format_markdown(results: BenchResults, rows: list[dict[str, Any]] | None = None) -> str:
+    """The results as markdown: the exact command, settings, then one table per task (rows: methods,
+    columns: ratios) with ± one standard error, and the share of the uniform-to-full gap LU-KV recovers.
+
+    >>> print(format_markdown(results))  # doctest: +SKIP
+    """
+    rows = rows if rows is not None else summarize(results)
+    s = results.settings
+    lines = [
+        "# lukv_cache benchmark",
+        "",
+        f"Command: `{results.command}`" if results.command else "",
+        "",
+        f"* Model: {results.model_info.get('model_id', '?')} ({results.model_info.get('source', '')})",
+        f"* Started {results.started_utc}, {results.seconds / 60:.1f} min on {torch.get_num_threads()} CPU "
+        f"thread(s), torch {torch.__version__}",
+        f"* {s.samples} samples per task, ~{s.context_tokens} context tokens, seed {s.seed}, "
+        f"{s.needles} needles; shared prefill: {s.share_prefill}",
+        "* Retrieval cells: accuracy % ± one standard error over contexts (all questions of a context share "
+        "its prefill; the SE treats contexts as the unit). Continuation cells: excess NLL (nats/token) over "
+        "the full cache, paired per document, ± SE. 95% CI ≈ ± 1.96 SE (in the JSON).",
+        "* `ratio` = fraction of the context's KV entries removed (0.8 keeps 20%).",
+    ]
+    for name, reason in results.skipped.items():
+        lines.append(f"* Skipped {name}: {reason}")
+    for task in s.tasks:
+        task_rows = {r["method"]: r for r in rows if r["task"] == task}
+        if not task_rows:
+            continue
+        tokens = results.context_tokens.get(task, [])
+        n_q = task_rows[next(iter(task_rows))]["n_questions"]
+        span = f"{min(tokens, default=0)}-{max(tokens, default=0)} tokens"
+        lines += ["", f"## {task}", ""]
+        if _is_retrieval(task):
+            lines.append(f"{len(tokens)} contexts ({span}), {n_q} questions per method.")
+        else:
+            lines.append(
+                f"{len(tokens)} documents, {span} compressed, {s.continuation_tokens} tokens teacher-forced."
+            )
+        if FULL in task_rows:
+            lines.append(
+                f"Full cache: {_cell(task_rows[FULL]) if _is_retrieval(task) else _full_nll(task_rows)}."
+            )
+        ratios = list(s.ratios)
+        lines += [
+            "",
+            "| allocator | scorer | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |",
+            "|---|---|" + "---|" * len(ratios),
+        ]
+        for allocator in s.allocators:
+            for scorer in s.scorers:
+                cells = [_cell(task_rows.get(f"{allocator}/{scorer}@{r:g}")) for r in ratios]
+                lines.append(f"| {allocator} | {scorer} | " + " | ".join(cells) + " |")
+        kept = [
+            f"{r:g}: {100 * task_rows[m]['kept_fraction_mean']:.1f}%"
+            for r in ratios
+            for m in [f"uniform/{s.scorers[0]}@{r:g}"]
+            if m in task_rows
+        ]
+        if kept:
+            lines += ["", "Mean share of context tokens stored per head (uniform): " + ", ".join(kept) + "."]
+        if "profile" in s.allocators:
+            lines += [
+                "",
+                "LU-KV (profile) recovery of the uniform→full gap:",
+                "",
+                "| scorer | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |",
+                "|---|" + "---|" * len(ratios),
+            ]
+            for scorer in s.scorers:
+                cells = [_recovery(task_rows, scorer, r, _is_retrieval(task)) for r in ratios]
+                lines.append(f"| {scorer} | " + " | ".join(cells) + " |")
+    return "\n".join(line for line in lines) + "\n"
+
+
+def _full_nll(task_rows: dict[str, dict[str, Any]]) -> str:
+    full = task_rows[FULL]
+    return f"NLL {full['mean']:.3f} ± {full['sem']:.3f} nats/token"
+
+
+def plot_results(
+    results: BenchResults, path: str | os.PathLike[str], rows: list[dict[str, Any]] | None = None
+) -> Path:
+    """Accuracy (or excess NLL) vs ratio, one panel per (task, scorer), one line per allocator; the full
+    cache as a dashed line. Returns the PNG path.
+
+    >>> plot_results(results, "benchmarks/results/bench.png")  # doctest: +SKIP
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = rows if rows is not None else summarize(results)
+    s = results.settings
+    tasks = [t for t in s.tasks if any(r["task"] == t for r in rows)]
+    fig, axes = plt.subplots(
+        len(tasks), len(s.scorers), figsize=(4 * len(s.scorers), 3.2 * len(tasks)), squeeze=False
+    )
+    for i, task in enumerate(tasks):
+        task_rows = {r["method"]: r for r in rows if r["task"] == task}
+        retrieval = _is_retrieval(task)
+
+        def value(row: dict[str, Any], retrieval: bool = retrieval) -> tuple[float, float]:
+            if retrieval:
+                return 100 * row["mean"], 100 * 1.96 * row["sem"]
+            e = row.get("excess_nll", {"mean": row["mean"], "sem": row["sem"]})
+            return e["mean"], 1.96 * e["sem"]
+
+        for j, scorer in enumerate(s.scorers):
+            ax = axes[i][j]
+            for allocator in s.allocators:
+                points = [(r, task_rows.get(f"{allocator}/{scorer}@{r:g}")) for r in sorted(s.ratios)]
+                points = [(r, value(row)) for r, row in points if row is not None]
+                if points:
+                    ax.errorbar(
+                        [p[0] for p in points],
+                        [p[1][0] for p in points],
+                        yerr=[p[1][1] for p in points],
+                        marker="o",
+                        capsize=3,
+                        label=allocator,
+                    )
+            if FULL in task_rows:
+                ax.axhline(value(task_rows[FULL])[0], color="black", linestyle="--", label="full")
+            ax.set_title(f"{task} / {scorer}", fontsize=9)
+            ax.set_xlabel("ratio (fraction evicted)")
+            ax.set_ylabel("accuracy %" if retrieval else "excess NLL (nats/token)")
+            ax.grid(alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def to_json(results: BenchResults, rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Everything needed to re-read the run: command, settings, model, per-row statistics, per-sample scores.
+
+    >>> json.dumps(to_json(results))  # doctest: +SKIP
+    """
+    rows = rows if rows is not None else summarize(results)
+    return {
+        "command": results.command,
+        "started_utc": results.started_utc,
+        "seconds": results.seconds,
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "model": results.model_info,
+        "settings": asdict(results.settings) | {"tasks": list(results.settings.tasks)},
+        "context_tokens": results.context_tokens,
+        "prefill_seconds": results.prefill_seconds,
+        "skipped": results.skipped,
+        "results": rows,
+        "outputs": {f"{t}|{m}": r.outputs for (t, m), r in results.results.items() if _is_retrieval(t)},
+    }
+
+
+def write_results(
+    results: BenchResults, out_dir: str | os.PathLike[str], name: str | None = None
+) -> dict[str, Path]:
+    """Write ``<name>.md``, ``<name>.json`` and ``<name>.png`` under ``out_dir``; return their paths.
+
+    >>> paths = write_results(results, "benchmarks/results", "multikey_1k")  # doctest: +SKIP
+    """
+    s = results.settings
+    name = name or f"{'-'.join(s.tasks)}_{s.context_tokens}tok_{s.samples}s"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(results)
+    paths = {"md": out / f"{name}.md", "json": out / f"{name}.json", "png": out / f"{name}.png"}
+    paths["md"].write_text(format_markdown(results, rows) + f"\nPlot: `{paths['png'].name}`\n")
+    paths["json"].write_text(json.dumps(to_json(results, rows), indent=1, default=_json_default) + "\n")
+    try:
+        plot_results(results, paths["png"], rows)
+    except ImportError:
+        paths.pop("png")  # matplotlib is optional (the `plots` / `demo` extras)
+    return paths
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed, for the results header."""
+    argv = list(sys.argv if argv is None else argv)
+    program = argv[0] if argv else "lukv"
+    if " " not in program:  # an installed entry point: its name, not its path
+        program = os.path.basename(program)
+    return " ".join([program] + [_quote(a) for a in argv[1:]])
+
+
+def _quote(arg: str) -> str:
+    return arg if arg and all(c.isalnum() or c in "-_./=:,@" for c in arg) else json.dumps(arg)

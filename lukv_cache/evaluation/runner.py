@@ -1,0 +1,183 @@
+"""Running the benchmark grid: every method on every sample of every task, one shared prefill per sample.
+
+>>> from lukv_cache.evaluation.runner import BenchSettings, run_benchmark
+>>> settings = BenchSettings(tasks=("niah_multikey",), samples=2, ratios=(0.5,), scorers=("keydiff",))
+>>> results = run_benchmark(model, tokenizer, settings)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cache import kv_cache_bytes
+from ..errors import ConfigurationError, ProfileError
+from .methods import ALLOCATORS, RATIOS, SCORERS, Method, build_methods, make_cache
+from .prefill import SharedPrefill, shareable
+from .tasks import TASKS, Sample, context_ids, make_samples, score_prefilled
+from .texts import Article
+
+
+@dataclass
+class BenchSettings:
+    """What to run. Defaults are the full grid (about an hour per task at 1k tokens on 2 CPU threads).
+
+    >>> BenchSettings(samples=2, ratios=(0.8,), scorers=("keydiff",)).samples
+    2
+    """
+
+    tasks: Sequence[str] = ("niah_single", "niah_multikey", "niah_multivalue", "continuation")
+    samples: int = 20
+    context_tokens: int = 1000
+    ratios: Sequence[float] = RATIOS
+    scorers: Sequence[str] = SCORERS
+    allocators: Sequence[str] = ALLOCATORS
+    full: bool = True
+    seed: int = 0
+    needles: int = 4
+    continuation_tokens: int = 128
+    profiles_dir: str | None = "profiles_hub"
+    hub: bool = False
+    share_prefill: bool = True
+
+
+@dataclass
+class MethodResult:
+    """Every sample's score for one (task, method), in sample order, plus what the cache held."""
+
+    task: str
+    method: Method
+    scores: list[float] = field(default_factory=list)
+    question_scores: list[list[float]] = field(default_factory=list)
+    outputs: list[list[str]] = field(default_factory=list)
+    kv_bytes: list[int] = field(default_factory=list)
+    kept_fraction: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class BenchResults:
+    """The whole run: settings, per-(task, method) results, skipped methods and their reasons."""
+
+    settings: BenchSettings
+    results: dict[tuple[str, str], MethodResult] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    context_tokens: dict[str, list[int]] = field(default_factory=dict)
+    prefill_seconds: dict[str, list[float]] = field(default_factory=dict)
+    seconds: float = 0.0
+    command: str = ""
+    model_info: dict[str, Any] = field(default_factory=dict)
+    started_utc: str = ""
+
+
+def _kept_fraction(cache: Any, context_tokens: int) -> float:
+    if hasattr(cache, "stored_tokens"):
+        stored = cache.stored_tokens()
+        if stored.numel():
+            return float(stored.double().mean()) / context_tokens
+    return 1.0
+
+
+def _n_queries(scorers: Sequence[str]) -> int:
+    from ..scorers import get_scorer
+
+    return max([get_scorer(s).n_queries for s in scorers] + [2])
+
+
+def run_benchmark(
+    model: Any,
+    tokenizer: Any,
+    settings: BenchSettings,
+    *,
+    articles: Sequence[Article] | None = None,
+    log: Callable[[str], None] | None = print,
+    on_task_done: Callable[[BenchResults], None] | None = None,
+) -> BenchResults:
+    """Run every task of ``settings`` with every method; returns per-sample scores for all of them.
+
+    ``articles`` replaces the real Wikipedia text (tests use synthetic text with a tiny model).
+    ``on_task_done`` is called after each task, e.g. to write partial results.
+
+    >>> results = run_benchmark(model, tokenizer, BenchSettings(samples=2, ratios=(0.8,)))  # doctest: +SKIP
+    """
+    for task in settings.tasks:
+        if task not in TASKS:
+            raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
+    methods = build_methods(settings.allocators, settings.scorers, settings.ratios, full=settings.full)
+    results = BenchResults(settings, started_utc=datetime.datetime.now(datetime.timezone.utc).isoformat())
+    say = log or (lambda _msg: None)
+    share = settings.share_prefill and shareable(model)
+    n_queries = _n_queries(settings.scorers)
+    device = next(model.parameters()).device
+    started = time.perf_counter()
+
+    # Methods whose cache cannot be built (no profile file) are skipped once, with the reason.
+    for method in methods:
+        if method.allocator == "profile" and method.name not in results.skipped:
+            try:
+                make_cache(method, model, settings.profiles_dir, hub=settings.hub)
+            except ProfileError as err:
+                results.skipped[method.name] = str(err)
+    active = [m for m in methods if m.name not in results.skipped]
+    for name, reason in results.skipped.items():
+        say(f"skip {name}: {reason}")
+
+    for task in settings.tasks:
+        samples: list[Sample] = make_samples(
+            task,
+            tokenizer,
+            settings.samples,
+            settings.context_tokens,
+            seed=settings.seed,
+            n_needles=settings.needles,
+            continuation_tokens=settings.continuation_tokens,
+            articles=articles,
+        )
+        for method in active:
+            results.results[(task, method.name)] = MethodResult(task, method)
+        results.context_tokens[task] = []
+        results.prefill_seconds[task] = []
+        for index, sample in enumerate(samples):
+            ids = context_ids(tokenizer, sample, device)
+            results.context_tokens[task].append(int(ids.shape[1]))
+            shared = SharedPrefill.record(model, ids, n_queries) if share else None
+            if shared is not None:
+                results.prefill_seconds[task].append(shared.seconds)
+            line = []
+            for method in active:
+                method_started = time.perf_counter()
+                if shared is not None:
+                    cache = shared.cache_for(method, model, settings.profiles_dir, hub=settings.hub)
+                    last_logits = shared.last_logits
+                else:
+                    cache = make_cache(method, model, settings.profiles_dir, hub=settings.hub)
+                    with torch.no_grad():
+                        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    last_logits = out.logits[:, -1, :]
+                held = kv_cache_bytes(cache)
+                kept = _kept_fraction(cache, ids.shape[1])
+                score, outputs, question_scores = score_prefilled(
+                    model, tokenizer, sample, cache, last_logits
+                )
+                record = results.results[(task, method.name)]
+                record.scores.append(score)
+                record.outputs.append(outputs)
+                record.question_scores.append(question_scores)
+                record.kv_bytes.append(held)
+                record.kept_fraction.append(kept)
+                record.seconds += time.perf_counter() - method_started
+                line.append(f"{method.name}={score:.3g}")
+            say(
+                f"[{task} {index + 1}/{len(samples)}] {ids.shape[1]} tokens, "
+                f"{time.perf_counter() - started:.0f}s: " + " ".join(line)
+            )
+        results.seconds = time.perf_counter() - started
+        if on_task_done is not None:
+            on_task_done(results)
+    results.seconds = time.perf_counter() - started
+    return results

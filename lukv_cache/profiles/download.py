@@ -1,0 +1,161 @@
+"""Finding a model's profile: an explicit file, a local folder, or the shared Hub repository.
+
+Everything remote goes through ``huggingface_hub`` (its cache, ``HF_HUB_OFFLINE``, ``HF_ENDPOINT``, tokens,
+revisions): nothing of it is re-implemented here.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigurationError, ProfileFormatError, ProfileNotFoundError
+from .hub_errors import LOCAL_OPTION, connection_errors, translated_hub_errors
+from .location import DEFAULT_SCORER, LOCAL_DIR_ENV, HubLocation, profile_filename
+from .profile import Profile, library_version
+
+
+def model_id_of(model: Any) -> str:
+    """The id a loaded model's profile is keyed by: ``model.config.name_or_path`` ("" when unset).
+
+    >>> model_id_of(type("M", (), {"config": type("C", (), {"name_or_path": "org/m"})()})())
+    'org/m'
+    """
+    config = model.config
+    return getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "") or ""
+
+
+def resolve_profile(
+    model: Any,
+    scorer: str | None = None,
+    *,
+    hub: HubLocation | None = None,
+    local_dir: str | os.PathLike | None = None,
+) -> Profile:
+    """The profile for ``model``: a profile file, a model id, or a loaded model (its ``name_or_path``).
+
+    A model id is looked up first in ``local_dir`` (else ``$LUKV_PROFILE_DIR``) at
+    ``<local_dir>/<model_id>/<scorer>.safetensors``, then in the shared Hub repository through
+    ``hf_hub_download`` (cache, offline mode, token, revision and endpoint from ``hub``).
+
+    >>> profile = resolve_profile("meta-llama/Llama-3.1-8B-Instruct", "snapkv")  # doctest: +SKIP
+    >>> profile = resolve_profile("./my_profile.safetensors")                   # doctest: +SKIP
+    """
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        if path.is_file():
+            return Profile.load(path)
+        if str(model).endswith(".safetensors"):
+            raise ProfileNotFoundError(
+                f"No profile file at {str(model)!r}. Check the path, or pass a model id to use the shared profile."
+            )
+        model_id = str(model)
+    elif hasattr(model, "config"):
+        model_id = model_id_of(model)
+        if not model_id:
+            raise ConfigurationError(
+                "The model's config has no name_or_path, so its shared profile cannot be looked up. "
+                "Pass the model id or a profile file."
+            )
+    else:
+        raise ConfigurationError(
+            f"Expected a profile file, a model id or a loaded model, got {type(model).__name__}."
+        )
+    path = download_profile(model_id, scorer, hub=hub, local_dir=local_dir)
+    profile = Profile.load(path)
+    scorer = scorer or DEFAULT_SCORER
+    if profile.scorer != scorer:
+        raise ProfileFormatError(
+            f"{path} is stored as the {scorer!r} profile of {model_id!r} but says it was built for scorer "
+            f"{profile.scorer!r}. Report it to the repository's maintainers; meanwhile pass scorer={profile.scorer!r}.",
+            source=str(path),
+            field="scorer",
+        )
+    if profile.model_id != model_id:
+        warnings.warn(
+            f"The profile stored for {model_id!r} says it was built for {profile.model_id!r}.", stacklevel=2
+        )
+    return profile
+
+
+def download_profile(
+    model_id: str,
+    scorer: str | None = None,
+    *,
+    hub: HubLocation | None = None,
+    local_dir: str | os.PathLike | None = None,
+) -> Path:
+    """The local path of ``model_id``'s profile for ``scorer`` (local directory first, then the Hub cache).
+
+    >>> download_profile("meta-llama/Llama-3.1-8B-Instruct")  # doctest: +SKIP
+    PosixPath('~/.cache/huggingface/hub/models--lukv-cache--profiles/snapshots/<sha>/meta-llama/...')
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    hub = hub or HubLocation()
+    scorer = scorer or DEFAULT_SCORER
+    filename = profile_filename(model_id, scorer)
+    local_dir = local_dir or os.environ.get(LOCAL_DIR_ENV) or None
+    if local_dir is not None and (Path(local_dir) / filename).is_file():
+        return Path(local_dir) / filename
+    searched = f" (also searched the local directory {str(local_dir)!r})" if local_dir else ""
+    subject = f"{filename!r} (profile of {model_id!r})"
+    with translated_hub_errors(subject, hub, model_id=model_id, searched=searched):
+        try:
+            return Path(
+                hf_hub_download(
+                    hub.repo,
+                    filename,
+                    repo_type="model",
+                    revision=hub.revision,
+                    token=hub.token,
+                    cache_dir=hub.cache_dir,
+                    endpoint=hub.endpoint,
+                    local_files_only=hub.local_files_only,
+                    library_name="lukv_cache",
+                    library_version=library_version(),
+                )
+            )
+        except RemoteEntryNotFoundError:
+            available = scorers_with_profiles(model_id, hub)
+    repo, at = hub.repo, hub.at()
+    if available:
+        raise ProfileNotFoundError(
+            f"{repo!r}{at} has no {scorer!r} profile for {model_id!r} ({filename!r} is missing){searched}. "
+            f"Profiles for {model_id!r} exist for the scorers: {', '.join(available)}. Pass one of "
+            f"them as scorer=, or build a {scorer!r} profile and publish it (lukv push).",
+            model_id=model_id,
+            scorer=scorer,
+            available=available,
+        )
+    what = "could not be listed" if available is None else "none"
+    raise ProfileNotFoundError(
+        f"{repo!r}{at} has no shared profile for {model_id!r} ({filename!r} is missing; scorers with a "
+        f"profile for this model: {what}){searched}. Build one with the profiling pipeline and publish it "
+        f"(lukv push), {LOCAL_OPTION}; `lukv list` shows the models that have one.",
+        model_id=model_id,
+        scorer=scorer,
+        available=available,
+    )
+
+
+def scorers_with_profiles(model_id: str, hub: HubLocation) -> list[str] | None:
+    """Scorers with a profile for ``model_id`` in the repository ([] if none, None if it cannot be listed)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+
+    try:
+        entries = HfApi(endpoint=hub.endpoint, token=hub.token).list_repo_tree(
+            hub.repo, path_in_repo=model_id, revision=hub.revision, repo_type="model"
+        )
+        names = [entry.path.rsplit("/", 1)[-1] for entry in entries]
+    except EntryNotFoundError:
+        return []
+    except HfHubHTTPError as err:
+        return [] if err.response is not None and err.response.status_code == 404 else None
+    except connection_errors():
+        return None
+    return sorted(name.removesuffix(".safetensors") for name in names if name.endswith(".safetensors"))

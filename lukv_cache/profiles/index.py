@@ -1,0 +1,122 @@
+"""``index.json``: the list of profiles a repository (or a local mirror like ``profiles_hub/``) holds.
+
+Format: ``{"format_version": 1, "profiles": [entry, ...]}``, one entry per (model id, scorer) with the
+profile's summary and its ``path``; entries sorted by model id, then scorer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ProfileFormatError
+from .hub_errors import translated_hub_errors
+from .location import INDEX_FILENAME, HubLocation, check_model_id, profile_filename
+from .profile import Profile, atomic_write
+
+INDEX_FORMAT_VERSION = 1
+
+
+def empty_index() -> dict[str, Any]:
+    return {"format_version": INDEX_FORMAT_VERSION, "profiles": []}
+
+
+def parse_index(data: bytes, source: str) -> dict[str, Any]:
+    """A validated index from its bytes; a malformed one raises :class:`ProfileFormatError`."""
+    try:
+        index = json.loads(data)
+        if not isinstance(index, dict) or not isinstance(index.get("profiles"), list):
+            raise ValueError("expected an object with a 'profiles' list")
+        for entry in index["profiles"]:
+            if not isinstance(entry, dict) or not {"model_id", "scorer"} <= set(entry):
+                raise ValueError("every entry needs 'model_id' and 'scorer'")
+    except ValueError as err:
+        raise ProfileFormatError(
+            f"{source} is not a valid profile index ({err}). Fix or regenerate it, then retry.", source=source
+        ) from None
+    return index
+
+
+def index_entry(profile: Profile, model_id: str) -> dict[str, Any]:
+    return {**profile.summary(), "model_id": model_id, "path": profile_filename(model_id, profile.scorer)}
+
+
+def with_entry(index: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """``index`` with ``entry`` added, replacing the entry of the same (model id, scorer)."""
+    key = (entry["model_id"], entry["scorer"])
+    kept = [e for e in index["profiles"] if (e["model_id"], e["scorer"]) != key]
+    profiles = sorted([*kept, entry], key=lambda e: (e["model_id"], e["scorer"]))
+    return {**index, "format_version": INDEX_FORMAT_VERSION, "profiles": profiles}
+
+
+def index_bytes(index: dict[str, Any]) -> bytes:
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
+def list_profiles(
+    *,
+    model_id: str | None = None,
+    hub: HubLocation | None = None,
+    local_dir: str | os.PathLike | None = None,
+) -> list[dict[str, Any]]:
+    """The entries of the shared repository's ``index.json`` (or of ``<local_dir>/index.json``).
+
+    Each entry has ``model_id``, ``scorer``, ``path``, ``num_layers``, ``num_kv_heads``, ``head_dim``,
+    ``grid`` (size/min/max), ``calibration``, ``created``, ``library_version``.
+
+    >>> [e["scorer"] for e in list_profiles(model_id="meta-llama/Llama-3.1-8B-Instruct")]  # doctest: +SKIP
+    ['expected_attention', 'keydiff']
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    if local_dir is not None:
+        path = Path(local_dir) / INDEX_FILENAME
+        index = parse_index(path.read_bytes(), str(path)) if path.is_file() else empty_index()
+    else:
+        hub = hub or HubLocation()
+        with translated_hub_errors(f"the profile index {INDEX_FILENAME!r}", hub):
+            try:
+                path = hf_hub_download(
+                    hub.repo,
+                    INDEX_FILENAME,
+                    repo_type="model",
+                    revision=hub.revision,
+                    token=hub.token,
+                    cache_dir=hub.cache_dir,
+                    endpoint=hub.endpoint,
+                )
+            except RemoteEntryNotFoundError:
+                return []  # a repository without an index holds no profiles yet
+        index = parse_index(Path(path).read_bytes(), f"{INDEX_FILENAME} of {hub.repo!r}")
+    return [dict(e) for e in index["profiles"] if model_id is None or e["model_id"] == model_id]
+
+
+def published_copy(profile: Profile, model_id: str | None) -> Profile:
+    """The profile as published under ``model_id`` (its metadata names the id it is stored under)."""
+    import dataclasses
+
+    if model_id is None or model_id == profile.model_id:
+        check_model_id(profile.model_id)
+        return profile
+    check_model_id(model_id)
+    extra = {**profile.extra, "built_from_model_id": profile.model_id}
+    return dataclasses.replace(profile, model_id=model_id, extra=extra)
+
+
+def save_to_local_dir(profile: Profile, local_dir: str | os.PathLike, model_id: str | None = None) -> Path:
+    """Write ``profile`` into a local mirror (e.g. ``profiles_hub/``) and update its ``index.json``.
+
+    >>> save_to_local_dir(profile, "profiles_hub")  # doctest: +SKIP
+    PosixPath('profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/keydiff.safetensors')
+    """
+    profile = published_copy(profile, model_id)
+    root = Path(local_dir)
+    path = root / profile_filename(profile.model_id, profile.scorer)
+    index_path = root / INDEX_FILENAME
+    index = parse_index(index_path.read_bytes(), str(index_path)) if index_path.is_file() else empty_index()
+    profile.save(path)
+    atomic_write(index_path, index_bytes(with_entry(index, index_entry(profile, profile.model_id))))
+    return path

@@ -1,0 +1,98 @@
+"""Where profiles live: the shared Hub repository (:class:`HubLocation`) and the file names inside it.
+
+The profile for ``meta-llama/Llama-3.1-8B-Instruct`` with scorer ``keydiff`` lives at
+``meta-llama/Llama-3.1-8B-Instruct/keydiff.safetensors`` in the repository named by ``repo_id``, else
+``$LUKV_PROFILE_REPO``, else ``lukv-cache/profiles``; ``index.json`` at its root lists what exists. A local
+mirror (``profiles_hub/``, ``$LUKV_PROFILE_DIR``) has the same layout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from ..errors import ConfigurationError
+
+DEFAULT_REPO_ID = "lukv-cache/profiles"
+REPO_ID_ENV = "LUKV_PROFILE_REPO"
+LOCAL_DIR_ENV = "LUKV_PROFILE_DIR"
+INDEX_FILENAME = "index.json"
+DEFAULT_SCORER = "keydiff"
+_SCORER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class HubLocation:
+    """How to reach the shared profile repository: every Hub switch in one place.
+
+    ``repo_id`` (default ``$LUKV_PROFILE_REPO``, else ``lukv-cache/profiles``), ``revision`` (branch, tag
+    or commit sha; default the main branch), ``token``, ``cache_dir`` (huggingface_hub's cache) and
+    ``endpoint`` (default ``$HF_ENDPOINT``) go to huggingface_hub unchanged; ``None`` means its default.
+    ``local_files_only``: read huggingface_hub's cache only, never the network.
+
+    >>> HubLocation(repo_id="me/my-profiles").repo
+    'me/my-profiles'
+    """
+
+    repo_id: str | None = None
+    revision: str | None = None
+    token: str | bool | None = None
+    cache_dir: str | os.PathLike | None = None
+    endpoint: str | None = None
+    local_files_only: bool = False
+
+    @property
+    def repo(self) -> str:
+        """The repository id in use: ``repo_id``, else ``$LUKV_PROFILE_REPO``, else the default."""
+        return profile_repo_id(self.repo_id)
+
+    def endpoint_url(self) -> str:
+        """The endpoint in use (for messages): ``endpoint``, else huggingface_hub's."""
+        from huggingface_hub import constants
+
+        return self.endpoint or constants.ENDPOINT
+
+    def at(self) -> str:
+        """`` at revision 'x'`` when a revision is pinned (for messages)."""
+        return f" at revision {self.revision!r}" if self.revision else ""
+
+
+def profile_repo_id(repo_id: str | None = None) -> str:
+    """The shared repository: ``repo_id``, else ``$LUKV_PROFILE_REPO``, else ``lukv-cache/profiles``.
+
+    >>> profile_repo_id("me/my-profiles")
+    'me/my-profiles'
+    """
+    return repo_id or os.environ.get(REPO_ID_ENV) or DEFAULT_REPO_ID
+
+
+def profile_filename(model_id: str, scorer: str) -> str:
+    """Where a profile lives in the shared repository (and in a local mirror such as ``profiles_hub/``).
+
+    >>> profile_filename("meta-llama/Llama-3.1-8B-Instruct", "keydiff")
+    'meta-llama/Llama-3.1-8B-Instruct/keydiff.safetensors'
+    """
+    check_model_id(model_id)
+    if not isinstance(scorer, str) or not _SCORER_NAME.match(scorer):
+        raise ConfigurationError(
+            f"Scorer name {scorer!r} cannot name a profile file: use letters, digits, '_', '-' or '.' "
+            f"(e.g. {DEFAULT_SCORER!r})."
+        )
+    return f"{model_id}/{scorer}.safetensors"
+
+
+def check_model_id(model_id: str) -> None:
+    """Raise :class:`~lukv_cache.errors.ConfigurationError` unless ``model_id`` is a Hub model id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        if not isinstance(model_id, str) or model_id.startswith((".", "/", "~")):
+            raise HFValidationError("looks like a local path")
+        validate_repo_id(model_id)
+    except HFValidationError as err:
+        raise ConfigurationError(
+            f"{model_id!r} is not a Hub model id ({err}). Shared profiles are keyed by model id, "
+            "e.g. 'meta-llama/Llama-3.1-8B-Instruct': pass the model id (a model loaded from a local folder "
+            "has the folder as its name), or pass a profile file."
+        ) from None

@@ -1,0 +1,75 @@
+"""The package's rooms talk one way: each area imports only the areas below it (docs/design.md, "Layout").
+
+Read from the source with ``ast``, so a new import that breaks the layering fails here, not in review.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lukv_cache"
+
+# area -> the areas it may import (besides itself); a module of the package root is its own area
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "_registry": {"errors"},
+    "_paths": set(),
+    "scorers": {"_registry", "errors"},
+    "allocation": {"_registry", "errors"},
+    "attention": {"errors"},
+    "cache": {"attention", "scorers", "allocation", "errors", "profiles"},
+    "profiles": {"errors", "scorers"},
+    "profiling": {"cache", "attention", "scorers", "allocation", "profiles", "errors", "_paths", "models"},
+    "models": {"errors", "_paths"},
+    "evaluation": {"cache", "attention", "scorers", "allocation", "profiles", "errors", "models"},
+    "cli": {"errors", "profiles", "profiling", "evaluation"},
+    "__init__": {"allocation", "attention", "cache", "errors", "scorers", "profiles", "profiling"},
+}
+
+
+def _area(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0].removesuffix(".py")
+
+
+def _imported_areas(path: Path) -> set[str]:
+    """The package areas a module imports (absolute ``lukv_cache.x`` or relative ``..x`` imports)."""
+    tree = ast.parse(path.read_text())
+    depth = len(path.relative_to(PACKAGE).parts) - 1  # 0 for a module at the package root
+    areas = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if node.module and node.module.startswith("lukv_cache."):
+                    areas.add(node.module.split(".")[1])
+                elif node.module == "lukv_cache":
+                    areas.update(alias.name for alias in node.names)
+            elif node.level > depth:  # climbs to the package root, then into an area
+                if node.module:
+                    areas.add(node.module.split(".")[0])
+                else:
+                    areas.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("lukv_cache."):
+                    areas.add(alias.name.split(".")[1])
+    return areas
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_imports_only_the_areas_below_it(path):
+    area = _area(path)
+    assert area in ALLOWED, f"new area {area!r}: add it to ALLOWED with the areas it may use"
+    imported = _imported_areas(path) - {area}
+    assert imported <= ALLOWED[area], f"{path.relative_to(PACKAGE)} imports {sorted(imported - ALLOWED[area])}"
+
+
+def test_no_module_cites_a_file_outside_the_repository():
+    for path in MODULES:
+        assert "DESIGN.md" not in path.read_text(), path
