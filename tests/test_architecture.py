@@ -67,7 +67,9 @@ def test_module_imports_only_the_areas_below_it(path):
     area = _area(path)
     assert area in ALLOWED, f"new area {area!r}: add it to ALLOWED with the areas it may use"
     imported = _imported_areas(path) - {area}
-    assert imported <= ALLOWED[area], f"{path.relative_to(PACKAGE)} imports {sorted(imported - ALLOWED[area])}"
+    assert imported <= ALLOWED[area], (
+        f"{path.relative_to(PACKAGE)} imports {sorted(imported - ALLOWED[area])}"
+    )
 
 
 def test_no_module_cites_a_file_outside_the_repository():

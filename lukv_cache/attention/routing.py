@@ -36,7 +36,7 @@ def _model_eager(module: torch.nn.Module) -> Callable:
 def route(stock: Callable | None) -> Callable:
     """A lukv-aware attention function around ``stock`` (``None``: the module's own eager function).
 
-    >>> AttentionInterface.register("my_sdpa", route(sdpa_attention_forward))  # doctest: +SKIP
+    >>> AttentionInterface.register("my_sdpa", route(sdpa_attention_forward))
     """
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -20,8 +20,15 @@ def attention_swapped(model: Any, name: str, fn: Callable) -> Iterator[None]:
     ``fn`` is marked lukv-aware: it must delegate to a lukv-aware function (e.g. the installed ``sdpa``) if
     it may see a LUKVCache.
 
-    >>> with attention_swapped(model, "my_observer", observer):  # doctest: +SKIP
-    ...     model(input_ids)
+    >>> from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    >>> calls = []
+    >>> def observer(module, query, *args, **kwargs):
+    ...     calls.append(module.layer_idx)
+    ...     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, *args, **kwargs)
+    >>> with attention_swapped(model, "my_observer", observer):
+    ...     _ = model(**inputs)
+    >>> calls, model.config._attn_implementation
+    ([0, 1], 'sdpa')
     """
     AttentionInterface.register(name, lukv_aware(fn))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

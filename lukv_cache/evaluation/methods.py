@@ -56,7 +56,8 @@ def make_cache(
     """A fresh, empty cache for ``method``. ``profile`` reads ``<profiles_dir>/<model id>/<scorer>`` (and
     the shared Hub repository only when ``hub=True``); a missing profile raises a ``ProfileError``.
 
-    >>> cache = make_cache(Method("adakv", "keydiff", 0.8), model)  # doctest: +SKIP
+    >>> make_cache(Method("adakv", "keydiff", 0.8), model).allocator_name
+    'adakv'
     """
     if method.is_full:
         return DynamicCache()

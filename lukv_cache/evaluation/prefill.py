@@ -30,8 +30,10 @@ class SharedPrefill:
     """One context's prefill, recorded once: per layer the full keys/values and the last ``n_queries``
     post-RoPE queries, plus the last-position logits. :meth:`cache_for` turns it into any method's cache.
 
-    >>> shared = SharedPrefill.record(model, ids, n_queries=64)  # doctest: +SKIP
-    >>> cache = shared.cache_for(Method("uniform", "keydiff", 0.8), model)  # doctest: +SKIP
+    >>> shared = SharedPrefill.record(model, inputs["input_ids"], n_queries=64)
+    >>> cache = shared.cache_for(Method("uniform", "keydiff", 0.8), model)
+    >>> cache.get_seq_length()
+    48
     """
 
     n_queries: int

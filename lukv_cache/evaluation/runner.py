@@ -109,7 +109,7 @@ def run_benchmark(
         if task not in TASKS:
             raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
     methods = build_methods(settings.allocators, settings.scorers, settings.ratios, full=settings.full)
-    results = BenchResults(settings, started_utc=datetime.datetime.now(datetime.timezone.utc).isoformat())
+    results = BenchResults(settings, started_utc=datetime.datetime.now(datetime.UTC).isoformat())
     say = log or (lambda _msg: None)
     share = settings.share_prefill and shareable(model)
     n_queries = _n_queries(settings.scorers)

@@ -20,9 +20,9 @@ def prefill_scores(
     The context goes through a keep-everything cache (``ratio=0``, no sinks, no window) that records its
     scores, so a profile ranks tokens exactly as the cache will.
 
-    >>> scores = prefill_scores(model, context_ids, "keydiff")  # doctest: +SKIP
-    >>> scores[0].shape  # doctest: +SKIP
-    torch.Size([1, 3, 4096])
+    >>> scores = prefill_scores(model, inputs["input_ids"], "keydiff")
+    >>> scores[0].shape
+    torch.Size([1, 2, 48])
     """
     cache = LUKVCache(ratio=0.0, scorer=scorer, config=model.config, sink=0, window=0, keep_scores=True)
     with torch.no_grad():

@@ -5,6 +5,7 @@ import pytest
 
 import lukv_cache.profiling.cli as profiling_cli
 from lukv_cache.cli import main
+from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles.profile import Profile
 from lukv_cache.profiling import build_profile
 from lukv_cache.profiling.diagnostics import (
@@ -48,7 +49,7 @@ def test_missing_matplotlib_raises_a_clear_error(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(Exception, match="pip install"):
+    with pytest.raises(ConfigurationError, match="pip install"):
         plot_curves(_profile())
 
 

@@ -1,0 +1,102 @@
+"""Every registered scorer and allocator meets the contract the cache relies on.
+
+Parametrised from the registries: a new scorer or allocator is tested here without editing this file
+(CONTRIBUTING.md). An allocator whose factory needs arguments declares them in ``FACTORY_ARGS``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_models import left_padded, prompt, tiny_model
+from transformers import DynamicCache
+
+from lukv_cache import AllocationRequest, LUKVCache
+from lukv_cache.allocation import ALLOCATORS, get_allocator
+from lukv_cache.scorers import SCORERS, get_scorer
+
+LAYERS, HEADS = 2, 2  # the tiny llama's shape
+
+
+def _factory_args(name: str, ratio: float) -> dict:
+    # the profile allocator reads a table; a constant one asks for exactly the uniform total
+    return {"profile": {"evict_ratio": torch.full((LAYERS, HEADS), ratio)}}.get(name, {})
+
+
+# ------------------------------------------------------------------------------------------ scorers
+
+
+@pytest.mark.parametrize("name", SCORERS.names())
+def test_scorer_returns_one_float_score_per_token_and_head(name):
+    scorer = get_scorer(name)
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, HEADS, 40, 16, generator=gen), torch.randn(2, HEADS, 40, 16, generator=gen)
+    queries = torch.randn(2, 2 * HEADS, scorer.n_queries, 16, generator=gen) if scorer.n_queries else None
+    scores = scorer(keys, values, queries)
+    assert isinstance(scores, torch.Tensor) and scores.is_floating_point()
+    assert scores.shape == (2, HEADS, 40)
+    assert torch.isfinite(scores).all()
+
+
+@pytest.mark.parametrize("name", SCORERS.names())
+def test_cache_with_any_scorer_keeps_the_uniform_budget_under_left_padding(name):
+    model = tiny_model("llama", "sdpa")
+    ids, mask = left_padded((60, 41), seed=3)
+    cache = LUKVCache(0.5, name, sink=4, window=2)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    stored = cache.stored_tokens()  # [L, B, H]
+    for row, real in enumerate(mask.sum(-1).tolist()):
+        evictable = real - 4 - 2
+        per_layer = stored[:, row].sum(-1) - 6 * HEADS
+        assert per_layer.tolist() == [round(0.5 * evictable * HEADS)] * LAYERS
+        assert (stored[:, row].amax(-1) - stored[:, row].amin(-1) <= 1).all()
+
+
+@pytest.mark.parametrize("name", SCORERS.names())
+def test_ratio_zero_with_any_scorer_answers_like_dynamic_cache(name):
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 30, seed=4)
+    with torch.no_grad():
+        want = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=5, do_sample=False)
+        got = model.generate(ids, past_key_values=LUKVCache(0.0, name), max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------ allocators
+
+
+def _request(ratio: float, n_rows=(300, 37, 1)) -> AllocationRequest:
+    n = torch.tensor(n_rows)
+    width = int(n.max())
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.rand(LAYERS, len(n_rows), HEADS, width, generator=gen)
+    scores = scores.masked_fill(torch.arange(width) >= n.view(1, -1, 1, 1), float("-inf"))
+    ratios = torch.full((len(n_rows),), ratio, dtype=torch.float64)
+    return AllocationRequest(scores, n, ratios, tuple(range(LAYERS)), LAYERS, 0.01)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 0.8, 0.95])
+@pytest.mark.parametrize("name", ALLOCATORS.names())
+def test_allocator_budgets_respect_the_bounds_and_the_model_total(name, ratio):
+    req = _request(ratio)
+    counts = get_allocator(name, **_factory_args(name, ratio))(req)
+    assert counts.shape == (LAYERS, 3, HEADS) and counts.dtype == torch.long
+    mins = req.min_counts()
+    for row, n in enumerate(req.n_evictable.tolist()):
+        assert (counts[:, row] >= mins[row]).all() and (counts[:, row] <= n).all()
+        target = round((1 - ratio) * n * HEADS * LAYERS)
+        total = int(counts[:, row].sum())
+        # the exact total, give or take one token per layer of rounding; more only where the per-head
+        # minimum asks for more than a head's share
+        assert target - LAYERS <= total <= target + LAYERS + int(mins[row]) * HEADS * LAYERS, counts[:, row]
+
+
+@pytest.mark.parametrize("name", ALLOCATORS.names())
+def test_cache_with_any_allocator_stores_what_it_allocates(name):
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.8, "keydiff", name, sink=4, window=1, allocator_kwargs=_factory_args(name, 0.8))
+    with torch.no_grad():
+        model(prompt(1, 105, seed=5), past_key_values=cache)
+    kept = int((cache.stored_tokens() - 5).sum())  # minus sinks and window, per (layer, head)
+    assert abs(kept - round(0.2 * 100 * HEADS * LAYERS)) <= LAYERS
