@@ -1,4 +1,4 @@
-"""The built-in allocators: uniform, pyramid (PyramidKV), adakv (AdaKV) and profile (LU-KV)."""
+"""The built-in allocators: uniform, pyramid (PyramidKV), adakv (AdaKV), global (KVzip) and profile (LU-KV)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,26 @@ def pyramid(beta: float = 20.0):
     return allocate
 
 
+def _competing_counts(
+    scores: torch.Tensor, total: torch.Tensor, guaranteed: torch.Tensor, n: torch.Tensor
+) -> torch.Tensor:
+    """Keep counts ``[B, K]`` over ``K`` heads whose tokens compete: each head first keeps its
+    ``guaranteed [B]`` best, the rest of each row's ``total [B]`` goes to the highest remaining scores."""
+    b, k, r = scores.shape
+    ranked = scores.sort(dim=-1, descending=True).values  # [B, K, R]
+    rank = torch.arange(r, device=ranked.device)
+    open_ = ranked.masked_fill(rank < guaranteed.view(b, 1, 1).to(ranked.device), float("-inf"))
+    counts = guaranteed.view(b, 1).expand(b, k).clone()
+    for row in range(b):  # one top-k per batch row, not per head
+        extra = int((total[row] - guaranteed[row] * k).clamp_min(0))
+        flat = open_[row].flatten()
+        extra = min(extra, int(torch.isfinite(flat).sum()))
+        if extra:
+            winners = flat.topk(extra).indices // r
+            counts[row] += torch.bincount(winners.cpu(), minlength=k)
+    return torch.minimum(counts, n.view(b, 1))
+
+
 @register_allocator("adakv")
 def adakv(alpha_safeguard: float = 0.2):
     """AdaKV (arXiv 2407.11550): within a layer, keep the globally top-scored tokens across heads, with a
@@ -61,27 +81,31 @@ def adakv(alpha_safeguard: float = 0.2):
         raise ConfigurationError(f"adakv: alpha_safeguard must be in [0, 1], got {alpha_safeguard}.")
 
     def layer_counts(req: AllocationRequest, scores: torch.Tensor) -> torch.Tensor:
-        b, h, r = scores.shape
         total = req.layer_total()  # [B]
         guaranteed = torch.maximum(
-            torch.floor(alpha_safeguard * total.double() / h).long(), req.min_counts()
-        ).clamp_max(req.n_evictable)  # [B]
-        ranked = scores.sort(dim=-1, descending=True).values  # [B, H, R]
-        rank = torch.arange(r, device=ranked.device)
-        # tokens beyond each head's guaranteed ones compete globally within the layer
-        open_ = ranked.masked_fill(rank < guaranteed.view(b, 1, 1).to(ranked.device), float("-inf"))
-        counts = guaranteed.view(b, 1).expand(b, h).clone()
-        for row in range(b):  # one top-k per batch row, not per head
-            extra = int((total[row] - guaranteed[row] * h).clamp_min(0))
-            flat = open_[row].flatten()
-            extra = min(extra, int(torch.isfinite(flat).sum()))
-            if extra:
-                winners = flat.topk(extra).indices // r
-                counts[row] += torch.bincount(winners.cpu(), minlength=h)
-        return torch.minimum(counts, req.n_evictable.view(b, 1))
+            torch.floor(alpha_safeguard * total.double() / req.num_heads).long(), req.min_counts()
+        ).clamp_max(req.n_evictable)
+        return _competing_counts(scores, total, guaranteed, req.n_evictable)
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
         return req.per_layer(lambda _, scores: layer_counts(req, scores))
+
+    return allocate
+
+
+@register_allocator("global", whole_model=True)
+def global_():
+    """KVzip's allocation (arXiv 2505.23416; kvpress ``layerwise=False``): one top-k over the tokens of every
+    layer and head of the model, each head keeping at least its minimum. Scores of different layers are
+    compared directly: right for attention-probability scores (kvzip), questionable for others. The cache
+    holds the whole prefill's KV until every layer is scored (one layer at a time is not enough)."""
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        num, b, h, r = req.scores.shape
+        total = torch.round((1.0 - req.ratio) * req.n_evictable.double() * h * num).long()
+        flat = req.scores.permute(1, 0, 2, 3).reshape(b, num * h, r)
+        counts = _competing_counts(flat, total, req.min_counts(), req.n_evictable)
+        return counts.view(b, num, h).transpose(0, 1)
 
     return allocate
 

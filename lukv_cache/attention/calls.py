@@ -65,10 +65,15 @@ class AttentionCall:
         attention_mask: torch.Tensor | None,
         *,
         sliding_window: int | None = None,
+        scaling: float | None = None,
+        softcap: float | None = None,
     ) -> None:
-        """Tell the cache this layer's attention ran with these post-RoPE ``query [B, Hq, q, D]``; the cache
-        then compresses (after a prefill) or converts a sliding-window layer to the stock one."""
-        self.on_finish(self, module, query, attention_mask, sliding_window)
+        """Tell the cache this layer's attention ran with these post-RoPE ``query [B, Hq, q, D]`` (and this
+        ``scaling`` and logit ``softcap``); the cache then compresses (after a prefill) or converts a
+        sliding-window layer to the stock one."""
+        if scaling is None:
+            scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        self.on_finish(self, module, query, attention_mask, sliding_window, scaling, softcap)
 
 
 _PENDING: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("lukv_pending", default=None)

@@ -42,16 +42,23 @@ def route(stock: Callable | None) -> Callable:
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         fn = stock if stock is not None else _model_eager(module)
         call = claim_attention(module, key)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if call is None or call.store is None:
             output = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             out = compressed_attention(
                 call.store, query, key, value, attention_mask, scale, kwargs.get("softcap")
             )
             output = (out, None)
         if call is not None:
-            call.finish(module, query, attention_mask, sliding_window=kwargs.get("sliding_window"))
+            call.finish(
+                module,
+                query,
+                attention_mask,
+                sliding_window=kwargs.get("sliding_window"),
+                scaling=scale,
+                softcap=kwargs.get("softcap"),
+            )
         return output
 
     attention.__name__ = f"lukv_{getattr(stock, '__name__', 'eager')}"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import numbers
 import os
 import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +18,7 @@ from ..allocation import AllocationRequest, get_allocator
 from ..attention.calls import AttentionCall, announce_attention, guard_attention
 from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
 from ..scorers import Scorer, get_scorer
+from ..scorers.kvzip import RepeatPrompt, chunk_scores, value_norms
 from .compression import (
     CompressionPolicy,
     Region,
@@ -24,6 +28,7 @@ from .compression import (
     score_suffix,
 )
 from .layer import LUKVLayer
+from .reconstruction import ReconstructionRound, plan_rounds
 
 
 def check_ratio(ratio: Any) -> float:
@@ -146,6 +151,11 @@ class LUKVCache(DynamicCache):
         self._record_past = False
         self._awaiting: int | None = None  # layer whose announced attention has not run yet
         self._deferred: dict[int, tuple[Region, torch.Tensor | None]] = {}
+        # "hold": multi-token forwards plan their regions and keep everything (evict_held() evicts);
+        # "reconstruct": a reconstruction scorer's pass, scored into _round.scores and cropped afterwards
+        self._phase: str | None = None
+        self._held: dict[int, Region] = {}
+        self._round: ReconstructionRound | None = None
         if config is not None:
             self._learn_model(config)
 
@@ -245,6 +255,18 @@ class LUKVCache(DynamicCache):
             guard_attention()  # implementations registered since import must not read this cache silently
             if self._deferred:  # a forward ended before its last full-attention layer compressed
                 self._evict_deferred()
+        if (
+            self.scorer.reconstruction is not None
+            and self._phase is None
+            and self.ratio > 0
+            and key_states.shape[-2] > 1
+            and not self.is_compressed
+        ):
+            raise ConfigurationError(
+                f"Scorer {self.scorer.name!r} scores the context by reconstruction, which needs the model and the "
+                "context's token ids: fill the cache with cache.prefill(model, input_ids, tokenizer=tokenizer) "
+                "(then generate from it), or pick a scorer that ranks from the prefill alone (e.g. 'keydiff')."
+            )
         if self._awaiting is not None and (self.ratio > 0 or self.is_compressed):
             raise IncompatibleAttentionError(
                 f"LUKVCache layer {self._awaiting}: the previous attention call did not go through lukv_cache's "
@@ -283,12 +305,17 @@ class LUKVCache(DynamicCache):
         query: torch.Tensor,
         attention_mask: torch.Tensor | None,
         sliding_window: int | None,
+        scaling: float,
+        softcap: float | None,
     ) -> None:
         """The layer's attention ran (see :class:`~lukv_cache.attention.AttentionCall`): compress it, or
         hand a sliding-window layer to the stock sliding layer."""
         self._awaiting = None
         idx = call.layer_idx
         layer = self.layers[idx]
+        if self._phase == "reconstruct":
+            self._score_round(idx, module, query, scaling, softcap)
+            return
         if sliding_window is not None and not layer.compressed:
             self.layers[idx] = layer.to_sliding(sliding_window, record_past=self._record_past)
             return
@@ -296,12 +323,18 @@ class LUKVCache(DynamicCache):
         if not self._wants_compression(layer, query.shape[2]):
             return
         region = plan_region(layer, self.policy, attention_mask)
+        if self._phase == "hold":
+            self._held[idx] = region
+            return
         scores = None
-        if (region.length and bool(region.n_evictable.any())) or self.prefill_scores is not None:
+        evictable = region.length and bool(region.n_evictable.any())
+        # ratio 0 keeps every token: no scoring needed (a reconstruction scorer could not score here anyway)
+        wanted = (evictable and self.ratio > 0) or self.prefill_scores is not None
+        if wanted and self.scorer.reconstruction is None:
             raw = score_suffix(self.policy.scorer, layer, query)
             if self.prefill_scores is not None:
                 self.prefill_scores[idx] = raw
-            scores = masked_scores(raw, region) if region.length and bool(region.n_evictable.any()) else None
+            scores = masked_scores(raw, region) if evictable and self.ratio > 0 else None
         if self.policy.defers:
             self._deferred[idx] = (region, scores)
             if idx == self._last_full_layer:
@@ -341,12 +374,173 @@ class LUKVCache(DynamicCache):
             counts = dict(zip(scored, self.policy.allocator(request)))
         for idx, (region, scores) in steps.items():
             layer = self.layers[idx]
-            if scores is None:
+            if scores is None:  # nothing to rank: keep every real token (none evictable, or ratio 0)
                 b, h = layer.batch_size, layer.num_heads
-                keep = region.sinks.unsqueeze(1).expand(b, h, region.length)
+                keep = (region.sinks | region.evictable).unsqueeze(1).expand(b, h, region.length)
             else:
                 keep = keep_mask(region, scores, counts[idx])
             layer.evict(keep, window_capacity=self.policy.window)
+
+    # ------------------------------------------------------------------ prefill, and reconstruction scorers
+    @torch.no_grad()
+    def prefill(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        tokenizer: Any = None,
+        repeat_prompt: RepeatPrompt | None = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        """Run the context ``input_ids [B, T]`` (left-padded with ``attention_mask``) through ``model`` into
+        this cache and compress it; returns the model's output. Then generate from the cache as usual
+        (``model.generate(torch.cat([input_ids, question_ids], 1), past_key_values=cache)``).
+
+        Any scorer works; a reconstruction scorer (``kvzip``) needs it: after the context's forward the
+        model repeats the context chunk by chunk (prompt from ``tokenizer``'s chat template, or
+        ``repeat_prompt``), the scores come from those passes, and only then is every layer compressed.
+        The full context KV is alive until then, and the passes cost about 2x the prefill.
+
+        >>> cache = LUKVCache(0.8, scorer="kvzip", allocator="global")
+        >>> out = cache.prefill(model, inputs["input_ids"], repeat_prompt=RepeatPrompt((5, 6), (7,), (8,)))
+        >>> cache.get_seq_length(), int(cache.stored_tokens()[:, 0].sum()) < 2 * 2 * 48
+        (48, True)
+        """
+        recon = self.scorer.reconstruction
+        if recon is None or self.ratio == 0 and self.prefill_scores is None:
+            return model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=self,
+                use_cache=True,
+                **model_kwargs,
+            )
+        if self.get_seq_length() > 0:
+            raise ConfigurationError(
+                f"Scorer {self.scorer.name!r} scores a whole context at once: prefill an empty cache "
+                "(a fresh LUKVCache, or cache.reset())."
+            )
+        if repeat_prompt is None:
+            if tokenizer is None:
+                raise ConfigurationError(
+                    f"Scorer {self.scorer.name!r} asks the model to repeat the context, in the model's own words: "
+                    "pass tokenizer=<the model's tokenizer> (or repeat_prompt=RepeatPrompt(...))."
+                )
+            repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer, recon.template)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+        # positions as generate() computes them for a left-padded batch: every row starts at 0
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        with self._in_phase("hold"):
+            out = model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self,
+                use_cache=True,
+                **model_kwargs,
+            )
+        scores = self._reconstruct(model, input_ids, mask, repeat_prompt)
+        self.evict_held(scores)
+        return out
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[LUKVCache]:
+        """Within this block, multi-token forwards fill the cache without compressing it; then rank the
+        held tokens with your own scores (:meth:`evict_held`). ``prefill`` uses it for KVzip."""
+        with self._in_phase("hold"):
+            yield self
+
+    @contextlib.contextmanager
+    def _in_phase(self, phase: str) -> Iterator[None]:
+        previous, self._phase = self._phase, phase
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:
+        """Compress what :meth:`holding` kept, ranking each layer's tokens by ``scores[layer]`` (fp32
+        ``[B, H_kv, T]`` over the layer's dense tokens, higher = keep), with this cache's allocator."""
+        held, self._held = self._held, {}
+        steps = {}
+        for idx, region in held.items():
+            layer = self.layers[idx]
+            raw = scores[idx]
+            expected = (layer.batch_size, layer.num_heads, layer.suffix_length)
+            if not isinstance(raw, torch.Tensor) or tuple(raw.shape) != expected:
+                got = tuple(raw.shape) if isinstance(raw, torch.Tensor) else type(raw).__name__
+                raise ConfigurationError(
+                    f"Scores for layer {idx} must have shape {list(expected)}, got {got}."
+                )
+            raw = raw.float().to(layer.keys.device)
+            if self.prefill_scores is not None:
+                self.prefill_scores[idx] = raw
+            evictable = region.length and bool(region.n_evictable.any())
+            steps[idx] = (region, masked_scores(raw, region) if evictable else None)
+        self._evict(steps)
+
+    def _reconstruct(
+        self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor, prompt: RepeatPrompt
+    ) -> dict[int, torch.Tensor]:
+        """The reconstruction passes: one forward per round of chunks, cropped after each; per-layer scores."""
+        recon = self.scorer.reconstruction
+        held = [i for i, layer in enumerate(self.layers) if isinstance(layer, LUKVLayer) and i in self._held]
+        scores = {
+            i: torch.zeros(
+                self.layers[i].batch_size,
+                self.layers[i].num_heads,
+                input_ids.shape[1],
+                device=input_ids.device,
+            )
+            for i in held
+        }
+        stock = {i: layer for i, layer in enumerate(self.layers) if not isinstance(layer, LUKVLayer)}
+        for round_ in plan_rounds(input_ids, mask, prompt, recon.chunk_size, recon.overlap, self.policy.sink):
+            self._round = round_
+            round_.scores = scores
+            saved = {i: copy.deepcopy(layer) for i, layer in stock.items()}  # sliding layers would slide
+            try:
+                with self._in_phase("reconstruct"):
+                    model(
+                        input_ids=round_.input_ids,
+                        attention_mask=torch.cat([mask, round_.mask.long()], dim=1),
+                        position_ids=round_.position_ids,
+                        past_key_values=self,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+            finally:
+                self._round = None
+                for layer in self.layers:
+                    if isinstance(layer, LUKVLayer):
+                        layer.crop(-round_.length)
+                for i, layer in saved.items():
+                    self.layers[i] = layer
+        return scores
+
+    def _score_round(
+        self, idx: int, module: Any, query: torch.Tensor, scaling: float, softcap: float | None
+    ) -> None:
+        round_, layer = self._round, self.layers[idx]
+        if round_ is None or idx not in round_.scores:
+            return
+        weighted = self.scorer.reconstruction.weighted
+        for row, bounds in enumerate(round_.chunks):
+            if bounds is None:
+                continue
+            start, end = bounds
+            weight = value_norms(module, layer.values[row, :, start:end]) if weighted else None
+            round_.scores[idx][row, :, start:end] = chunk_scores(
+                query[row],
+                layer.keys[row],
+                bounds,
+                round_.sinks[row],
+                round_.mask[row],
+                scaling=scaling,
+                softcap=softcap,
+                value_weight=weight,
+            )
 
     # ------------------------------------------------------------------ the model
     def _learn_model(self, config: Any) -> None:

@@ -9,6 +9,7 @@ real one).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -79,19 +80,45 @@ class SharedPrefill:
         profiles_dir: str | os.PathLike[str] | None = None,
         *,
         hub: bool = False,
+        scores: dict[int, torch.Tensor] | None = None,
     ) -> Any:
-        """``method``'s cache holding this context, as if the context had been prefilled into it."""
+        """``method``'s cache holding this context, as if the context had been prefilled into it.
+
+        ``scores``: per-layer scores computed elsewhere (a reconstruction scorer's, from
+        :meth:`reconstruction_scores`); the replayed context is then held and ranked by them.
+        """
         cache = make_cache(method, model, profiles_dir, hub=hub)
+        if method.is_full:
+            for layer_idx, (keys, values) in enumerate(zip(self.keys, self.values)):
+                cache.update(keys.clone(), values.clone(), layer_idx)
+            return cache
+        with cache.holding() if scores is not None else contextlib.nullcontext():
+            self._replay(cache)
+        if scores is not None:
+            cache.evict_held(scores)
+        return cache
+
+    def _replay(self, cache: Any) -> None:
         attention = ALL_ATTENTION_FUNCTIONS[self.attn_implementation]
         for layer_idx, (keys, values) in enumerate(zip(self.keys, self.values)):
             k, v = cache.update(keys.clone(), values.clone(), layer_idx)
-            if method.is_full:
-                continue
             module = self.modules[layer_idx]
             # The installed attention function compresses the layer after a multi-token forward, reading
             # the queries it is given (the scorer takes the last n_queries). Its output is discarded.
             attention(module, self.queries[layer_idx], k, v, None, dropout=0.0, scaling=module.scaling)
-        return cache
+
+    @staticmethod
+    @torch.no_grad()
+    def reconstruction_scores(
+        model: Any, tokenizer: Any, scorer: str, input_ids: torch.Tensor, sink: int = 4
+    ) -> dict[int, torch.Tensor]:
+        """A reconstruction scorer's per-layer scores for this context (one pass, shared by every method
+        with that scorer): ``{layer: [B, H_kv, T]}``."""
+        from ..cache import LUKVCache
+
+        cache = LUKVCache(0.0, scorer, sink=sink, window=0, config=model.config, keep_scores=True)
+        cache.prefill(model, input_ids, tokenizer=tokenizer, logits_to_keep=1)
+        return dict(cache.prefill_scores)
 
 
 def shareable(model: Any) -> bool:

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from ..cache import kv_cache_bytes
+from ..cache import LUKVCache, kv_cache_bytes
 from ..errors import ConfigurationError, ProfileError
+from ..scorers import get_scorer
 from .methods import ALLOCATORS, RATIOS, SCORERS, Method, build_methods, make_cache
 from .prefill import SharedPrefill, shareable
 from .tasks import TASKS, Sample, context_ids, make_samples, score_prefilled
@@ -149,15 +150,31 @@ def run_benchmark(
             if shared is not None:
                 results.prefill_seconds[task].append(shared.seconds)
             line = []
+            reconstruction_scores: dict[str, dict[int, torch.Tensor]] = {}
             for method in active:
                 method_started = time.perf_counter()
                 if shared is not None:
-                    cache = shared.cache_for(method, model, settings.profiles_dir, hub=settings.hub)
+                    scores = None
+                    if not method.is_full and get_scorer(method.scorer).reconstruction is not None:
+                        # one reconstruction pass per context and scorer, shared by its methods
+                        if method.scorer not in reconstruction_scores:
+                            reconstruction_scores[method.scorer] = shared.reconstruction_scores(
+                                model, tokenizer, method.scorer, ids
+                            )
+                        scores = reconstruction_scores[method.scorer]
+                    cache = shared.cache_for(
+                        method, model, settings.profiles_dir, hub=settings.hub, scores=scores
+                    )
                     last_logits = shared.last_logits
                 else:
                     cache = make_cache(method, model, settings.profiles_dir, hub=settings.hub)
-                    with torch.no_grad():
-                        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    if isinstance(cache, LUKVCache):
+                        out = cache.prefill(model, ids, tokenizer=tokenizer, logits_to_keep=1)
+                    else:
+                        with torch.no_grad():
+                            out = model(
+                                input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1
+                            )
                     last_logits = out.logits[:, -1, :]
                 held = kv_cache_bytes(cache)
                 kept = _kept_fraction(cache, ids.shape[1])

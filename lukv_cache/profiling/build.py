@@ -92,12 +92,12 @@ class _ResultStore:
         os.replace(tmp, path)
 
 
-def _context_scores(model, context_ids: torch.Tensor, scorer: Scorer) -> dict[int, np.ndarray]:
+def _context_scores(model, context_ids: torch.Tensor, scorer: Scorer, tokenizer) -> dict[int, np.ndarray]:
     """The scores the cache ranks by at prefill, per compressed layer: ``{layer: [H_kv, T]}``."""
     from .scores import prefill_scores
 
     with torch.inference_mode():
-        per_layer = prefill_scores(model, context_ids.to(model.device), scorer)
+        per_layer = prefill_scores(model, context_ids.to(model.device), scorer, tokenizer=tokenizer)
     return {i: s[0].float().cpu().numpy() for i, s in enumerate(per_layer) if s is not None}
 
 
@@ -141,13 +141,14 @@ class CalibrationRun:
             scorer.name,
             scorer.params,
             scorer.n_queries,
-            scorer.fn.__module__,
-            scorer.fn.__qualname__,
+            getattr(scorer.fn, "__module__", None),
+            getattr(scorer.fn, "__qualname__", None),
+            repr(scorer.reconstruction),
         )
         cached = self.store.load(key)
         if cached is not None:
             return {int(k): v for k, v in cached.items() if k != "none"}
-        scores = _context_scores(self.model, self.context_ids, scorer)
+        scores = _context_scores(self.model, self.context_ids, scorer, self.tokenizer)
         self.store.save(key, {str(layer): v for layer, v in scores.items()} or {"none": np.zeros(1)})
         return scores
 

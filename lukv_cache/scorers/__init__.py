@@ -8,6 +8,9 @@ A scorer is a function ``fn(keys, values, queries, **params) -> scores``:
 * returns ``[B, H_kv, T]`` (any float dtype). Sinks, the recent window and padding are handled by the
   cache, not by scorers.
 
+A *reconstruction* scorer (``kvzip``, ``kvzip_plus``) scores the whole context at once by running extra
+tokens through the model after the prefill; :meth:`lukv_cache.LUKVCache.prefill` runs it.
+
 Register your own with :func:`register_scorer`; look one up with :func:`get_scorer`.
 """
 
@@ -20,8 +23,22 @@ from typing import Any
 import torch
 
 from .._registry import Registry
+from ..errors import ConfigurationError
 
 ScoreFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """How a reconstruction scorer runs (KVzip): chunks of at most ``chunk_size`` context tokens, each
+    prompted with the previous chunk's last ``overlap`` tokens; ``template``: ``"auto"`` (the chat template
+    when the tokenizer has one), ``"chat"`` or ``"plain"``; ``weighted``: multiply each attention weight by
+    ``||v W_O||`` (KVzip+)."""
+
+    chunk_size: int = 2048
+    overlap: int = 8
+    template: str = "auto"
+    weighted: bool = False
 
 
 @dataclass(frozen=True)
@@ -30,18 +47,25 @@ class Scorer:
 
     ``n_queries``: how many trailing prefill queries it reads (0 = none).
     ``window``: the recent window it protects by default (LU-KV: 1, SnapKV: 32).
-    ``params``: keyword defaults passed to ``fn``.
+    ``params``: keyword defaults passed to ``fn``. ``reconstruction``: set for scorers that score the
+    whole context through the model after the prefill (KVzip); such a scorer has no ``fn``.
     """
 
     name: str
-    fn: ScoreFn
+    fn: ScoreFn | None
     n_queries: int = 0
     window: int = 1
     params: dict[str, Any] = field(default_factory=dict)
+    reconstruction: Reconstruction | None = None
 
     def __call__(
         self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None, **params: Any
     ) -> torch.Tensor:
+        if self.fn is None:
+            raise ConfigurationError(
+                f"Scorer {self.name!r} scores by context reconstruction, through the model: fill the cache with "
+                "cache.prefill(model, input_ids, tokenizer=tokenizer)."
+            )
         return self.fn(keys, values, queries, **{**self.params, **params})
 
 
@@ -76,6 +100,30 @@ def get_scorer(name: str | Scorer) -> Scorer:
     return name if isinstance(name, Scorer) else SCORERS.get(name)
 
 
+def kvzip_scorer(
+    chunk_size: int = 2048,
+    overlap: int = 8,
+    template: str = "auto",
+    weighted: bool = False,
+    name: str = "kvzip",
+) -> Scorer:
+    """A KVzip scorer with your settings (``kvzip`` and ``kvzip_plus`` are registered with the defaults).
+
+    >>> kvzip_scorer(chunk_size=1024).reconstruction.chunk_size
+    1024
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigurationError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}.")
+    if template not in ("auto", "chat", "plain"):
+        raise ConfigurationError(f"template must be 'auto', 'chat' or 'plain', got {template!r}.")
+    return Scorer(
+        name, None, window=1, reconstruction=Reconstruction(chunk_size, overlap, template, weighted)
+    )
+
+
 from . import builtin as _builtin  # noqa: E402,F401  (registers the built-ins)
 
-__all__ = ["SCORERS", "Scorer", "get_scorer", "register_scorer"]
+SCORERS.add("kvzip", kvzip_scorer())
+SCORERS.add("kvzip_plus", kvzip_scorer(weighted=True, name="kvzip_plus"))
+
+__all__ = ["SCORERS", "Reconstruction", "Scorer", "get_scorer", "kvzip_scorer", "register_scorer"]

@@ -13,9 +13,12 @@ from transformers import DynamicCache
 
 from lukv_cache import AllocationRequest, LUKVCache
 from lukv_cache.allocation import ALLOCATORS, get_allocator
-from lukv_cache.scorers import SCORERS, get_scorer
+from lukv_cache.scorers import SCORERS
+from lukv_cache.scorers.kvzip import RepeatPrompt
 
 LAYERS, HEADS = 2, 2  # the tiny llama's shape
+# reconstruction scorers (kvzip) need the repeat prompt in token ids; the tiny models have no tokenizer
+PROMPT = RepeatPrompt(first=(5, 6, 7), next=(8, 9), suffix=(10,))
 
 
 def _factory_args(name: str, ratio: float) -> dict:
@@ -27,15 +30,14 @@ def _factory_args(name: str, ratio: float) -> dict:
 
 
 @pytest.mark.parametrize("name", SCORERS.names())
-def test_scorer_returns_one_float_score_per_token_and_head(name):
-    scorer = get_scorer(name)
-    gen = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(2, HEADS, 40, 16, generator=gen), torch.randn(2, HEADS, 40, 16, generator=gen)
-    queries = torch.randn(2, 2 * HEADS, scorer.n_queries, 16, generator=gen) if scorer.n_queries else None
-    scores = scorer(keys, values, queries)
-    assert isinstance(scores, torch.Tensor) and scores.is_floating_point()
-    assert scores.shape == (2, HEADS, 40)
-    assert torch.isfinite(scores).all()
+def test_scorer_gives_one_finite_score_per_token_and_head(name):
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.0, name, sink=0, window=0, keep_scores=True)
+    cache.prefill(model, prompt(2, 40, seed=2), repeat_prompt=PROMPT)
+    assert sorted(cache.prefill_scores) == list(range(LAYERS))
+    for scores in cache.prefill_scores.values():
+        assert scores.dtype == torch.float32 and scores.shape == (2, HEADS, 40)
+        assert torch.isfinite(scores).all()
 
 
 @pytest.mark.parametrize("name", SCORERS.names())
@@ -43,8 +45,7 @@ def test_cache_with_any_scorer_keeps_the_uniform_budget_under_left_padding(name)
     model = tiny_model("llama", "sdpa")
     ids, mask = left_padded((60, 41), seed=3)
     cache = LUKVCache(0.5, name, sink=4, window=2)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    cache.prefill(model, ids, mask, repeat_prompt=PROMPT)
     stored = cache.stored_tokens()  # [L, B, H]
     for row, real in enumerate(mask.sum(-1).tolist()):
         evictable = real - 4 - 2

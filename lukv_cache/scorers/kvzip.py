@@ -1,0 +1,165 @@
+"""KVzip (Kim et al., arXiv 2505.23416): score the context by how much the model reads each token while it
+is asked to repeat the context.
+
+After the context's prefill, the model is fed, chunk by chunk, "Repeat the previous context exactly."
+(later chunks: "Repeat the part of the previous context exactly, starting with" + the previous chunk's last
+8 tokens), then the chat template's assistant turn (or a newline without one), then the chunk itself,
+teacher-forced, through the full context cache. A context token's score is the largest attention any
+reconstruction query of its GQA group pays it. As in the authors' code and kvpress, the softmax runs over
+the sinks, the chunk's own context tokens and the reconstruction tokens (causal among themselves).
+
+This module holds the prompt and the score; :meth:`lukv_cache.LUKVCache.prefill` runs the passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigurationError
+
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+PLAIN_SUFFIX = "\n"
+TEMPLATES = ("auto", "chat", "plain")
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """Token ids around each reconstruction chunk: ``first`` before the first chunk, ``next`` (then the
+    previous chunk's last ``overlap`` tokens) before later ones, ``suffix`` right before the chunk.
+
+    >>> prompt = RepeatPrompt((5, 6), (7,), (8,))
+    >>> [ids for _, ids in prompt.chunks([1, 2, 3, 4, 5], chunk_size=3, overlap=1)]
+    [[5, 6, 8, 1, 2, 3], [7, 3, 8, 4, 5]]
+    """
+
+    first: tuple[int, ...]
+    next: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, template: str = "auto") -> RepeatPrompt:
+        """The prompt in ``tokenizer``'s words. ``template``: ``"auto"`` (the chat template's assistant turn
+        when the tokenizer has a chat template, else a newline, as KVzip does), ``"chat"`` or ``"plain"``."""
+        if template not in TEMPLATES:
+            raise ConfigurationError(f"template must be one of {', '.join(TEMPLATES)}, got {template!r}.")
+        if not callable(getattr(tokenizer, "encode", None)):
+            raise ConfigurationError(
+                f"KVzip needs a tokenizer with encode() to write its repeat prompt, got {type(tokenizer).__name__}."
+            )
+
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        has_chat = bool(getattr(tokenizer, "chat_template", None))
+        if template == "chat" and not has_chat:
+            raise ConfigurationError(
+                "template='chat' but the tokenizer has no chat template; use 'plain' or 'auto'."
+            )
+        suffix = PLAIN_SUFFIX
+        if template == "chat" or (template == "auto" and has_chat):
+            suffix = _assistant_turn(tokenizer)
+        return cls(encode(REPEAT_FIRST), encode(REPEAT_NEXT), encode(suffix))
+
+    def chunks(
+        self, context_ids: Sequence[int], chunk_size: int = 2048, overlap: int = 8
+    ) -> list[tuple[tuple[int, int], list[int]]]:
+        """``[((start, end), reconstruction ids), ...]``: each chunk of ``context_ids`` and its prompt."""
+        if chunk_size < 1:
+            raise ConfigurationError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
+        ids = list(context_ids)
+        out = []
+        for start in range(0, len(ids), chunk_size):
+            end = min(start + chunk_size, len(ids))
+            head = list(self.first) if start == 0 else list(self.next) + ids[max(0, start - overlap) : start]
+            out.append(((start, end), head + list(self.suffix) + ids[start:end]))
+        return out
+
+
+def _assistant_turn(tokenizer: Any) -> str:
+    """The chat template's text between the end of a user message and the assistant's answer."""
+    marker = "\n" + "#" * 16
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "lukv" + marker}], add_generation_prompt=True, tokenize=False
+    )
+    if marker not in rendered:
+        raise ConfigurationError(
+            "The tokenizer's chat template does not keep the user's message; use template='plain'."
+        )
+    return rendered.split(marker, 1)[1]
+
+
+def chunk_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    chunk: tuple[int, int],
+    sinks: torch.Tensor,
+    recon_valid: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    value_weight: torch.Tensor | None = None,
+    block: int = 256,
+) -> torch.Tensor:
+    """One row's KVzip scores for one chunk: fp32 ``[H_kv, end - start]``.
+
+    ``query``: ``[H_q, R, D]``, the reconstruction queries (the last ``R`` positions of ``keys``);
+    ``keys``: ``[H_kv, S, D]``, the layer's keys (context, then the ``R`` reconstruction tokens);
+    ``chunk``: the chunk's positions in ``keys``; ``sinks``: int64 positions always in the softmax;
+    ``recon_valid``: bool ``[R]``, False on padding; ``value_weight``: optional ``[H_q, end - start]``
+    multiplying each attention weight (KVzip+'s ``||v W_O||``). Query rows go in blocks (exact: the
+    softmax runs over keys), so no ``[H_q, R, S]`` tensor is ever built.
+    """
+    hq, r, d = query.shape
+    h = keys.shape[0]
+    g = hq // h
+    start, end = chunk
+    s = keys.shape[1]
+    index = torch.cat([sinks.to(keys.device), torch.arange(start, end, device=keys.device)])
+    index = torch.cat([index, torch.arange(s - r, s, device=keys.device)])
+    sub = keys.index_select(1, index).float()  # [H, n_sink + C + R, D]
+    n_before = index.numel() - r
+    recon_pos = torch.arange(r, device=keys.device)
+    best = torch.zeros(h, end - start, dtype=torch.float32, device=keys.device)
+    q = query.float().view(h, g, r, d)
+    for lo in range(0, r, block):
+        hi = min(lo + block, r)
+        rows = recon_valid[lo:hi]
+        if not bool(rows.any()):
+            continue
+        logits = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo:hi], sub) * scaling
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        # causal among the reconstruction tokens, padding never read
+        allowed = (recon_pos[None, :] <= recon_pos[lo:hi, None]) & recon_valid[None, :]
+        mask = torch.cat(
+            [torch.ones(hi - lo, n_before, dtype=torch.bool, device=keys.device), allowed], dim=1
+        )
+        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
+        part = probs[..., sinks.numel() : n_before]  # [H, G, q, C]: the chunk's context tokens
+        if value_weight is not None:
+            part = part * value_weight.view(h, g, 1, -1)
+        part = part.masked_fill(~rows.view(1, 1, -1, 1), 0.0)
+        best = torch.maximum(best, part.amax(dim=(1, 2)))
+    return best
+
+
+def value_norms(module: torch.nn.Module, values: torch.Tensor) -> torch.Tensor | None:
+    """``||v_j W_O[q]||`` for every query head ``q`` and token ``j`` of ``values [H_kv, T, D]``, divided by
+    its mean over the tokens (so layers and heads compare): ``[H_q, T]``, or None without ``o_proj``."""
+    o_proj = getattr(module, "o_proj", None)
+    if o_proj is None or not hasattr(o_proj, "weight"):
+        return None
+    v = values.float()
+    h, _, d = v.shape
+    w = o_proj.weight.float()  # [hidden, H_q * D]
+    hq = w.shape[1] // d
+    w = w.view(w.shape[0], hq, d).transpose(0, 1)  # [H_q, hidden, D]
+    gram = w.transpose(1, 2) @ w  # ||W v||^2 = v^T (W^T W) v
+    v = v.repeat_interleave(hq // h, dim=0)  # [H_q, T, D]
+    norms = ((v @ gram) * v).sum(-1).clamp_min(0).sqrt()
+    return norms / norms.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
