@@ -56,14 +56,16 @@ def _competing_counts(
     scores: torch.Tensor, total: torch.Tensor, guaranteed: torch.Tensor, n: torch.Tensor
 ) -> torch.Tensor:
     """Keep counts ``[B, K]`` over ``K`` heads whose tokens compete: each head first keeps its
-    ``guaranteed [B]`` best, the rest of each row's ``total [B]`` goes to the highest remaining scores."""
+    ``guaranteed`` best (``[B]``, or ``[B, K]`` per head), the rest of each row's ``total [B]`` goes to the
+    highest remaining scores."""
     b, k, r = scores.shape
+    guaranteed = torch.minimum(guaranteed.view(b, -1).expand(b, k), n.view(b, 1))
     ranked = scores.sort(dim=-1, descending=True).values  # [B, K, R]
     rank = torch.arange(r, device=ranked.device)
-    open_ = ranked.masked_fill(rank < guaranteed.view(b, 1, 1).to(ranked.device), float("-inf"))
-    counts = guaranteed.view(b, 1).expand(b, k).clone()
+    open_ = ranked.masked_fill(rank < guaranteed.unsqueeze(-1).to(ranked.device), float("-inf"))
+    counts = guaranteed.clone()
     for row in range(b):  # one top-k per batch row, not per head
-        extra = int((total[row] - guaranteed[row] * k).clamp_min(0))
+        extra = int((total[row] - guaranteed[row].sum()).clamp_min(0))
         flat = open_[row].flatten()
         extra = min(extra, int(torch.isfinite(flat).sum()))
         if extra:
@@ -110,32 +112,29 @@ def global_():
     return allocate
 
 
-@register_allocator("profile")
-def profile(evict_ratio=None):
-    """LU-KV (arXiv 2602.08585): per-head evict ratios read from an offline profile, ``[L, H_kv]``.
-
-    Integer budgets are computed once for the whole model by largest remainder, so the kept total is the
-    profile's own total, and each layer reads its row."""
+def _profile_budgets(name: str, evict_ratio):
+    """``budgets(request) -> [L, B, H]``: a profile table's per-head budgets, rounded model-wide by largest
+    remainder (so the kept total is the table's own), read at the request's layers."""
     if evict_ratio is None:
         raise ConfigurationError(
-            "allocator='profile' needs an evict-ratio table: pass evict_ratio=<[layers, kv_heads] array> "
+            f"allocator={name!r} needs an evict-ratio table: pass evict_ratio=<[layers, kv_heads] array> "
             "or use LUKVCache.from_pretrained(model_id, ratio=...) to read it from a profile."
         )
     table = torch.as_tensor(np.asarray(evict_ratio, dtype=np.float64))
     if table.ndim != 2:
         raise ConfigurationError(
-            f"allocator='profile': evict_ratio must be a [layers, kv_heads] table, got shape {tuple(table.shape)}."
+            f"allocator={name!r}: evict_ratio must be a [layers, kv_heads] table, got shape {tuple(table.shape)}."
         )
     if not torch.isfinite(table).all() or (table < 0).any() or (table > 1).any():
-        raise ConfigurationError("allocator='profile': evict_ratio values must be finite and in [0, 1].")
+        raise ConfigurationError(f"allocator={name!r}: evict_ratio values must be finite and in [0, 1].")
     keep = (1.0 - table).flatten().unsqueeze(0)  # [1, L*H]
     memo: dict[tuple, torch.Tensor] = {}
 
-    def allocate(req: AllocationRequest) -> torch.Tensor:
+    def budgets(req: AllocationRequest) -> torch.Tensor:
         num_layers, num_heads = table.shape
         if num_heads != req.num_heads or num_layers != req.num_layers or max(req.layers) >= num_layers:
             raise ConfigurationError(
-                f"allocator='profile': the evict-ratio table has shape {tuple(table.shape)} but the model has "
+                f"allocator={name!r}: the evict-ratio table has shape {tuple(table.shape)} but the model has "
                 f"{req.num_layers} layers with {req.num_heads} KV heads. Use a profile built for this model."
             )
         key = tuple(req.n_evictable.tolist())
@@ -152,5 +151,41 @@ def profile(evict_ratio=None):
             memo.clear()
             memo[key] = largest_remainder(keep, totals, model_req).view(-1, num_layers, num_heads)
         return memo[key][:, list(req.layers)].transpose(0, 1)
+
+    return budgets
+
+
+@register_allocator("profile")
+def profile(evict_ratio=None):
+    """LU-KV (arXiv 2602.08585): per-head evict ratios read from an offline profile, ``[L, H_kv]``.
+
+    Integer budgets are computed once for the whole model by largest remainder, so the kept total is the
+    profile's own total, and each layer reads its row."""
+    return _profile_budgets("profile", evict_ratio)
+
+
+@register_allocator("hybrid")
+def hybrid(evict_ratio=None, floor: float = 0.5):
+    """LU-KV's profile as the prior, AdaKV's adaptivity within it (this library's, beyond the paper).
+
+    Each layer keeps the total its profile row gives it; within the layer every head first keeps ``floor``
+    of its profile budget, and the rest of the layer's total goes to the highest scores across its heads
+    (AdaKV's competition). ``floor=1`` is the profile exactly; ``floor=0`` is AdaKV with the profile's
+    layer totals."""
+    if not 0.0 <= floor <= 1.0:
+        raise ConfigurationError(f"hybrid: floor must be in [0, 1], got {floor}.")
+    budgets = _profile_budgets("hybrid", evict_ratio)
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        prior = budgets(req)  # [L, B, H]
+
+        def layer_counts(i: int, scores: torch.Tensor) -> torch.Tensor:
+            layer_prior = prior[i]  # [B, H]
+            guaranteed = torch.maximum(
+                torch.floor(floor * layer_prior.double()).long(), req.min_counts().view(-1, 1)
+            )
+            return _competing_counts(scores, layer_prior.sum(-1), guaranteed, req.n_evictable)
+
+        return torch.stack([layer_counts(i, req.scores[i]) for i in range(len(req.layers))])
 
     return allocate

@@ -200,6 +200,7 @@ class LUKVCache(DynamicCache):
         ratio: float,
         scorer: str | None = None,
         *,
+        allocator: str = "profile",
         revision: str | None = None,
         repo_id: str | None = None,
         token: str | bool | None = None,
@@ -216,7 +217,9 @@ class LUKVCache(DynamicCache):
         ``model_or_profile``: a model id (looked up in ``local_dir`` / ``$LUKV_PROFILE_DIR`` first, then
         in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
         ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
-        The profile's scorer, sink and window become the cache's unless overridden. ``revision``,
+        The profile's scorer, sink and window become the cache's unless overridden. ``allocator``:
+        ``"profile"`` (LU-KV's budgets as they are) or ``"hybrid"`` (the profile's layer totals, spread over
+        each layer's heads by score; see :mod:`lukv_cache.allocation.builtin`). ``revision``,
         ``repo_id``, ``token``, ``cache_dir``, ``endpoint`` and ``local_files_only`` go to huggingface_hub.
 
         >>> cache = LUKVCache.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct", ratio=0.8)  # doctest: +SKIP
@@ -236,10 +239,15 @@ class LUKVCache(DynamicCache):
                 f"its budgets are used with scorer {scorer!r} instead.",
                 stacklevel=2,
             )
+        if allocator not in ("profile", "hybrid"):
+            raise ConfigurationError(
+                f"from_pretrained reads its budgets from a profile: allocator must be 'profile' or 'hybrid', got "
+                f"{allocator!r}. For other allocators build the cache directly: LUKVCache(ratio, scorer, allocator)."
+            )
         cache = cls(
             ratio,
             scorer or profile.scorer,
-            "profile",
+            allocator,
             sink=profile.sink if sink is None else sink,
             window=profile.window if window is None else window,
             min_keep=kwargs.pop("min_keep", profile.min_keep),

@@ -47,6 +47,23 @@ def test_replayed_shared_prefill_equals_a_real_prefill(model, method):
     )
 
 
+@pytest.mark.parametrize("allocator", ["global", "uniform"])
+def test_replayed_kvzip_with_shared_scores_equals_a_real_kvzip_prefill(model, tokenizer, allocator):
+    torch.manual_seed(2)
+    context = torch.randint(0, 256, (1, 120))
+    question = torch.randint(0, 256, (1, 5))
+    method = Method(allocator, "kvzip", 0.8)
+    shared = SharedPrefill.record(model, context, n_queries=2)
+    scores = shared.reconstruction_scores(model, tokenizer, "kvzip", context)
+    replayed = shared.cache_for(method, model, scores=scores)
+    real = make_cache(method, model)
+    real.prefill(model, context, tokenizer=tokenizer)
+    assert torch.equal(replayed.stored_tokens(), real.stored_tokens())
+    assert torch.allclose(
+        _next_logits(model, replayed, question), _next_logits(model, real, question), atol=1e-5
+    )
+
+
 def test_full_method_replay_holds_the_whole_context(model):
     context = torch.randint(0, 256, (1, 90))
     cache = SharedPrefill.record(model, context, n_queries=2).cache_for(Method("full"), model)
