@@ -201,3 +201,21 @@ def test_unknown_allocator_error_lists_the_known_names():
 def test_allocator_parameters_out_of_range_raise_configuration_error(name, kwargs):
     with pytest.raises(ConfigurationError):
         LUKVCache(0.5, allocator=name, allocator_kwargs=kwargs)
+
+
+def test_hybrid_with_full_floor_is_the_profile_and_keeps_its_layer_totals_otherwise():
+    table = torch.tensor([[0.2, 0.9], [0.5, 0.0]])
+    req = whole_model((100, 40), 2, 0.5, 2)
+    profile_counts = get_allocator("profile", evict_ratio=table)(req)
+    assert torch.equal(get_allocator("hybrid", evict_ratio=table, floor=1.0)(req), profile_counts)
+    for floor in (0.0, 0.5):
+        counts = get_allocator("hybrid", evict_ratio=table, floor=floor)(req)
+        assert torch.equal(counts.sum(-1), profile_counts.sum(-1))  # each layer keeps its profile total
+        assert (counts >= torch.floor(floor * profile_counts)).all()
+
+
+def test_hybrid_moves_budget_to_the_head_whose_scores_are_higher():
+    table = torch.full((1, 4), 0.8)
+    req = request((1000,), heads=4, ratio=0.8)  # head 3's scores are 100x head 0's
+    counts = get_allocator("hybrid", evict_ratio=table, floor=0.5)(req)[0, 0]
+    assert counts[3] > 200 > counts[0] >= 100
