@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+# conftest files are loaded as conftests, never collected as doctest modules (their names would clash)
+collect_ignore_glob = ["conftest.py", "tests/*/conftest.py", "tests/conftest.py"]
+
 
 def _tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     except LUKVError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a path the user gave that cannot be read or written (plots, outputs)
+        where = f" {err.filename!r}" if getattr(err, "filename", None) else ""
+        print(f"error: cannot use{where}: {err.strerror or err}. Check the path.", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -120,8 +120,21 @@ def _profile_budgets(name: str, evict_ratio):
             f"allocator={name!r} needs an evict-ratio table: pass evict_ratio=<[layers, kv_heads] array> "
             "or use LUKVCache.from_pretrained(model_id, ratio=...) to read it from a profile."
         )
-    table = torch.as_tensor(np.asarray(evict_ratio, dtype=np.float64))
-    if table.ndim != 2:
+    try:
+        if isinstance(evict_ratio, torch.Tensor):
+            if not (evict_ratio.is_floating_point() or evict_ratio.dtype in (torch.int32, torch.int64)):
+                raise TypeError(evict_ratio.dtype)
+            table = evict_ratio.detach().to("cpu", torch.float64)
+        else:
+            array = np.asarray(evict_ratio)
+            if array.dtype.kind not in "fiu":
+                raise TypeError(array.dtype)
+            table = torch.from_numpy(array.astype(np.float64))
+    except (TypeError, ValueError) as err:
+        raise ConfigurationError(
+            f"allocator={name!r}: evict_ratio must be a numeric [layers, kv_heads] table, got {err}."
+        ) from None
+    if table.ndim != 2 or 0 in table.shape:
         raise ConfigurationError(
             f"allocator={name!r}: evict_ratio must be a [layers, kv_heads] table, got shape {tuple(table.shape)}."
         )

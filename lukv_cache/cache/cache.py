@@ -387,7 +387,7 @@ class LUKVCache(DynamicCache):
                 keep = (region.sinks | region.evictable).unsqueeze(1).expand(b, h, region.length)
             else:
                 keep = keep_mask(region, scores, counts[idx])
-            layer.evict(keep, window_capacity=self.policy.window)
+            layer.evict(keep)
 
     # ------------------------------------------------------------------ prefill, and reconstruction scorers
     @torch.no_grad()

@@ -202,17 +202,15 @@ class LUKVLayer(DynamicLayer):
         return counts
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, keep: torch.Tensor, *, window_capacity: int = 0) -> None:
+    def evict(self, keep: torch.Tensor) -> None:
         """Move the kept tokens of the suffix's first ``R`` tokens (``keep [B, H, R]``) into the ragged store
         and drop the rest; the suffix then holds its last ``S - R`` tokens (the protected window), with room
-        for ``window_capacity + 16`` before it grows."""
+        for 16 more before it grows: the buffer is sized by the tokens it holds, never by a setting."""
         r = keep.shape[-1]
-        self._absorb(
-            self.keys[:, :, :r], self.values[:, :, :r], keep, self.cumulative_length - self._suffix_len
-        )
-        self._set_suffix(
-            self.keys[:, :, r:], self.values[:, :, r:], capacity=window_capacity + _MIN_SUFFIX_CAPACITY
-        )
+        start = self.cumulative_length - self._suffix_len
+        self._absorb(self.keys[:, :, :r], self.values[:, :, :r], keep, start)
+        kept = self._suffix_len - r
+        self._set_suffix(self.keys[:, :, r:], self.values[:, :, r:], capacity=kept + _MIN_SUFFIX_CAPACITY)
         self.compressed = True
 
     def _absorb(self, keys, values, keep: torch.Tensor, start: int) -> None:

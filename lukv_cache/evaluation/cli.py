@@ -10,6 +10,7 @@ import argparse
 import time
 from typing import Any
 
+from ..cache import check_ratio
 from ..models import SMOLLM2_ALIAS, load_model, smollm2_provenance
 
 
@@ -23,6 +24,7 @@ def _split(values: list[str] | None) -> list[str] | None:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import default_profiles_dir, format_report, run_demo
 
+    check_ratio(args.ratio)  # before the model loads: a bad argument fails at once
     started = time.perf_counter()
     print(f"Loading {args.model}...", flush=True)
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)

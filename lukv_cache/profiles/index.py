@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import ProfileFormatError
+from ..errors import ConfigurationError, ProfileFormatError
 from .hub_errors import translated_hub_errors
 from .location import INDEX_FILENAME, HubLocation, check_model_id, profile_filename
 from .profile import Profile, atomic_write
@@ -73,6 +74,10 @@ def list_profiles(
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
     if local_dir is not None:
+        if not Path(local_dir).is_dir():
+            raise ConfigurationError(
+                f"{str(local_dir)!r} is not a folder of profiles (a local mirror like profiles_hub/)."
+            )
         path = Path(local_dir) / INDEX_FILENAME
         index = parse_index(path.read_bytes(), str(path)) if path.is_file() else empty_index()
     else:
@@ -91,7 +96,28 @@ def list_profiles(
             except RemoteEntryNotFoundError:
                 return []  # a repository without an index holds no profiles yet
         index = parse_index(Path(path).read_bytes(), f"{INDEX_FILENAME} of {hub.repo!r}")
-    return [dict(e) for e in index["profiles"] if model_id is None or e["model_id"] == model_id]
+    entries = [dict(e) for e in index["profiles"] if model_id is None or e["model_id"] == model_id]
+    return [e for e in entries if _readable_entry(e)]
+
+
+def _readable_entry(entry: dict[str, Any]) -> bool:
+    """Whether an index entry has the fields a listing shows, with the right types; warns when not."""
+    grid = entry.get("grid", {})
+    ok = (
+        isinstance(entry.get("model_id"), str)
+        and isinstance(entry.get("scorer"), str)
+        and all(
+            isinstance(entry.get(k, 0), int) and not isinstance(entry.get(k, 0), bool)
+            for k in ("num_layers", "num_kv_heads")
+        )
+        and isinstance(grid, dict)
+        and all(isinstance(grid.get(k, 0), (int, float)) for k in ("size", "min", "max"))
+    )
+    if not ok:
+        warnings.warn(
+            f"Skipping a malformed profile index entry: {json.dumps(entry, default=str)[:200]}", stacklevel=3
+        )
+    return ok
 
 
 def published_copy(profile: Profile, model_id: str | None) -> Profile:
@@ -109,14 +135,32 @@ def published_copy(profile: Profile, model_id: str | None) -> Profile:
 def save_to_local_dir(profile: Profile, local_dir: str | os.PathLike, model_id: str | None = None) -> Path:
     """Write ``profile`` into a local mirror (e.g. ``profiles_hub/``) and update its ``index.json``.
 
+    Writers of one mirror take a file lock around the read-modify-write of the index, so concurrent
+    pushes (several processes) all land; the index then lists exactly the profiles whose files exist.
+
     >>> save_to_local_dir(profile, "profiles_hub")
     PosixPath('profiles_hub/org/tiny-llama/keydiff.safetensors')
     """
+    from filelock import FileLock
+
     profile = published_copy(profile, model_id)
     root = Path(local_dir)
+    if root.exists() and not root.is_dir():
+        raise ConfigurationError(f"The profile mirror {str(root)!r} is a file; pass a folder.")
     path = root / profile_filename(profile.model_id, profile.scorer)
     index_path = root / INDEX_FILENAME
-    index = parse_index(index_path.read_bytes(), str(index_path)) if index_path.is_file() else empty_index()
-    profile.save(path)
-    atomic_write(index_path, index_bytes(with_entry(index, index_entry(profile, profile.model_id))))
+    for target in (path, index_path):
+        if target.is_dir():
+            raise ConfigurationError(
+                f"{str(target)!r} is a folder where the mirror keeps a file; move it away, then retry."
+            )
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{INDEX_FILENAME}.lock")):
+        index = (
+            parse_index(index_path.read_bytes(), str(index_path)) if index_path.is_file() else empty_index()
+        )
+        profile.save(path)
+        index = with_entry(index, index_entry(profile, profile.model_id))
+        present = [e for e in index["profiles"] if (root / e.get("path", "")).is_file()]
+        atomic_write(index_path, index_bytes({**index, "profiles": present}))
     return path

@@ -22,6 +22,9 @@ from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchErro
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
+# the largest sink, window, K_max or head dim a profile may carry: far beyond any real setting, and small
+# enough that nothing sized by one of them can exhaust memory
+MAX_COUNT = 1 << 16
 _FORMAT_NAME = (
     "lukv_cache.profile"  # metadata["format"]: tells a profile apart from any other safetensors file
 )
@@ -82,6 +85,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         where = self.source or f"profile for {self.model_id!r} / scorer {self.scorer!r}"
+        for name in ("sink", "window", "k_max", "head_dim"):
+            if isinstance(getattr(self, name), np.integer):
+                setattr(self, name, int(getattr(self, name)))
         self.grid = _as_float32(self.grid, "grid", where)
         self.evict_ratio = _as_float32(self.evict_ratio, "evict_ratio", where)
         _check_values(self, where)
@@ -154,6 +160,11 @@ class Profile:
         head_dim = getattr(text, "head_dim", None)
         if self.head_dim is not None and isinstance(head_dim, int) and head_dim != self.head_dim:
             problems.append(f"head_dim {self.head_dim} but the model has {head_dim}")
+        positions = getattr(text, "max_position_embeddings", None)
+        if isinstance(positions, int) and self.sink + self.window >= positions:
+            problems.append(
+                f"sink {self.sink} + window {self.window} protect more tokens than the model's {positions} positions"
+            )
         if problems:
             where = f" ({self.source})" if self.source else ""
             raise ProfileMismatchError(
@@ -278,9 +289,23 @@ _REBUILD = "Rebuild the profile, or fetch it again (lukv pull <model id>)."
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half of one.
+
+    An unwritable target (a folder, a read-only place, a parent that is a file) raises
+    :class:`~lukv_cache.errors.ConfigurationError` naming it; nothing is left behind.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigurationError(
+            f"Cannot write {str(path)!r}: it is a folder. Give a file name (e.g. x.safetensors)."
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise ConfigurationError(
+            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path."
+        ) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -291,6 +316,11 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigurationError(
+            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path."
+        ) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -348,7 +378,9 @@ def _check_values(p: Profile, where: str) -> None:
     lo, hi = float(ratios.min()), float(ratios.max())
     if lo < 0.0 or hi > 1.0:
         raise ProfileFormatError(
-            f"{where}: evict ratios must lie in [0, 1], found values in [{lo:.4g}, {hi:.4g}]. {_REBUILD}"
+            f"{where}: evict ratios must lie in [0, 1], found values in [{lo!r}, {hi!r}]. {_REBUILD}",
+            source=p.source,
+            field="evict_ratio",
         )
     if p.format_version not in SUPPORTED_FORMAT_VERSIONS:
         raise ProfileFormatError(
@@ -357,7 +389,12 @@ def _check_values(p: Profile, where: str) -> None:
         )
     for name in ("model_id", "scorer"):
         if not isinstance(getattr(p, name), str) or not getattr(p, name):
-            raise ProfileFormatError(f"{where}: {name} must be a non-empty string.")
+            raise ProfileFormatError(
+                f"{where}: {name} must be a non-empty string.", source=p.source, field=name
+            )
+    for name in ("calibration", "library_version", "created"):
+        if not isinstance(getattr(p, name), str):
+            raise ProfileFormatError(f"{where}: {name} must be a string.", source=p.source, field=name)
     for name in ("scorer_params", "extra"):
         try:
             if not isinstance(getattr(p, name), dict):
@@ -365,10 +402,30 @@ def _check_values(p: Profile, where: str) -> None:
             _to_json(getattr(p, name))
         except (TypeError, ValueError) as err:
             raise ProfileFormatError(f"{where}: {name} must be a JSON-serialisable dict ({err}).") from None
-    if p.sink < 0 or p.window < 0 or p.k_max < 1 or not 0.0 <= p.min_keep <= 1.0:
+    for name, low in (("sink", 0), ("window", 0), ("k_max", 1), ("head_dim", 1)):
+        value = getattr(p, name)
+        if name == "head_dim" and value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, np.integer))
+            or not low <= value <= MAX_COUNT
+        ):
+            raise ProfileFormatError(
+                f"{where}: {name} must be an integer in [{low}, {MAX_COUNT}], got {value!r}. {_REBUILD}",
+                source=p.source,
+                field=name,
+            )
+    min_keep = p.min_keep
+    if (
+        isinstance(min_keep, bool)
+        or not isinstance(min_keep, (int, float, np.floating))
+        or not 0.0 <= min_keep < 1.0
+    ):
         raise ProfileFormatError(
-            f"{where}: sink/window must be >= 0, k_max >= 1 and min_keep in [0, 1] "
-            f"(got sink={p.sink}, window={p.window}, k_max={p.k_max}, min_keep={p.min_keep})."
+            f"{where}: min_keep must be a number in [0, 1), got {min_keep!r}. {_REBUILD}",
+            source=p.source,
+            field="min_keep",
         )
 
 
@@ -380,33 +437,59 @@ def _read_safetensors(data: bytes, source: str) -> tuple[dict[str, np.ndarray], 
         f"{source} is not a readable profile (truncated or corrupt safetensors file). "
         "Delete it and fetch it again (lukv pull <model id>), or rebuild it."
     )
+    # The header (8-byte length + JSON) is read and checked first: names, dtypes and metadata, before
+    # safetensors is asked to decode anything (it does not know every dtype a file may declare).
     try:
-        tensors = load(data)
-        # safetensors.numpy.load validated the bytes; its header (8-byte length + JSON) carries the metadata
         header_len = int.from_bytes(data[:8], "little")
+        if len(data) < 8 or header_len > len(data) - 8:
+            raise ValueError(f"header of {header_len} bytes in a file of {len(data)}")
         header = json.loads(data[8 : 8 + header_len])
-    except (SafetensorError, ValueError, UnicodeDecodeError) as err:
-        raise ProfileFormatError(f"{broken} ({type(err).__name__}: {err})") from None
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ProfileFormatError(f"{broken} ({type(err).__name__}: {err})", source=source) from None
+    metadata = header.get("__metadata__")
     if not isinstance(metadata, dict) or metadata.get("format") != _FORMAT_NAME:
         raise ProfileFormatError(
             f"{source} is a safetensors file but not an lukv_cache profile (no '__metadata__' with "
-            f"format={_FORMAT_NAME!r}). Convert kvpress curves with `lukv convert`, or build a profile."
+            f"format={_FORMAT_NAME!r}). Convert kvpress curves with `lukv convert`, or build a profile.",
+            source=source,
         )
-    missing = [name for name in _TENSORS if name not in tensors]
-    unexpected = sorted(set(tensors) - set(_TENSORS))
+    names = {name for name in header if name != "__metadata__"}
+    missing = [name for name in _TENSORS if name not in names]
+    unexpected = sorted(names - set(_TENSORS))
     if missing or unexpected:
         raise ProfileFormatError(
             f"{source}: a profile holds exactly the tensors {list(_TENSORS)}; missing {missing}, "
-            f"unexpected {unexpected}. {_REBUILD}"
+            f"unexpected {unexpected}. {_REBUILD}",
+            source=source,
         )
+    for name in _TENSORS:
+        dtype = header[name].get("dtype") if isinstance(header[name], dict) else None
+        if dtype != "F32":
+            raise ProfileFormatError(
+                f"{source}: tensor {name!r} is stored as {dtype!r}; profiles store float32 (F32). {_REBUILD}",
+                source=source,
+                field=name,
+            )
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, KeyError, OverflowError) as err:
+        raise ProfileFormatError(f"{broken} ({type(err).__name__}: {err})", source=source) from None
     return tensors, metadata
 
 
 def _parse_metadata(metadata: dict[str, str], source: str) -> dict[str, Any]:
     missing = [key for key in _REQUIRED_KEYS if key not in metadata]
     if missing:
-        raise ProfileFormatError(f"{source}: missing metadata {missing}. {_REBUILD}")
+        raise ProfileFormatError(f"{source}: missing metadata {missing}. {_REBUILD}", source=source)
+    not_text = sorted(key for key, value in metadata.items() if not isinstance(value, str))
+    if not_text:
+        raise ProfileFormatError(
+            f"{source}: metadata values are strings, {not_text} are not. {_REBUILD}",
+            source=source,
+            field=not_text[0],
+        )
     values: dict[str, Any] = {}
     key = ""
     try:
@@ -431,12 +514,15 @@ def _parse_metadata(metadata: dict[str, str], source: str) -> dict[str, Any]:
                 raise TypeError(f"expected a JSON object, got {type(values[key]).__name__}")
         key = "head_dim"
         values[key] = json.loads(metadata[key])
-        if values[key] is not None and (not isinstance(values[key], int) or values[key] < 1):
+        value = values[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise TypeError("expected a positive integer or null")
     except ProfileFormatError:
         raise
     except (ValueError, TypeError) as err:
         raise ProfileFormatError(
-            f"{source}: malformed metadata {key}={metadata[key]!r} ({err}). {_REBUILD}"
+            f"{source}: malformed metadata {key}={metadata[key]!r} ({err}). {_REBUILD}",
+            source=source,
+            field=key,
         ) from None
     return values

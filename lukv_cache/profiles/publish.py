@@ -84,9 +84,16 @@ def push_profile(
             else "Check that you are logged in with write access (hf auth login / HF_TOKEN / token=), "
             "that the Hub is reachable (HF_ENDPOINT, HF_HUB_OFFLINE unset), then retry."
         )
+        if step == "uploading" and status is None:
+            # the request may have reached the Hub before the connection failed: the commit is unknown
+            state = (
+                "Nothing was changed locally; the upload may or may not have been applied to the repository "
+                f"(`lukv list --repo-id {repo_id}` shows what it holds)."
+            )
+        else:
+            state = "Nothing was changed locally or in the repository."
         raise PublishError(
             f"Publishing the {profile.scorer!r} profile of {model_id!r} to {repo_id!r} ({filename!r}) failed "
-            f"while {step}: {type(err).__name__}: {one_line(err)}. "
-            f"Nothing was changed locally or in the repository. {hint}"
+            f"while {step}: {type(err).__name__}: {one_line(err)}. {state} {hint}"
         ) from err
     return commit.oid

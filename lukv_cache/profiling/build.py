@@ -62,13 +62,34 @@ def _sha(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class _ResultStore:
     """Per-question results as safetensors files (no pickle), written atomically."""
 
     def __init__(self, root: Path | None):
         self.root = root
-        if root is not None:
+        if root is None:
+            return
+        try:
             root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigurationError(
+                f"Cannot use {str(root)!r} for per-question results: {err.strerror or err}. Pass another "
+                "cache_dir (--cache-dir), or cache_dir=False to keep nothing."
+            ) from None
+        for stale in root.glob(".*.tmp"):  # left by an interrupted build, unless that build still runs
+            pid = stale.name.rsplit(".", 2)[-2]
+            if not (pid.isdigit() and _running(int(pid))):
+                stale.unlink(missing_ok=True)
 
     def load(self, key: str) -> dict[str, np.ndarray] | None:
         from safetensors import SafetensorError
@@ -157,7 +178,14 @@ class CalibrationRun:
         ids = self.question_ids[index]
         key = "oracle-" + _sha(_CACHE_FORMAT, ids.tolist(), self.k_max)
         cached = self.store.load(key)
-        if cached is None:
+        valid = (
+            cached is not None
+            and "importance" in cached
+            and cached["importance"].ndim == 3
+            and cached["importance"].shape[-1] == self.context_len
+            and bool(np.isfinite(cached["importance"]).all())
+        )
+        if not valid:  # missing, torn, foreign or NaN: decode again
             if self._state is None:  # prefilled only when something must be decoded (resumed builds skip it)
                 self._state = prefill_context(self.model, self.context_ids)
             eos = getattr(self.tokenizer, "eos_token_id", None)

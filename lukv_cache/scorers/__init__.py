@@ -89,10 +89,52 @@ def register_scorer(
     """
 
     def add(f: ScoreFn) -> ScoreFn:
-        SCORERS.add(name, Scorer(name, f, n_queries, window, dict(params)), overwrite=overwrite)
+        scorer = Scorer(name, f, n_queries, window, dict(params))
+        _probe(scorer)
+        SCORERS.add(name, scorer, overwrite=overwrite)
         return f
 
     return add(fn) if fn is not None else add
+
+
+def _probe(scorer: Scorer) -> None:
+    """Call a scorer being registered on small random inputs: a wrong shape or a crash is a
+    ConfigurationError now, naming the scorer, instead of a failure deep inside a prefill later."""
+    if scorer.fn is None:
+        return
+    if not callable(scorer.fn):
+        raise ConfigurationError(
+            f"Scorer {scorer.name!r}: expected a function, got {type(scorer.fn).__name__}."
+        )
+    if isinstance(scorer.n_queries, bool) or not isinstance(scorer.n_queries, int) or scorer.n_queries < 0:
+        raise ConfigurationError(f"Scorer {scorer.name!r}: n_queries must be a non-negative integer.")
+    if isinstance(scorer.window, bool) or not isinstance(scorer.window, int) or scorer.window < 0:
+        raise ConfigurationError(f"Scorer {scorer.name!r}: window must be a non-negative integer.")
+    gen = torch.Generator().manual_seed(0)
+    b, h, t, d = 1, 2, max(16, scorer.n_queries + 8), 8
+    keys, values = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
+    queries = torch.randn(b, 2 * h, scorer.n_queries, d, generator=gen) if scorer.n_queries else None
+    try:
+        scores = scorer(keys, values, queries)
+    except Exception as err:
+        raise ConfigurationError(
+            f"Scorer {scorer.name!r} failed on keys/values [B, H_kv, T, D] = {[b, h, t, d]}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    if (
+        not isinstance(scores, torch.Tensor)
+        or tuple(scores.shape) != (b, h, t)
+        or not scores.is_floating_point()
+    ):
+        got = (
+            f"shape {list(scores.shape)} {scores.dtype}"
+            if isinstance(scores, torch.Tensor)
+            else type(scores).__name__
+        )
+        raise ConfigurationError(
+            f"Scorer {scorer.name!r} returned {got}; a scorer returns float scores [B, H_kv, T] "
+            f"(here {[b, h, t]}), higher = keep."
+        )
 
 
 def get_scorer(name: str | Scorer) -> Scorer:

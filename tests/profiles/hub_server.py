@@ -19,6 +19,7 @@ import base64
 import hashlib
 import itertools
 import json
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ class HubServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.repos: dict[tuple[str, str], _Repo] = {}
         self.refuse_uploads = False
+        # apply the next commit, then drop the connection without answering (a network failure mid-call)
+        self.drop_after_commit = False
         # called (without the lock) when a commit arrives, before it is applied: lets a test slip in a
         # concurrent commit
         self.before_commit: Callable[[], None] | None = None
@@ -290,6 +293,11 @@ def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
         def _commit(self, repo_type: str, repo_id: str, revision: str) -> None:
             lines = [json.loads(line) for line in self._body().splitlines() if line.strip()]
             sha = hub.commit(repo_type, repo_id, revision, lines)
+            if hub.drop_after_commit:
+                hub.drop_after_commit = False
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
             url = f"{hub.url}/{_URL_PREFIX[repo_type]}{repo_id}/commit/{sha}"
             self._json({"commitOid": sha, "commitUrl": url, "pullRequestUrl": None})
 

@@ -1,0 +1,136 @@
+"""No silent wrong results: a batch mismatch, a huge window, scores of -inf, bad arguments of every kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_models import left_padded, prompt, tiny_model
+
+from lukv_cache import BatchMismatchError, ConfigurationError, LUKVCache, register_scorer
+from lukv_cache.scorers import SCORERS
+
+
+def test_a_forward_with_another_batch_size_raises_and_leaves_the_cache_unchanged():
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.5)
+    with torch.no_grad():
+        model(prompt(2, 40), past_key_values=cache)
+    stored, length = cache.stored_tokens().clone(), cache.get_seq_length()
+    with pytest.raises(BatchMismatchError, match="batch of 2") as info:
+        with torch.no_grad():
+            model(prompt(1, 1, seed=3), past_key_values=cache)
+    assert (info.value.expected, info.value.got) == (2, 1)
+    assert torch.equal(cache.stored_tokens(), stored) and cache.get_seq_length() == length
+    with torch.no_grad():  # and it still works with the right batch
+        model(prompt(2, 1, seed=3), past_key_values=cache)
+    assert cache.get_seq_length() == length + 1
+
+
+def test_a_batch_mismatch_on_a_sliding_first_layer_is_the_same_typed_error():
+    model = tiny_model("gemma2", "eager")
+    cache = LUKVCache(0.5, config=model.config)
+    with torch.no_grad():
+        model(prompt(2, 30), past_key_values=cache)
+        with pytest.raises(BatchMismatchError):
+            model(prompt(3, 1), past_key_values=cache)
+
+
+def test_a_huge_window_never_sizes_a_buffer():
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.5, "keydiff", window=60_000)
+    with torch.no_grad():
+        model(prompt(1, 30), past_key_values=cache)
+    # 30 tokens x 2 heads x 16 dims x 2 (K, V) x 4 bytes per layer, plus 16 tokens of room: a few KB
+    assert cache.memory_bytes() < 64 * 1024
+
+
+def test_minus_inf_scores_never_drop_a_head_below_its_minimum_under_left_padding(monkeypatch):
+    monkeypatch.setattr(SCORERS, "_items", dict(SCORERS._items))
+
+    @register_scorer("test_minus_inf")
+    def minus_inf(keys, values, queries):
+        scores = torch.full(keys.shape[:3], float("-inf"))
+        scores[..., ::7] = torch.nan
+        return scores
+
+    model = tiny_model("llama", "sdpa")
+    ids, mask = left_padded((50, 20), seed=5)
+    cache = LUKVCache(0.95, "test_minus_inf", sink=4, window=1)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    for layer in cache.layers:
+        for row, real in enumerate(mask.sum(-1).tolist()):
+            pad = 50 - real
+            for head in range(2):
+                seg = row * 2 + head
+                lo, hi = layer.store.offsets_list[seg], layer.store.offsets_list[seg + 1]
+                positions = layer.store.positions[lo:hi]
+                assert (positions >= pad).all(), "padding was kept"
+                assert hi - lo >= 4 + 1, "no evictable token kept beyond the sinks"
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda keys, values, queries: keys.norm(dim=-1)[..., :-1],  # wrong length
+        lambda keys, values, queries: keys.norm(dim=-1).tolist(),  # not a tensor
+        lambda keys, values, queries: keys.norm(dim=-1).long(),  # not float
+        lambda keys, values, queries: 1 / 0,  # crashes
+    ],
+    ids=["shape", "list", "int", "raises"],
+)
+def test_a_scorer_that_cannot_work_is_refused_at_registration(monkeypatch, fn):
+    monkeypatch.setattr(SCORERS, "_items", dict(SCORERS._items))
+    with pytest.raises(ConfigurationError, match="test_bad") as info:
+        register_scorer("test_bad", fn)
+    assert "B, H_kv, T" in str(info.value)
+    assert "test_bad" not in SCORERS
+
+
+def test_a_scorer_object_with_the_wrong_shape_is_a_configuration_error_at_prefill():
+    from lukv_cache import Scorer
+
+    model = tiny_model("llama", "sdpa")
+    bad = Scorer("sneaky", lambda keys, values, queries: keys.norm(dim=-1)[:, :1])
+    with pytest.raises(ConfigurationError, match=r"sneaky.*\[B, H_kv, T\]"):
+        with torch.no_grad():
+            model(prompt(1, 30), past_key_values=LUKVCache(0.5, bad))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_keep": None},
+        {"min_keep": "0.1"},
+        {"allocator": "profile", "evict_ratio": [["a", "b"], ["c", "d"]]},
+        {"allocator": "profile", "evict_ratio": torch.full((2, 2), 0.5, dtype=torch.bfloat16)[:, :0]},
+        {"allocator": "profile", "evict_ratio": torch.full((2, 2), 0.5).bool()},
+    ],
+    ids=["min_keep-None", "min_keep-str", "table-str", "table-empty", "table-bool"],
+)
+def test_bad_cache_arguments_raise_configuration_error(kwargs):
+    with pytest.raises(ConfigurationError):
+        LUKVCache(0.5, **kwargs)
+
+
+def test_a_bfloat16_table_is_read_as_numbers():
+    cache = LUKVCache(0.5, allocator="profile", evict_ratio=torch.full((2, 2), 0.5, dtype=torch.bfloat16))
+    model = tiny_model("llama", "sdpa")
+    with torch.no_grad():
+        model(prompt(1, 45), past_key_values=cache)
+    assert (cache.stored_tokens() == 20 + 5).all()
+
+
+@pytest.mark.parametrize(
+    "ratio", [__import__("numpy").float32(0.5), torch.tensor(0.5), __import__("numpy").float64(0.25)]
+)
+def test_ratio_accepts_numpy_and_zero_dim_torch_numbers(ratio):
+    assert LUKVCache(ratio).ratio == pytest.approx(float(ratio))
+
+
+@pytest.mark.parametrize(
+    "ratio", [__import__("numpy").bool_(True), torch.tensor(True), torch.tensor([0.5]), float("nan")]
+)
+def test_ratio_refuses_bools_vectors_and_nan(ratio):
+    with pytest.raises(ConfigurationError, match="ratio"):
+        LUKVCache(ratio)
