@@ -101,14 +101,22 @@ def _load_model(name: str):
 
 
 def _build(args: argparse.Namespace) -> int:
+    from ..errors import ConfigurationError
+    from ..scorers import get_scorer
     from . import build_profiles
 
     scorers = args.scorer or ["keydiff"]
+    for name in scorers:  # unknown names fail before the model loads
+        get_scorer(name)
     single_file = args.out.suffix == ".safetensors"
     if single_file and len(scorers) > 1:
-        from ..errors import ConfigurationError
-
         raise ConfigurationError("Several scorers need --out to be a folder (one <scorer>.safetensors each).")
+    if not single_file and args.out.exists() and not args.out.is_dir():
+        raise ConfigurationError(
+            f"--out {str(args.out)!r} is a file; give a folder or a .safetensors file name."
+        )
+    if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
+        raise ConfigurationError(f"--cache-dir {args.cache_dir!r} is a file; give a folder.")
     start = time.perf_counter()
     model, tokenizer, extra = _load_model(args.model)
     profiles = build_profiles(

@@ -1,0 +1,78 @@
+"""Every CLI mistake a user can make prints one ``error:`` line and exits 2: no traceback, no half file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lukv_cache.cli import main
+from lukv_cache.profiles import Profile
+
+
+def _profile(tmp_path) -> str:
+    grid = np.array([0.25, 0.75], dtype=np.float32)
+    ratios = np.stack([np.full((2, 2), 0.2), np.full((2, 2), 0.6)]).astype(np.float32)
+    return str(Profile(grid, ratios, model_id="org/m", scorer="keydiff").save(tmp_path / "p.safetensors"))
+
+
+def _curve(tmp_path) -> str:
+    path = tmp_path / "curve.npy"
+    np.save(path, np.full((99, 2, 2), 0.5, dtype=np.float32))
+    return str(path)
+
+
+CASES = {
+    "convert-out-is-a-folder": lambda t: [
+        "convert",
+        _curve(t),
+        "--model",
+        "org/m",
+        "--scorer",
+        "keydiff",
+        "--out",
+        str(t),
+    ],
+    "convert-bad-head-dim": lambda t: [
+        "convert",
+        _curve(t),
+        "--model",
+        "org/m",
+        "--scorer",
+        "keydiff",
+        "--head-dim",
+        "-3",
+    ],
+    "pull-out-is-a-folder": lambda t: ["pull", "org/m", "--local-dir", str(_mirror(t)), "--out", str(t)],
+    "show-png-unwritable": lambda t: ["show", _profile(t), "--png", str(t / "p.safetensors" / "x.png")],
+    "build-cache-dir-is-a-file": lambda t: [
+        "build",
+        "smollm2",
+        "--out",
+        str(t / "o"),
+        "--cache-dir",
+        _profile(t),
+    ],
+    "build-unknown-scorer": lambda t: ["build", "smollm2", "--out", str(t / "o"), "--scorer", "h2o"],
+    "demo-ratio-out-of-range": lambda t: ["demo", "--ratio", "1.5"],
+    "demo-model-missing": lambda t: ["demo", "--model", str(t / "nonexistent")],
+    "list-local-dir-is-a-file": lambda t: ["list", "--local-dir", _profile(t)],
+}
+
+
+def _mirror(tmp_path):
+    from lukv_cache.profiles import save_to_local_dir
+
+    save_to_local_dir(Profile.load(_profile(tmp_path)), tmp_path / "mirror")
+    return tmp_path / "mirror"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cli_mistake_prints_one_error_line_and_exits_2(case, tmp_path, capsys):
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code = main(CASES[case](tmp_path))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    if case.startswith("convert"):
+        assert not list(tmp_path.rglob("*.safetensors")), "a half-made or unreadable file was written"
+    del before
