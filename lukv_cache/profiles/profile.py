@@ -116,11 +116,14 @@ class Profile:
     def at(self, ratio: float) -> np.ndarray:
         """Local evict ratios ``[L, H_kv]`` at global ratio ``ratio``.
 
-        Linear interpolation between the two grid points around ``ratio``; outside the grid the
-        nearest end is used (the profile says nothing beyond it).
+        Linear interpolation between the two grid points around ``ratio``. Below the first grid point
+        it interpolates towards ratio 0, where every head keeps everything; above the last one the last
+        row is used (the profile says nothing beyond it).
 
         >>> profile.at(0.8).shape
         (2, 2)
+        >>> float(profile.at(0.0).max())
+        0.0
         """
         ratio = float(ratio)
         if not 0.0 <= ratio <= 1.0 or math.isnan(ratio):
@@ -129,7 +132,7 @@ class Profile:
             )
         grid = self.grid.astype(np.float64)
         if ratio <= grid[0]:
-            return self.evict_ratio[0].copy()
+            return np.clip(self.evict_ratio[0] * (ratio / grid[0]), 0.0, 1.0).astype(np.float32)
         if ratio >= grid[-1]:
             return self.evict_ratio[-1].copy()
         hi = int(np.searchsorted(grid, ratio, side="right"))

@@ -136,9 +136,28 @@ def test_at_interpolates_linearly_between_grid_points(profile):
     np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
-def test_at_clamps_outside_the_grid(profile):
-    np.testing.assert_array_equal(profile.at(0.0), profile.evict_ratio[0])
+def test_at_ratio_zero_keeps_everything_and_the_top_clamps_to_the_last_row(profile):
+    np.testing.assert_array_equal(profile.at(0.0), np.zeros_like(profile.evict_ratio[0]))
+    below = float(profile.grid[0]) / 2  # halfway to the first grid point: half its evict ratios
+    np.testing.assert_allclose(profile.at(below), profile.evict_ratio[0] / 2, rtol=1e-6)
     np.testing.assert_array_equal(profile.at(0.99), profile.evict_ratio[-1])
+
+
+def test_a_cache_from_a_profile_at_ratio_zero_keeps_every_token(tmp_path, profile):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lukv_cache import LUKVCache
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+    ).eval()  # fmt: skip
+    cache = LUKVCache.from_pretrained(profile.save(tmp_path / "p.safetensors"), 0.0)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 30)), past_key_values=cache)
+    assert (cache.stored_tokens() == 30).all()
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan")])
