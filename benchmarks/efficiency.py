@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="context length (8192)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.8, 0.9])
     parser.add_argument("--scorer", default="keydiff")
-    parser.add_argument("--profiles", default="profiles_hub", help="local profile mirror (profiles_hub)")
+    parser.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument(

@@ -25,7 +25,7 @@ inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
 
 # Remove 80% of the prompt's KV entries; each head's share comes from the model's LU-KV profile.
 try:
-    cache = LUKVCache.from_pretrained(model, ratio=0.8, local_dir="profiles_hub")
+    cache = LUKVCache.from_pretrained(model, ratio=0.8)
 except ProfileError:  # no profile built for this model yet: the same budget, split uniformly
     print("(no LU-KV profile found for this model; using the uniform allocator)")
     cache = LUKVCache(ratio=0.8, scorer="keydiff", allocator="uniform")

@@ -22,14 +22,14 @@ def _split(values: list[str] | None) -> list[str] | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import default_profiles_dir, format_report, run_demo
+    from .demo import format_report, run_demo
 
     check_ratio(args.ratio)  # before the model loads: a bad argument fails at once
     started = time.perf_counter()
     print(f"Loading {args.model}...", flush=True)
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     print(f"Loaded in {time.perf_counter() - started:.1f} s.", flush=True)
-    profiles_dir = args.profiles if args.profiles is not None else default_profiles_dir()
+    profiles_dir = args.profiles
     report = run_demo(
         model,
         tokenizer,
@@ -66,7 +66,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--needles", type=int, default=4, help="needles per retrieval context (4)")
     parser.add_argument("--continuation-tokens", type=int, default=128, help="teacher-forced tokens (128)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profiles", default="profiles_hub", help="local profile mirror (profiles_hub)")
+    parser.add_argument(
+        "--profiles",
+        help="a folder of profiles searched first (default: none; then the Hub cache, or the Hub with --hub, "
+        "then the profiles shipped with lukv_cache)",
+    )
     parser.add_argument(
         "--hub", action="store_true", help="look up missing profiles in the shared Hub repository"
     )
@@ -142,7 +146,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--context-tokens", type=int, default=1000, help="length of the text in tokens (1000)")
     demo.add_argument("--facts", type=int, default=4, help="planted facts (4)")
     demo.add_argument("--scorer", help="scorer (default: the profile's)")
-    demo.add_argument("--profiles", help="local profile mirror (default: ./profiles_hub if present)")
+    demo.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
     demo.add_argument(
         "--hub",
         action="store_true",

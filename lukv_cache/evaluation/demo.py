@@ -14,7 +14,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from transformers import DynamicCache
@@ -59,19 +58,6 @@ class DemoReport:
     full: CacheRun
     compressed: CacheRun
     notes: list[str] = field(default_factory=list)
-
-
-def default_profiles_dir() -> Path | None:
-    """``./profiles_hub`` if it exists, else the ``profiles_hub/`` next to the package (a source
-    checkout), else None (then ``$LUKV_PROFILE_DIR`` and the Hub are searched).
-
-    >>> default_profiles_dir()  # doctest: +SKIP
-    PosixPath('profiles_hub')
-    """
-    for candidate in (Path("profiles_hub"), Path(__file__).resolve().parents[2] / "profiles_hub"):
-        if candidate.is_dir():
-            return candidate
-    return None
 
 
 def demo_cache(

@@ -42,7 +42,7 @@ class BenchSettings:
     seed: int = 0
     needles: int = 4
     continuation_tokens: int = 128
-    profiles_dir: str | None = "profiles_hub"
+    profiles_dir: str | None = None
     hub: bool = False
     share_prefill: bool = True
 

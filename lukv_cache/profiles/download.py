@@ -6,15 +6,18 @@ revisions): nothing of it is re-implemented here.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError, ProfileFormatError, ProfileNotFoundError
+from ..errors import ConfigurationError, HubUnavailableError, ProfileFormatError, ProfileNotFoundError
 from .hub_errors import LOCAL_OPTION, connection_errors, translated_hub_errors
-from .location import DEFAULT_SCORER, LOCAL_DIR_ENV, HubLocation, profile_filename
+from .location import BUNDLED_DIR, DEFAULT_SCORER, LOCAL_DIR_ENV, HubLocation, profile_filename
 from .profile import Profile, library_version
+
+logger = logging.getLogger("lukv_cache")
 
 
 def model_id_of(model: Any) -> str:
@@ -65,6 +68,7 @@ def resolve_profile(
         )
     path = download_profile(model_id, scorer, hub=hub, local_dir=local_dir)
     profile = Profile.load(path)
+    logger.info("lukv_cache: the %s profile of %s comes from %s", profile.scorer, model_id, path)
     scorer = scorer or DEFAULT_SCORER
     if profile.scorer != scorer:
         raise ProfileFormatError(
@@ -87,14 +91,16 @@ def download_profile(
     hub: HubLocation | None = None,
     local_dir: str | os.PathLike | None = None,
 ) -> Path:
-    """The local path of ``model_id``'s profile for ``scorer`` (local directory first, then the Hub cache).
+    """The local path of ``model_id``'s profile for ``scorer``.
+
+    Resolution order: ``local_dir`` (else ``$LUKV_PROFILE_DIR``); then the shared Hub repository through
+    huggingface_hub (its cache, revision, offline mode; a Hub that does not answer within ``hub.timeout``
+    seconds counts as unreachable); then, when the Hub has no such file or cannot be reached and no
+    revision is pinned, the copy shipped inside this package (with a warning when the Hub was unreachable).
 
     >>> download_profile("meta-llama/Llama-3.1-8B-Instruct")  # doctest: +SKIP
     PosixPath('~/.cache/huggingface/hub/models--lukv-cache--profiles/snapshots/<sha>/meta-llama/...')
     """
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import RemoteEntryNotFoundError
-
     hub = hub or HubLocation()
     scorer = scorer or DEFAULT_SCORER
     filename = profile_filename(model_id, scorer)
@@ -102,7 +108,43 @@ def download_profile(
     if local_dir is not None and (Path(local_dir) / filename).is_file():
         return Path(local_dir) / filename
     searched = f" (also searched the local directory {str(local_dir)!r})" if local_dir else ""
+    try:
+        return _from_hub(model_id, scorer, filename, hub, searched)
+    except (HubUnavailableError, ProfileNotFoundError) as err:
+        bundled = BUNDLED_DIR / filename
+        if hub.revision is not None or not bundled.is_file():
+            raise
+        if isinstance(err, HubUnavailableError):
+            warnings.warn(
+                f"The Hub could not serve {filename!r} ({str(err).split('. ')[0]}); using the copy shipped with "
+                f"lukv_cache: {bundled}",
+                stacklevel=3,
+            )
+        return bundled
+
+
+def _probe_hub(filename: str, hub: HubLocation) -> bool:
+    """Whether the Hub answers about ``filename`` within ``hub.timeout`` (any answer, even "not found")."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+
+    if hub.local_files_only or constants.is_offline_mode():
+        return True  # huggingface_hub will not touch the network: nothing to wait for
+    url = hf_hub_url(hub.repo, filename, revision=hub.revision, endpoint=hub.endpoint)
+    try:
+        get_hf_file_metadata(url, token=hub.token, timeout=hub.timeout, retry_on_errors=False)
+    except connection_errors():
+        return False
+    except Exception:  # an answer (404, 401, ...): hf_hub_download reports it properly
+        return True
+    return True
+
+
+def _from_hub(model_id: str, scorer: str, filename: str, hub: HubLocation, searched: str) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
     subject = f"{filename!r} (profile of {model_id!r})"
+    reachable = _probe_hub(filename, hub)
     with translated_hub_errors(subject, hub, model_id=model_id, searched=searched):
         try:
             return Path(
@@ -114,7 +156,8 @@ def download_profile(
                     token=hub.token,
                     cache_dir=hub.cache_dir,
                     endpoint=hub.endpoint,
-                    local_files_only=hub.local_files_only,
+                    local_files_only=hub.local_files_only or not reachable,  # unreachable: the cache only
+                    etag_timeout=hub.timeout,
                     library_name="lukv_cache",
                     library_version=library_version(),
                 )

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import ConfigurationError
 
@@ -19,6 +20,10 @@ REPO_ID_ENV = "LUKV_PROFILE_REPO"
 LOCAL_DIR_ENV = "LUKV_PROFILE_DIR"
 INDEX_FILENAME = "index.json"
 DEFAULT_SCORER = "keydiff"
+TIMEOUT_ENV = "LUKV_HUB_TIMEOUT"
+DEFAULT_TIMEOUT = 10.0
+# the profiles this package ships (a copy of the shared repository's, for offline use)
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "profiles_hub"
 _SCORER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -29,7 +34,8 @@ class HubLocation:
     ``repo_id`` (default ``$LUKV_PROFILE_REPO``, else ``lukv-cache/profiles``), ``revision`` (branch, tag
     or commit sha; default the main branch), ``token``, ``cache_dir`` (huggingface_hub's cache) and
     ``endpoint`` (default ``$HF_ENDPOINT``) go to huggingface_hub unchanged; ``None`` means its default.
-    ``local_files_only``: read huggingface_hub's cache only, never the network.
+    ``local_files_only``: read huggingface_hub's cache only, never the network. ``timeout``: seconds to wait
+    for the Hub before giving up on it (default ``$LUKV_HUB_TIMEOUT``, else 10), passed to huggingface_hub.
 
     >>> HubLocation(repo_id="me/my-profiles").repo
     'me/my-profiles'
@@ -41,6 +47,24 @@ class HubLocation:
     cache_dir: str | os.PathLike | None = None
     endpoint: str | None = None
     local_files_only: bool = False
+    timeout: float | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        from ..errors import ConfigurationError
+
+        if self.timeout is None:
+            raw = os.environ.get(TIMEOUT_ENV, "")
+            try:
+                value = float(raw) if raw.strip() else DEFAULT_TIMEOUT
+            except ValueError:
+                raise ConfigurationError(f"${TIMEOUT_ENV}={raw!r} is not a number of seconds.") from None
+            object.__setattr__(self, "timeout", value)
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not self.timeout > 0
+        ):
+            raise ConfigurationError(f"timeout must be a positive number of seconds, got {self.timeout!r}.")
 
     @property
     def repo(self) -> str:

@@ -1,0 +1,69 @@
+"""The wheel a user installs carries the shipped profiles: a fresh environment builds a SmolLM2 cache offline,
+from a folder outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import site
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = "lukv_cache/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/keydiff.safetensors"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return next(out.glob("lukv_cache-*.whl"))
+
+
+def test_the_wheel_contains_the_shipped_profiles_and_their_index(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert PROFILE in names
+    assert "lukv_cache/profiles_hub/index.json" in names
+    assert "lukv_cache/profiling/calibration/default.jsonl" in names
+
+
+def test_a_fresh_environment_builds_a_smollm2_cache_offline_from_the_wheel(wheel, tmp_path):
+    env_dir = tmp_path / "env"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    target = Path(
+        subprocess.check_output(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
+    # the dependencies (torch, transformers, ...) come from this environment; lukv_cache from the wheel only
+    deps = [p for p in {sysconfig.get_paths()["purelib"], *site.getsitepackages()} if Path(p).is_dir()]
+    (target / "deps.pth").write_text("\n".join(deps) + "\n")
+    # pip installs the wheel into the fresh environment's site-packages (no dependencies, no index)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    script = (
+        "import lukv_cache, sys\n"
+        "from lukv_cache import LUKVCache\n"
+        "assert '/env/' in lukv_cache.__file__, lukv_cache.__file__\n"
+        "cache = LUKVCache.from_pretrained('HuggingFaceTB/SmolLM2-135M-Instruct', ratio=0.8)\n"
+        "print(cache.profile.source)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": ""}
+    env.pop("LUKV_PROFILE_DIR", None)
+    result = subprocess.run(
+        [python, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith(PROFILE.removeprefix("lukv_cache/"))
+    assert str(env_dir) in result.stdout
