@@ -13,6 +13,7 @@ ALLOCATORS = ("uniform", "pyramid", "adakv", "profile")
 SCORERS = ("keydiff", "snapkv", "expected_attention", "knorm")
 RATIOS = (0.25, 0.5, 0.8, 0.9)
 FULL = "full"
+PROFILE_ALLOCATORS = ("profile", "hybrid")  # allocators whose budgets come from the model's profile
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,9 @@ def build_methods(
 def make_cache(
     method: Method, model: Any, profiles_dir: str | os.PathLike[str] | None = None, *, hub: bool = False
 ) -> Any:
-    """A fresh, empty cache for ``method``. ``profile`` reads ``<profiles_dir>/<model id>/<scorer>`` (and
-    the shared Hub repository only when ``hub=True``); a missing profile raises a ``ProfileError``.
+    """A fresh, empty cache for ``method``. ``profile`` and ``hybrid`` read the model's profile for the
+    scorer (``profiles_dir`` first, the Hub only when ``hub=True``, then the profiles shipped with
+    lukv_cache); a missing profile raises a ``ProfileError``.
 
     >>> make_cache(Method("adakv", "keydiff", 0.8), model).allocator_name
     'adakv'
@@ -63,8 +65,13 @@ def make_cache(
         return DynamicCache()
     from ..cache import LUKVCache
 
-    if method.allocator != "profile":
+    if method.allocator not in PROFILE_ALLOCATORS:
         return LUKVCache(method.ratio, method.scorer, method.allocator, config=model.config)
     return LUKVCache.from_pretrained(
-        model, method.ratio, method.scorer, local_dir=profiles_dir, local_files_only=not hub
+        model,
+        method.ratio,
+        method.scorer,
+        allocator=method.allocator,
+        local_dir=profiles_dir,
+        local_files_only=not hub,
     )

@@ -18,7 +18,7 @@ import torch
 from ..cache import LUKVCache, kv_cache_bytes
 from ..errors import ConfigurationError, ProfileError
 from ..scorers import get_scorer
-from .methods import ALLOCATORS, RATIOS, SCORERS, Method, build_methods, make_cache
+from .methods import ALLOCATORS, PROFILE_ALLOCATORS, RATIOS, SCORERS, Method, build_methods, make_cache
 from .prefill import SharedPrefill, shareable
 from .tasks import TASKS, Sample, context_ids, make_samples, score_prefilled
 from .texts import Article
@@ -119,7 +119,7 @@ def run_benchmark(
 
     # Methods whose cache cannot be built (no profile file) are skipped once, with the reason.
     for method in methods:
-        if method.allocator == "profile" and method.name not in results.skipped:
+        if method.allocator in PROFILE_ALLOCATORS and method.name not in results.skipped:
             try:
                 make_cache(method, model, settings.profiles_dir, hub=settings.hub)
             except ProfileError as err:
