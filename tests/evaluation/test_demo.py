@@ -1,35 +1,36 @@
 from demo_helpers import tiny_profile
 
-from lukv_cache.evaluation.demo import format_report, run_demo
+from lukv_cache.cli import main
+from lukv_cache.evaluation.demo import LINEUP, format_report, run_demo
 from lukv_cache.profiles import save_to_local_dir
 
 
-def test_demo_without_a_profile_falls_back_to_uniform_and_says_so(model, tokenizer, articles, tmp_path):
-    report = run_demo(
-        model, tokenizer, ratio=0.8, context_tokens=300, n_facts=2, profiles_dir=tmp_path, articles=articles
-    )
-    assert report.notes and "uniform" in report.notes[0]
-    assert "allocator='uniform'" in report.cache_description
-    assert report.compressed.kv_bytes < 0.5 * report.full.kv_bytes
-    assert len(report.full.answers) == len(report.compressed.answers) == 2
-
-
-def test_demo_with_a_profile_compresses_with_lukv(model, tokenizer, articles, tmp_path):
+def test_demo_compares_every_cache_at_each_ratio_over_every_fact(model, tokenizer, articles, tmp_path):
     save_to_local_dir(tiny_profile(model), tmp_path)
     report = run_demo(
-        model, tokenizer, ratio=0.8, context_tokens=300, n_facts=2, profiles_dir=tmp_path, articles=articles
-    )
-    assert report.notes == []
-    assert "LU-KV profile" in report.cache_description and "keydiff" in report.cache_description
-    assert report.compressed.kv_bytes < report.full.kv_bytes
-
-
-def test_report_lists_every_fact_memory_and_time(model, tokenizer, articles, tmp_path):
-    report = run_demo(
-        model, tokenizer, ratio=0.5, context_tokens=250, n_facts=3, profiles_dir=tmp_path, articles=articles
-    )
+        model, tokenizer, ratios=(0.5, 0.8), contexts=2, context_tokens=250, n_facts=2, profiles_dir=tmp_path,
+        articles=articles,
+    )  # fmt: skip
+    assert [row.label for row in report.rows] == ["full cache"] + [label for label, _, _ in LINEUP] * 2
+    assert [row.ratio for row in report.rows] == [None] + [0.5] * len(LINEUP) + [0.8] * len(LINEUP)
+    for row in report.rows:
+        assert row.skipped is None and row.asked == 4 and 0 <= row.correct <= 4
+    full = sum(report.rows[0].kv_bytes)
+    assert all(sum(row.kv_bytes) < full for row in report.rows[1:])
     text = format_report(report)
-    for key, value in zip(report.keys, report.expected):
-        assert key in text and value in text
-    assert "KV memory" in text and "MB" in text and "prefill time" in text
-    assert "Note:" in text  # the fallback is printed, not hidden
+    assert "KV memory" in text and "correct" in text and "MB" in text and "/4" in text
+
+
+def test_a_cache_whose_profile_is_missing_is_reported_as_skipped(model, tokenizer, articles, tmp_path):
+    report = run_demo(
+        model, tokenizer, ratios=(0.8,), contexts=1, context_tokens=200, n_facts=1, profiles_dir=tmp_path,
+        articles=articles,
+    )  # fmt: skip
+    skipped = [row for row in report.rows if row.skipped]
+    assert [row.label for row in skipped] == ["LU-KV profile, keydiff"]
+    assert "skipped" in format_report(report)
+
+
+def test_demo_refuses_a_bad_ratio_before_loading_anything(capsys):
+    assert main(["demo", "--ratios", "0.5", "1.5"]) == 2
+    assert "ratio" in capsys.readouterr().err
