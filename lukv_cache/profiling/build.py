@@ -12,6 +12,7 @@ profiles for other scorers or grids reuse the expensive decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -120,6 +121,14 @@ def _context_scores(model, context_ids: torch.Tensor, scorer: Scorer, tokenizer)
     with torch.inference_mode():
         per_layer = prefill_scores(model, context_ids.to(model.device), scorer, tokenizer=tokenizer)
     return {i: s[0].float().cpu().numpy() for i, s in enumerate(per_layer) if s is not None}
+
+
+def _scorer_params(scorer: Scorer) -> dict:
+    """What a profile records of its scorer: the keyword defaults, and a reconstruction scorer's settings."""
+    params = dict(scorer.params)
+    if scorer.reconstruction is not None:
+        params["reconstruction"] = dataclasses.asdict(scorer.reconstruction)
+    return params
 
 
 def _select_questions(questions: list[str], max_questions: int | None, seed: int) -> list[int]:
@@ -370,7 +379,7 @@ def build_profiles(
             model_id=model_id,
             scorer=s.name,
             head_dim=int(head_dim),
-            scorer_params=dict(s.params),
+            scorer_params=_scorer_params(s),
             sink=sink,
             window=windows[s.name],
             min_keep=min_keep,

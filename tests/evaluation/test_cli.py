@@ -7,7 +7,9 @@ from lukv_cache.evaluation.cli import _split, register
 def test_lukv_has_demo_and_bench_commands():
     parser = build_parser()
     demo = parser.parse_args(["demo"])
-    assert demo.ratios == [0.5, 0.8] and demo.contexts == 3 and demo.model == "smollm2" and callable(demo.func)
+    assert (
+        demo.ratios == [0.5, 0.8] and demo.contexts == 3 and demo.model == "smollm2" and callable(demo.func)
+    )
     bench = parser.parse_args(["bench", "--samples", "2", "--ratios", "0.5,0.8", "--scorers", "keydiff"])
     assert bench.samples == 2 and _split(bench.ratios) == ["0.5", "0.8"] and callable(bench.func)
 

@@ -8,9 +8,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 
 class ByteTokenizer:
-    """Just what build_profile uses from a tokenizer: __call__(...).input_ids and eos_token_id."""
+    """Just what build_profile uses from a tokenizer: __call__(...).input_ids, encode() (KVzip's repeat
+    prompt) and eos_token_id. No chat template."""
 
     eos_token_id = None
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return self(text, add_special_tokens=add_special_tokens).input_ids[0].tolist()
 
     def __call__(self, text, return_tensors="pt", add_special_tokens=True):
         ids = [1] * add_special_tokens + [2 + b % 120 for b in text.encode()]

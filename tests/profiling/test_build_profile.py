@@ -141,3 +141,30 @@ def test_sliding_window_layers_keep_the_global_ratio(byte_tokenizer, tiny_calibr
     )
     np.testing.assert_allclose(profile.evict_ratio[:, 0], np.repeat(profile.grid[:, None], 2, axis=1))
     np.testing.assert_allclose(profile.evict_ratio[:, 1].mean(axis=1), profile.grid, atol=0.02)
+
+
+def test_a_kvzip_profile_builds_from_the_caches_own_reconstruction_scores(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path
+):
+    from lukv_cache.profiling import prefill_scores
+
+    profile = build_profile(
+        tiny_model,
+        byte_tokenizer,
+        "kvzip",
+        tiny_calibration,
+        k_max=4,
+        cache_dir=tmp_path,
+        show_progress=False,
+        model_id="org/tiny",
+    )
+    assert profile.scorer == "kvzip" and profile.scorer_params["reconstruction"]["chunk_size"] == 2048
+    assert profile.evict_ratio.shape == (99, 2, 2)
+    # the ranking it was solved with is the cache's own: the same scores prefill_scores returns
+    run_scores = build_module.prepare_run(tiny_model, byte_tokenizer, tiny_calibration, cache_dir=tmp_path)
+    from lukv_cache.scorers import get_scorer
+
+    cached = run_scores.scores(get_scorer("kvzip"))
+    direct = prefill_scores(tiny_model, run_scores.context_ids, "kvzip", tokenizer=byte_tokenizer)
+    for layer, scores in cached.items():
+        np.testing.assert_allclose(scores, direct[layer][0].numpy(), rtol=1e-5, atol=1e-7)
