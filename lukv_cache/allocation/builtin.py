@@ -112,9 +112,12 @@ def global_():
     return allocate
 
 
-def _profile_budgets(name: str, evict_ratio):
+def _profile_budgets(name: str, evict_ratio, profile=None):
     """``budgets(request) -> [L, B, H]``: a profile table's per-head budgets, rounded model-wide by largest
-    remainder (so the kept total is the table's own), read at the request's layers."""
+    remainder (so the kept total is the table's own), read at the request's layers. With ``profile`` (an
+    object with ``at(ratio)``), each row's table is read at that row's ratio (token budgets)."""
+    if evict_ratio is None and profile is not None:
+        evict_ratio = profile.at(0.5)  # the shape; rows are read at their own ratios
     if evict_ratio is None:
         raise ConfigurationError(
             f"allocator={name!r} needs an evict-ratio table: pass evict_ratio=<[layers, kv_heads] array> "
@@ -150,7 +153,7 @@ def _profile_budgets(name: str, evict_ratio):
                 f"allocator={name!r}: the evict-ratio table has shape {tuple(table.shape)} but the model has "
                 f"{req.num_layers} layers with {req.num_heads} KV heads. Use a profile built for this model."
             )
-        key = tuple(req.n_evictable.tolist())
+        key = (tuple(req.n_evictable.tolist()), tuple(req.ratio.tolist()))
         if key not in memo:
             model_req = AllocationRequest(
                 req.scores[:1, :, :1].expand(1, -1, num_layers * num_heads, -1),
@@ -160,25 +163,34 @@ def _profile_budgets(name: str, evict_ratio):
                 num_layers,
                 req.min_keep,
             )
-            totals = torch.round((keep * req.n_evictable.double().unsqueeze(-1)).sum(-1)).long()
+            rows = keep
+            if profile is not None:
+                at = {
+                    r: 1.0 - torch.as_tensor(profile.at(r), dtype=torch.float64).flatten()
+                    for r in set(key[1])
+                }
+                rows = torch.stack([at[r] for r in key[1]])
+            weights = rows.expand(len(key[0]), -1)
+            totals = torch.round((weights * req.n_evictable.double().unsqueeze(-1)).sum(-1)).long()
             memo.clear()
-            memo[key] = largest_remainder(keep, totals, model_req).view(-1, num_layers, num_heads)
+            memo[key] = largest_remainder(weights, totals, model_req).view(-1, num_layers, num_heads)
         return memo[key][:, list(req.layers)].transpose(0, 1)
 
     return budgets
 
 
 @register_allocator("profile")
-def profile(evict_ratio=None):
+def profile(evict_ratio=None, profile=None):
     """LU-KV (arXiv 2602.08585): per-head evict ratios read from an offline profile, ``[L, H_kv]``.
 
     Integer budgets are computed once for the whole model by largest remainder, so the kept total is the
-    profile's own total, and each layer reads its row."""
-    return _profile_budgets("profile", evict_ratio)
+    profile's own total, and each layer reads its row. ``profile=`` (a :class:`~lukv_cache.Profile`)
+    instead of a table reads each prompt's row at its own ratio (what ``max_tokens`` needs)."""
+    return _profile_budgets("profile", evict_ratio, profile)
 
 
 @register_allocator("hybrid")
-def hybrid(evict_ratio=None, floor: float = 0.5):
+def hybrid(evict_ratio=None, floor: float = 0.5, profile=None):
     """LU-KV's profile as the prior, AdaKV's adaptivity within it (this library's, beyond the paper).
 
     Each layer keeps the total its profile row gives it; within the layer every head first keeps ``floor``
@@ -187,7 +199,7 @@ def hybrid(evict_ratio=None, floor: float = 0.5):
     layer totals."""
     if not 0.0 <= floor <= 1.0:
         raise ConfigurationError(f"hybrid: floor must be in [0, 1], got {floor}.")
-    budgets = _profile_budgets("hybrid", evict_ratio)
+    budgets = _profile_budgets("hybrid", evict_ratio, profile)
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
         prior = budgets(req)  # [L, B, H]
@@ -200,5 +212,30 @@ def hybrid(evict_ratio=None, floor: float = 0.5):
             return _competing_counts(scores, layer_prior.sum(-1), guaranteed, req.n_evictable)
 
         return torch.stack([layer_counts(i, req.scores[i]) for i in range(len(req.layers))])
+
+    return allocate
+
+
+@register_allocator("hybrid_global", whole_model=True)
+def hybrid_global(evict_ratio=None, floor: float = 0.5, profile=None):
+    """LU-KV's profile as a floor, KVzip's model-wide competition for the rest (this library's).
+
+    Every head first keeps ``floor`` of its profile budget; the rest of the model's total goes to the highest
+    scores across every layer and head, as ``global`` does. Needs every layer's scores at once (like
+    ``global``), so the cache holds the prefill's KV until the last layer has attended."""
+    if not 0.0 <= floor <= 1.0:
+        raise ConfigurationError(f"hybrid_global: floor must be in [0, 1], got {floor}.")
+    budgets = _profile_budgets("hybrid_global", evict_ratio, profile)
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        prior = budgets(req)  # [L, B, H]
+        num, b, h, r = req.scores.shape
+        guaranteed = torch.maximum(
+            torch.floor(floor * prior.double()).long(), req.min_counts().view(1, -1, 1)
+        )  # [L, B, H]
+        flat_scores = req.scores.permute(1, 0, 2, 3).reshape(b, num * h, r)
+        flat_floor = guaranteed.permute(1, 0, 2).reshape(b, num * h)
+        counts = _competing_counts(flat_scores, prior.sum((0, 2)), flat_floor, req.n_evictable)
+        return counts.view(b, num, h).transpose(0, 1)
 
     return allocate

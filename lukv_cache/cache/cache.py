@@ -83,7 +83,10 @@ class LUKVCache(DynamicCache):
     """KV cache with per-head eviction after prefill, stored ragged so the memory is really freed.
 
     Args:
-        ratio: fraction of the prompt's evictable KV entries to remove (``0.8`` keeps 20%).
+        ratio: fraction of the prompt's evictable KV entries to remove (``0.8`` keeps 20%; default 0.5).
+        max_tokens: instead of ``ratio``, keep at most this many tokens per (layer, KV head) on average,
+            sinks and window included, whatever the prompt's length (each prompt gets its own ratio; a
+            prompt that already fits is kept whole).
         scorer: name of a registered scorer (``keydiff``, ``snapkv``, ``expected_attention``, ``knorm``,
             ``tova``, ``streaming``, ``random``) or a :class:`~lukv_cache.scorers.Scorer`.
         allocator: ``uniform``, ``pyramid``, ``adakv``, ``profile`` (needs ``evict_ratio``) or any
@@ -106,10 +109,11 @@ class LUKVCache(DynamicCache):
 
     def __init__(
         self,
-        ratio: float = 0.5,
+        ratio: float | None = None,
         scorer: str | Scorer = "keydiff",
         allocator: Any = "uniform",
         *,
+        max_tokens: int | None = None,
         sink: int = 4,
         window: int | None = None,
         min_keep: float = 0.01,
@@ -119,7 +123,14 @@ class LUKVCache(DynamicCache):
         config: Any = None,
         keep_scores: bool = False,
     ):
-        ratio = check_ratio(ratio)
+        if max_tokens is not None:
+            if ratio is not None:
+                raise ConfigurationError(
+                    "Pass either ratio= (the fraction removed) or max_tokens= (a budget per head), not both."
+                )
+            _check_count("max_tokens", max_tokens, positive=True)
+            ratio = 0.0  # decided per prompt, at prefill
+        ratio = check_ratio(0.5 if ratio is None else ratio)
         scorer_obj = get_scorer(scorer)
         _check_count("sink", sink)
         _check_count("window", window)
@@ -137,6 +148,7 @@ class LUKVCache(DynamicCache):
             window=scorer_obj.window if window is None else window,
             min_keep=float(min_keep),
             prefill_chunk_size=prefill_chunk_size,
+            max_tokens=max_tokens,
         )
         super().__init__(config=config)  # DynamicCache's own layers: sliding ones from the config
         if config is None:
@@ -169,6 +181,15 @@ class LUKVCache(DynamicCache):
         return self.policy.scorer
 
     @property
+    def evicts(self) -> bool:
+        """Whether this cache removes anything (a ratio above 0, or a token budget)."""
+        return self.policy.ratio > 0 or self.policy.max_tokens is not None
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.policy.max_tokens
+
+    @property
     def allocator(self):
         return self.policy.allocator
 
@@ -197,9 +218,10 @@ class LUKVCache(DynamicCache):
     def from_pretrained(
         cls,
         model_or_profile: Any,
-        ratio: float,
+        ratio: float | None = None,
         scorer: str | None = None,
         *,
+        max_tokens: int | None = None,
         allocator: str = "profile",
         revision: str | None = None,
         repo_id: str | None = None,
@@ -214,6 +236,9 @@ class LUKVCache(DynamicCache):
     ) -> LUKVCache:
         """A cache whose per-head budgets come from the LU-KV profile of a model.
 
+        ``ratio``: the fraction of the prompt removed; or ``max_tokens``: at most that many tokens per
+        (layer, KV head) whatever the prompt's length, the profile read at each prompt's own ratio.
+
         ``model_or_profile``: a model id (looked up in ``local_dir`` / ``$LUKV_PROFILE_DIR`` first, then
         in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
         ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
@@ -226,7 +251,8 @@ class LUKVCache(DynamicCache):
         """
         from ..profiles import HubLocation, resolve_profile
 
-        ratio = check_ratio(ratio)
+        if max_tokens is None:
+            ratio = check_ratio(ratio)
         hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only)
         profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
         config = getattr(model_or_profile, "config", None)
@@ -239,9 +265,10 @@ class LUKVCache(DynamicCache):
                 f"its budgets are used with scorer {scorer!r} instead.",
                 stacklevel=2,
             )
-        if allocator not in ("profile", "hybrid"):
+        if allocator not in ("profile", "hybrid", "hybrid_global"):
             raise ConfigurationError(
-                f"from_pretrained reads its budgets from a profile: allocator must be 'profile' or 'hybrid', got "
+                "from_pretrained reads its budgets from a profile: allocator must be 'profile', 'hybrid' or "
+                f"'hybrid_global', got "
                 f"{allocator!r}. For other allocators build the cache directly: LUKVCache(ratio, scorer, allocator)."
             )
         cache = cls(
@@ -251,7 +278,10 @@ class LUKVCache(DynamicCache):
             sink=profile.sink if sink is None else sink,
             window=profile.window if window is None else window,
             min_keep=kwargs.pop("min_keep", profile.min_keep),
-            evict_ratio=profile.at(ratio),
+            max_tokens=max_tokens,
+            # a token budget reads the profile at each prompt's own ratio
+            allocator_kwargs={"profile": profile} if max_tokens is not None else None,
+            evict_ratio=profile.at(ratio) if max_tokens is None else None,
             **kwargs,
         )
         cache.profile = profile
@@ -266,7 +296,7 @@ class LUKVCache(DynamicCache):
         if (
             self.scorer.reconstruction is not None
             and self._phase is None
-            and self.ratio > 0
+            and self.evicts
             and key_states.shape[-2] > 1
             and not self.is_compressed
         ):
@@ -275,7 +305,7 @@ class LUKVCache(DynamicCache):
                 "context's token ids: fill the cache with cache.prefill(model, input_ids, tokenizer=tokenizer) "
                 "(then generate from it), or pick a scorer that ranks from the prefill alone (e.g. 'keydiff')."
             )
-        if self._awaiting is not None and (self.ratio > 0 or self.is_compressed):
+        if self._awaiting is not None and (self.evicts or self.is_compressed):
             raise IncompatibleAttentionError(
                 f"LUKVCache layer {self._awaiting}: the previous attention call did not go through lukv_cache's "
                 "attention (the model's attn_implementation cannot read a compressed cache). "
@@ -337,12 +367,12 @@ class LUKVCache(DynamicCache):
         scores = None
         evictable = region.length and bool(region.n_evictable.any())
         # ratio 0 keeps every token: no scoring needed (a reconstruction scorer could not score here anyway)
-        wanted = (evictable and self.ratio > 0) or self.prefill_scores is not None
+        wanted = (evictable and self.evicts) or self.prefill_scores is not None
         if wanted and self.scorer.reconstruction is None:
             raw = score_suffix(self.policy.scorer, layer, query)
             if self.prefill_scores is not None:
                 self.prefill_scores[idx] = raw
-            scores = masked_scores(raw, region) if evictable and self.ratio > 0 else None
+            scores = masked_scores(raw, region) if evictable and self.evicts else None
         if self.policy.defers:
             self._deferred[idx] = (region, scores)
             if idx == self._last_full_layer:
@@ -374,7 +404,7 @@ class LUKVCache(DynamicCache):
             request = AllocationRequest(
                 scores=torch.stack([steps[idx][1] for idx in scored]),
                 n_evictable=region.n_evictable.cpu(),
-                ratio=torch.full((batch,), self.ratio, dtype=torch.float64),
+                ratio=self._row_ratios(region),
                 layers=tuple(scored),
                 num_layers=self.num_layers or max(scored) + 1,
                 min_keep=self.policy.min_keep,
@@ -416,7 +446,7 @@ class LUKVCache(DynamicCache):
         (48, True)
         """
         recon = self.scorer.reconstruction
-        if recon is None or self.ratio == 0 and self.prefill_scores is None:
+        if recon is None or not self.evicts and self.prefill_scores is None:
             return model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -551,6 +581,17 @@ class LUKVCache(DynamicCache):
             )
 
     # ------------------------------------------------------------------ the model
+    def _row_ratios(self, region: Region) -> torch.Tensor:
+        """float64 ``[B]``: each row's ratio; with ``max_tokens``, the one that leaves at most that many
+        tokens per head (sinks and window included), 0 for a prompt that already fits."""
+        batch = region.evictable.shape[0]
+        if self.policy.max_tokens is None:
+            return torch.full((batch,), self.ratio, dtype=torch.float64)
+        n = region.n_evictable.cpu().double()
+        protected = region.sinks.sum(-1).cpu().double() + self.policy.window
+        room = (self.policy.max_tokens - protected).clamp_min(0)
+        return torch.where(n > room, 1.0 - room / n.clamp_min(1), torch.zeros_like(n)).clamp(0.0, 0.999999)
+
     def _learn_model(self, config: Any) -> None:
         """Once per cache: the model's layers (count, last full-attention one) and the profile's fit."""
         if self._config_checked or config is None or not hasattr(config, "get_text_config"):
@@ -566,7 +607,7 @@ class LUKVCache(DynamicCache):
 
     def activate_past_recording(self):
         # generate() calls this before assisted decoding, whose first forward is the prompt plus draft tokens
-        if self.ratio > 0 and not self.is_compressed:
+        if self.evicts and not self.is_compressed:
             warnings.warn(
                 "LUKVCache with assisted decoding: the first forward holds the prompt and the assistant's draft "
                 "tokens, so the drafts take part in the eviction (rejected ones are cropped out afterwards). "

@@ -26,7 +26,8 @@ class CompressionPolicy:
     ``ratio``: fraction of the evictable prompt tokens removed; ``sink``/``window``: protected first/last
     tokens; ``min_keep``: fraction of its evictable tokens every head keeps (and at least one);
     ``prefill_chunk_size``: also compress later multi-token forwards once that many uncompressed tokens
-    piled up.
+    piled up. ``max_tokens``: instead of a fixed ratio, keep at most this many tokens per (layer, KV head)
+    on average; each prompt (each row of a batch) gets the ratio that does.
     """
 
     ratio: float
@@ -36,6 +37,7 @@ class CompressionPolicy:
     window: int
     min_keep: float
     prefill_chunk_size: int | None = None
+    max_tokens: int | None = None
 
     @property
     def defers(self) -> bool:

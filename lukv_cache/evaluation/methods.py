@@ -13,7 +13,11 @@ ALLOCATORS = ("uniform", "pyramid", "adakv", "profile")
 SCORERS = ("keydiff", "snapkv", "expected_attention", "knorm")
 RATIOS = (0.25, 0.5, 0.8, 0.9)
 FULL = "full"
-PROFILE_ALLOCATORS = ("profile", "hybrid")  # allocators whose budgets come from the model's profile
+PROFILE_ALLOCATORS = (
+    "profile",
+    "hybrid",
+    "hybrid_global",
+)  # allocators whose budgets come from the model's profile
 
 
 @dataclass(frozen=True)

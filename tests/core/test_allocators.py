@@ -219,3 +219,14 @@ def test_hybrid_moves_budget_to_the_head_whose_scores_are_higher():
     req = request((1000,), heads=4, ratio=0.8)  # head 3's scores are 100x head 0's
     counts = get_allocator("hybrid", evict_ratio=table, floor=0.5)(req)[0, 0]
     assert counts[3] > 200 > counts[0] >= 100
+
+
+def test_hybrid_global_with_full_floor_is_the_profile_and_without_floor_is_global():
+    table = torch.tensor([[0.2, 0.9], [0.5, 0.5]])
+    req = whole_model((100, 40), 2, 0.5, 2)
+    profile_counts = get_allocator("profile", evict_ratio=table)(req)
+    assert torch.equal(get_allocator("hybrid_global", evict_ratio=table, floor=1.0)(req), profile_counts)
+    free = get_allocator("hybrid_global", evict_ratio=table, floor=0.0)(req)
+    assert torch.equal(free.sum((0, 2)), profile_counts.sum((0, 2)))  # the profile's model total
+    assert not torch.equal(free, profile_counts)  # spread by score, across layers
+    assert get_allocator("hybrid_global", evict_ratio=table).whole_model

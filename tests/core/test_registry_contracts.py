@@ -24,7 +24,7 @@ PROMPT = RepeatPrompt(first=(5, 6, 7), next=(8, 9), suffix=(10,))
 def _factory_args(name: str, ratio: float) -> dict:
     # the profile-based allocators read a table; a constant one asks for exactly the uniform total
     table = {"evict_ratio": torch.full((LAYERS, HEADS), ratio)}
-    return {"profile": table, "hybrid": table}.get(name, {})
+    return {"profile": table, "hybrid": table, "hybrid_global": table}.get(name, {})
 
 
 # ------------------------------------------------------------------------------------------ scorers

@@ -134,3 +134,52 @@ def test_ratio_accepts_numpy_and_zero_dim_torch_numbers(ratio):
 def test_ratio_refuses_bools_vectors_and_nan(ratio):
     with pytest.raises(ConfigurationError, match="ratio"):
         LUKVCache(ratio)
+
+
+@pytest.mark.parametrize("length", [40, 120, 300])
+def test_a_token_budget_bounds_every_head_whatever_the_prompt_length(length):
+    model = tiny_model("llama", "sdpa", max_position_embeddings=512)
+    cache = LUKVCache(max_tokens=32, scorer="keydiff")
+    with torch.no_grad():
+        model(prompt(1, length, seed=6), past_key_values=cache)
+    stored = cache.stored_tokens()
+    if length <= 32:
+        assert (stored == length).all()
+    else:
+        assert abs(float(stored.double().mean()) - 32) <= 1 and int(stored.max()) <= 33
+
+
+def test_a_token_budget_gives_each_row_of_a_padded_batch_its_own_ratio():
+    model = tiny_model("llama", "sdpa")
+    ids, mask = left_padded((120, 60, 20), seed=7)
+    cache = LUKVCache(max_tokens=30)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    per_row = cache.stored_tokens().double().mean(dim=(0, 2))
+    assert abs(per_row[0] - 30) <= 1 and abs(per_row[1] - 30) <= 1
+    assert per_row[2] == 20  # fits: kept whole
+
+
+def test_a_token_budget_with_a_profile_reads_it_at_each_prompts_ratio(tmp_path):
+    import numpy as np
+
+    from lukv_cache import Profile
+
+    grid = np.array([0.25, 0.5, 0.75, 0.85], dtype=np.float32)
+    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
+    ratios[:, 0, 0] -= 0.1  # layer 0, head 0 keeps more at every ratio; the mean stays the grid's
+    ratios[:, 1, 1] += 0.1
+    path = Profile(grid, ratios, model_id="org/tiny", scorer="keydiff").save(tmp_path / "p.safetensors")
+    cache = LUKVCache.from_pretrained(path, max_tokens=40)
+    model = tiny_model("llama", "sdpa")
+    with torch.no_grad():
+        model(prompt(1, 205, seed=8), past_key_values=cache)
+    stored = cache.stored_tokens()[:, 0]
+    assert abs(float(stored.double().mean()) - 40) <= 1 and stored[0, 0] > stored[0, 1]
+
+
+def test_ratio_and_max_tokens_together_is_a_configuration_error():
+    with pytest.raises(ConfigurationError, match="either ratio"):
+        LUKVCache(0.5, max_tokens=64)
+    with pytest.raises(ConfigurationError, match="max_tokens"):
+        LUKVCache(max_tokens=0)
