@@ -400,7 +400,6 @@ class LUKVCache(DynamicCache):
         counts = {}
         if scored:
             region = steps[scored[0]][0]
-            batch = region.evictable.shape[0]
             request = AllocationRequest(
                 scores=torch.stack([steps[idx][1] for idx in scored]),
                 n_evictable=region.n_evictable.cpu(),

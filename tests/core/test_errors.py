@@ -12,7 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from lukv_cache import ConfigurationError, IncompatibleAttentionError, LUKVCache, LUKVError, UnknownNameError
 
 
-@pytest.mark.parametrize("ratio", [1.0, 1, -0.1, 1.5, float("nan"), "0.5", True, False, None])
+@pytest.mark.parametrize("ratio", [1.0, 1, -0.1, 1.5, float("nan"), "0.5", True, False])
 def test_ratio_outside_zero_to_one_raises_configuration_error(ratio):
     with pytest.raises(ConfigurationError, match="ratio"):
         LUKVCache(ratio)
@@ -181,3 +181,7 @@ def test_positive_crop_is_rejected_like_dynamic_cache():
     _prefill(cache)
     with pytest.raises(ValueError):
         cache.layers[0].crop(3)
+
+
+def test_no_ratio_and_no_token_budget_means_the_default_ratio():
+    assert LUKVCache().ratio == LUKVCache(None).ratio == 0.5
