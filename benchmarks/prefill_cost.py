@@ -1,0 +1,92 @@
+"""What filling a cache costs, side by side in one run: a full DynamicCache, LUKVCache with keydiff (one
+layer's full KV at a time) and with KVzip (the whole context held, then the repeat passes), on real text.
+
+    python benchmarks/prefill_cost.py --tokens 1024 2048 --repeats 3 --threads 1
+
+Prints and writes ``prefill_cost.{md,json}``: the median seconds of each prefill and its ratio to keydiff's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from lukv_cache import LUKVCache
+from lukv_cache.evaluation.texts import wikipedia_articles
+from lukv_cache.models import load_model
+
+METHODS = (
+    ("DynamicCache (full)", None),
+    ("LUKVCache keydiff / uniform", ("keydiff", "uniform")),
+    ("LUKVCache kvzip / global", ("kvzip", "global")),
+)
+
+
+def text_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    ids: list[int] = []
+    for article in sorted(wikipedia_articles(), key=lambda a: -len(a.text)):
+        ids += tokenizer(article.text + "\n\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            return torch.tensor([ids[:n_tokens]])
+    raise SystemExit(f"not enough text for {n_tokens} tokens")
+
+
+@torch.no_grad()
+def prefill_seconds(model, tokenizer, ids: torch.Tensor, method) -> float:
+    started = time.perf_counter()
+    if method is None:
+        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    else:
+        scorer, allocator = method
+        LUKVCache(0.8, scorer, allocator).prefill(model, ids, tokenizer=tokenizer, logits_to_keep=1)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model("smollm2", threads=args.threads)
+    rows = []
+    for n in args.tokens:
+        ids = text_ids(tokenizer, n)
+        prefill_seconds(model, tokenizer, ids[:, :64], METHODS[1][1])  # warm-up
+        medians = {}
+        for label, method in METHODS:
+            times = [prefill_seconds(model, tokenizer, ids, method) for _ in range(args.repeats)]
+            medians[label] = statistics.median(times)
+        base = medians[METHODS[1][0]]
+        for label, seconds in medians.items():
+            rows.append({"tokens": n, "method": label, "seconds": seconds, "vs_keydiff": seconds / base})
+            print(f"{n:6d} {label:<30} {seconds:7.2f} s  {seconds / base:5.2f}x keydiff", flush=True)
+    command = " ".join(["python benchmarks/prefill_cost.py", *(argv if argv is not None else sys.argv[1:])])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_cost.json").write_text(
+        json.dumps({"command": command, "threads": torch.get_num_threads(), "rows": rows}, indent=1) + "\n"
+    )
+    lines = [
+        "# Prefill cost: full cache vs keydiff vs KVzip (SmolLM2-135M-Instruct, real Wikipedia text)",
+        "",
+        f"Command: `{command}`; {torch.get_num_threads()} CPU thread(s); median of {args.repeats} prefills; ratio 0.8.",
+        "",
+        "| tokens | method | prefill s | vs keydiff |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r['tokens']} | {r['method']} | {r['seconds']:.2f} | {r['vs_keydiff']:.2f}x |" for r in rows]
+    (out / "prefill_cost.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
