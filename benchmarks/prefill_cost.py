@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         "| tokens | method | prefill s | vs keydiff |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {r['tokens']} | {r['method']} | {r['seconds']:.2f} | {r['vs_keydiff']:.2f}x |" for r in rows]
+    lines += [
+        f"| {r['tokens']} | {r['method']} | {r['seconds']:.2f} | {r['vs_keydiff']:.2f}x |" for r in rows
+    ]
     (out / "prefill_cost.md").write_text("\n".join(lines) + "\n")
     return 0
 

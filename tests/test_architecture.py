@@ -24,7 +24,16 @@ ALLOWED: dict[str, set[str]] = {
     "profiles": {"errors", "scorers"},
     "profiling": {"cache", "attention", "scorers", "allocation", "profiles", "errors", "_paths", "models"},
     "models": {"errors", "_paths"},
-    "evaluation": {"cache", "attention", "scorers", "allocation", "profiles", "errors", "models"},
+    "evaluation": {
+        "cache",
+        "attention",
+        "scorers",
+        "allocation",
+        "profiles",
+        "profiling",
+        "errors",
+        "models",
+    },
     "cli": {"errors", "profiles", "profiling", "evaluation"},
     "__init__": {"allocation", "attention", "cache", "errors", "scorers", "profiles", "profiling"},
 }

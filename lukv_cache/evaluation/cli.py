@@ -49,6 +49,29 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from .check import check, format_check, read_contexts
+
+    ratios = [check_ratio(r) for r in args.ratios]
+    contexts = read_contexts(args.calibration or (), args.text or (), args.questions)
+    model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
+    report = check(
+        model,
+        tokenizer,
+        contexts,
+        ratios=ratios,
+        allocators=args.allocators,
+        scorer=args.scorer,
+        max_new_tokens=args.max_new_tokens,
+        tolerance=args.tolerance,
+        profiles_dir=args.profiles,
+        hub=args.hub,
+        show_progress=not args.quiet,
+    )
+    print(format_check(report))
+    return 0
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
     from .methods import ALLOCATORS, RATIOS, SCORERS
@@ -171,3 +194,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    check = subparsers.add_parser(
+        "check",
+        help="measure ratios and allocators on your own texts and questions before deploying them",
+        description="For each context, the full cache answers every question; each allocator at each ratio then "
+        "answers through its compressed cache. Prints how often the answers agree, the excess NLL of the full "
+        "cache's answers, and the highest ratio that keeps agreement above --tolerance.",
+    )
+    check.add_argument(
+        "model", metavar="MODEL", help="'smollm2' (packaged), a local model folder or a Hub id"
+    )
+    check.add_argument(
+        "--calibration", nargs="+", help="calibration JSONL files (one context, then questions)"
+    )
+    check.add_argument(
+        "--text", nargs="+", help="plain text files, each a context for every --questions line"
+    )
+    check.add_argument("--questions", help="a file with one question per line (with --text)")
+    check.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.8, 0.9])
+    check.add_argument("--allocators", nargs="+", default=["uniform", "adakv", "profile"])
+    check.add_argument("--scorer", default="keydiff")
+    check.add_argument("--tolerance", type=float, default=0.9, help="agreement a ratio must keep (0.9)")
+    check.add_argument("--max-new-tokens", type=int, default=24)
+    check.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
+    check.add_argument("--hub", action="store_true", help="look profiles up in the shared Hub repository too")
+    check.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    check.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.set_defaults(func=_check)

@@ -414,7 +414,7 @@ def greedy_decode(
     return generated
 
 
-def _stop_ids(tokenizer: Any) -> list[int]:
+def stop_ids(tokenizer: Any) -> list[int]:
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     # The answer is one line; a newline means the model moved on.
     for text in ("\n", "\n\n"):
@@ -465,7 +465,7 @@ def score_prefilled(
         nll = torch.nn.functional.cross_entropy(logits[0], target[0], reduction="mean")
         return float(nll), [], []
 
-    stops = _stop_ids(tokenizer)
+    stops = stop_ids(tokenizer)
 
     def done(tokens: list[int]) -> bool:
         # A 7-digit answer ends with a period; stopping there saves the decode steps of the next sentence.

@@ -85,7 +85,7 @@ def test_questions_decoded_as_one_batch_match_one_by_one_decoding(model, tokeniz
     import copy
 
     from lukv_cache import LUKVCache
-    from lukv_cache.evaluation.tasks import _stop_ids, context_ids, greedy_decode, prefill, score_prefilled
+    from lukv_cache.evaluation.tasks import context_ids, greedy_decode, prefill, score_prefilled, stop_ids
 
     def new_cache():
         return DynamicCache() if cache_kind == "dynamic" else LUKVCache(0.5, "keydiff", config=model.config)
@@ -97,7 +97,7 @@ def test_questions_decoded_as_one_batch_match_one_by_one_decoding(model, tokeniz
     last = prefill(model, context_ids(tokenizer, sample), cache)
     one_by_one = []
     for prompt in prompts:
-        ids = greedy_decode(model, copy.deepcopy(cache), torch.tensor([prompt]), 12, _stop_ids(tokenizer))[0]
+        ids = greedy_decode(model, copy.deepcopy(cache), torch.tensor([prompt]), 12, stop_ids(tokenizer))[0]
         one_by_one.append(tokenizer.decode(ids))
     _, batched, _ = score_prefilled(model, tokenizer, sample, cache, last)
     # Batched rows may stop earlier (once an answer looks complete); up to there they must agree.
