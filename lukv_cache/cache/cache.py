@@ -230,6 +230,7 @@ class LUKVCache(DynamicCache):
         cache_dir: str | os.PathLike | None = None,
         endpoint: str | None = None,
         local_files_only: bool = False,
+        timeout: float | None = None,
         sink: int | None = None,
         window: int | None = None,
         **kwargs: Any,
@@ -245,7 +246,8 @@ class LUKVCache(DynamicCache):
         The profile's scorer, sink and window become the cache's unless overridden. ``allocator``:
         ``"profile"`` (LU-KV's budgets as they are) or ``"hybrid"`` (the profile's layer totals, spread over
         each layer's heads by score; see :mod:`lukv_cache.allocation.builtin`). ``revision``,
-        ``repo_id``, ``token``, ``cache_dir``, ``endpoint`` and ``local_files_only`` go to huggingface_hub.
+        ``repo_id``, ``token``, ``cache_dir``, ``endpoint``, ``local_files_only`` and ``timeout`` (seconds before the Hub counts as
+        unreachable; default ``$LUKV_HUB_TIMEOUT`` or 10) go to huggingface_hub.
 
         >>> cache = LUKVCache.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct", ratio=0.8)  # doctest: +SKIP
         """
@@ -253,7 +255,7 @@ class LUKVCache(DynamicCache):
 
         if max_tokens is None:
             ratio = check_ratio(ratio)
-        hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only)
+        hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)
         profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
         config = getattr(model_or_profile, "config", None)
         if config is not None:
