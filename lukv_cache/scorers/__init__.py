@@ -148,8 +148,10 @@ def kvzip_scorer(
     template: str = "auto",
     weighted: bool = False,
     name: str = "kvzip",
+    window: int = 1,
 ) -> Scorer:
-    """A KVzip scorer with your settings (``kvzip`` and ``kvzip_plus`` are registered with the defaults).
+    """A KVzip scorer with your settings (``kvzip`` and ``kvzip_plus`` are registered with the defaults;
+    ``window``: the recent tokens it protects by default).
 
     >>> kvzip_scorer(chunk_size=1024).reconstruction.chunk_size
     1024
@@ -159,7 +161,7 @@ def kvzip_scorer(
     if template not in ("auto", "chat", "plain"):
         raise ConfigurationError(f"template must be 'auto', 'chat' or 'plain', got {template!r}.")
     return Scorer(
-        name, None, window=1, reconstruction=Reconstruction(chunk_size, overlap, template, weighted)
+        name, None, window=window, reconstruction=Reconstruction(chunk_size, overlap, template, weighted)
     )
 
 
