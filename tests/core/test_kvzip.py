@@ -90,7 +90,7 @@ def test_left_padded_batch_scores_each_row_as_if_it_were_alone():
 def test_kvzip_cache_evicts_after_the_repeat_passes_and_answers_like_a_dense_cache_of_what_it_kept():
     model = tiny_model("llama", "sdpa")
     ids, mask = left_padded((60, 45), seed=35)
-    cache = LUKVCache(0.8, "kvzip", "global")
+    cache = LUKVCache(0.8, "kvzip", "global", window=1)
     cache.prefill(model, ids, mask, repeat_prompt=REPEAT)
     assert cache.get_seq_length() == 60  # the repeat tokens are gone
     stored = cache.stored_tokens()  # [L, B, H]
@@ -113,7 +113,7 @@ def test_global_allocator_keeps_the_models_top_scores_across_layers():
     model = tiny_model("llama", "sdpa", num_hidden_layers=3)
     ids = prompt(1, 80, seed=37)
     scores = kvzip_scores(model, ids, sink=4)[:, 0, :, 4:79]  # evictable: after the sinks, before the window
-    cache = LUKVCache(0.75, "kvzip", "global")
+    cache = LUKVCache(0.75, "kvzip", "global", window=1)
     cache.prefill(model, ids, repeat_prompt=REPEAT)
     kept = (cache.stored_tokens()[:, 0] - 5).flatten()  # per (layer, head)
     budget = round(0.25 * 75 * 2 * 3)
@@ -189,3 +189,8 @@ def test_kvzip_plus_weights_the_attention_by_the_value_output_norm():
     plus.prefill(model, ids, repeat_prompt=REPEAT)
     assert not torch.allclose(plain.prefill_scores[0], plus.prefill_scores[0])
     assert PAD == 0  # the repeat rounds pad with token 0: the tiny models' pad id
+
+
+def test_the_registered_kvzip_protects_32_recent_tokens():
+    assert LUKVCache(0.5, "kvzip").window == 32 and LUKVCache(0.5, "kvzip_plus").window == 32
+    assert kvzip_scorer(window=4).window == 4
