@@ -83,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument(
         "--model",
         metavar="MODEL_PATH_OR_ID",
-        help="also decompose the eviction loss (LU-KV vs uniform, pyramid, AdaKV) on a calibration set",
+        help="also decompose the eviction loss (LU-KV vs uniform, pyramid, AdaKV, global, hybrid) on a calibration set",
     )
     show.add_argument(
         "--calibration", default="default", help="calibration set for --model (default: default)"

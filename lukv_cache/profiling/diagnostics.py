@@ -30,7 +30,7 @@ from ..errors import ConfigurationError
 from ..scorers import get_scorer
 from .build import prepare_run
 
-METHODS = ("lukv", "uniform", "pyramid", "adakv")
+METHODS = ("lukv", "uniform", "pyramid", "adakv", "global", "hybrid", "hybrid_global")
 _BARS = "·▁▂▃▄▅▆▇█"
 
 
@@ -195,6 +195,8 @@ def _method_keep_counts(
 
     if method == "lukv":
         allocator = get_allocator("profile", evict_ratio=profile.at(ratio))
+    elif method in ("hybrid", "hybrid_global"):
+        allocator = get_allocator(method, evict_ratio=profile.at(ratio))
     else:
         allocator = get_allocator(method)
     keep = np.zeros(scores.shape[:2], dtype=np.int64)
