@@ -9,6 +9,7 @@ from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles.profile import Profile
 from lukv_cache.profiling import build_profile
 from lukv_cache.profiling.diagnostics import (
+    METHODS,
     loss_decomposition,
     plot_curves,
     plot_heatmap,
@@ -68,7 +69,7 @@ def test_loss_decomposition_floor_is_shared_and_lukv_beats_uniform_on_its_calibr
         show_progress=False,
     )
     d = loss_decomposition(tiny_model, byte_tokenizer, profile, tiny_calibration, ratio=0.8, cache_dir=cache)
-    assert d.methods == ("lukv", "uniform", "pyramid", "adakv") and d.floor.shape == (4, 2, 2)
+    assert d.methods == METHODS and d.floor.shape == (len(METHODS), 2, 2)
     assert np.all(d.gap >= -1e-12) and np.all(d.floor >= 0)
     loss = (d.floor + d.gap).sum(axis=(1, 2))
     # LU-KV minimises the (relaxed) loss on exactly these questions; integer rounding aside it must win
