@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..allocation import Allocator
-from ..errors import ConfigurationError
-from ..scorers import Scorer
+from ..scorers import Scorer, check_scores
 from .layer import LUKVLayer
 from .ragged import keep_mask_from_counts
 
@@ -80,26 +79,6 @@ def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: tor
     sinks = valid & (valid.long().cumsum(-1) <= layer.sinks_left.unsqueeze(-1))
     layer.sinks_left = layer.sinks_left - sinks.sum(-1)
     return Region(length, sinks, valid & ~sinks)
-
-
-def check_scores(scorer: Scorer, scores: object, expected: tuple[int, ...]) -> torch.Tensor:
-    """``scores`` as fp32 if it is a float tensor of shape ``expected``; else a ConfigurationError naming
-    the scorer and the shape it must return."""
-    if (
-        not isinstance(scores, torch.Tensor)
-        or tuple(scores.shape) != expected
-        or not scores.is_floating_point()
-    ):
-        got = (
-            f"a {scores.dtype} tensor of shape {list(scores.shape)}"
-            if isinstance(scores, torch.Tensor)
-            else type(scores).__name__
-        )
-        raise ConfigurationError(
-            f"Scorer {scorer.name!r} returned {got}; a scorer returns float scores of shape "
-            f"[B, H_kv, T] = {list(expected)} (higher = keep)."
-        )
-    return scores.float()
 
 
 def score_suffix(scorer: Scorer, layer: LUKVLayer, queries: torch.Tensor | None) -> torch.Tensor:

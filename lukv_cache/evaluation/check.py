@@ -157,15 +157,12 @@ def check(
                 answers.append(greedy_decode(model, copy.deepcopy(full), prompt, max_new_tokens, stops)[0])
                 base_nll.append(_answer_nll(model, copy.deepcopy(full), prompt, answers[-1]))
                 progress.update(1)
-            scores = None
-            if get_scorer(scorer).reconstruction is not None:
-                scores = shared.reconstruction_scores(model, tokenizer, scorer, ids)
             for row, method in zip(rows, methods):
                 if row.skipped:
                     progress.update(len(prompts))
                     continue
                 try:
-                    cache = shared.cache_for(method, model, profiles_dir, hub=hub, scores=scores)
+                    cache = shared.cache_with_scores(method, model, tokenizer, profiles_dir, hub=hub)
                 except ProfileError as err:
                     row.skipped = str(err).split(". ")[0]
                     progress.update(len(prompts))

@@ -18,8 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..cache import kv_cache_bytes
 from ..errors import ProfileError
 from ..profiles import model_id_of
@@ -113,20 +111,12 @@ def run_demo(
             f"Context {index + 1}/{len(samples)}: {ids.shape[1]} tokens of {sample.source!r}, {n_facts} facts."
         )
         shared = SharedPrefill.record(model, ids, n_queries)
-        reconstruction: dict[str, dict[int, torch.Tensor]] = {}
         for row, (_, method) in zip(rows, methods):
             if row.skipped:
                 continue
             method_started = time.perf_counter()
-            scores = None
-            if not method.is_full and get_scorer(method.scorer).reconstruction is not None:
-                if method.scorer not in reconstruction:
-                    reconstruction[method.scorer] = shared.reconstruction_scores(
-                        model, tokenizer, method.scorer, ids
-                    )
-                scores = reconstruction[method.scorer]
             try:
-                cache = shared.cache_for(method, model, profiles_dir, hub=hub, scores=scores)
+                cache = shared.cache_with_scores(method, model, tokenizer, profiles_dir, hub=hub)
             except ProfileError as err:
                 row.skipped = str(err).split(". ")[0]
                 continue

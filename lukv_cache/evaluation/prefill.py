@@ -45,6 +45,8 @@ class SharedPrefill:
     modules: dict[int, Any] = field(default_factory=dict)
     last_logits: torch.Tensor | None = None
     seconds: float = 0.0
+    input_ids: torch.Tensor | None = None
+    _reconstruction: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     @torch.no_grad()
@@ -68,6 +70,7 @@ class SharedPrefill:
             out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         recording.seconds = time.perf_counter() - started
         recording.last_logits = out.logits[:, -1, :]
+        recording.input_ids = input_ids
         recording.keys = [layer.keys for layer in cache.layers]
         recording.values = [layer.values for layer in cache.layers]
         return recording
@@ -97,6 +100,28 @@ class SharedPrefill:
         if scores is not None:
             cache.evict_held(scores)
         return cache
+
+    def cache_with_scores(
+        self,
+        method: Method,
+        model: Any,
+        tokenizer: Any,
+        profiles_dir: str | os.PathLike[str] | None = None,
+        *,
+        hub: bool = False,
+    ) -> Any:
+        """:meth:`cache_for`, with a reconstruction scorer's scores computed once per scorer and shared by
+        every method that uses it."""
+        from ..scorers import get_scorer
+
+        scores = None
+        if not method.is_full and get_scorer(method.scorer).reconstruction is not None:
+            if method.scorer not in self._reconstruction:
+                self._reconstruction[method.scorer] = self.reconstruction_scores(
+                    model, tokenizer, method.scorer, self.input_ids
+                )
+            scores = self._reconstruction[method.scorer]
+        return self.cache_for(method, model, profiles_dir, hub=hub, scores=scores)
 
     def _replay(self, cache: Any) -> None:
         attention = ALL_ATTENTION_FUNCTIONS[self.attn_implementation]

@@ -85,7 +85,6 @@ def _kept_fraction(cache: Any, context_tokens: int) -> float:
 
 
 def _n_queries(scorers: Sequence[str]) -> int:
-    from ..scorers import get_scorer
 
     return max([get_scorer(s).n_queries for s in scorers] + [2])
 
@@ -150,20 +149,12 @@ def run_benchmark(
             if shared is not None:
                 results.prefill_seconds[task].append(shared.seconds)
             line = []
-            reconstruction_scores: dict[str, dict[int, torch.Tensor]] = {}
             for method in active:
                 method_started = time.perf_counter()
                 if shared is not None:
-                    scores = None
-                    if not method.is_full and get_scorer(method.scorer).reconstruction is not None:
-                        # one reconstruction pass per context and scorer, shared by its methods
-                        if method.scorer not in reconstruction_scores:
-                            reconstruction_scores[method.scorer] = shared.reconstruction_scores(
-                                model, tokenizer, method.scorer, ids
-                            )
-                        scores = reconstruction_scores[method.scorer]
-                    cache = shared.cache_for(
-                        method, model, settings.profiles_dir, hub=settings.hub, scores=scores
+                    # one reconstruction pass per context and scorer, shared by its methods
+                    cache = shared.cache_with_scores(
+                        method, model, tokenizer, settings.profiles_dir, hub=settings.hub
                     )
                     last_logits = shared.last_logits
                 else:

@@ -121,20 +121,31 @@ def _probe(scorer: Scorer) -> None:
             f"Scorer {scorer.name!r} failed on keys/values [B, H_kv, T, D] = {[b, h, t, d]}: "
             f"{type(err).__name__}: {err}"
         ) from err
+    check_scores(scorer, scores, (b, h, t))
+
+
+def check_scores(scorer: Scorer, scores: object, expected: tuple[int, ...]) -> torch.Tensor:
+    """``scores`` as fp32 if it is a float tensor of shape ``expected``; else a ConfigurationError naming
+    the scorer and the shape it must return.
+
+    >>> check_scores(get_scorer("keydiff"), torch.zeros(1, 2, 3), (1, 2, 3)).dtype
+    torch.float32
+    """
     if (
         not isinstance(scores, torch.Tensor)
-        or tuple(scores.shape) != (b, h, t)
+        or tuple(scores.shape) != expected
         or not scores.is_floating_point()
     ):
         got = (
-            f"shape {list(scores.shape)} {scores.dtype}"
+            f"a {scores.dtype} tensor of shape {list(scores.shape)}"
             if isinstance(scores, torch.Tensor)
             else type(scores).__name__
         )
         raise ConfigurationError(
-            f"Scorer {scorer.name!r} returned {got}; a scorer returns float scores [B, H_kv, T] "
-            f"(here {[b, h, t]}), higher = keep."
+            f"Scorer {scorer.name!r} returned {got}; a scorer returns float scores of shape "
+            f"[B, H_kv, T] = {list(expected)} (higher = keep)."
         )
+    return scores.float()
 
 
 def get_scorer(name: str | Scorer) -> Scorer:
@@ -172,4 +183,12 @@ from . import builtin as _builtin  # noqa: E402,F401  (registers the built-ins)
 SCORERS.add("kvzip", kvzip_scorer(window=32))
 SCORERS.add("kvzip_plus", kvzip_scorer(weighted=True, name="kvzip_plus", window=32))
 
-__all__ = ["SCORERS", "Reconstruction", "Scorer", "get_scorer", "kvzip_scorer", "register_scorer"]
+__all__ = [
+    "SCORERS",
+    "Reconstruction",
+    "Scorer",
+    "check_scores",
+    "get_scorer",
+    "kvzip_scorer",
+    "register_scorer",
+]
