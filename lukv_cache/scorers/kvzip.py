@@ -21,6 +21,11 @@ import torch
 
 from ..errors import ConfigurationError
 
+try:  # torch's fused CPU attention returns the softmax's log-sum-exp: the normaliser, without the matrix
+    _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+except (AttributeError, RuntimeError):  # pragma: no cover - older torch
+    _flash_cpu = None
+
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 PLAIN_SUFFIX = "\n"
@@ -126,21 +131,41 @@ def chunk_scores(
     recon_pos = torch.arange(r, device=keys.device)
     best = torch.zeros(h, end - start, dtype=torch.float32, device=keys.device)
     q = query.float().view(h, g, r, d)
+    chunk_keys = sub[:, sinks.numel() : n_before]  # [H, C, D]
+    fused = _flash_cpu is not None and softcap is None and keys.device.type == "cpu"
     for lo in range(0, r, block):
         hi = min(lo + block, r)
         rows = recon_valid[lo:hi]
         if not bool(rows.any()):
             continue
-        logits = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo:hi], sub) * scaling
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
         # causal among the reconstruction tokens, padding never read
         allowed = (recon_pos[None, :] <= recon_pos[lo:hi, None]) & recon_valid[None, :]
         mask = torch.cat(
             [torch.ones(hi - lo, n_before, dtype=torch.bool, device=keys.device), allowed], dim=1
         )
-        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
-        part = probs[..., sinks.numel() : n_before]  # [H, G, q, C]: the chunk's context tokens
+        qb = q[:, :, lo:hi]
+        if fused:
+            # the softmax's normaliser from the fused kernel (no [q, keys] tensor); probabilities only
+            # for the chunk's own tokens: exp(logit - logsumexp)
+            bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+            rows_q = qb.reshape(1, h, g * (hi - lo), d)
+            lse = _flash_cpu(
+                rows_q,
+                sub[None],
+                sub[None],
+                0.0,
+                False,
+                attn_mask=bias.repeat(g, 1)[None, None],
+                scale=scaling,
+            )[1]
+            logits = torch.einsum("hgqd,hkd->hgqk", qb, chunk_keys) * scaling
+            part = (logits - lse.view(h, g, hi - lo, 1)).exp_()
+        else:
+            logits = torch.einsum("hgqd,hkd->hgqk", qb, sub) * scaling
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
+            part = probs[..., sinks.numel() : n_before]  # [H, G, q, C]: the chunk's context tokens
         if value_weight is not None:
             part = part * value_weight.view(h, g, 1, -1)
         part = part.masked_fill(~rows.view(1, 1, -1, 1), 0.0)
