@@ -1,6 +1,6 @@
 """A small in-memory Hugging Face Hub for tests: the unmodified ``huggingface_hub`` client talks to it.
 
-It speaks just enough of the Hub protocol (checked against huggingface_hub 2.4.0, see DESIGN.md §4)
+It speaks just enough of the Hub protocol (checked against huggingface_hub 2.4.0, see docs/design.md §4)
 for ``create_repo``, ``create_commit`` / ``upload_file`` in *regular* upload mode (file bytes travel
 base64 inside the NDJSON commit: no LFS, no Xet), ``list_repo_files`` / ``list_repo_tree``,
 ``repo_info`` and ``hf_hub_download`` by branch or by pinned commit sha.
