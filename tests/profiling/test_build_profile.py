@@ -168,3 +168,33 @@ def test_a_kvzip_profile_builds_from_the_caches_own_reconstruction_scores(
     direct = prefill_scores(tiny_model, run_scores.context_ids, "kvzip", tokenizer=byte_tokenizer)
     for layer, scores in cached.items():
         np.testing.assert_allclose(scores, direct[layer][0].numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_cached_oracle_without_importance_or_with_nan_is_recomputed(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path
+):
+    from safetensors.numpy import load_file, save_file
+
+    kwargs = dict(k_max=3, model_id="org/tiny", cache_dir=tmp_path, show_progress=False)
+    first = build_profile(tiny_model, byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
+    oracles = sorted(tmp_path.rglob("oracle-*.safetensors"))
+    assert oracles
+    broken = load_file(oracles[0])
+    save_file({"importance": np.full_like(broken["importance"], np.nan)}, oracles[0])
+    save_file({"answer": broken["answer"]}, oracles[1])  # no importance at all
+    again = build_profile(tiny_model, byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
+    np.testing.assert_allclose(again.evict_ratio, first.evict_ratio)
+    assert np.isfinite(load_file(oracles[0])["importance"]).all() and "importance" in load_file(oracles[1])
+
+
+def test_stale_temporary_files_of_a_dead_build_are_removed_on_the_next_run(tmp_path):
+    import os
+
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    dead = store_dir / ".oracle-x.safetensors.999999999.tmp"  # no such process
+    alive = store_dir / f".oracle-y.safetensors.{os.getpid()}.tmp"  # a running build's
+    dead.write_bytes(b"half")
+    alive.write_bytes(b"half")
+    build_module._ResultStore(store_dir)
+    assert not dead.exists() and alive.exists()
