@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from .._ops import flash_attention_cpu as _flash_cpu
+
 _NEG = torch.finfo(torch.float32).min  # finite "masked": a fully masked part gets weight 0, not NaN
 
 
 def _softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
-
-
-try:  # torch's fused CPU flash attention returns the log-sum-exp we need for the merge
-    _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-except (AttributeError, RuntimeError):  # pragma: no cover - older torch
-    _flash_cpu = None
 
 
 def partial_attention(

@@ -19,12 +19,8 @@ from typing import Any
 
 import torch
 
+from .._ops import flash_attention_cpu as _flash_cpu
 from ..errors import ConfigurationError
-
-try:  # torch's fused CPU attention returns the softmax's log-sum-exp: the normaliser, without the matrix
-    _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-except (AttributeError, RuntimeError):  # pragma: no cover - older torch
-    _flash_cpu = None
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
