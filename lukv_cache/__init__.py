@@ -23,6 +23,7 @@ from .errors import (  # noqa: E402
     ProfileMismatchError,
     ProfileNotFoundError,
     PublishError,
+    TensorParallelError,
     TextUnavailableError,
     UnknownNameError,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "ProfileNotFoundError",
     "PublishError",
     "Scorer",
+    "TensorParallelError",
     "TextUnavailableError",
     "UnknownNameError",
     "build_profile",

@@ -60,6 +60,28 @@ class BatchMismatchError(ConfigurationError):
         self.expected, self.got = expected, got
 
 
+class TensorParallelError(ConfigurationError):
+    """The cache cannot map its KV heads onto a tensor-parallel model: the KV heads do not split evenly over
+    the tensor-parallel ranks, this rank holds another number of them than that split gives, or the
+    ``device_mesh`` passed has no ``"tp"`` dimension. ``kv_heads`` (the model's), ``local_heads`` (this
+    rank's) and ``tp_size`` are attributes (``None`` where unknown).
+
+    Prints e.g. ``The model has 6 KV heads per layer, which do not split evenly over tensor-parallel size 4
+    ...``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kv_heads: int | None = None,
+        local_heads: int | None = None,
+        tp_size: int | None = None,
+    ):
+        super().__init__(message)
+        self.kv_heads, self.local_heads, self.tp_size = kv_heads, local_heads, tp_size
+
+
 class ProfileError(LUKVError):
     """Base class for everything that can go wrong with a profile file, its lookup or its upload."""
 

@@ -28,6 +28,7 @@ from .compression import (
     score_suffix,
 )
 from .layer import LUKVLayer
+from .parallel import HeadShard, head_shard, mesh_shard
 from .reconstruction import ReconstructionRound, plan_rounds
 
 
@@ -99,6 +100,10 @@ class LUKVCache(DynamicCache):
         evict_ratio: ``[layers, kv_heads]`` local evict ratios for ``allocator="profile"``.
         config: the model config; lets sliding-window layers use the stock sliding layer from the start.
         keep_scores: keep each layer's prefill scores (fp32 ``[B, H_kv, T]``) in :attr:`prefill_scores`.
+        device_mesh: tensor parallelism's ``DeviceMesh`` (1-D, or one with a ``"tp"`` dimension such as
+            transformers' ``model._device_mesh``). Rarely needed: a model loaded with ``tp_plan="auto"`` is
+            recognised from its sharded attention weights. Under tensor parallelism each rank's cache holds
+            the rank's block of KV heads (:attr:`head_shard`), with the budgets of a single-process run.
 
     Example:
         >>> cache = LUKVCache(ratio=0.8, scorer="keydiff", allocator="uniform")
@@ -122,6 +127,7 @@ class LUKVCache(DynamicCache):
         allocator_kwargs: dict | None = None,
         config: Any = None,
         keep_scores: bool = False,
+        device_mesh: Any = None,
     ):
         if max_tokens is not None:
             if ratio is not None:
@@ -156,6 +162,10 @@ class LUKVCache(DynamicCache):
         else:
             self.layers = [LUKVLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
         self.profile = None  # the Profile the budgets come from (set by from_pretrained)
+        self._mesh_shard = None if device_mesh is None else mesh_shard(device_mesh)
+        self._kv_heads: int | None = None  # the model's KV heads per layer (from its config)
+        self._head_shard: HeadShard | None = None
+        self._heads_checked = False
         self.prefill_scores: dict[int, torch.Tensor] | None = {} if keep_scores else None
         self.num_layers: int | None = None
         self._last_full_layer: int | None = None
@@ -360,6 +370,7 @@ class LUKVCache(DynamicCache):
             self.layers[idx] = layer.to_sliding(sliding_window, record_past=self._record_past)
             return
         self._learn_model(getattr(module, "config", None))
+        self._learn_heads(layer, module)
         if not self._wants_compression(layer, query.shape[2]):
             return
         region = plan_region(layer, self.policy, attention_mask)
@@ -402,15 +413,22 @@ class LUKVCache(DynamicCache):
         counts = {}
         if scored:
             region = steps[scored[0]][0]
+            scores = torch.stack([steps[idx][1] for idx in scored])
+            shard = self._head_shard
+            if shard is not None:  # allocate over every head of the model, keep this rank's block
+                scores = shard.gather(scores, dim=2)
             request = AllocationRequest(
-                scores=torch.stack([steps[idx][1] for idx in scored]),
+                scores=scores,
                 n_evictable=region.n_evictable.cpu(),
                 ratio=self._row_ratios(region),
                 layers=tuple(scored),
                 num_layers=self.num_layers or max(scored) + 1,
                 min_keep=self.policy.min_keep,
             )
-            counts = dict(zip(scored, self.policy.allocator(request)))
+            allocated = self.policy.allocator(request)
+            if shard is not None:
+                allocated = allocated[:, :, shard.heads(request.num_heads)]
+            counts = dict(zip(scored, allocated))
         for idx, (region, scores) in steps.items():
             layer = self.layers[idx]
             if scores is None:  # nothing to rank: keep every real token (none evictable, or ratio 0)
@@ -602,9 +620,30 @@ class LUKVCache(DynamicCache):
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * self.num_layers
         full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
         self._last_full_layer = full[-1] if full else None
+        heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+        self._kv_heads = heads if isinstance(heads, int) else None
         if self.profile is not None:
             self.profile.validate_for(config)
         self._config_checked = True
+
+    def _learn_heads(self, layer: LUKVLayer, module: Any) -> None:
+        """Once per cache, at the first full-attention layer: does this rank hold every KV head, or (tensor
+        parallelism) which block of them (see :mod:`lukv_cache.cache.parallel`)."""
+        if self._heads_checked or not layer.is_initialized:
+            return
+        self._head_shard = head_shard(layer.num_heads, self._kv_heads, self._mesh_shard, module)
+        self._heads_checked = True
+
+    @property
+    def head_shard(self) -> HeadShard | None:
+        """Under tensor parallelism, this rank's block of KV heads (``head_shard.heads(num_kv_heads)`` is
+        the slice of the model's heads that :meth:`stored_tokens` and :attr:`prefill_scores` cover);
+        ``None`` when the cache holds every head. Known after the first forward.
+
+        >>> LUKVCache(0.5).head_shard is None
+        True
+        """
+        return self._head_shard
 
     def activate_past_recording(self):
         # generate() calls this before assisted decoding, whose first forward is the prompt plus draft tokens

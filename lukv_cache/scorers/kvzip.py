@@ -177,7 +177,10 @@ def value_norms(module: torch.nn.Module, values: torch.Tensor) -> torch.Tensor |
         return None
     v = values.float()
     h, _, d = v.shape
-    w = o_proj.weight.float()  # [hidden, H_q * D]
+    w = o_proj.weight
+    if hasattr(w, "to_local"):  # tensor parallelism: o_proj is rowwise, its local columns are our heads
+        w = w.to_local()
+    w = w.float()  # [hidden, H_q * D]
     hq = w.shape[1] // d
     w = w.view(w.shape[0], hq, d).transpose(0, 1)  # [H_q, hidden, D]
     gram = w.transpose(1, 2) @ w  # ||W v||^2 = v^T (W^T W) v
