@@ -1,14 +1,23 @@
-"""Issue-2 benchmark: memory and speed of LUKVCache vs DynamicCache on a SmolLM2-135M-shaped model.
+"""Memory and speed of LUKVCache vs DynamicCache on a SmolLM2-135M-shaped model (random weights, fp32, CPU).
 
-Random weights (30 layers, 9 query heads, 3 KV heads, head_dim 64), CPU. Each measurement runs in its
-own subprocess so that peak RSS (``ru_maxrss``) belongs to that method alone; all figures are printed
-side by side at the end.
+Decode (the default): for each context, batch and thread count, four caches are timed side by side, each
+in its own subprocess (so peak RSS and torch's thread pool belong to that measurement alone):
 
-    python benchmarks/cache_bench.py --contexts 8192 16384 --ratio 0.8
-    python benchmarks/cache_bench.py --contexts 512 --decode-steps 4 --small   # seconds, for CI
+* ``full``: a DynamicCache holding the whole context;
+* ``same``: a DynamicCache holding as many tokens per head as the compressed cache holds on average;
+* ``uniform``: LUKVCache(ratio, keydiff, uniform): every head keeps the same number of tokens;
+* ``profile``: LUKVCache(ratio, keydiff, profile): the shipped SmolLM2 LU-KV budgets (ragged per head).
 
-``BENCH_THREADS`` (default 2) sets torch's threads in each measurement; on a shared machine use 1:
-two OpenMP threads on a contended core make every op wait (seen here: 2 s/token instead of 0.1 s).
+The caches are filled without a model forward (a 32k-token prefill of batch 8 would take hours on a CPU):
+random keys/values go through ``cache.update`` layer by layer and the LUKVCache compresses them exactly
+as after a prefill (keydiff scores, the allocator's budgets), through the same attention contract a model
+uses. Decode then runs the real model forward, one token at a time: the median ms/token is reported.
+
+    python benchmarks/cache_bench.py --contexts 8192 32768 --batch 1 8 --threads 1 2 --out results/cache_bench.json
+    python benchmarks/cache_bench.py --contexts 512 --decode-steps 3 --small   # seconds, for a smoke run
+
+``--prefill`` instead times a real prefill at each context (batch 1; DynamicCache vs LUKVCache): prefill
+seconds and peak RSS, the figures of the first version of this benchmark.
 """
 
 from __future__ import annotations
@@ -74,161 +83,227 @@ def _decode_ms(model, cache, first_token, steps: int) -> float:
     return 1000 * times[len(times) // 2]
 
 
-def child(method: str, tokens: int, ratio: float, steps: int, small: bool, keep_per_head: int) -> dict:
-    """One measurement in a fresh process: prefill (timed, peak RSS), then decode ms/token."""
+def _lukv_cache(method: str, ratio: float, small: bool, config):
+    import lukv_cache
+
+    if method == "profile" and not small:  # the shipped SmolLM2 keydiff profile (this model's shape)
+        return lukv_cache.LUKVCache.from_pretrained(
+            "HuggingFaceTB/SmolLM2-135M-Instruct", ratio=ratio, scorer="keydiff", local_files_only=True
+        )
+    if method == "profile":  # the tiny model has no shipped profile: a fixed ragged table instead
+        import torch
+
+        gen = torch.Generator().manual_seed(3)
+        table = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=gen)
+        return lukv_cache.LUKVCache(ratio=ratio, allocator="profile", evict_ratio=table * 0.2 + ratio - 0.1)
+    return lukv_cache.LUKVCache(ratio=ratio, scorer="keydiff", allocator="uniform", config=config)
+
+
+def _fill(model, cache, batch: int, tokens: int, gen) -> None:
+    """Random keys/values through ``cache.update`` for every layer, then the layer's attention contract
+    (what lukv_cache's attention does after a prefill): a LUKVCache compresses exactly as after a prefill."""
+    import torch
+
+    from lukv_cache.attention import claim_attention
+
+    cfg = model.config
+    h, hq, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    for idx, block in enumerate(model.model.layers):
+        k = torch.randn((batch, h, tokens, d), generator=gen)
+        v = torch.randn((batch, h, tokens, d), generator=gen)
+        keys, _ = cache.update(k, v, idx)
+        call = claim_attention(block.self_attn, keys)
+        if call is not None:  # a LUKVCache: hand it the "prefill" queries (keydiff reads none of them)
+            query = torch.randn((batch, hq, 1, d), generator=gen).expand(batch, hq, tokens, d)
+            call.finish(block.self_attn, query, None)
+        del k, v, keys
+
+
+def child(
+    method: str, tokens: int, batch: int, threads: int, ratio: float, steps: int, small: bool, keep: int
+):
+    """One decode measurement in a fresh process: fill the cache, then median decode ms/token."""
+    import torch
+    from transformers import DynamicCache
+
+    sys.path.insert(0, ROOT)
+    from lukv_cache.cache.cache import kv_cache_bytes
+
+    torch.set_num_threads(threads)
+    model = _model(small, max(tokens, 2048) + steps + 8)
+    gen = torch.Generator().manual_seed(1)
+    result = {"method": method, "tokens": tokens, "batch": batch, "threads": threads}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if method in ("full", "same"):
+            cache = DynamicCache(config=model.config)
+            _fill(model, cache, batch, tokens if method == "full" else keep, gen)
+        else:
+            cache = _lukv_cache(method, ratio, small, model.config)
+            _fill(model, cache, batch, tokens, gen)
+    result["fill_s"] = time.perf_counter() - t0
+    result["kv_bytes"] = kv_cache_bytes(cache)
+    cfg = model.config
+    if method in ("uniform", "profile"):
+        stored = cache.stored_tokens().double()  # [L, B, H]
+        result["kept_per_head"] = float(stored.mean())
+        result["kept_min_max"] = [int(stored.min()), int(stored.max())]
+    else:
+        result["kept_per_head"] = float(tokens if method == "full" else keep)
+    first = torch.zeros((batch, 1), dtype=torch.long)
+    result["decode_ms"] = _decode_ms(model, cache, first, steps)
+    result["peak_rss_mib"] = _rss_mib()
+    del cfg
+    return result
+
+
+def prefill_child(method: str, tokens: int, ratio: float, small: bool) -> dict:
+    """A real prefill at batch 1 (``--prefill``): seconds and peak RSS of DynamicCache vs LUKVCache."""
     import torch
     from transformers import DynamicCache
 
     sys.path.insert(0, ROOT)
     import lukv_cache
-    from lukv_cache.cache.layer import LUKVLayer
+    from lukv_cache.cache.cache import kv_cache_bytes
 
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    model = _model(small, max(tokens, 2048) + steps + 8)
-    cfg = model.config
-    gen = torch.Generator().manual_seed(1)
-    result = {"method": method, "tokens": tokens}
-    if method == "dynamic_uniform":
-        # A DynamicCache that already holds `keep_per_head` tokens per head (no prefill needed to time decode).
-        cache = DynamicCache(config=cfg)
-        shape = (1, cfg.num_key_value_heads, keep_per_head, cfg.head_dim)
-        for idx in range(cfg.num_hidden_layers):
-            cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), idx)
-        result["kv_bytes"] = 2 * cfg.num_hidden_layers * torch.Size(shape).numel() * 4
-        result["decode_ms"] = _decode_ms(model, cache, torch.tensor([[1]]), steps)
-        return result
-    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=gen)
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    model = _model(small, max(tokens, 2048) + 8)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
     if method == "dynamic":
-        cache = DynamicCache(config=cfg)
+        cache = DynamicCache(config=model.config)
     else:
         cache = lukv_cache.LUKVCache(ratio=ratio, scorer="keydiff", allocator="uniform")
-        compress_time = [0.0]
-        original = LUKVLayer.compress
-
-        def timed(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            original(self, *args, **kwargs)
-            compress_time[0] += time.perf_counter() - t0
-
-        LUKVLayer.compress = timed
     rss_before = _rss_mib()
     with torch.no_grad():
         t0 = time.perf_counter()
         # logits_to_keep=1 as generate() does: the full [T, vocab] logits would dominate the peak
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        result["prefill_s"] = time.perf_counter() - t0
-    result["prefill_peak_rss_delta_mib"] = _rss_mib() - rss_before
-    if method == "dynamic":
-        result["kv_bytes"] = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in cache.layers)
-    else:
-        result["compress_s"] = compress_time[0]
-        result["kv_bytes"] = cache.memory_bytes()
-        stored = sum(int(layer.offsets[-1]) for layer in cache.layers)
-        result["ideal_store_bytes"] = stored * cfg.head_dim * 2 * 4
-        result["store_bytes"] = sum(
-            t.numel() * t.element_size()
-            for layer in cache.layers
-            for t in (layer.store_keys, layer.store_values, layer.store_positions, layer.offsets)
-        )
-        result["suffix_bytes"] = result["kv_bytes"] - result["store_bytes"]
-        result["kept_per_head"] = stored / (cfg.num_hidden_layers * cfg.num_key_value_heads)
-    result["decode_ms"] = _decode_ms(model, cache, out.logits[:, -1:].argmax(-1), steps)
-    return result
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        seconds = time.perf_counter() - t0
+    return {
+        "method": method,
+        "tokens": tokens,
+        "prefill_s": seconds,
+        "prefill_peak_rss_delta_mib": _rss_mib() - rss_before,
+        "kv_bytes": kv_cache_bytes(cache),
+    }
 
 
-def run_child(args, method: str, tokens: int, keep_per_head: int = 0) -> dict:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        method,
-        "--contexts",
-        str(tokens),
-        "--ratio",
-        str(args.ratio),
-        "--decode-steps",
-        str(args.decode_steps),
-        "--keep-per-head",
-        str(keep_per_head),
-    ]
-    if args.small:
-        cmd.append("--small")
+def _run(args, *child_args) -> dict:
+    cmd = [sys.executable, __file__, "--child", *map(str, child_args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{method} at {tokens} tokens failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{child_args} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384])
-    p.add_argument("--ratio", type=float, default=0.8)
-    p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--small", action="store_true", help="tiny model (for CI / smoke runs)")
-    p.add_argument("--out", default=None, help="write the raw numbers as JSON here")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--keep-per-head", type=int, default=0, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        print(
-            json.dumps(
-                child(
-                    args.child,
-                    args.contexts[0],
-                    args.ratio,
-                    args.decode_steps,
-                    args.small,
-                    args.keep_per_head,
-                )
-            )
-        )
-        return 0
+def _decode_rows(args) -> list[dict]:
     rows = []
+    small = int(args.small)
     for tokens in args.contexts:
-        dyn = run_child(args, "dynamic", tokens)
-        lukv = run_child(args, "lukv", tokens)
-        # same tokens per head as the compressed cache holds (store + suffix after prefill), dense
-        uni = run_child(args, "dynamic_uniform", tokens, keep_per_head=round(lukv["kept_per_head"]) + 1)
-        rows.append({"tokens": tokens, "dynamic": dyn, "lukv": lukv, "dynamic_uniform": uni})
-    print(
-        f"\nLUKVCache(ratio={args.ratio}, keydiff, uniform) vs DynamicCache; decode over {args.decode_steps} steps"
-    )
-    header = (
-        "context",
-        "bytes/ideal",
-        "bytes/Dynamic",
-        "decode ms LUKV",
-        "ms Dynamic",
-        "ms uniform-Dyn",
-        "LUKV/Dynamic",
-        "LUKV/uniform",
-        "evict share",
-        "prefill s L/D",
-        "peak MiB L/D",
-    )
-    print(" | ".join(header))
+        for batch in args.batch:
+            for threads in args.threads:
+                row = {"tokens": tokens, "batch": batch, "threads": threads}
+                common = (tokens, batch, threads, args.ratio, args.decode_steps, small)
+                row["uniform"] = _run(args, "uniform", *common, 0)
+                row["profile"] = _run(args, "profile", *common, 0)
+                keep = round(row["uniform"]["kept_per_head"])
+                row["same"] = _run(args, "same", *common, keep)
+                if not args.skip_full:
+                    row["full"] = _run(args, "full", *common, 0)
+                rows.append(row)
+                _print_decode([row], args, header=len(rows) == 1)
+    return rows
+
+
+def _print_decode(rows, args, header: bool) -> None:
+    if header:
+        print(
+            f"\nDecode ms/token, ratio {args.ratio}, keydiff; 'same' = DynamicCache holding the compressed "
+            "cache's tokens per head"
+        )
+        cols = ("context", "batch", "threads", "kept/head", "uniform", "profile", "same", "full")
+        cols += ("uniform/same", "profile/uniform", "uniform/full", "KV MiB uniform/full")
+        print(" | ".join(cols), flush=True)
     for r in rows:
-        d, lk, u = r["dynamic"], r["lukv"], r["dynamic_uniform"]
+        u, pr, sa, fu = r["uniform"], r["profile"], r["same"], r.get("full")
+        full_ms = f"{fu['decode_ms']:.1f}" if fu else "-"
         print(
             " | ".join(
                 [
                     str(r["tokens"]),
-                    f"{lk['store_bytes'] / lk['ideal_store_bytes']:.4f} (+suffix {lk['suffix_bytes'] / 2**20:.2f} MiB)",
-                    f"{lk['kv_bytes'] / d['kv_bytes']:.3f}",
-                    f"{lk['decode_ms']:.2f}",
-                    f"{d['decode_ms']:.2f}",
-                    f"{u['decode_ms']:.2f}",
-                    f"{lk['decode_ms'] / d['decode_ms']:.3f}",
-                    f"{lk['decode_ms'] / u['decode_ms']:.3f}",
-                    f"{lk['compress_s'] / lk['prefill_s']:.2%}",
-                    f"{lk['prefill_s']:.1f}/{d['prefill_s']:.1f}",
-                    f"{lk['prefill_peak_rss_delta_mib']:.0f}/{d['prefill_peak_rss_delta_mib']:.0f}",
+                    str(r["batch"]),
+                    str(r["threads"]),
+                    f"{u['kept_per_head']:.0f}",
+                    f"{u['decode_ms']:.1f}",
+                    f"{pr['decode_ms']:.1f}",
+                    f"{sa['decode_ms']:.1f}",
+                    full_ms,
+                    f"{u['decode_ms'] / sa['decode_ms']:.3f}",
+                    f"{pr['decode_ms'] / u['decode_ms']:.3f}",
+                    f"{u['decode_ms'] / fu['decode_ms']:.3f}" if fu else "-",
+                    f"{u['kv_bytes'] / 2**20:.0f}/{fu['kv_bytes'] / 2**20:.0f}" if fu else "-",
                 ]
+            ),
+            flush=True,
+        )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--ratio", type=float, default=0.8)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--skip-full", action="store_true", help="do not time the full DynamicCache")
+    p.add_argument("--prefill", action="store_true", help="time a real prefill instead (batch 1)")
+    p.add_argument("--small", action="store_true", help="tiny model (for CI / smoke runs)")
+    p.add_argument("--out", default=None, help="write the raw numbers as JSON here")
+    p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        method, *rest = args.child
+        if method.startswith("prefill-"):
+            tokens, ratio, small = int(rest[0]), float(rest[1]), bool(int(rest[2]))
+            print(json.dumps(prefill_child(method.removeprefix("prefill-"), tokens, ratio, small)))
+            return 0
+        tokens, batch, threads, ratio, steps, small, keep = rest
+        print(
+            json.dumps(
+                child(
+                    method,
+                    int(tokens),
+                    int(batch),
+                    int(threads),
+                    float(ratio),
+                    int(steps),
+                    bool(int(small)),
+                    int(keep),
+                )
             )
         )
+        return 0
+    if args.prefill:
+        rows = []
+        for tokens in args.contexts:
+            row = {"tokens": tokens}
+            for method in ("dynamic", "lukv"):
+                row[method] = _run(args, f"prefill-{method}", tokens, args.ratio, int(args.small))
+            rows.append(row)
+            d, lk = row["dynamic"], row["lukv"]
+            print(
+                f"{tokens} tokens: prefill s LUKV/Dynamic {lk['prefill_s']:.1f}/{d['prefill_s']:.1f}, "
+                f"peak RSS delta MiB {lk['prefill_peak_rss_delta_mib']:.0f}/{d['prefill_peak_rss_delta_mib']:.0f}, "
+                f"KV bytes ratio {lk['kv_bytes'] / d['kv_bytes']:.3f}",
+                flush=True,
+            )
+        result = {"mode": "prefill", "ratio": args.ratio, "rows": rows}
+    else:
+        result = {"mode": "decode", "ratio": args.ratio, "decode_steps": args.decode_steps}
+        result["rows"] = _decode_rows(args)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"ratio": args.ratio, "rows": rows}, f, indent=2)
+            json.dump(result, f, indent=2)
     return 0
 
 

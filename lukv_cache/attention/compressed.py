@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import kernels, windows
 from .calls import StoreView
 from .partial import merge_partials, partial_attention, ragged_attention
 
@@ -67,6 +67,23 @@ def compressed_attention(
         return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     if suffix_bias is not None and not bool((suffix_bias < 0).any()):
         suffix_bias = None  # decode without padding in the suffix: take the fused CPU path
+    if key_bias is not None and not bool((key_bias < 0).any()):
+        key_bias = None  # the usual case: stored tokens are real and precede every query
+    if (
+        suffix_bias is None
+        and key_bias is None
+        and windows.serves(grouped, store.keys, store.values, softcap)
+    ):
+        out, _ = windows.windowed_ragged_attention(  # store and suffix: three fused calls, one merge
+            grouped,
+            store.keys,
+            store.values,
+            store.offsets,
+            scaling=scaling,
+            suffix_keys=suffix_keys,
+            suffix_values=suffix_values,
+        )
+        return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     out, lse = partial_attention(
         grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
     )

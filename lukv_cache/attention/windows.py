@@ -1,0 +1,194 @@
+"""The CPU ragged attention: a few fused calls per layer over fixed windows of the flat store.
+
+The flat store ``keys [N, D]`` is viewed in place as ``N // C`` windows of ``C`` rows (no copy); a
+window that lies inside one segment is attended by that segment's queries. The rows left over (windows
+shared by several segments, and the last partial window) are gathered into a few extra windows, one per
+(window, segment), with a bias hiding the other segments' rows. The dense suffix, when given, is one more
+part per segment. Every window is one work item of torch's fused CPU attention, so a layer costs at most
+three calls that spread over all threads whatever the segment lengths, and the parts' log-sum-exps merge
+exactly into one result per segment (the flash-decoding merge, in fp32).
+
+The plan (which window serves which segment, the biases, the gather, where each part lands in the merge)
+depends only on the offsets: it is computed once per store (the cache rebuilds its store every few hundred
+decode steps) and reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._ops import flash_attention_cpu as _flash_cpu
+
+WINDOW = 256  # rows per window (benchmarks/cache_bench.py; 128-512 measure alike)
+_NEG = torch.finfo(torch.float32).min
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """How one store is cut into windows (see the module docstring).
+
+    Parts are numbered in-place windows first, then gathered windows, then (if any) one suffix part per
+    segment, then one empty part; ``grid [segments, K]`` lists each segment's parts, padded with the
+    empty one.
+    """
+
+    size: int
+    in_place: int
+    owner: torch.Tensor  # int64 [in_place], the segment whose queries attend window j
+    gather_index: torch.Tensor  # int64 [extra * size], rows of the gathered windows
+    gather_bias: torch.Tensor  # fp32 [extra, 1, 1, size]
+    gather_owner: torch.Tensor  # int64 [extra]
+    grid: torch.Tensor  # int64 [segments, K] (without the suffix part)
+    suffix_grid: torch.Tensor  # int64 [segments, K + 1] (the suffix part of segment s last)
+
+
+def window_plan(offsets: torch.Tensor, total: int, size: int = WINDOW) -> WindowPlan:
+    """The windows of a store with ``offsets [S + 1]`` and ``total`` rows.
+
+    >>> plan = window_plan(torch.tensor([0, 5, 12]), 12, size=4)
+    >>> plan.in_place, plan.owner.tolist(), plan.gather_owner.tolist(), plan.grid.tolist()
+    (3, [0, 0, 1], [0, 1], [[0, 3], [2, 4]])
+    """
+    segments = offsets.numel() - 1
+    seg = torch.repeat_interleave(torch.arange(segments), offsets.diff(), output_size=total)
+    in_place = total // size
+    padded = torch.full(((in_place + 1) * size,), -1, dtype=torch.long)
+    padded[:total] = seg
+    windows = padded.view(in_place + 1, size)
+    owner = windows[:in_place, 0].clone()
+    whole = (windows[:in_place] == owner[:, None]).all(-1)  # windows inside one segment
+    # Every (window, segment) pair of a shared window or of the partial last window is gathered.
+    gathered = torch.cat([~whole, torch.tensor([True])])
+    rows = windows[gathered]
+    window_idx = torch.arange(in_place + 1)[gathered][:, None].expand_as(rows)
+    present = rows >= 0
+    n_seg = max(segments, 1)
+    pairs = torch.unique(window_idx[present] * n_seg + rows[present])  # sorted by (window, segment)
+    gather_window, gather_owner = pairs // n_seg, pairs % n_seg
+    gather_index = (gather_window[:, None] * size + torch.arange(size)).clamp_(max=max(total - 1, 0))
+    hidden = windows[gather_window] != gather_owner[:, None]
+    gather_bias = torch.zeros(hidden.shape).masked_fill_(hidden, _NEG).view(-1, 1, 1, size)
+
+    # Which parts serve each segment; a shared in-place window serves nobody (it is gathered instead).
+    part_segment = torch.cat([torch.where(whole, owner, -1), gather_owner])
+    n_parts = part_segment.numel()
+    grid = _grid(part_segment, segments, empty=n_parts + segments)  # parts, suffix parts, the empty one
+    suffix_part = torch.arange(n_parts, n_parts + segments)[:, None]
+    return WindowPlan(
+        size=size,
+        in_place=in_place,
+        owner=owner,
+        gather_index=gather_index.flatten(),
+        gather_bias=gather_bias,
+        gather_owner=gather_owner,
+        grid=grid,
+        suffix_grid=torch.cat([grid, suffix_part], dim=1),
+    )
+
+
+def _grid(part_segment: torch.Tensor, segments: int, *, empty: int) -> torch.Tensor:
+    """int64 ``[segments, K]``: the parts of each segment (in order), padded with ``empty``."""
+    valid = part_segment >= 0
+    seg = part_segment[valid]
+    counts = torch.bincount(seg, minlength=segments)
+    k = int(counts.max()) if segments else 0
+    order = torch.argsort(seg, stable=True)
+    rank = torch.arange(seg.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    grid = torch.full((segments, k), empty, dtype=torch.long)
+    grid[seg[order], rank] = torch.arange(part_segment.numel())[valid][order]
+    return grid
+
+
+# One plan per live store: keyed by the store's offsets tensor (a new store has new offsets).
+_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _plan_for(offsets: torch.Tensor, total: int) -> WindowPlan:
+    plan = _PLANS.get(offsets)
+    if plan is None:
+        plan = _PLANS[offsets] = window_plan(offsets.cpu(), total, WINDOW)
+    return plan
+
+
+def serves(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softcap: float | None) -> bool:
+    """Whether :func:`windowed_ragged_attention` can take this call (CPU, fused kernel, no softcap)."""
+    return (
+        _flash_cpu is not None
+        and softcap is None
+        and query.device.type == "cpu"
+        and query.dtype == keys.dtype == values.dtype
+        and keys.shape[-1] == values.shape[-1]
+    )
+
+
+def windowed_ragged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    scaling: float,
+    suffix_keys: torch.Tensor | None = None,
+    suffix_values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ragged_attention_reference`` (no softcap, no key bias) in at most three fused calls.
+
+    ``query [B, H_kv, M, D]`` over each segment of ``keys/values [N, D]`` and, when given, its rows of
+    the dense ``suffix_keys/values [B, H_kv, S, D]`` (all attended, no bias); fp32 ``out [B, H_kv, M, D]``
+    and ``lse [B, H_kv, M]``, a segment with nothing to attend giving ``out = 0`` and ``lse = -inf``.
+
+    >>> from lukv_cache.attention.partial import ragged_attention_reference
+    >>> q, k = torch.randn(1, 2, 3, 8), torch.randn(700, 8)
+    >>> out, lse = windowed_ragged_attention(q, k, k, torch.tensor([0, 300, 700]), scaling=0.35)
+    >>> ref, ref_lse = ragged_attention_reference(q, k, k, [0, 300, 700], scaling=0.35)
+    >>> bool(torch.allclose(out, ref, atol=1e-5)), bool(torch.allclose(lse, ref_lse, atol=1e-5))
+    (True, True)
+    """
+    b, h, m, d = query.shape
+    segments, dv = b * h, values.shape[-1]
+    plan = _plan_for(offsets, keys.shape[0])
+    q = query.reshape(segments, m, d)
+    c = plan.size
+    outs: list[torch.Tensor] = []
+    lses: list[torch.Tensor] = []
+
+    def attend(queries, k, v, bias=None):
+        out, lse = _flash_cpu(queries, k, v, 0.0, False, attn_mask=bias, scale=scaling)[:2]
+        outs.append(out.reshape(-1, m, dv))
+        lses.append(lse.reshape(-1, m))
+
+    if plan.in_place:
+        rows = plan.in_place * c
+        windows_k = keys[:rows].view(plan.in_place, 1, c, d)
+        attend(q[plan.owner].unsqueeze(1), windows_k, values[:rows].view(plan.in_place, 1, c, dv))
+    if plan.gather_owner.numel():
+        extra = plan.gather_owner.numel()
+        attend(
+            q[plan.gather_owner].unsqueeze(1),
+            keys.index_select(0, plan.gather_index).view(extra, 1, c, d),
+            values.index_select(0, plan.gather_index).view(extra, 1, c, dv),
+            plan.gather_bias,
+        )
+    grid = plan.grid
+    if suffix_keys is not None and suffix_keys.shape[-2] > 0:
+        attend(query, suffix_keys, suffix_values)  # [B, H_kv, S, D] as it is, views included
+        grid = plan.suffix_grid
+    else:
+        lses.append(torch.empty(segments, m))  # the suffix parts' rows stay unused
+        outs.append(torch.empty(segments, m, dv))
+    lses.append(torch.full((1, m), float("-inf")))  # the empty part
+    outs.append(torch.zeros(1, m, dv))
+    if grid.shape[1] == 0:  # nothing stored and no suffix
+        out = query.new_zeros((b, h, m, dv), dtype=torch.float32)
+        return out, query.new_full((b, h, m), float("-inf"), dtype=torch.float32)
+    flat = grid.flatten()
+    part_lse = torch.cat(lses).index_select(0, flat).view(segments, -1, m)
+    part_out = torch.cat(outs).float().index_select(0, flat).view(segments, -1, m, dv)
+    top = part_lse.amax(1, keepdim=True)  # -inf where a segment has nothing to attend
+    weight = (part_lse - top).exp_().nan_to_num_(0.0)
+    norm = weight.sum(1)
+    out = (weight.unsqueeze(-1) * part_out).sum(1).div_(norm.unsqueeze(-1)).nan_to_num_(0.0)
+    return out.view(b, h, m, dv), (top.squeeze(1) + norm.log()).view(b, h, m)
