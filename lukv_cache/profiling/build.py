@@ -196,7 +196,8 @@ class CalibrationRun:
         )
         if not valid:  # missing, torn, foreign or NaN: decode again
             if self._state is None:  # prefilled only when something must be decoded (resumed builds skip it)
-                self._state = prefill_context(self.model, self.context_ids)
+                reserve = max(q.shape[1] for q in self.question_ids) + self.k_max
+                self._state = prefill_context(self.model, self.context_ids, reserve=reserve)
             eos = getattr(self.tokenizer, "eos_token_id", None)
             importance, answer = oracle_importance(
                 self.model, self._state, ids, k_max=self.k_max, eos_token_id=eos

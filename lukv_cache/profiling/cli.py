@@ -65,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model-id", help="model id recorded in the profile (default: the model's name_or_path)"
     )
     build.add_argument("--quiet", action="store_true", help="no progress bar")
+    build.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
     build.set_defaults(func=_build)
 
     show = subparsers.add_parser("show", help="summarise a profile; optionally plot it")
@@ -118,6 +119,10 @@ def _build(args: argparse.Namespace) -> int:
     if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
         raise ConfigurationError(f"--cache-dir {args.cache_dir!r} is a file; give a folder.")
     start = time.perf_counter()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer, extra = _load_model(args.model)
     profiles = build_profiles(
         model,

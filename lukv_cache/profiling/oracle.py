@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from ..attention.swap import attention_swapped
@@ -159,8 +160,100 @@ def _text_config(model):
     return model.config.get_text_config()
 
 
-def prefill_context(model, context_ids: torch.Tensor) -> ContextState:
-    """Prefill ``context_ids [1, T]`` once; every question then starts from a copy of this cache."""
+class _Reserve:
+    """One allocation for the KV of every full-attention layer of the context, with room after it.
+
+    ``[n_layers, 2, B, H_kv, T + reserve, D]``, made at the first layer's first update; a layer of another
+    shape gets its own. One block (not a tensor per layer, each step) keeps the context out of the small
+    allocations between which freed temporaries would otherwise pile up.
+    """
+
+    def __init__(self, num_layers: int, reserve: int):
+        self.num_layers, self.reserve = num_layers, reserve
+        self.block: torch.Tensor | None = None
+        self.next = 0
+
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, t, d = like.shape
+        shape = (2, b, h, t + self.reserve, d)
+        if self.block is None:
+            self.block = like.new_empty((max(1, self.num_layers), *shape))
+        if self.block.shape[1:] != shape or self.next >= self.block.shape[0]:
+            own = like.new_empty(shape)  # a layer of another shape (or more layers than counted)
+            return own[0], own[1]
+        self.next += 1
+        return self.block[self.next - 1, 0], self.block[self.next - 1, 1]
+
+
+class _ContextLayer(DynamicLayer):
+    """A full-attention layer that writes into a buffer ``[B, H, T + reserve, D]`` instead of concatenating.
+
+    The context fills ``[:T]`` and is never written again; each question's tokens go after it, in place,
+    and the layer hands attention views of the buffer (no copy of the context per question and per step).
+    The context's own forward attends over the tensors it computed, exactly as with a ``DynamicLayer``.
+    A question that does not fit moves its copy of the layer to a larger buffer of its own.
+    """
+
+    def __init__(self, reserve: _Reserve):
+        super().__init__()
+        self._reserve: _Reserve | None = reserve
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:  # the context
+            self.lazy_initialization(key_states, value_states)
+            self._keys, self._values = self._reserve.take(key_states)
+            self._reserve = None
+            self.keys, self.values = self._keys[..., :0, :], self._values[..., :0, :]
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self._keys.shape[-2]:
+            grown = self._keys.new_empty((2, *self._keys.shape[:2], 2 * end, self._keys.shape[-1]))
+            grown[0, ..., :start, :] = self.keys
+            grown[1, ..., :start, :] = self.values
+            self._keys, self._values = grown[0], grown[1]
+        self._keys[..., start:end, :] = key_states
+        self._values[..., start:end, :] = value_states
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        if start == 0:
+            return key_states, value_states
+        return self.keys, self.values
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        if self._keys is not None:  # a private buffer, not the whole shared block
+            n = self.keys.shape[-2]
+            new._keys, new._values = self._keys.clone(), self._values.clone()
+            new.keys, new.values = new._keys[..., :n, :], new._values[..., :n, :]
+        return new
+
+
+# never write into their tensors (``update`` concatenates into new ones): a shallow copy is a private copy
+_SHARED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, _ContextLayer)
+
+
+def _question_cache(context: DynamicCache) -> DynamicCache:
+    """A cache that starts where ``context`` ends, without copying the context's tensors.
+
+    A :class:`_ContextLayer` writes a question's tokens after the context in the shared buffer (questions run
+    one at a time); ``DynamicLayer`` and ``DynamicSlidingWindowLayer`` only ever replace their tensors. Other
+    layer types are deep-copied.
+    """
+    cache = copy.copy(context)
+    cache.layers = [
+        copy.copy(layer) if type(layer) in _SHARED_LAYERS else copy.deepcopy(layer)
+        for layer in context.layers
+    ]
+    return cache
+
+
+def prefill_context(model, context_ids: torch.Tensor, *, reserve: int = 256) -> ContextState:
+    """Prefill ``context_ids [1, T]`` once; every question then continues this cache.
+
+    Full-attention layers keep the context in one buffer with ``reserve`` free positions after it for a
+    question and its answer (a longer one costs a copy of the layer for that question).
+    """
     if context_ids.ndim != 2 or context_ids.shape[0] != 1:
         raise ConfigurationError(
             f"The calibration context must be one sequence [1, T], got {context_ids.shape}."
@@ -168,8 +261,12 @@ def prefill_context(model, context_ids: torch.Tensor) -> ContextState:
     config = _text_config(model)
     rec = _Recorder(context_len=context_ids.shape[1])
     cache = DynamicCache(config=config)
+    pool = _Reserve(sum(type(layer) is DynamicLayer for layer in cache.layers), max(0, int(reserve)))
+    cache.layers = [_ContextLayer(pool) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     with _recording(model, rec), torch.inference_mode():
-        model(input_ids=context_ids.to(model.device), past_key_values=cache, use_cache=True)
+        # logits_to_keep=1: the context's logits are never read; all of them would be [T, vocab] fp32
+        # (0.8 GB for SmolLM2 at 4.3k tokens, more than its KV cache)
+        model(input_ids=context_ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return ContextState(
         cache=cache,
         context_len=rec.context_len,
@@ -185,7 +282,8 @@ def oracle_importance(
     """Oracle importance ``[L, H_kv, T_ctx]`` (float32; zero for layers not recorded) for one question,
     and the greedy answer tokens.
 
-    Feeds the question after a copy of the context cache, then decodes greedily with a full cache: the
+    Feeds the question after the context cache (never modified: see :func:`prefill_context`; one
+    question at a time per ``state``), then decodes greedily with a full cache: the
     query producing each of the ``k_max`` answer tokens is one decode step. Stops early at ``eos_token_id``.
     """
     if k_max < 1:
@@ -196,13 +294,13 @@ def oracle_importance(
         )
     eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
     rec = _Recorder(context_len=state.context_len, mode="decode", value_norms=state.value_norms)
-    cache = copy.deepcopy(state.cache)
+    cache = _question_cache(state.cache)
     answer: list[int] = []
     ids = question_ids.to(model.device)
     rec.kv_len = state.context_len + ids.shape[1]
     with _recording(model, rec), torch.inference_mode():
         for _ in range(k_max):
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             token = int(logits[0, -1].argmax())
             answer.append(token)
             if token in eos or len(answer) == k_max:

@@ -7,6 +7,8 @@ import torch
 from ..cache import LUKVCache
 from ..scorers import Scorer
 
+_SCORING_RATIO = 0.99  # any ratio records the same scores; this one keeps ~1% of the context per layer
+
 
 def prefill_scores(
     model: torch.nn.Module,
@@ -19,15 +21,26 @@ def prefill_scores(
     """The scores a ``LUKVCache`` ranks by at prefill, per layer: fp32 ``[B, H_kv, T]`` (None for layers
     that are never compressed, e.g. sliding-window ones).
 
-    The context goes through a keep-everything cache (``ratio=0``, no sinks, no window) that records its
-    scores, so a profile ranks tokens exactly as the cache will. Reconstruction scorers (``kvzip``) need
+    The context goes through a cache (no sinks, no window) that records its scores, so a profile ranks
+    tokens exactly as the cache will. A layer's scores are read before anything is evicted and do not
+    depend on the ratio, so the cache evicts (nearly) everything right after each layer's attention: the
+    context's KV is never held whole (with ``ratio=0`` it would be, for the whole forward). Reconstruction scorers (``kvzip``) need
     the ``tokenizer`` for their repeat prompt.
 
     >>> scores = prefill_scores(model, inputs["input_ids"], "keydiff")
     >>> scores[0].shape
     torch.Size([1, 2, 48])
     """
-    cache = LUKVCache(ratio=0.0, scorer=scorer, config=model.config, sink=0, window=0, keep_scores=True)
-    cache.prefill(model, input_ids, attention_mask, tokenizer=tokenizer)
+    cache = LUKVCache(
+        ratio=_SCORING_RATIO,
+        scorer=scorer,
+        allocator="uniform",  # layer by layer (a whole-model allocator would hold every layer's KV)
+        config=model.config,
+        sink=0,
+        window=0,
+        keep_scores=True,
+    )
+    # logits_to_keep=1: only the scores are read; the prompt's logits would be [B, T, vocab] fp32
+    cache.prefill(model, input_ids, attention_mask, tokenizer=tokenizer, logits_to_keep=1)
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     return [cache.prefill_scores.get(idx) for idx in range(num_layers)]
