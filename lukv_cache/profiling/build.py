@@ -28,7 +28,7 @@ from .._paths import cache_root
 from ..errors import ConfigurationError
 from ..scorers import Scorer, get_scorer
 from .calibration import load_calibration
-from .oracle import oracle_importance, prefill_context
+from .oracle import AGGREGATES, oracle_importance, prefill_context
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
 
 # Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
@@ -158,6 +158,7 @@ class CalibrationRun:
     store: _ResultStore
     context_sha: str
     fingerprint: str
+    aggregate: str = "max"
     _state: Any = None
 
     @property
@@ -185,7 +186,8 @@ class CalibrationRun:
     def oracle(self, index: int) -> np.ndarray:
         """Oracle importance ``[L, H_kv, T]`` of the ``index``-th selected question (decoded once, then cached)."""
         ids = self.question_ids[index]
-        key = "oracle-" + _sha(_CACHE_FORMAT, ids.tolist(), self.k_max)
+        settings = (self.k_max,) if self.aggregate == "max" else (self.k_max, self.aggregate)
+        key = "oracle-" + _sha(_CACHE_FORMAT, ids.tolist(), *settings)
         cached = self.store.load(key)
         valid = (
             cached is not None
@@ -200,7 +202,7 @@ class CalibrationRun:
                 self._state = prefill_context(self.model, self.context_ids, reserve=reserve)
             eos = getattr(self.tokenizer, "eos_token_id", None)
             importance, answer = oracle_importance(
-                self.model, self._state, ids, k_max=self.k_max, eos_token_id=eos
+                self.model, self._state, ids, k_max=self.k_max, eos_token_id=eos, aggregate=self.aggregate
             )
             cached = {"importance": importance, "answer": np.asarray(answer, dtype=np.int64)}
             self.store.save(key, cached)
@@ -216,6 +218,7 @@ def prepare_run(
     max_questions: int | None = None,
     seed: int = 0,
     cache_dir: str | os.PathLike | None | bool = None,
+    aggregate: str = "max",
 ) -> CalibrationRun:
     """Tokenise a calibration set for ``model`` and open its result cache (nothing is decoded yet).
 
@@ -224,6 +227,8 @@ def prepare_run(
     """
     if k_max < 1:
         raise ConfigurationError(f"k_max must be at least 1, got {k_max}.")
+    if aggregate not in AGGREGATES:
+        raise ConfigurationError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {aggregate!r}.")
     context, questions, description = load_calibration(calibration)
     selected = _select_questions(questions, max_questions, seed)
     config = model.config.get_text_config()
@@ -258,6 +263,7 @@ def prepare_run(
         store,
         context_sha,
         fingerprint,
+        aggregate,
     )
 
 
@@ -268,6 +274,7 @@ def build_profiles(
     calibration: str | os.PathLike = "default",
     *,
     k_max: int = 64,
+    aggregate: str = "max",
     grid: Sequence[float] | np.ndarray | None = None,
     sink: int = 4,
     window: int | None = None,
@@ -314,6 +321,7 @@ def build_profiles(
         max_questions=max_questions,
         seed=seed,
         cache_dir=cache_dir,
+        aggregate=aggregate,
     )
     t = run.context_len
     windows = {s.name: s.window if window is None else window for s in scorer_objs}
@@ -364,6 +372,7 @@ def build_profiles(
     provenance = {
         "prompt_format": "context" + QUESTION_TEMPLATE,
         "scope": scope,
+        "oracle_aggregate": aggregate,
         "questions": len(selected),
         "question_indices": selected if len(selected) < run.total_questions else "all",
         "seed": seed,
@@ -399,6 +408,7 @@ def build_profile(
     calibration: str | os.PathLike = "default",
     *,
     k_max: int = 64,
+    aggregate: str = "max",
     grid: Sequence[float] | np.ndarray | None = None,
     sink: int = 4,
     window: int | None = None,
@@ -415,7 +425,8 @@ def build_profile(
 
     ``calibration``: a shipped set (``"default"``, ``"expository"``) or a JSONL file (format in
     ``lukv_cache/profiling/calibration/README.md``). ``k_max``: answer tokens decoded per question.
-    ``grid``: global ratios (default 0.01 ... 0.99). ``sink``/``window``: protected tokens, never counted
+    ``aggregate``: how a token's oracle importance combines the decode steps, ``"max"`` (the paper) or
+    ``"mean"``. ``grid``: global ratios (default 0.01 ... 0.99). ``sink``/``window``: protected tokens, never counted
     (``window=None``: the scorer's own window). ``min_keep``: fraction of its evictable tokens every head
     keeps. ``scope``: ``"all"`` (one budget over all layers) or ``"layer"``. ``max_questions``: use a seeded
     random subset. ``cache_dir``: where per-question results are kept (``False`` disables, default
@@ -435,6 +446,7 @@ def build_profile(
                 [scorer],
                 calibration,
                 k_max=k_max,
+                aggregate=aggregate,
                 grid=grid,
                 sink=sink,
                 window=window,

@@ -50,6 +50,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--calibration", default="default", help="shipped set name or JSONL file (default: default)"
     )
     build.add_argument("--k-max", type=int, default=64, help="answer tokens decoded per question (64)")
+    build.add_argument(
+        "--aggregate",
+        choices=("max", "mean"),
+        default="max",
+        help="oracle importance over the decode steps: max (the paper, default) or mean",
+    )
     build.add_argument("--max-questions", type=int, help="use a seeded random subset of the questions")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--sink", type=int, default=4, help="protected first tokens (4)")
@@ -130,6 +136,7 @@ def _build(args: argparse.Namespace) -> int:
         scorers,
         args.calibration,
         k_max=args.k_max,
+        aggregate=args.aggregate,
         sink=args.sink,
         window=args.window,
         min_keep=args.min_keep,

@@ -5,6 +5,8 @@ For layer ``l``, KV head ``h`` and context position ``j``::
     I[l, h, j] = max over decode steps k, over the query heads q of h's GQA group of
                  A[l, q, k, j] * ||v_j @ W_O[q]|| / Z_l
 
+(``aggregate="mean"``: the mean over decode steps instead of the max; the max over the group stays.)
+
 ``A[l, q, k, :]`` is the softmax attention of the query that produces answer token ``k`` (the last
 question token for ``k = 0``, then each generated token), ``W_O[q]`` is query head ``q``'s slice of
 ``o_proj`` and ``Z_l`` is the sum of ``||v_j @ W_O[q]||`` over the layer's query heads and context positions,
@@ -50,7 +52,12 @@ class _Recorder:
     mode: str = "context"  # "context": prefill of the context; "decode": question + answer tokens
     kv_len: int = 0  # keys a full-attention layer holds in the current forward (to skip sliding layers)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_q, T_ctx], sums to 1
-    importance: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_kv, T_ctx] running max
+    importance: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # layer -> [H_kv, T_ctx] running max/sum
+    aggregate: str = (
+        "max"  # over decode steps: "max" (the paper) or "mean" (a running sum, divided at the end)
+    )
 
 
 _ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("lukv_oracle", default=None)
@@ -113,7 +120,10 @@ def _observe(rec: _Recorder, module, query, key, value, attention_mask, scaling,
     contribution = logits.softmax(dim=-1)[:, :t] * rec.value_norms[layer]  # [H_q, T_ctx]
     step_max = contribution.view(k.shape[0], groups, t).amax(dim=1)
     if layer in rec.importance:
-        torch.maximum(rec.importance[layer], step_max, out=rec.importance[layer])
+        if rec.aggregate == "max":
+            torch.maximum(rec.importance[layer], step_max, out=rec.importance[layer])
+        else:
+            rec.importance[layer] += step_max
     else:
         rec.importance[layer] = step_max
 
@@ -276,8 +286,17 @@ def prefill_context(model, context_ids: torch.Tensor, *, reserve: int = 256) -> 
     )
 
 
+AGGREGATES = ("max", "mean")
+
+
 def oracle_importance(
-    model, state: ContextState, question_ids: torch.Tensor, *, k_max: int = 64, eos_token_id=None
+    model,
+    state: ContextState,
+    question_ids: torch.Tensor,
+    *,
+    k_max: int = 64,
+    eos_token_id=None,
+    aggregate: str = "max",
 ) -> tuple[np.ndarray, list[int]]:
     """Oracle importance ``[L, H_kv, T_ctx]`` (float32; zero for layers not recorded) for one question,
     and the greedy answer tokens.
@@ -285,7 +304,11 @@ def oracle_importance(
     Feeds the question after the context cache (never modified: see :func:`prefill_context`; one
     question at a time per ``state``), then decodes greedily with a full cache: the
     query producing each of the ``k_max`` answer tokens is one decode step. Stops early at ``eos_token_id``.
+    ``aggregate``: over the decode steps, ``"max"`` (the paper) or ``"mean"`` (a token read a little at
+    many steps counts more than under the max; a sum would allocate the same, budgets being scale-free).
     """
+    if aggregate not in AGGREGATES:
+        raise ConfigurationError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {aggregate!r}.")
     if k_max < 1:
         raise ConfigurationError(f"k_max must be at least 1, got {k_max}.")
     if question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.shape[1] < 1:
@@ -293,7 +316,9 @@ def oracle_importance(
             f"A question must be one non-empty sequence [1, n], got {question_ids.shape}."
         )
     eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
-    rec = _Recorder(context_len=state.context_len, mode="decode", value_norms=state.value_norms)
+    rec = _Recorder(
+        context_len=state.context_len, mode="decode", value_norms=state.value_norms, aggregate=aggregate
+    )
     cache = _question_cache(state.cache)
     answer: list[int] = []
     ids = question_ids.to(model.device)
@@ -309,5 +334,5 @@ def oracle_importance(
             rec.kv_len += 1
     out = np.zeros((state.num_layers, state.num_kv_heads, state.context_len), dtype=np.float32)
     for layer, imp in rec.importance.items():
-        out[layer] = imp.cpu().numpy()
+        out[layer] = (imp / len(answer) if aggregate == "mean" else imp).cpu().numpy()
     return out, answer

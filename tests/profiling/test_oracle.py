@@ -90,3 +90,52 @@ def test_context_cache_is_not_modified_by_a_question(tiny_model):
     assert state.cache.get_seq_length() == 20
     again, _ = oracle_importance(model, state, torch.tensor([[5, 6, 7]]), k_max=3)
     np.testing.assert_array_equal(first, again)
+
+
+def test_mean_aggregate_is_the_mean_over_decode_steps_of_the_direct_computation(tiny_model):
+    model = tiny_model
+    context, question = torch.randint(0, 128, (1, 40)), torch.randint(0, 128, (1, 5))
+    state = prefill_context(model, context)
+    mean, answer = oracle_importance(model, state, question, k_max=6, aggregate="mean")
+    peak, same_answer = oracle_importance(model, state, question, k_max=6)
+    assert answer == same_answer
+    eager_rows = _direct_steps(model, context, question, answer)  # [K, L, H_kv, T]
+    np.testing.assert_allclose(peak, eager_rows.max(0), rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(mean, eager_rows.mean(0), rtol=1e-4, atol=1e-9)
+    assert (mean <= peak + 1e-9).all() and (mean < peak - 1e-7).any()
+
+
+def _direct_steps(model, context, question, answer):
+    """Per decode step k: max over the GQA group of A[k] * norms, ``[K, L, H_kv, T]``."""
+    eager = type(model)(model.config)
+    eager.load_state_dict(model.state_dict())
+    eager.set_attn_implementation("eager")
+    t, q = context.shape[1], question.shape[1]
+    full = torch.cat([context, question, torch.tensor([answer[:-1]])], dim=1)
+    with torch.no_grad():
+        out = eager.eval()(full, output_attentions=True, use_cache=True)
+    cfg = model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    steps = np.zeros((len(answer), cfg.num_hidden_layers, hkv, t), dtype=np.float32)
+    for layer in range(cfg.num_hidden_layers):
+        attn = out.attentions[layer][0, :, t + q - 1 : t + q - 1 + len(answer), :t]  # [Hq, K, T]
+        values = out.past_key_values.layers[layer].values[0, :, :t]
+        w_o = eager.model.layers[layer].self_attn.o_proj.weight
+        norms = torch.stack(
+            [(values[h // (hq // hkv)] @ w_o[:, h * d : (h + 1) * d].T).norm(dim=-1) for h in range(hq)]
+        )
+        contrib = attn * (norms / norms.sum())[:, None]  # [Hq, K, T]
+        steps[:, layer] = (
+            contrib.view(hkv, hq // hkv, len(answer), t).amax(dim=1).transpose(0, 1).detach().numpy()
+        )
+    return steps
+
+
+def test_unknown_aggregate_is_a_configuration_error(tiny_model):
+    import pytest
+
+    from lukv_cache.errors import ConfigurationError
+
+    state = prefill_context(tiny_model, torch.randint(0, 128, (1, 12)))
+    with pytest.raises(ConfigurationError, match="aggregate"):
+        oracle_importance(tiny_model, state, torch.tensor([[5, 6]]), k_max=2, aggregate="sum")
