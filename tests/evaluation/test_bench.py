@@ -110,7 +110,7 @@ def test_benchmark_writes_markdown_json_and_plot_with_counts_and_errors(model, t
         context_tokens=200,
         ratios=(0.5,),
         scorers=("keydiff", "snapkv"),
-        allocators=("uniform", "profile"),
+        allocators=("uniform", "profile", "hybrid"),
         needles=2,
         continuation_tokens=8,
         profiles_dir=str(tmp_path / "profiles"),
@@ -121,14 +121,18 @@ def test_benchmark_writes_markdown_json_and_plot_with_counts_and_errors(model, t
 
     data = json.loads(paths["json"].read_text())
     assert data["command"] == "lukv bench --samples 2"
-    assert data["skipped"] == {
-        "profile/snapkv@0.5": data["skipped"]["profile/snapkv@0.5"]
-    }  # no snapkv profile
+    assert set(data["skipped"]) == {"profile/snapkv@0.5", "hybrid/snapkv@0.5"}  # no snapkv profile
     rows = {(r["task"], r["method"]): r for r in data["results"]}
     assert set(rows) == {
         (t, m)
         for t in settings.tasks
-        for m in ("full", "uniform/keydiff@0.5", "uniform/snapkv@0.5", "profile/keydiff@0.5")
+        for m in (
+            "full",
+            "uniform/keydiff@0.5",
+            "uniform/snapkv@0.5",
+            "profile/keydiff@0.5",
+            "hybrid/keydiff@0.5",
+        )
     }
     multikey = rows[("niah_multikey", "uniform/keydiff@0.5")]
     assert multikey["n_samples"] == 2 and multikey["n_questions"] == 4
@@ -136,6 +140,8 @@ def test_benchmark_writes_markdown_json_and_plot_with_counts_and_errors(model, t
     assert multikey["kv_bytes_mean"] < rows[("niah_multikey", "full")]["kv_bytes_mean"]
     assert rows[("continuation", "full")]["excess_nll"]["mean"] == 0.0
     assert "excess_nll" in rows[("continuation", "profile/keydiff@0.5")]
+    hybrid = rows[("niah_multikey", "hybrid/keydiff@0.5")]  # same memory as the profile it spreads
+    assert hybrid["kv_bytes_mean"] == rows[("niah_multikey", "profile/keydiff@0.5")]["kv_bytes_mean"]
 
     markdown = paths["md"].read_text()
     assert "Command: `lukv bench --samples 2`" in markdown

@@ -153,3 +153,27 @@ def test_profile_correlation_is_one_for_itself_and_minus_one_for_a_mirror():
     mirror = Profile(a.grid, 2 * a.grid[:, None, None] - a.evict_ratio, model_id="org/tiny", scorer="keydiff")
     assert profile_correlation(a, a, [0.5]) == {0.5: pytest.approx(1.0)}
     assert profile_correlation(a, mirror, [0.5])[0.5] == pytest.approx(-1.0)
+
+
+def test_the_eviction_loss_ranks_the_oracle_allocation_above_random_ones(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path
+):
+    """The proxy of profile ablations (evicted oracle mass at a fixed total budget) must prefer budgets
+    solved from the oracle itself to random budgets of the same total, on every question."""
+    from lukv_cache.profiling.build import prepare_run
+    from lukv_cache.profiling.diagnostics import _losses
+    from lukv_cache.profiling.solver import greedy_keep_counts, scorer_order_gains
+
+    run = prepare_run(tiny_model, byte_tokenizer, tiny_calibration, k_max=3, cache_dir=tmp_path)
+    rng = np.random.default_rng(0)
+    for index in range(len(run.selected)):
+        importance = run.oracle(index).astype(np.float64)  # [L, H, T]
+        scores = importance + 1e-12 * rng.random(importance.shape)  # the oracle's own ranking
+        layers, heads, t = importance.shape
+        gains = scorer_order_gains(importance, scores).reshape(layers * heads, t)
+        keep = greedy_keep_counts(gains, [0.7], 0.0)[0].reshape(layers, heads)
+        oracle_loss = _losses(importance, scores, keep)[0].sum()
+        for _ in range(20):  # random budgets of the same total
+            split = rng.multinomial(int(keep.sum()), np.full(layers * heads, 1 / (layers * heads)))
+            random_keep = np.minimum(split, t).reshape(layers, heads)
+            assert oracle_loss <= _losses(importance, scores, random_keep)[0].sum() + 1e-12
