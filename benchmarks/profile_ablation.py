@@ -38,6 +38,7 @@ VARIANTS: dict[str, dict] = {
     "smoothed over 5 grid points": {"smooth": 5},
     "10 questions (of 30)": {"max_questions": 10},
     "calibration: first 1.4k tokens, 10 early questions": {"truncate": "early"},
+    "calibration: 24 planted facts, asked back": {"truncate": "planted"},
 }
 RATIOS = (0.5, 0.8, 0.9)
 
@@ -51,6 +52,8 @@ def _runs(model, tokenizer, spec: dict, cache_dir):
     calibration = "default"
     if spec.get("truncate") == "early":
         calibration = _early_third()
+    elif spec.get("truncate") == "planted":
+        calibration = planted_facts()
     run = prepare_run(model, tokenizer, calibration, max_questions=spec.get("max_questions"), **kwargs)
     return run
 
@@ -69,6 +72,64 @@ def _early_third() -> str:
     path = os.path.join(tempfile.mkdtemp(prefix="lukv_ablation_"), "early.jsonl")
     with open(path, "w", encoding="utf-8") as f:
         for row in [context, *questions]:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def planted_facts(path: str | None = None, n: int = 24, seed: int = 7) -> str:
+    """A calibration file: the default narrative with ``n`` planted facts ("the locker code for the amber
+    heron is 1234567") spread evenly between its paragraphs, and one question asking each fact back.
+
+    The phrasing differs from the benchmark's needles on purpose (no "special magic number").
+    """
+    import os
+    import random
+    import tempfile
+
+    from lukv_cache.profiling.calibration import calibration_path
+
+    lines = [json.loads(line) for line in open(calibration_path("default"), encoding="utf-8") if line.strip()]
+    paragraphs = lines[0]["text"].split("\n\n")
+    rng = random.Random(seed)
+    colours = (
+        "amber cobalt scarlet ivory olive saffron slate crimson teal umber violet ochre jade russet".split()
+    )
+    colours += "silver indigo copper plum lilac bronze pearl rust sable coral".split()
+    things = "heron lantern anchor compass harbour kettle ledger beacon barrel sextant trawler pulley".split()
+    things += "satchel rudder chisel capstan bellows tiller crate oar hammock spyglass winch buoy".split()
+    facts = [
+        (f"{colours[i]} {things[(i * 7) % len(things)]}", str(rng.randrange(10**6, 10**7))) for i in range(n)
+    ]
+    after = [round((i + 0.5) * len(paragraphs) / n) for i in range(n)]
+    text = []
+    for j, paragraph in enumerate(paragraphs):
+        text.append(paragraph)
+        text += [
+            f"(Recorded in the margin: the locker code for the {k} is {v}.)"
+            for i, (k, v) in enumerate(facts)
+            if after[i] == j
+        ]
+    text += [
+        f"(Recorded in the margin: the locker code for the {k} is {v}.)"
+        for i, (k, v) in enumerate(facts)
+        if after[i] >= len(paragraphs)
+    ]
+    rows = [
+        {**lines[0], "title": "The Ledger of Kestrel Quay, with planted facts", "text": "\n\n".join(text)}
+    ]
+    thirds = ("early", "middle", "late")
+    rows += [
+        {
+            "type": "question",
+            "text": f"What is the locker code for the {k}?",
+            "answer": v,
+            "where": thirds[3 * i // n],
+        }
+        for i, (k, v) in enumerate(facts)
+    ]
+    path = path or os.path.join(tempfile.mkdtemp(prefix="lukv_ablation_"), "planted.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
 

@@ -212,7 +212,7 @@ class CalibrationRun:
 def prepare_run(
     model,
     tokenizer,
-    calibration: str | os.PathLike = "default",
+    calibration: str | os.PathLike = "planted",
     *,
     k_max: int = 64,
     max_questions: int | None = None,
@@ -271,7 +271,7 @@ def build_profiles(
     model,
     tokenizer,
     scorers: Sequence[str | Scorer] = ("keydiff",),
-    calibration: str | os.PathLike = "default",
+    calibration: str | os.PathLike = "planted",
     *,
     k_max: int = 64,
     aggregate: str = "max",
@@ -405,7 +405,7 @@ def build_profile(
     model,
     tokenizer,
     scorer: str | Scorer = "keydiff",
-    calibration: str | os.PathLike = "default",
+    calibration: str | os.PathLike = "planted",
     *,
     k_max: int = 64,
     aggregate: str = "max",
@@ -423,8 +423,9 @@ def build_profile(
 ):
     """Build the LU-KV profile of ``model`` for ``scorer`` from a calibration set.
 
-    ``calibration``: a shipped set (``"default"``, ``"expository"``) or a JSONL file (format in
-    ``lukv_cache/profiling/calibration/README.md``). ``k_max``: answer tokens decoded per question.
+    ``calibration``: a shipped set (``"planted"``, the default: a narrative with planted facts asked back;
+    ``"default"``, the narrative with questions about its story; ``"expository"``) or a JSONL file (format
+    in ``lukv_cache/profiling/calibration/README.md``). ``k_max``: answer tokens decoded per question.
     ``aggregate``: how a token's oracle importance combines the decode steps, ``"max"`` (the paper) or
     ``"mean"``. ``grid``: global ratios (default 0.01 ... 0.99). ``sink``/``window``: protected tokens, never counted
     (``window=None``: the scorer's own window). ``min_keep``: fraction of its evictable tokens every head

@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--repo-id", help="shared repository for --push (default: $LUKV_PROFILE_REPO or its default)"
     )
     build.add_argument(
-        "--calibration", default="default", help="shipped set name or JSONL file (default: default)"
+        "--calibration", default="planted", help="shipped set name or JSONL file (default: planted)"
     )
     build.add_argument("--k-max", type=int, default=64, help="answer tokens decoded per question (64)")
     build.add_argument(

@@ -54,3 +54,31 @@ def test_unknown_name_lists_the_shipped_sets():
 def test_missing_file_raises_configuration_error(tmp_path):
     with pytest.raises(ConfigurationError, match="does not exist"):
         load_calibration(tmp_path / "missing.jsonl")
+
+
+def test_planted_set_asks_back_each_planted_fact_once_and_matches_its_generator(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from lukv_cache.evaluation.tasks import NEEDLE
+    from lukv_cache.profiling.calibration import calibration_path
+
+    context, questions, _ = load_calibration("planted")
+    default_context, _, _ = load_calibration("default")
+    rows = [json.loads(line) for line in calibration_path("planted").read_text().splitlines()]
+    answers = [r["answer"] for r in rows[1:]]
+    assert len(questions) == len(set(answers)) == 24
+    for question, answer in zip(questions, answers):
+        key = question.removeprefix("What is the locker code for the ").removesuffix("?")
+        assert context.count(f"the locker code for the {key} is {answer}.") == 1
+    # the narrative itself is untouched, and the wording is not the benchmark's needle
+    assert context.replace("\n\n", " ").count(" ") > default_context.replace("\n\n", " ").count(" ")
+    assert all(p in context for p in default_context.split("\n\n"))
+    assert NEEDLE.split("{")[0].strip() not in context
+    # the shipped file is what the ablation script generates (only the description was written by hand)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_ablation.py"
+    spec = importlib.util.spec_from_file_location("profile_ablation", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    generated = load_calibration(module.planted_facts(str(tmp_path / "p.jsonl")))
+    assert generated[:2] == (context, questions)
