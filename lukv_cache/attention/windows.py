@@ -162,8 +162,8 @@ def windowed_ragged_attention(
 
     if plan.in_place:
         rows = plan.in_place * c
-        windows_k = keys[:rows].view(plan.in_place, 1, c, d)
-        attend(q[plan.owner].unsqueeze(1), windows_k, values[:rows].view(plan.in_place, 1, c, dv))
+        windows_k = keys[:rows].reshape(plan.in_place, 1, c, d)
+        attend(q[plan.owner].unsqueeze(1), windows_k, values[:rows].reshape(plan.in_place, 1, c, dv))
     if plan.gather_owner.numel():
         extra = plan.gather_owner.numel()
         attend(

@@ -163,3 +163,14 @@ def test_generation_is_the_same_with_the_per_segment_reference(monkeypatch):
     ref_seq, ref_logits = run()
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_non_contiguous_store_is_read_correctly():
+    query, keys, values, offsets = _case([600, 90, 333])
+    wide_k = torch.cat([keys, torch.randn_like(keys)], dim=1)[:, :16]  # a strided view: rows 32 apart
+    wide_v = torch.cat([values, torch.randn_like(values)], dim=1)[:, :16]
+    assert not wide_k.is_contiguous()
+    out, lse = windows.windowed_ragged_attention(query, wide_k, wide_v, offsets, scaling=0.25)
+    ref, ref_lse = ragged_attention_reference(query, keys, values, offsets.tolist(), scaling=0.25)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
