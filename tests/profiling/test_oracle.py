@@ -8,28 +8,8 @@ from lukv_cache.profiling.oracle import oracle_importance, prefill_context
 
 
 def _direct_oracle(model, context, question, answer, layers=None):
-    """I[l,h,j] from the full eager attention weights of context + question + answer in one forward."""
-    eager = type(model)(model.config)
-    eager.load_state_dict(model.state_dict())
-    eager.set_attn_implementation("eager")
-    t, q = context.shape[1], question.shape[1]
-    full = torch.cat([context, question, torch.tensor([answer[:-1]])], dim=1)
-    with torch.no_grad():
-        out = eager.eval()(full, output_attentions=True, use_cache=True)
-    cfg = model.config
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    result = np.zeros((cfg.num_hidden_layers, hkv, t), dtype=np.float32)
-    for layer in range(cfg.num_hidden_layers) if layers is None else layers:
-        # rows of the queries that produce the answer tokens: last question token, then each answer token
-        attn = out.attentions[layer][0, :, t + q - 1 : t + q - 1 + len(answer), :t]  # [Hq, K, T]
-        values = out.past_key_values.layers[layer].values[0, :, :t]  # [Hkv, T, D]
-        w_o = eager.model.layers[layer].self_attn.o_proj.weight
-        norms = torch.stack(
-            [(values[h // (hq // hkv)] @ w_o[:, h * d : (h + 1) * d].T).norm(dim=-1) for h in range(hq)]
-        )
-        contrib = (attn * (norms / norms.sum())[:, None]).amax(dim=1)  # max over steps: [Hq, T]
-        result[layer] = contrib.view(hkv, hq // hkv, t).amax(dim=1).detach().numpy()
-    return result
+    """I[l,h,j] from the full eager attention weights of context + question + answer: the max over steps."""
+    return _direct_steps(model, context, question, answer, layers).max(axis=0)
 
 
 def test_streamed_oracle_matches_direct_eager_computation(tiny_model):
@@ -105,8 +85,9 @@ def test_mean_aggregate_is_the_mean_over_decode_steps_of_the_direct_computation(
     assert (mean <= peak + 1e-9).all() and (mean < peak - 1e-7).any()
 
 
-def _direct_steps(model, context, question, answer):
-    """Per decode step k: max over the GQA group of A[k] * norms, ``[K, L, H_kv, T]``."""
+def _direct_steps(model, context, question, answer, layers=None):
+    """Per decode step k, from one eager forward of context + question + answer with its attention weights:
+    max over the GQA group of A[k] * ||v W_O|| / Z, ``[K, L, H_kv, T]`` (zero for layers not listed)."""
     eager = type(model)(model.config)
     eager.load_state_dict(model.state_dict())
     eager.set_attn_implementation("eager")
@@ -117,7 +98,7 @@ def _direct_steps(model, context, question, answer):
     cfg = model.config
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     steps = np.zeros((len(answer), cfg.num_hidden_layers, hkv, t), dtype=np.float32)
-    for layer in range(cfg.num_hidden_layers):
+    for layer in range(cfg.num_hidden_layers) if layers is None else layers:
         attn = out.attentions[layer][0, :, t + q - 1 : t + q - 1 + len(answer), :t]  # [Hq, K, T]
         values = out.past_key_values.layers[layer].values[0, :, :t]
         w_o = eager.model.layers[layer].self_attn.o_proj.weight
