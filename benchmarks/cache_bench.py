@@ -143,7 +143,6 @@ def child(
             _fill(model, cache, batch, tokens, gen)
     result["fill_s"] = time.perf_counter() - t0
     result["kv_bytes"] = kv_cache_bytes(cache)
-    cfg = model.config
     if method in ("uniform", "profile"):
         stored = cache.stored_tokens().double()  # [L, B, H]
         result["kept_per_head"] = float(stored.mean())
@@ -153,7 +152,6 @@ def child(
     first = torch.zeros((batch, 1), dtype=torch.long)
     result["decode_ms"] = _decode_ms(model, cache, first, steps)
     result["peak_rss_mib"] = _rss_mib()
-    del cfg
     return result
 
 
