@@ -9,13 +9,19 @@ from typing import Any
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from ..errors import ConfigurationError
 from .calls import lukv_aware
 
 
 @contextlib.contextmanager
-def attention_swapped(model: Any, name: str, fn: Callable) -> Iterator[None]:
-    """Register ``fn`` as attention implementation ``name`` (paired with the stock ``sdpa`` mask, without
-    which transformers hands it ``attention_mask=None``), switch ``model`` to it, and switch back after.
+def attention_swapped(model: Any, name: str, fn: Callable, *, mask: str = "sdpa") -> Iterator[None]:
+    """Register ``fn`` as attention implementation ``name``, paired with the stock mask function ``mask``
+    (without a mask function transformers hands it ``attention_mask=None``), switch ``model`` to it, and
+    switch back after.
+
+    ``mask`` is the implementation whose masks ``fn``'s attention reads: ``"sdpa"`` (the default) gives
+    ``None`` for a plainly causal prompt, meaning "causal" to sdpa but "attend to everything" to an eager
+    attention; an observer that delegates to ``eager`` needs ``mask="eager"`` (always a full additive mask).
 
     ``fn`` is marked lukv-aware: it must delegate to a lukv-aware function (e.g. the installed ``sdpa``) if
     it may see a LUKVCache.
@@ -30,8 +36,13 @@ def attention_swapped(model: Any, name: str, fn: Callable) -> Iterator[None]:
     >>> calls, model.config._attn_implementation
     ([0, 1], 'sdpa')
     """
+    if mask not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ConfigurationError(
+            f"No mask function is registered for {mask!r}; pass the attention {name!r} delegates to, "
+            f"one of {', '.join(sorted(ALL_MASK_ATTENTION_FUNCTIONS))}."
+        )
     AttentionInterface.register(name, lukv_aware(fn))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:

@@ -51,6 +51,8 @@ class SharedPrefill:
     @classmethod
     @torch.no_grad()
     def record(cls, model: Any, input_ids: torch.Tensor, n_queries: int) -> SharedPrefill:
+        """Prefill ``input_ids`` once through the model's own ``sdpa`` or ``eager`` attention (with that
+        implementation's masks), recording what :meth:`cache_for` replays."""
         impl = model.config._attn_implementation
         if impl not in ("sdpa", "eager"):
             raise ConfigurationError(
@@ -66,7 +68,7 @@ class SharedPrefill:
 
         cache = DynamicCache()
         started = time.perf_counter()
-        with attention_swapped(model, _RECORD_IMPL, observe):
+        with attention_swapped(model, _RECORD_IMPL, observe, mask=impl):
             out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         recording.seconds = time.perf_counter() - started
         recording.last_logits = out.logits[:, -1, :]

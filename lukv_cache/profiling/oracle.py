@@ -64,10 +64,18 @@ _ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("lukv
 
 
 def _eager_output(module, query, key, value, attention_mask, scaling, softcap):
-    """Stock eager attention, only for models with logit softcapping (sdpa refuses them)."""
+    """Stock eager attention, only for models with logit softcapping (sdpa refuses them).
+
+    It reads the sdpa masks the oracle is paired with as ``sdpa_attention_forward`` does: ``None`` with
+    several queries is causal (the sdpa mask function leaves a plainly causal prompt to ``is_causal``).
+    """
     groups = query.shape[1] // key.shape[1]
     logits = query @ repeat_kv(key, groups).transpose(2, 3) * scaling
     logits = torch.tanh(logits / softcap) * softcap
+    if attention_mask is None and query.shape[2] > 1:
+        attention_mask = torch.ones(
+            query.shape[2], key.shape[2], dtype=torch.bool, device=query.device
+        ).tril()
     if attention_mask is not None:
         logits = _apply_mask(logits, attention_mask[..., : key.shape[-2]])
     weights = logits.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
@@ -146,10 +154,11 @@ def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 @contextlib.contextmanager
 def _recording(model, rec: _Recorder) -> Iterator[_Recorder]:
-    """Route the model's attention through :func:`oracle_attention` and activate ``rec``; restore after."""
+    """Route the model's attention through :func:`oracle_attention` (with sdpa's masks, which both of its
+    paths read) and activate ``rec``; restore after."""
     token = _ACTIVE.set(rec)
     try:
-        with attention_swapped(model, ATTN_NAME, oracle_attention):
+        with attention_swapped(model, ATTN_NAME, oracle_attention, mask="sdpa"):
             yield rec
     finally:
         _ACTIVE.reset(token)

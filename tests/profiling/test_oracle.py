@@ -120,3 +120,26 @@ def test_unknown_aggregate_is_a_configuration_error(tiny_model):
     state = prefill_context(tiny_model, torch.randint(0, 128, (1, 12)))
     with pytest.raises(ConfigurationError, match="aggregate"):
         oracle_importance(tiny_model, state, torch.tensor([[5, 6]]), k_max=2, aggregate="sum")
+
+
+def test_softcap_oracle_reads_a_causal_context_prefill():
+    """Two full layers in a row: the second one's context keys come from the first one's prefill output,
+    which must be causal although the eager (softcap) path never gets sdpa's is_causal shortcut."""
+    torch.manual_seed(1)
+    config = Gemma2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+    )
+    model = Gemma2ForCausalLM(config).eval()
+    context, question = torch.randint(0, 128, (1, 32)), torch.randint(0, 128, (1, 5))
+    importance, answer = oracle_importance(model, prefill_context(model, context), question, k_max=4)
+    expected = _direct_oracle(model, context, question, answer, layers=[1, 2])
+    np.testing.assert_allclose(importance[1:], expected[1:], rtol=1e-4, atol=1e-9)
