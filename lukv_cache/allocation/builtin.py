@@ -68,8 +68,8 @@ def _competing_counts(
         extra = int((total[row] - guaranteed[row].sum()).clamp_min(0))
         flat = open_[row].flatten()
         extra = min(extra, int(torch.isfinite(flat).sum()))
-        if extra:
-            winners = flat.topk(extra).indices // r
+        if extra:  # a stable sort: ties go to the earlier head and token, whatever the padding
+            winners = flat.argsort(descending=True, stable=True)[:extra] // r
             counts[row] += torch.bincount(winners.cpu(), minlength=k)
     return torch.minimum(counts, n.view(b, 1))
 

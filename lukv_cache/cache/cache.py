@@ -26,6 +26,7 @@ from .compression import (
     masked_scores,
     plan_region,
     score_suffix,
+    valid_from_mask,
 )
 from .layer import LUKVLayer
 from .parallel import HeadShard, head_shard, mesh_shard
@@ -78,6 +79,17 @@ def kv_cache_bytes(cache: Any) -> int:
                 if isinstance(t, torch.Tensor)
             )
     return total
+
+
+def _positions(mask: torch.Tensor, length: int, past: int) -> torch.Tensor | None:
+    """Position ids of the last ``length`` tokens as ``generate()`` numbers a left-padded batch (each row
+    from 0, padding at 1), from a mask over the past and new tokens; None if the mask covers neither."""
+    if mask.shape[-1] not in (length, past + length):
+        return None
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    if mask.shape[-1] == length and past:
+        return None  # a mask of the new tokens alone: the model numbers them after the past
+    return positions[:, -length:]
 
 
 class LUKVCache(DynamicCache):
@@ -310,7 +322,7 @@ class LUKVCache(DynamicCache):
             and self._phase is None
             and self.evicts
             and key_states.shape[-2] > 1
-            and not self.is_compressed
+            and self.get_seq_length(layer_idx) == 0
         ):
             raise ConfigurationError(
                 f"Scorer {self.scorer.name!r} scores the context by reconstruction, which needs the model and the "
@@ -382,7 +394,8 @@ class LUKVCache(DynamicCache):
         # ratio 0 keeps every token: no scoring needed (a reconstruction scorer could not score here anyway)
         wanted = (evictable and self.evicts) or self.prefill_scores is not None
         if wanted and self.scorer.reconstruction is None:
-            raw = score_suffix(self.policy.scorer, layer, query)
+            valid = valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.keys.device)
+            raw = score_suffix(self.policy.scorer, layer, query, valid)
             if self.prefill_scores is not None:
                 self.prefill_scores[idx] = raw
             scores = masked_scores(raw, region) if evictable and self.evicts else None
@@ -465,6 +478,8 @@ class LUKVCache(DynamicCache):
         (48, True)
         """
         recon = self.scorer.reconstruction
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+        model_kwargs.setdefault("position_ids", _positions(mask, input_ids.shape[1], self.get_seq_length()))
         if recon is None or not self.evicts and self.prefill_scores is None:
             return model(
                 input_ids=input_ids,
@@ -485,14 +500,10 @@ class LUKVCache(DynamicCache):
                     "pass tokenizer=<the model's tokenizer> (or repeat_prompt=RepeatPrompt(...))."
                 )
             repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer, recon.template)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
-        # positions as generate() computes them for a left-padded batch: every row starts at 0
-        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
         with self._in_phase("hold"):
             out = model(
                 input_ids=input_ids,
                 attention_mask=mask,
-                position_ids=positions,
                 past_key_values=self,
                 use_cache=True,
                 **model_kwargs,

@@ -81,10 +81,48 @@ def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: tor
     return Region(length, sinks, valid & ~sinks)
 
 
-def score_suffix(scorer: Scorer, layer: LUKVLayer, queries: torch.Tensor | None) -> torch.Tensor:
+def score_suffix(
+    scorer: Scorer, layer: LUKVLayer, queries: torch.Tensor | None, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 ``[B, H, S]``: the scorer's scores of every token of the layer's suffix (from the last
-    ``scorer.n_queries`` post-RoPE queries of this forward)."""
+    ``scorer.n_queries`` post-RoPE queries of this forward).
+
+    ``valid`` (bool ``[B, S]``, from the attention mask) marks the real tokens. A scorer never sees
+    padding: when rows differ, each group of rows with the same real tokens is scored on those tokens
+    and the queries among them only, exactly as the row alone would be; padding scores ``-inf``.
+    """
     keys, values = layer.keys, layer.values
+    b, h, s, _ = keys.shape
+    if valid is None or bool(valid.all()):
+        return _score(scorer, keys, values, queries)
+    scores = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=keys.device)
+    q_len = 0 if queries is None else queries.shape[2]
+    for rows, tokens in _row_groups(valid):
+        if tokens.numel() == 0:
+            continue
+        q = None
+        if queries is not None:
+            q_tokens = tokens[tokens >= s - q_len] - (s - q_len)  # this forward's real queries
+            q = queries[rows][:, :, q_tokens]
+        k, v = keys[rows][:, :, tokens], values[rows][:, :, tokens]
+        scores[rows.unsqueeze(-1), :, tokens] = _score(scorer, k, v, q).transpose(1, 2)
+    return scores
+
+
+def _row_groups(valid: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(rows, tokens)`` pairs: the batch rows that share one set of real tokens, and those tokens."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    patterns = valid.cpu()
+    for row in range(patterns.shape[0]):
+        groups.setdefault(tuple(patterns[row].nonzero().flatten().tolist()), []).append(row)
+    device = valid.device
+    return [
+        (torch.tensor(rows, device=device), torch.tensor(tokens, dtype=torch.long, device=device))
+        for tokens, rows in groups.items()
+    ]
+
+
+def _score(scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None):
     q = queries[:, :, -scorer.n_queries :] if scorer.n_queries and queries is not None else None
     return check_scores(scorer, scorer(keys, values, q), tuple(keys.shape[:3]))
 

@@ -1,8 +1,8 @@
 """The reconstruction passes of a scorer like KVzip, for a left-padded batch: which tokens each round feeds.
 
-Round ``k`` feeds every row its ``k``-th chunk (rows with fewer chunks feed only padding), left-padded to
-one length, at the positions that follow the row's own context, so each row scores exactly as it would
-alone.
+Round ``k`` feeds every row its ``k``-th chunk (rows with fewer chunks feed only padding), right after the
+row's own context and padded on the right to one length, at the positions that follow the row's own
+context, so each row scores exactly as it would alone (a sliding-window layer sees the same keys too).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def plan_rounds(
         sinks = []
         for row, seq in enumerate(seqs):
             if seq:
-                ids[row, r - len(seq) :] = torch.tensor(seq, dtype=input_ids.dtype, device=device)
-                valid[row, r - len(seq) :] = True
+                ids[row, : len(seq)] = torch.tensor(seq, dtype=input_ids.dtype, device=device)
+                valid[row, : len(seq)] = True
                 start, end = per_row[row][k][0]
                 bounds.append((pads[row] + start, pads[row] + end))
             else:

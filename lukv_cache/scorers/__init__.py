@@ -5,8 +5,9 @@ A scorer is a function ``fn(keys, values, queries, **params) -> scores``:
 * ``keys``, ``values``: ``[B, H_kv, T, D]``, the prefill KV of one layer (keys after RoPE, as cached);
 * ``queries``: ``[B, H_q, W, D]``, the post-RoPE queries of the last ``W = n_queries`` prefill tokens,
   or ``None`` when the scorer does not declare ``n_queries``;
-* returns ``[B, H_kv, T]`` (any float dtype). Sinks, the recent window and padding are handled by the
-  cache, not by scorers.
+* returns ``[B, H_kv, T]`` (any float dtype). Sinks and the recent window are handled by the cache, not
+  by scorers, and a scorer never sees padding: the rows of a left-padded batch are scored on their own
+  real tokens (and queries), so a row gets the scores it would get alone.
 
 A *reconstruction* scorer (``kvzip``, ``kvzip_plus``) scores the whole context at once by running extra
 tokens through the model after the prefill; :meth:`lukv_cache.LUKVCache.prefill` runs it.

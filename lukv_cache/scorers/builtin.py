@@ -76,6 +76,8 @@ def expected_attention(keys, values, queries, epsilon=0.0):
 
 @register_scorer("random", seed=0)
 def random(keys, values, queries, seed=0):
-    """Random eviction: the floor every scorer must beat. Deterministic for a given seed."""
+    """Random eviction: the floor every scorer must beat. Deterministic for a given seed, and the same
+    for every batch row (a row draws what it would draw alone)."""
+    b, h, t, _ = keys.shape
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.rand(keys.shape[:3], generator=gen).to(keys.device)
+    return torch.rand(h, t, generator=gen).to(keys.device).expand(b, h, t)
