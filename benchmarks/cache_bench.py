@@ -95,7 +95,7 @@ def _lukv_cache(method: str, ratio: float, small: bool, config):
 
         gen = torch.Generator().manual_seed(3)
         table = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=gen)
-        return lukv_cache.LUKVCache(ratio=ratio, allocator="profile", evict_ratio=table * 0.2 + ratio - 0.1)
+        return lukv_cache.LUKVCache(allocator="profile", evict_ratio=table * 0.2 + ratio - 0.1)  # mean ~ratio
     return lukv_cache.LUKVCache(ratio=ratio, scorer="keydiff", allocator="uniform", config=config)
 
 

@@ -11,8 +11,9 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 
 from ..allocation import AllocationRequest, get_allocator
 from ..attention.calls import AttentionCall, announce_attention, guard_attention
@@ -26,6 +27,7 @@ from .compression import (
     masked_scores,
     plan_region,
     score_suffix,
+    trim_counts,
     valid_from_mask,
 )
 from .layer import LUKVLayer
@@ -53,12 +55,42 @@ def check_ratio(ratio: Any) -> float:
     return float(ratio)
 
 
-def _check_count(name: str, value: Any, *, positive: bool = False) -> None:
+_MAX_TOKENS_LIMIT = 2**40  # far beyond any context; larger numbers are a mistake (None means no cap)
+
+
+def _check_count(name: str, value: Any, *, positive: bool = False) -> int | None:
+    """``value`` as an int (Python or numpy integers), or a ConfigurationError naming ``name``."""
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+        return None
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
+        value = value.item()
+    if (
+        isinstance(value, bool)
+        or type(value).__name__ == "bool_"
+        or not isinstance(value, numbers.Integral)
+        or value < (1 if positive else 0)
+    ):
         kind = "a positive" if positive else "a non-negative"
         raise ConfigurationError(f"{name} must be {kind} integer, got {value!r}.")
+    return int(value)
+
+
+def _table_mean(table: Any) -> float:
+    if isinstance(table, torch.Tensor):
+        return float(table.detach().double().mean())
+    return float(np.asarray(table, dtype=np.float64).mean())
+
+
+def _check_table_alone(evict_ratio: Any, ratio: Any, max_tokens: Any) -> None:
+    """A fixed evict-ratio table sets every head's budget, hence the ratio: refuse a second answer."""
+    if evict_ratio is None or (ratio is None and max_tokens is None):
+        return
+    given = "ratio=" if ratio is not None else "max_tokens="
+    raise ConfigurationError(
+        f"evict_ratio= fixes every head's budget (its mean is the ratio), so {given} cannot also apply. "
+        f"Drop {given}, or read a profile's curve at your ratio: LUKVCache(ratio, allocator='profile', "
+        "allocator_kwargs={'profile': profile}) or LUKVCache.from_pretrained(model_id, ratio=...)."
+    )
 
 
 def kv_cache_bytes(cache: Any) -> int:
@@ -97,19 +129,22 @@ class LUKVCache(DynamicCache):
 
     Args:
         ratio: fraction of the prompt's evictable KV entries to remove (``0.8`` keeps 20%; default 0.5).
-        max_tokens: instead of ``ratio``, keep at most this many tokens per (layer, KV head) on average,
-            sinks and window included, whatever the prompt's length (each prompt gets its own ratio; a
-            prompt that already fits is kept whole).
+        max_tokens: instead of ``ratio``, a hard bound: after the prompt's forward, each row holds at most
+            this many tokens per (full-attention layer, KV head) on average, sinks and window included,
+            whatever the prompt's length (each prompt gets its own ratio, budgets are trimmed if an
+            allocator asks for more; a prompt that already fits is kept whole). At least ``sink + window``.
         scorer: name of a registered scorer (``keydiff``, ``snapkv``, ``expected_attention``, ``knorm``,
             ``tova``, ``streaming``, ``random``) or a :class:`~lukv_cache.scorers.Scorer`.
-        allocator: ``uniform``, ``pyramid``, ``adakv``, ``profile`` (needs ``evict_ratio``) or any
+        allocator: ``uniform``, ``pyramid``, ``adakv``, ``profile`` (needs ``evict_ratio`` or a ``profile``) or any
             registered name; ``allocator_kwargs`` go to its factory.
         sink: first tokens of each row always kept (attention sinks).
         window: last prompt tokens always kept, dense (default: the scorer's, 1 or 32 for snapkv).
         min_keep: every head keeps at least this fraction of its evictable tokens (and >= 1 token).
         prefill_chunk_size: also compress later multi-token forwards once this many uncompressed tokens
             pile up (chunked prefill); by default only the first forward (the context) is compressed.
-        evict_ratio: ``[layers, kv_heads]`` local evict ratios for ``allocator="profile"``.
+        evict_ratio: ``[layers, kv_heads]`` fixed local evict ratios for ``allocator="profile"`` (or
+            ``hybrid``); they set the ratio (their mean), so ``ratio``/``max_tokens`` cannot be given too.
+            ``allocator_kwargs={"profile": profile}`` reads a profile's curve at the ratio instead.
         config: the model config; lets sliding-window layers use the stock sliding layer from the start.
         keep_scores: keep each layer's prefill scores (fp32 ``[B, H_kv, T]``) in :attr:`prefill_scores`.
         device_mesh: tensor parallelism's ``DeviceMesh`` (1-D, or one with a ``"tp"`` dimension such as
@@ -141,29 +176,43 @@ class LUKVCache(DynamicCache):
         keep_scores: bool = False,
         device_mesh: Any = None,
     ):
+        kwargs = dict(allocator_kwargs or {})
+        if evict_ratio is not None:
+            kwargs["evict_ratio"] = evict_ratio
+        _check_table_alone(kwargs.get("evict_ratio"), ratio, max_tokens)
         if max_tokens is not None:
             if ratio is not None:
                 raise ConfigurationError(
                     "Pass either ratio= (the fraction removed) or max_tokens= (a budget per head), not both."
                 )
-            _check_count("max_tokens", max_tokens, positive=True)
+            max_tokens = _check_count("max_tokens", max_tokens, positive=True)
+            if max_tokens > _MAX_TOKENS_LIMIT:
+                raise ConfigurationError(
+                    f"max_tokens={max_tokens} is beyond any context; pass max_tokens=None for no cap."
+                )
             ratio = 0.0  # decided per prompt, at prefill
-        ratio = check_ratio(0.5 if ratio is None else ratio)
         scorer_obj = get_scorer(scorer)
-        _check_count("sink", sink)
-        _check_count("window", window)
-        _check_count("prefill_chunk_size", prefill_chunk_size, positive=True)
+        sink = _check_count("sink", sink)
+        window = _check_count("window", window)
+        prefill_chunk_size = _check_count("prefill_chunk_size", prefill_chunk_size, positive=True)
         if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Real) or not 0.0 <= min_keep < 1.0:
             raise ConfigurationError(f"min_keep must be a number in [0, 1), got {min_keep!r}.")
-        kwargs = dict(allocator_kwargs or {})
-        if evict_ratio is not None:
-            kwargs["evict_ratio"] = evict_ratio
+        window = scorer_obj.window if window is None else window
+        if max_tokens is not None and max_tokens < sink + window:
+            raise ConfigurationError(
+                f"max_tokens={max_tokens} is below the tokens every head always keeps (sink={sink} + "
+                f"window={window}): raise max_tokens to at least {sink + window}, or lower sink/window."
+            )
+        allocator_obj = get_allocator(allocator, **kwargs)
+        if kwargs.get("evict_ratio") is not None:  # validated by the allocator: the ratio it implies
+            ratio = min(_table_mean(kwargs["evict_ratio"]), math.nextafter(1.0, 0.0))
+        ratio = check_ratio(0.5 if ratio is None else ratio)
         self.policy = CompressionPolicy(
             ratio=ratio,
             scorer=scorer_obj,
-            allocator=get_allocator(allocator, **kwargs),
+            allocator=allocator_obj,
             sink=sink,
-            window=scorer_obj.window if window is None else window,
+            window=window,
             min_keep=float(min_keep),
             prefill_chunk_size=prefill_chunk_size,
             max_tokens=max_tokens,
@@ -181,6 +230,9 @@ class LUKVCache(DynamicCache):
         self.prefill_scores: dict[int, torch.Tensor] | None = {} if keep_scores else None
         self.num_layers: int | None = None
         self._last_full_layer: int | None = None
+        self._full_layers: list[int] = []
+        self._cap_ratio: torch.Tensor | None = None  # max_tokens: each row's ratio in this forward
+        self._pending_layers = self._model_heads = 1
         self._config_checked = False
         self._record_past = False
         self._awaiting: int | None = None  # layer whose announced attention has not run yet
@@ -303,9 +355,8 @@ class LUKVCache(DynamicCache):
             window=profile.window if window is None else window,
             min_keep=kwargs.pop("min_keep", profile.min_keep),
             max_tokens=max_tokens,
-            # a token budget reads the profile at each prompt's own ratio
-            allocator_kwargs={"profile": profile} if max_tokens is not None else None,
-            evict_ratio=profile.at(ratio) if max_tokens is None else None,
+            # the profile's curve, read at the ratio (or each prompt's own ratio under max_tokens)
+            allocator_kwargs={"profile": profile, **(kwargs.pop("allocator_kwargs", None) or {})},
             **kwargs,
         )
         cache.profile = profile
@@ -315,6 +366,7 @@ class LUKVCache(DynamicCache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
             guard_attention()  # implementations registered since import must not read this cache silently
+            self._cap_ratio = None
             if self._deferred:  # a forward ended before its last full-attention layer compressed
                 self._evict_deferred()
         if (
@@ -353,8 +405,10 @@ class LUKVCache(DynamicCache):
                 if key_states.shape[0] != held:
                     raise BatchMismatchError(
                         f"LUKVCache holds a batch of {held} rows but this forward has {key_states.shape[0]}; the "
-                        "cache is unchanged. Use the same batch for the whole generation (batch_select_indices / "
-                        "batch_repeat_interleave change it on purpose), or start a fresh cache.",
+                        "cache is unchanged. Beam search or num_return_sequences > 1 from a filled cache (after "
+                        "cache.prefill) need its rows repeated first: cache.batch_repeat_interleave(n), with n = "
+                        "num_beams x num_return_sequences. Otherwise use the same batch for the whole generation "
+                        "or start a fresh cache.",
                         expected=held,
                         got=int(key_states.shape[0]),
                     )
@@ -378,10 +432,10 @@ class LUKVCache(DynamicCache):
         if self._phase == "reconstruct":
             self._score_round(idx, module, query, scaling, softcap)
             return
+        self._learn_model(getattr(module, "config", None))
         if sliding_window is not None and not layer.compressed:
             self.layers[idx] = layer.to_sliding(sliding_window, record_past=self._record_past)
             return
-        self._learn_model(getattr(module, "config", None))
         self._learn_heads(layer, module)
         if not self._wants_compression(layer, query.shape[2]):
             return
@@ -408,12 +462,15 @@ class LUKVCache(DynamicCache):
 
     def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
         """Compress after a multi-token forward: always the first time, then whenever chunked prefill
-        (``prefill_chunk_size``) has piled up that many uncompressed tokens."""
+        (``prefill_chunk_size``) has piled up that many uncompressed tokens (every time under a
+        ``max_tokens`` cap)."""
         if query_length <= 1:
             return False
         if not layer.compressed:
             return True
         chunk = self.policy.prefill_chunk_size
+        if chunk is not None and self.policy.max_tokens is not None:
+            return True  # a cap holds after every chunk, the last shorter one too
         return chunk is not None and layer.suffix_length - self.policy.window >= chunk
 
     def _evict_deferred(self) -> None:
@@ -430,15 +487,18 @@ class LUKVCache(DynamicCache):
             shard = self._head_shard
             if shard is not None:  # allocate over every head of the model, keep this rank's block
                 scores = shard.gather(scores, dim=2)
+            cap = self._token_cap(region, scored, scores.shape[2])
             request = AllocationRequest(
                 scores=scores,
                 n_evictable=region.n_evictable.cpu(),
-                ratio=self._row_ratios(region),
+                ratio=self._row_ratios(region, cap),
                 layers=tuple(scored),
                 num_layers=self.num_layers or max(scored) + 1,
                 min_keep=self.policy.min_keep,
             )
             allocated = self.policy.allocator(request)
+            if cap is not None:  # a hard bound: whatever the allocator or profile asked for
+                allocated = trim_counts(allocated, cap)
             if shard is not None:
                 allocated = allocated[:, :, shard.heads(request.num_heads)]
             counts = dict(zip(scored, allocated))
@@ -611,16 +671,46 @@ class LUKVCache(DynamicCache):
             )
 
     # ------------------------------------------------------------------ the model
-    def _row_ratios(self, region: Region) -> torch.Tensor:
-        """float64 ``[B]``: each row's ratio; with ``max_tokens``, the one that leaves at most that many
-        tokens per head (sinks and window included), 0 for a prompt that already fits."""
+    def _row_ratios(self, region: Region, cap: torch.Tensor | None) -> torch.Tensor:
+        """float64 ``[B]``: each row's ratio; with ``max_tokens``, the one that fills the room ``cap``
+        leaves (fixed at the first eviction of a forward, so every layer reads its profile at one ratio)."""
         batch = region.evictable.shape[0]
-        if self.policy.max_tokens is None:
+        if cap is None:
             return torch.full((batch,), self.ratio, dtype=torch.float64)
-        n = region.n_evictable.cpu().double()
-        protected = region.sinks.sum(-1).cpu().double() + self.policy.window
-        room = (self.policy.max_tokens - protected).clamp_min(0)
-        return torch.where(n > room, 1.0 - room / n.clamp_min(1), torch.zeros_like(n)).clamp(0.0, 0.999999)
+        if self._cap_ratio is None or self._cap_ratio.shape[0] != batch:
+            n = region.n_evictable.cpu().double()
+            room = cap.double() / (
+                self._pending_layers * self._model_heads
+            )  # per head of every layer to come
+            self._cap_ratio = torch.where(n > room, 1.0 - room / n.clamp_min(1), torch.zeros_like(n))
+        return self._cap_ratio.clamp(0.0, 0.999999)
+
+    def _token_cap(self, region: Region, layers: list[int], num_heads: int) -> torch.Tensor | None:
+        """int64 ``[B]``, with ``max_tokens``: the evictable tokens that ``layers`` (evicted now, over all
+        ``num_heads`` KV heads of the model) may keep in all, so that after this forward every row holds at
+        most ``max_tokens`` tokens per (full-attention layer, KV head) on average: every layer's store, its
+        protected window, and the sinks of the layers still to evict in this forward all count."""
+        if self.policy.max_tokens is None:
+            return None
+        full = self._full_layers or [i for i, layer in enumerate(self.layers) if isinstance(layer, LUKVLayer)]
+        later = 0 if self.policy.defers else sum(1 for i in full if i > max(layers))
+        self._pending_layers, self._model_heads = len(layers) + later, num_heads
+        layer = self.layers[layers[0]]
+        window = layer.suffix_length - region.length
+        sinks = region.sinks.sum(-1).cpu()
+        budget = self.policy.max_tokens * len(full) * num_heads
+        protected = num_heads * (len(full) * window + (len(layers) + later) * sinks)
+        return budget - self._stored_in_stores(sinks.shape[0]) - protected
+
+    def _stored_in_stores(self, batch: int) -> torch.Tensor:
+        """int64 ``[B]``: tokens in the ragged stores of every layer, over every KV head of the model."""
+        per_head = torch.zeros(batch, 1, dtype=torch.long)
+        for layer in self.layers:
+            if isinstance(layer, LUKVLayer) and layer.store is not None:
+                per_head = per_head + layer.store.counts().view(layer.batch_size, layer.num_heads).cpu()
+        if self._head_shard is not None:  # every rank holds the same layers: one gather each
+            per_head = self._head_shard.gather(per_head, dim=1)
+        return per_head.sum(-1)
 
     def _learn_model(self, config: Any) -> None:
         """Once per cache: the model's layers (count, last full-attention one) and the profile's fit."""
@@ -628,11 +718,25 @@ class LUKVCache(DynamicCache):
             return
         text = config.get_text_config(decoder=True)
         self.num_layers = text.num_hidden_layers
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * self.num_layers
+        layer_types = get_layer_types_and_kwargs(text)[0]
         full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+        self._full_layers = full
         self._last_full_layer = full[-1] if full else None
         heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
         self._kv_heads = heads if isinstance(heads, int) else None
+        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+        if sliding and self.evicts:
+            which = "every layer" if not full else f"layers {sliding}"
+            warnings.warn(
+                f"LUKVCache leaves {which} of this model alone: they are {layer_types[sliding[0]]} layers, kept as "
+                "transformers' stock layers (bounded by their window) and never evicted"
+                + (
+                    "; this cache compresses nothing and max_tokens bounds nothing here."
+                    if not full
+                    else f"; eviction, ratio and max_tokens apply to the full-attention layers {full}."
+                ),
+                stacklevel=3,
+            )
         if self.profile is not None:
             self.profile.validate_for(config)
         self._config_checked = True
@@ -658,7 +762,14 @@ class LUKVCache(DynamicCache):
 
     def activate_past_recording(self):
         # generate() calls this before assisted decoding, whose first forward is the prompt plus draft tokens
-        if self.evicts and not self.is_compressed:
+        if self.get_seq_length() > 0:
+            raise ConfigurationError(
+                "Assisted decoding cannot start from a filled cache: transformers' assisted generation feeds the "
+                "whole prompt again (even into a DynamicCache), which would store it a second time, "
+                "uncompressed, after the compressed copy. Generate from this cache without assistant_model=, "
+                "or pass a fresh LUKVCache to the assisted generate (it then compresses the prompt itself)."
+            )
+        if self.evicts:
             warnings.warn(
                 "LUKVCache with assisted decoding: the first forward holds the prompt and the assistant's draft "
                 "tokens, so the drafts take part in the eviction (rejected ones are cropped out afterwards). "
@@ -667,6 +778,16 @@ class LUKVCache(DynamicCache):
             )
         self._record_past = True
         super().activate_past_recording()
+
+    def reset(self) -> None:
+        """Empty the cache for a new prompt, also after a forward that was interrupted (Ctrl-C, out of
+        memory) inside a layer: nothing of that forward is left pending."""
+        super().reset()
+        self._awaiting = None
+        self._deferred, self._held = {}, {}
+        self._phase, self._round, self._cap_ratio = None, None, None
+        if self.prefill_scores is not None:
+            self.prefill_scores = {}
 
     # ------------------------------------------------------------------ reporting
     @property

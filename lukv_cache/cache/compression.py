@@ -145,3 +145,19 @@ def keep_mask(region: Region, scores: torch.Tensor, counts: torch.Tensor) -> tor
     if r:
         keep |= keep_mask_from_counts(scores, counts.to(scores.device)) & region.evictable.unsqueeze(1)
     return keep
+
+
+def trim_counts(counts: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Keep counts ``[L, B, H]`` scaled down where a row's total exceeds ``allowed [B]`` (the hard cap of
+    ``max_tokens``): proportionally, floored, the leftover tokens to the largest remainders."""
+    counts = counts.clone()
+    allowed = allowed.clamp_min(0)
+    for row in (counts.sum((0, 2)) > allowed).nonzero().flatten().tolist():
+        flat = counts[:, row].flatten().double()
+        target = flat * float(allowed[row]) / float(flat.sum())
+        trimmed = target.floor().long()
+        left = int(allowed[row]) - int(trimmed.sum())
+        order = (target - trimmed.double()).argsort(descending=True, stable=True)
+        trimmed[order[:left]] += 1
+        counts[:, row] = trimmed.view(counts.shape[0], counts.shape[2])
+    return counts

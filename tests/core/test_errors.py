@@ -78,7 +78,7 @@ def test_profile_allocator_without_a_table_raises_configuration_error():
 )
 def test_profile_table_malformed_raises_configuration_error_at_construction(table):
     with pytest.raises(ConfigurationError, match="evict_ratio"):
-        LUKVCache(0.5, allocator="profile", evict_ratio=table)
+        LUKVCache(allocator="profile", evict_ratio=table)
 
 
 def _prefill(cache, model=None):
@@ -92,20 +92,20 @@ def _prefill(cache, model=None):
     [(2, 3), (2, 1), (1, 2)],  # wrong KV heads, too few heads, too few layers
 )
 def test_profile_table_of_the_wrong_shape_for_the_model_raises_configuration_error(shape):
-    cache = LUKVCache(0.5, allocator="profile", evict_ratio=torch.full(shape, 0.5))
+    cache = LUKVCache(allocator="profile", evict_ratio=torch.full(shape, 0.5))
     with pytest.raises(ConfigurationError, match=r"shape"):
         _prefill(cache)
 
 
 def test_profile_table_with_more_layers_than_the_model_raises_configuration_error():
     """A [3, 2] table on a 2-layer model was built for another model: budgets would be wrong."""
-    cache = LUKVCache(0.5, allocator="profile", evict_ratio=torch.full((3, 2), 0.5))
+    cache = LUKVCache(allocator="profile", evict_ratio=torch.full((3, 2), 0.5))
     with pytest.raises(ConfigurationError, match=r"shape"):
         _prefill(cache)
 
 
 def test_profile_table_of_the_right_shape_works():
-    cache = LUKVCache(0.5, allocator="profile", evict_ratio=[[0.0, 0.9], [0.5, 0.5]], sink=0, window=1)
+    cache = LUKVCache(allocator="profile", evict_ratio=[[0.0, 0.9], [0.5, 0.5]], sink=0, window=1)
     _prefill(cache)
     stored = cache.stored_tokens()[:, 0]  # 29 evictable tokens per head, plus the window of 1
     assert stored[0].tolist() == [30, 4]

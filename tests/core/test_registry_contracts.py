@@ -6,6 +6,7 @@ Parametrised from the registries: a new scorer or allocator is tested here witho
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from core_models import left_padded, prompt, tiny_model
@@ -13,6 +14,7 @@ from transformers import DynamicCache
 
 from lukv_cache import AllocationRequest, LUKVCache
 from lukv_cache.allocation import ALLOCATORS, get_allocator
+from lukv_cache.profiles import Profile
 from lukv_cache.scorers import SCORERS
 from lukv_cache.scorers.kvzip import RepeatPrompt
 
@@ -25,6 +27,13 @@ def _factory_args(name: str, ratio: float) -> dict:
     # the profile-based allocators read a table; a constant one asks for exactly the uniform total
     table = {"evict_ratio": torch.full((LAYERS, HEADS), ratio)}
     return {"profile": table, "hybrid": table, "hybrid_global": table}.get(name, {})
+
+
+def _cache_args(name: str) -> dict:
+    # in a cache, the profile family reads a profile's curve at the cache's ratio: a flat one here
+    grid = np.linspace(0.1, 0.9, 9, dtype=np.float32)
+    curve = Profile(grid, np.repeat(grid, LAYERS * HEADS).reshape(-1, LAYERS, HEADS), "org/tiny", "keydiff")
+    return {"profile": curve} if name in ("profile", "hybrid", "hybrid_global") else {}
 
 
 # ------------------------------------------------------------------------------------------ scorers
@@ -97,7 +106,7 @@ def test_allocator_budgets_respect_the_bounds_and_the_model_total(name, ratio):
 @pytest.mark.parametrize("name", ALLOCATORS.names())
 def test_cache_with_any_allocator_stores_what_it_allocates(name):
     model = tiny_model("llama", "sdpa")
-    cache = LUKVCache(0.8, "keydiff", name, sink=4, window=1, allocator_kwargs=_factory_args(name, 0.8))
+    cache = LUKVCache(0.8, "keydiff", name, sink=4, window=1, allocator_kwargs=_cache_args(name))
     with torch.no_grad():
         model(prompt(1, 105, seed=5), past_key_values=cache)
     kept = int((cache.stored_tokens() - 5).sum())  # minus sinks and window, per (layer, head)

@@ -114,7 +114,7 @@ def test_bad_cache_arguments_raise_configuration_error(kwargs):
 
 
 def test_a_bfloat16_table_is_read_as_numbers():
-    cache = LUKVCache(0.5, allocator="profile", evict_ratio=torch.full((2, 2), 0.5, dtype=torch.bfloat16))
+    cache = LUKVCache(allocator="profile", evict_ratio=torch.full((2, 2), 0.5, dtype=torch.bfloat16))
     model = tiny_model("llama", "sdpa")
     with torch.no_grad():
         model(prompt(1, 45), past_key_values=cache)
@@ -183,3 +183,67 @@ def test_ratio_and_max_tokens_together_is_a_configuration_error():
         LUKVCache(0.5, max_tokens=64)
     with pytest.raises(ConfigurationError, match="max_tokens"):
         LUKVCache(max_tokens=0)
+
+
+@pytest.mark.parametrize("allocator", ["uniform", "global"])
+def test_reset_after_a_forward_interrupted_inside_a_layer_gives_a_fresh_cache(allocator):
+    """Ctrl-C or out of memory between a layer's update and its attention left the cache waiting for that
+    attention (IncompatibleAttentionError) or half-deferred (TypeError) on the retry."""
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 40, seed=3)
+    cache = LUKVCache(0.5, allocator=allocator)
+    update = cache.update
+
+    def failing_update(keys, values, layer_idx, *args, **kwargs):
+        out = update(keys, values, layer_idx, *args, **kwargs)
+        if layer_idx == 1:
+            raise MemoryError("out of memory inside layer 1")
+        return out
+
+    cache.update = failing_update
+    with pytest.raises(MemoryError), torch.no_grad():
+        model(ids, past_key_values=cache)
+    del cache.update
+    cache.reset()
+    fresh = LUKVCache(0.5, allocator=allocator)
+    with torch.no_grad():
+        got, want = model(ids, past_key_values=cache), model(ids, past_key_values=fresh)
+    assert torch.equal(got.logits, want.logits)
+    assert torch.equal(cache.stored_tokens(), fresh.stored_tokens())
+
+
+def test_assisted_decoding_from_a_filled_cache_is_refused_with_the_reason():
+    """transformers' assisted generation feeds the whole prompt again: after cache.prefill it was stored a
+    second time, uncompressed (833 logical tokens for 433, and other tokens than greedy)."""
+    model, assistant = tiny_model("llama", "sdpa"), tiny_model("llama", "sdpa", seed=1)
+    ids = prompt(1, 60, seed=3)
+    cache = LUKVCache(0.5)
+    cache.prefill(model, ids)
+    with pytest.raises(ConfigurationError, match="Assisted decoding cannot start from a filled cache"):
+        model.generate(
+            ids, past_key_values=cache, max_new_tokens=4, do_sample=False, assistant_model=assistant
+        )
+
+
+def test_beam_search_after_prefill_says_how_to_repeat_the_rows():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 40, seed=3)
+    cache = LUKVCache(0.5)
+    cache.prefill(model, ids)
+    question = torch.cat([ids, torch.tensor([[11, 12]])], dim=1)
+    with pytest.raises(BatchMismatchError, match=r"batch_repeat_interleave\(n\)"):
+        model.generate(question, past_key_values=cache, max_new_tokens=2, num_beams=2, do_sample=False)
+    cache.batch_repeat_interleave(2)
+    out = model.generate(question, past_key_values=cache, max_new_tokens=2, num_beams=2, do_sample=False)
+    assert out.shape == (1, question.shape[1] + 2)
+
+
+def test_a_model_whose_every_layer_slides_warns_that_nothing_is_compressed():
+    model = tiny_model("mistral", "sdpa", sliding_window=16)
+    with pytest.warns(UserWarning, match="leaves every layer of this model alone"):
+        cache = LUKVCache(0.9, config=model.config)
+    with torch.no_grad():
+        model(prompt(1, 60), past_key_values=cache)
+    assert not cache.is_compressed
+    with pytest.warns(UserWarning, match=r"layers \[0, 2\]"):  # gemma2: sliding, full, sliding
+        LUKVCache(0.5, config=tiny_model("gemma2", "eager").config)
