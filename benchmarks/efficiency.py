@@ -25,8 +25,8 @@ from lukv_cache import LUKVCache, ProfileError, get_scorer
 from lukv_cache.cache import kv_cache_bytes
 from lukv_cache.evaluation.methods import Method, make_cache
 from lukv_cache.evaluation.prefill import SharedPrefill
-from lukv_cache.evaluation.texts import wikipedia_articles
 from lukv_cache.models import load_model
+from lukv_cache.texts import wikipedia_articles
 
 
 def real_text_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ import json, sys
 sys.path.insert(0, {root!r})
 from transformers import AutoTokenizer
 from lukv_cache.models import smollm2_path
-from lukv_cache.evaluation.texts import wikipedia_articles
+from lukv_cache.texts import wikipedia_articles
 path = smollm2_path()
 tokenizer = AutoTokenizer.from_pretrained(path)
 ids = []

@@ -19,8 +19,8 @@ import torch
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
-from lukv_cache.evaluation.texts import wikipedia_articles
 from lukv_cache.models import load_model
+from lukv_cache.texts import wikipedia_articles
 
 METHODS = (
     ("DynamicCache (full)", None),

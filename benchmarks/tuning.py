@@ -17,9 +17,9 @@ import torch
 
 from lukv_cache.evaluation.report import command_line, write_results
 from lukv_cache.evaluation.runner import BenchSettings, run_benchmark
-from lukv_cache.evaluation.texts import Article, news_articles
 from lukv_cache.models import load_model
 from lukv_cache.scorers import SCORERS, kvzip_scorer
+from lukv_cache.texts import Article, news_articles
 
 # the variants compared while tuning KVzip (the registered kvzip has window 32 since)
 VARIANTS = {

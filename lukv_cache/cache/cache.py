@@ -19,6 +19,7 @@ from ..allocation import AllocationRequest, get_allocator
 from ..attention.calls import AttentionCall, announce_attention, guard_attention
 from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
 from ..scorers import Scorer, get_scorer
+from ..scorers.kvzap import kvzap_scorer
 from ..scorers.kvzip import RepeatPrompt, chunk_scores, value_norms
 from .compression import (
     CompressionPolicy,
@@ -27,6 +28,7 @@ from .compression import (
     masked_scores,
     plan_region,
     score_suffix,
+    suffix_positions,
     trim_counts,
     valid_from_mask,
 )
@@ -124,6 +126,19 @@ def _positions(mask: torch.Tensor, length: int, past: int) -> torch.Tensor | Non
     return positions[:, -length:]
 
 
+def _profile_scorer(profile: Any, name: str) -> str | Scorer:
+    """``name``, or for ``kvzap`` the scorer bound to the surrogate stored in ``profile``."""
+    if name != "kvzap":
+        return name
+    if profile.surrogate is None:
+        raise ConfigurationError(
+            f"The profile {profile.model_id}/{profile.scorer} ({profile.source or 'in memory'}) holds no kvzap "
+            "surrogate. Use the model's kvzap profile (scorer='kvzap' looks up <model id>/kvzap.safetensors), or "
+            "build one: lukv build <model> --scorer kvzap."
+        )
+    return kvzap_scorer(profile.surrogate)
+
+
 class LUKVCache(DynamicCache):
     """KV cache with per-head eviction after prefill, stored ragged so the memory is really freed.
 
@@ -192,6 +207,8 @@ class LUKVCache(DynamicCache):
                 )
             ratio = 0.0  # decided per prompt, at prefill
         scorer_obj = get_scorer(scorer)
+        if scorer_obj.missing:
+            raise ConfigurationError(scorer_obj.missing)
         sink = _check_count("sink", sink)
         window = _check_count("window", window)
         prefill_chunk_size = _check_count("prefill_chunk_size", prefill_chunk_size, positive=True)
@@ -349,7 +366,7 @@ class LUKVCache(DynamicCache):
             )
         cache = cls(
             ratio,
-            scorer or profile.scorer,
+            _profile_scorer(profile, scorer or profile.scorer),
             allocator,
             sink=profile.sink if sink is None else sink,
             window=profile.window if window is None else window,
@@ -449,7 +466,8 @@ class LUKVCache(DynamicCache):
         wanted = (evictable and self.evicts) or self.prefill_scores is not None
         if wanted and self.scorer.reconstruction is None:
             valid = valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.keys.device)
-            raw = score_suffix(self.policy.scorer, layer, query, valid)
+            context = self._score_context(idx, module, layer, attention_mask)
+            raw = score_suffix(self.policy.scorer, layer, query, valid, context)
             if self.prefill_scores is not None:
                 self.prefill_scores[idx] = raw
             scores = masked_scores(raw, region) if evictable and self.evicts else None
@@ -459,6 +477,15 @@ class LUKVCache(DynamicCache):
                 self._evict_deferred()
         else:
             self._evict({idx: (region, scores)})
+
+    def _score_context(self, idx: int, module: Any, layer: LUKVLayer, attention_mask) -> dict | None:
+        """What a scorer that reads more than keys and values gets (``Scorer.context``)."""
+        if not self.scorer.context:
+            return None
+        shard = self._head_shard
+        heads = slice(None) if shard is None else shard.heads(layer.num_heads * shard.size)
+        positions = suffix_positions(attention_mask, layer)
+        return {"layer_idx": idx, "module": module, "heads": heads, "positions": positions}
 
     def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
         """Compress after a multi-token forward: always the first time, then whenever chunked prefill

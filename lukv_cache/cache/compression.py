@@ -82,7 +82,11 @@ def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: tor
 
 
 def score_suffix(
-    scorer: Scorer, layer: LUKVLayer, queries: torch.Tensor | None, valid: torch.Tensor | None = None
+    scorer: Scorer,
+    layer: LUKVLayer,
+    queries: torch.Tensor | None,
+    valid: torch.Tensor | None = None,
+    context: dict | None = None,
 ) -> torch.Tensor:
     """fp32 ``[B, H, S]``: the scorer's scores of every token of the layer's suffix (from the last
     ``scorer.n_queries`` post-RoPE queries of this forward).
@@ -90,11 +94,14 @@ def score_suffix(
     ``valid`` (bool ``[B, S]``, from the attention mask) marks the real tokens. A scorer never sees
     padding: when rows differ, each group of rows with the same real tokens is scored on those tokens
     and the queries among them only, exactly as the row alone would be; padding scores ``-inf``.
+    ``context``: for a scorer that asks for it (``scorer.context``), ``layer_idx``, ``module``, ``heads``
+    and ``positions [B, S]`` (each token's position id), sliced like the tokens.
     """
     keys, values = layer.keys, layer.values
     b, h, s, _ = keys.shape
+    context = context if scorer.context else None
     if valid is None or bool(valid.all()):
-        return _score(scorer, keys, values, queries)
+        return _score(scorer, keys, values, queries, context)
     scores = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=keys.device)
     q_len = 0 if queries is None else queries.shape[2]
     for rows, tokens in _row_groups(valid):
@@ -105,8 +112,21 @@ def score_suffix(
             q_tokens = tokens[tokens >= s - q_len] - (s - q_len)  # this forward's real queries
             q = queries[rows][:, :, q_tokens]
         k, v = keys[rows][:, :, tokens], values[rows][:, :, tokens]
-        scores[rows.unsqueeze(-1), :, tokens] = _score(scorer, k, v, q).transpose(1, 2)
+        part = None if context is None else {**context, "positions": context["positions"][rows][:, tokens]}
+        scores[rows.unsqueeze(-1), :, tokens] = _score(scorer, k, v, q, part).transpose(1, 2)
     return scores
+
+
+def suffix_positions(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch.Tensor:
+    """int64 ``[B, S]``: the position id of each suffix token, as ``generate()`` numbers them (from the
+    mask: each row of a left-padded batch counts its real tokens from 0)."""
+    b, s, device = layer.batch_size, layer.suffix_length, layer.keys.device
+    if attention_mask is None:
+        start = layer.cumulative_length - s
+        return torch.arange(start, start + s, device=device).expand(b, s)
+    width = attention_mask.shape[-1]
+    real = valid_from_mask(attention_mask, b, width, device)
+    return (real.long().cumsum(-1) - 1).clamp_min(0)[:, width - s :]
 
 
 def _row_groups(valid: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -122,9 +142,9 @@ def _row_groups(valid: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _score(scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None):
+def _score(scorer: Scorer, keys, values, queries: torch.Tensor | None, context: dict | None):
     q = queries[:, :, -scorer.n_queries :] if scorer.n_queries and queries is not None else None
-    return check_scores(scorer, scorer(keys, values, q), tuple(keys.shape[:3]))
+    return check_scores(scorer, scorer(keys, values, q, **(context or {})), tuple(keys.shape[:3]))
 
 
 def masked_scores(scores: torch.Tensor, region: Region) -> torch.Tensor:

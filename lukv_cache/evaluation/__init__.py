@@ -1,6 +1,6 @@
 """Evaluation: does a cache keep the answers? Real-model tasks, the benchmark grid, reports, the demo.
 
-* :mod:`.texts`: real English text shipped in installed packages (gensim's Wikipedia and news files);
+* real English text: :mod:`lukv_cache.texts` (gensim's Wikipedia and news files, shipped in its wheel);
 * :mod:`.tasks`: question-agnostic RULER-style retrieval and continuation loss;
 * :mod:`.methods`: full cache vs allocator x scorer x ratio; :mod:`.prefill`: one prefill shared by all;
 * :mod:`.runner`: the grid; :mod:`.report`: tables, plots, JSON;

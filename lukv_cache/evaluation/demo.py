@@ -22,10 +22,10 @@ from ..cache import kv_cache_bytes
 from ..errors import ProfileError
 from ..profiles import model_id_of
 from ..scorers import get_scorer
+from ..texts import Article
 from .methods import FULL, Method
 from .prefill import SharedPrefill
 from .tasks import RetrievalSample, context_ids, make_samples, score_prefilled
-from .texts import Article
 
 DEFAULT_CONTEXT_TOKENS = 1000
 DEFAULT_RATIOS = (0.5, 0.8)

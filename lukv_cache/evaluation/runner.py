@@ -18,10 +18,10 @@ import torch
 from ..cache import LUKVCache, kv_cache_bytes
 from ..errors import ConfigurationError, ProfileError
 from ..scorers import get_scorer
+from ..texts import Article
 from .methods import ALLOCATORS, PROFILE_ALLOCATORS, RATIOS, SCORERS, Method, build_methods, make_cache
 from .prefill import SharedPrefill, shareable
 from .tasks import TASKS, Sample, context_ids, make_samples, score_prefilled
-from .texts import Article
 
 
 @dataclass

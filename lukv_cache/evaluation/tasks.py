@@ -34,7 +34,7 @@ import torch
 
 from ..cache import kv_cache_bytes
 from ..errors import ConfigurationError
-from .texts import Article, wikipedia_articles
+from ..texts import Article, wikipedia_articles
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "continuation")
 RETRIEVAL_TASKS = TASKS[:3]

@@ -17,6 +17,7 @@ def prefill_scores(
     attention_mask: torch.Tensor | None = None,
     *,
     tokenizer=None,
+    repeat_prompt=None,
 ) -> list[torch.Tensor | None]:
     """The scores a ``LUKVCache`` ranks by at prefill, per layer: fp32 ``[B, H_kv, T]`` (None for layers
     that are never compressed, e.g. sliding-window ones).
@@ -24,8 +25,8 @@ def prefill_scores(
     The context goes through a cache (no sinks, no window) that records its scores, so a profile ranks
     tokens exactly as the cache will. A layer's scores are read before anything is evicted and do not
     depend on the ratio, so the cache evicts (nearly) everything right after each layer's attention: the
-    context's KV is never held whole (with ``ratio=0`` it would be, for the whole forward). Reconstruction scorers (``kvzip``) need
-    the ``tokenizer`` for their repeat prompt.
+    context's KV is never held whole (with ``ratio=0`` it would be, for the whole forward). Reconstruction
+    scorers (``kvzip``) need the ``tokenizer`` for their repeat prompt (or ``repeat_prompt``).
 
     >>> scores = prefill_scores(model, inputs["input_ids"], "keydiff")
     >>> scores[0].shape
@@ -41,6 +42,8 @@ def prefill_scores(
         keep_scores=True,
     )
     # logits_to_keep=1: only the scores are read; the prompt's logits would be [B, T, vocab] fp32
-    cache.prefill(model, input_ids, attention_mask, tokenizer=tokenizer, logits_to_keep=1)
+    cache.prefill(
+        model, input_ids, attention_mask, tokenizer=tokenizer, repeat_prompt=repeat_prompt, logits_to_keep=1
+    )
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     return [cache.prefill_scores.get(idx) for idx in range(num_layers)]

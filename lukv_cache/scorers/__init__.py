@@ -50,6 +50,10 @@ class Scorer:
     ``window``: the recent window it protects by default (LU-KV: 1, SnapKV: 32).
     ``params``: keyword defaults passed to ``fn``. ``reconstruction``: set for scorers that score the
     whole context through the model after the prefill (KVzip); such a scorer has no ``fn``.
+    ``context``: ``fn`` also receives ``layer_idx``, ``module`` (the attention module), ``heads`` (the
+    slice of the model's KV heads these are: all of them, or a tensor-parallel rank's) and
+    ``positions`` (int64 ``[B, T]`` position ids), as keywords. ``missing``: set on a placeholder that
+    needs model-specific data (``kvzap`` without a surrogate): the message a cache raises at construction.
     """
 
     name: str
@@ -58,6 +62,8 @@ class Scorer:
     window: int = 1
     params: dict[str, Any] = field(default_factory=dict)
     reconstruction: Reconstruction | None = None
+    context: bool = False
+    missing: str | None = None
 
     def __call__(
         self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None, **params: Any
@@ -184,12 +190,17 @@ from . import builtin as _builtin  # noqa: E402,F401  (registers the built-ins)
 SCORERS.add("kvzip", kvzip_scorer(window=32))
 SCORERS.add("kvzip_plus", kvzip_scorer(weighted=True, name="kvzip_plus", window=32))
 
+from .kvzap import KVZAP_PLACEHOLDER, kvzap_scorer  # noqa: E402
+
+SCORERS.add("kvzap", KVZAP_PLACEHOLDER)
+
 __all__ = [
     "SCORERS",
     "Reconstruction",
     "Scorer",
     "check_scores",
     "get_scorer",
+    "kvzap_scorer",
     "kvzip_scorer",
     "register_scorer",
 ]

@@ -108,3 +108,20 @@ def left_padded(lengths: tuple[int, ...] = (24, 17, 11), seed: int = 0) -> tuple
         ids[row, : width - n] = PAD
         mask[row, width - n :] = 1
     return ids, mask
+
+
+def scorer_for(name: str, model):
+    """A registered scorer by name, ready for ``model``: ``kvzap`` gets a seeded random surrogate of the
+    model's shape (a trained one needs the real model; the cache's contract does not)."""
+    if name != "kvzap":
+        return name
+    from lukv_cache.scorers.kvzap import Surrogate, kvzap_scorer
+
+    text = model.config.get_text_config()
+    heads, head_dim = text.num_key_value_heads, getattr(text, "head_dim", None) or 16
+    surrogate = Surrogate.zeros(text.num_hidden_layers, heads, 2 * head_dim)
+    gen = torch.Generator().manual_seed(0)
+    surrogate.weight.copy_(torch.randn(surrogate.weight.shape, generator=gen))
+    surrogate.bias.copy_(torch.randn(surrogate.bias.shape, generator=gen))
+    surrogate.layers = list(range(text.num_hidden_layers))
+    return kvzap_scorer(surrogate)

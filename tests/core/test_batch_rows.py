@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from core_models import PAD, left_padded, tiny_model
+from core_models import PAD, left_padded, scorer_for, tiny_model
 
 from lukv_cache import LUKVCache
 from lukv_cache.allocation import ALLOCATORS
@@ -45,7 +45,7 @@ def _profile(model) -> Profile:
 
 def _cache(model, ratio: float, scorer: str, allocator: str) -> LUKVCache:
     kwargs = {"profile": _profile(model)} if allocator in PROFILE_FAMILY else None
-    return LUKVCache(ratio, scorer, allocator, sink=2, window=3, allocator_kwargs=kwargs)
+    return LUKVCache(ratio, scorer_for(scorer, model), allocator, sink=2, window=3, allocator_kwargs=kwargs)
 
 
 def _generate(model, ids, mask, cache, path: str):
@@ -102,12 +102,12 @@ def test_a_row_is_scored_on_its_own_tokens_only(scorer):
     """The sharpest check: each row's scores equal the row's scores alone (padding scores -inf)."""
     model = MODELS["llama"]()
     ids, mask = left_padded(LENGTHS, seed=5)
-    batch = LUKVCache(0.0, scorer, sink=2, window=3, keep_scores=True)
+    batch = LUKVCache(0.0, scorer_for(scorer, model), sink=2, window=3, keep_scores=True)
     with torch.no_grad():
         batch.prefill(model, ids, mask)
     width = ids.shape[1]
     for row, n in enumerate(LENGTHS):
-        alone = LUKVCache(0.0, scorer, sink=2, window=3, keep_scores=True)
+        alone = LUKVCache(0.0, scorer_for(scorer, model), sink=2, window=3, keep_scores=True)
         with torch.no_grad():
             alone.prefill(model, ids[row : row + 1, -n:])
         for layer, scores in batch.prefill_scores.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from core_models import left_padded, prompt, tiny_model
+from core_models import left_padded, prompt, scorer_for, tiny_model
 from transformers import DynamicCache
 
 from lukv_cache import AllocationRequest, LUKVCache
@@ -42,7 +42,7 @@ def _cache_args(name: str) -> dict:
 @pytest.mark.parametrize("name", SCORERS.names())
 def test_scorer_gives_one_finite_score_per_token_and_head(name):
     model = tiny_model("llama", "sdpa")
-    cache = LUKVCache(0.0, name, sink=0, window=0, keep_scores=True)
+    cache = LUKVCache(0.0, scorer_for(name, model), sink=0, window=0, keep_scores=True)
     cache.prefill(model, prompt(2, 40, seed=2), repeat_prompt=PROMPT)
     assert sorted(cache.prefill_scores) == list(range(LAYERS))
     for scores in cache.prefill_scores.values():
@@ -54,7 +54,7 @@ def test_scorer_gives_one_finite_score_per_token_and_head(name):
 def test_cache_with_any_scorer_keeps_the_uniform_budget_under_left_padding(name):
     model = tiny_model("llama", "sdpa")
     ids, mask = left_padded((60, 41), seed=3)
-    cache = LUKVCache(0.5, name, sink=4, window=2)
+    cache = LUKVCache(0.5, scorer_for(name, model), sink=4, window=2)
     cache.prefill(model, ids, mask, repeat_prompt=PROMPT)
     stored = cache.stored_tokens()  # [L, B, H]
     for row, real in enumerate(mask.sum(-1).tolist()):
@@ -70,7 +70,8 @@ def test_ratio_zero_with_any_scorer_answers_like_dynamic_cache(name):
     ids = prompt(1, 30, seed=4)
     with torch.no_grad():
         want = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=5, do_sample=False)
-        got = model.generate(ids, past_key_values=LUKVCache(0.0, name), max_new_tokens=5, do_sample=False)
+        cache = LUKVCache(0.0, scorer_for(name, model))
+        got = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
     assert torch.equal(got, want)
 
 

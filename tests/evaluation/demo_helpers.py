@@ -8,8 +8,8 @@ import random
 import numpy as np
 import torch
 
-from lukv_cache.evaluation.texts import Article
 from lukv_cache.profiles import Profile
+from lukv_cache.texts import Article
 
 _WORDS = (
     "river",

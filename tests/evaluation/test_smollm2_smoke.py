@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from lukv_cache.evaluation.texts import GENSIM_INSTALL, texts_available
 from lukv_cache.models import SMOLLM2_INSTALL, smollm2_available
+from lukv_cache.texts import GENSIM_INSTALL, texts_available
 
 pytestmark = [
     pytest.mark.skipif(

@@ -2,8 +2,8 @@ import importlib.util
 
 import pytest
 
-from lukv_cache.evaluation import texts
-from lukv_cache.evaluation.texts import (
+from lukv_cache import texts
+from lukv_cache.texts import (
     TextUnavailableError,
     strip_wiki_markup,
     texts_available,

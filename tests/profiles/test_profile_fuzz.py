@@ -79,7 +79,12 @@ def _check(data: bytes) -> None:
     except ProfileError:
         return
     cache = LUKVCache(
-        0.5, "keydiff", "profile", sink=profile.sink, window=profile.window, evict_ratio=profile.at(0.5)
+        0.5,
+        "keydiff",
+        "profile",
+        sink=profile.sink,
+        window=profile.window,
+        allocator_kwargs={"profile": profile},
     )
     with torch.no_grad():
         model(

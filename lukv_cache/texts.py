@@ -8,7 +8,7 @@
 The files are read from the package directory (found with ``importlib.util.find_spec``); gensim itself is
 never imported, so ``pip install --no-deps gensim`` is enough.
 
-    >>> from lukv_cache.evaluation.texts import wikipedia_articles
+    >>> from lukv_cache.texts import wikipedia_articles
     >>> articles = wikipedia_articles()  # doctest: +SKIP
     >>> articles[0].title, len(articles)  # doctest: +SKIP
     ('Anarchism', 101)
@@ -25,7 +25,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigurationError, TextUnavailableError
+from .errors import ConfigurationError, TextUnavailableError
 
 GENSIM_INSTALL = "pip install --no-deps gensim"
 _WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"

@@ -1,0 +1,86 @@
+"""A KVzap surrogate inside a profile file: its tensors (``kvzap.*``, float32) and its metadata (``kvzap``,
+JSON), validated like everything else a profile holds (shapes against the profile's layers and heads,
+dtype, finite values, bounded sizes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ProfileFormatError
+from ..scorers.kvzap import FEATURES, Surrogate
+
+TENSORS = ("kvzap.weight", "kvzap.bias", "kvzap.mean", "kvzap.std")
+METADATA_KEY = "kvzap"
+_MAX_FEATURES = 1 << 17  # 2 x head dim: far beyond any model
+
+
+def to_file(surrogate: Surrogate) -> tuple[dict[str, np.ndarray], str]:
+    """The arrays and the metadata string that store ``surrogate`` in a profile."""
+    arrays = {name: t.numpy() for name, t in surrogate.tensors().items()}
+    meta = {"features": surrogate.features, "family": surrogate.family, "layers": surrogate.layers}
+    return arrays, json.dumps({**meta, "meta": surrogate.meta}, sort_keys=True, default=str)
+
+
+def from_file(tensors: dict[str, np.ndarray], metadata: str, source: str) -> tuple[Surrogate, Any]:
+    """The surrogate stored in a profile's ``tensors`` and ``metadata``, and its family (for :func:`check`)."""
+    try:
+        meta = json.loads(metadata)
+        if not isinstance(meta, dict):
+            raise TypeError(f"expected a JSON object, got {type(meta).__name__}")
+    except (ValueError, TypeError, RecursionError) as err:
+        raise ProfileFormatError(
+            f"{source}: malformed kvzap metadata ({type(err).__name__}).", source=source
+        ) from None
+    arrays = [torch.from_numpy(np.array(tensors[name], dtype=np.float32)) for name in TENSORS]
+    return Surrogate(
+        *arrays,
+        layers=meta.get("layers", []),
+        features=meta.get("features", ""),
+        meta=meta.get("meta", {}) if isinstance(meta.get("meta"), dict) else {},
+    ), meta.get("family")
+
+
+def check(
+    surrogate: Any, layers: int, heads: int, head_dim: int | None, where: str, family: Any = "linear"
+) -> None:
+    """Raise :class:`ProfileFormatError` unless ``surrogate`` fits a profile of ``layers`` x ``heads``."""
+    if not isinstance(surrogate, Surrogate):
+        raise ProfileFormatError(
+            f"{where}: surrogate must be a kvzap Surrogate, got {type(surrogate).__name__}."
+        )
+    problems = []
+    if surrogate.features != FEATURES:
+        problems.append(f"features {surrogate.features!r} (this version reads {FEATURES!r})")
+    if family != "linear":
+        problems.append(f"family {family!r} (this version reads 'linear')")
+    w = surrogate.weight
+    f = int(w.shape[-1]) if w.ndim == 3 else -1
+    expected = {
+        "weight": (layers, heads, f),
+        "bias": (layers, heads),
+        "mean": (layers, heads, f),
+        "std": (layers, heads, f),
+    }
+    for name, shape in expected.items():
+        t = getattr(surrogate, name)
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            problems.append(f"{name} is {t.dtype} {list(t.shape)}, expected float32 {list(shape)}")
+        elif not bool(torch.isfinite(t).all()):
+            problems.append(f"{name} has NaN or infinite values")
+    if not 0 < f <= _MAX_FEATURES or (head_dim is not None and f != 2 * head_dim):
+        problems.append(f"{f} features per head (2 x head dim {head_dim} expected)")
+    elif not problems and bool((surrogate.std <= 0).any()):
+        problems.append("std has values <= 0")
+    layer_ids = surrogate.layers
+    if not isinstance(layer_ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in layer_ids
+    ):
+        problems.append(f"layers must list layer indices below {layers}")
+    if problems:
+        raise ProfileFormatError(
+            f"{where}: invalid kvzap surrogate: {'; '.join(problems)}. Rebuild it: lukv build <model> --scorer kvzap."
+        )

@@ -1,0 +1,149 @@
+"""Training a KVzap surrogate (:mod:`lukv_cache.scorers.kvzap`) for a model: corpus, features, targets.
+
+Targets are the library's own KVzip+ scores (``kvzip_plus``: repeat passes through the model, attention
+times ``||v W_O||``), in log; features are each token's pre-RoPE key and value, read from a plain forward
+through the model's own attention. Ridge regression runs on sufficient statistics, so a corpus of any size
+trains in ``O(layers x F^2)`` memory.
+
+The default corpus is news (gensim's 300 Australian news articles, concatenated into ~1k-token
+documents): real, varied prose that the benchmarks do not report on (they use Wikipedia).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..attention.swap import attention_swapped
+from ..errors import ConfigurationError
+from ..scorers.kvzap import RidgeStats, Surrogate, rope_inverse, token_features
+from ..scorers.kvzip import RepeatPrompt
+from ..texts import news_articles
+from .scores import prefill_scores
+
+_FEATURES_IMPL = "lukv_kvzap_features"
+SKIP_FIRST = 4  # attention sinks: always kept, and their scores are outliers a surrogate need not learn
+
+
+def news_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` documents ``[1, tokens]`` of news articles (shuffled with ``seed``) joined by blank lines.
+
+    >>> docs = news_documents(tokenizer, 4)  # doctest: +SKIP
+    """
+    articles = [a.text for a in news_articles()]
+    random.Random(seed).shuffle(articles)
+    docs, current = [], []
+    for text in articles:
+        current.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
+        if len(current) >= tokens:
+            docs.append(torch.tensor([current[:tokens]]))
+            current = []
+            if len(docs) == count:
+                return docs
+    raise ConfigurationError(f"The news corpus holds {len(docs)} documents of {tokens} tokens, not {count}.")
+
+
+@torch.no_grad()
+def token_feature_maps(model: Any, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """fp32 ``{layer: [B, T, F]}``: the KVzap features of every token, from a plain forward."""
+    impl = model.config._attn_implementation
+    stock = ALL_ATTENTION_FUNCTIONS[impl]
+    features: dict[int, torch.Tensor] = {}
+
+    def observe(module, query, key, value, attention_mask, **kwargs):
+        b, _, t, _ = key.shape
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(t, device=key.device).expand(b, t)
+        features[module.layer_idx] = token_features(rope_inverse(module)(key, positions), value)
+        return stock(module, query, key, value, attention_mask, **kwargs)
+
+    with attention_swapped(model, _FEATURES_IMPL, observe, mask=impl):
+        model(input_ids=input_ids.to(model.device), use_cache=False, logits_to_keep=1)
+    return features
+
+
+def kvzip_plus_targets(model: Any, tokenizer: Any, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """fp32 ``{layer: [B, T, H_kv]}``: log KVzip+ scores (full-attention layers only). ``tokenizer``
+    gives the repeat prompt (a :class:`~lukv_cache.scorers.kvzip.RepeatPrompt` works too)."""
+    prompt = {"repeat_prompt": tokenizer} if isinstance(tokenizer, RepeatPrompt) else {"tokenizer": tokenizer}
+    scores = prefill_scores(model, input_ids, "kvzip_plus", **prompt)
+    return {i: s.clamp_min(1e-12).log().transpose(1, 2) for i, s in enumerate(scores) if s is not None}
+
+
+def train_surrogate(
+    model: Any,
+    tokenizer: Any,
+    documents: Iterable[torch.Tensor],
+    *,
+    alpha: float = 1.0,
+    progress: Callable[[int], None] | None = None,
+    meta: dict | None = None,
+) -> Surrogate:
+    """A linear KVzap surrogate for ``model``: ridge regression of log KVzip+ on token features, per layer
+    and KV head, over ``documents`` (each ``[1, T]``)."""
+    stats: dict[int, list[RidgeStats]] = {}
+    for i, ids in enumerate(documents):
+        features = token_feature_maps(model, ids)
+        for layer, targets in kvzip_plus_targets(model, tokenizer, ids).items():
+            x = features[layer][0, :, SKIP_FIRST:]  # [H, T, F]
+            y = targets[0, SKIP_FIRST:]  # [T, H]
+            layer_stats = stats.setdefault(layer, [RidgeStats(x.shape[-1], 1) for _ in range(x.shape[0])])
+            for h, head_stats in enumerate(layer_stats):
+                head_stats.add(x[h], y[:, h : h + 1])
+        if progress is not None:
+            progress(i + 1)
+    if not stats:
+        raise ConfigurationError("No full-attention layer was scored: nothing to train a surrogate on.")
+    return _surrogate_from(stats, model, alpha, meta or {})
+
+
+def _surrogate_from(stats: dict[int, list[RidgeStats]], model: Any, alpha: float, meta: dict) -> Surrogate:
+    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    some = next(iter(stats.values()))
+    heads, features = len(some), some[0].sx.shape[0]
+    surrogate = Surrogate.zeros(num_layers, heads, features)
+    for layer, layer_stats in stats.items():
+        for h, head_stats in enumerate(layer_stats):
+            weight, bias, mean, std = head_stats.solve(alpha)
+            surrogate.weight[layer, h] = weight[:, 0]
+            surrogate.bias[layer, h] = bias[0]
+            surrogate.mean[layer, h] = mean
+            surrogate.std[layer, h] = std
+    surrogate.layers = sorted(stats)
+    surrogate.meta = {"alpha": alpha, "tokens": some[0].n, **meta}
+    return surrogate
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman rank correlation of two 1-D tensors (ties broken by order; scores here are continuous).
+
+    >>> spearman(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 25.0]))
+    1.0
+    """
+    ra = a.double().argsort().argsort().double()
+    rb = b.double().argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum()) / denom if denom else 0.0
+
+
+def fidelity(
+    model: Any, tokenizer: Any, surrogate: Surrogate, documents: Iterable[torch.Tensor]
+) -> dict[int, float]:
+    """Per layer: Spearman correlation of predicted vs true log KVzip+ scores, averaged over heads and
+    documents (past the sinks)."""
+    sums: dict[int, list[float]] = {}
+    for ids in documents:
+        features = token_feature_maps(model, ids)
+        for layer, targets in kvzip_plus_targets(model, tokenizer, ids).items():
+            predicted = surrogate.predict(layer, features[layer])[0]  # [H, T]
+            for h in range(targets.shape[-1]):
+                rho = spearman(predicted[h, SKIP_FIRST:], targets[0, SKIP_FIRST:, h])
+                sums.setdefault(layer, []).append(rho)
+    return {layer: sum(v) / len(v) for layer, v in sorted(sums.items())}

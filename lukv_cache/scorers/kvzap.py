@@ -1,0 +1,256 @@
+"""KVzap (Jegou & Jeblick, arXiv 2601.07891): a learned surrogate of KVzip+'s scores, one matmul per layer.
+
+KVzip+ ranks a context token by the attention the model pays it while repeating the context, times
+``||v W_O||`` (:mod:`lukv_cache.scorers.kvzip`). That costs repeat passes through the model. KVzap
+learns, per layer, a map from features of the token to ``log`` of that score for every KV head, and
+scores in the ordinary prefill.
+
+The features here are the token's own key before RoPE and its value, per KV head (``2 * D`` numbers):
+what the cache holds anyway, so scoring needs no hook and works for every
+token the cache holds (chunked prefill, padded rows, decoded tokens). RoPE is undone with the model's own
+rotary embedding at the token's position. A token's KVzip+ score depends on the token only through its
+key (at its position) and its value; the position-free part of the key is what a surrogate can use
+(``benchmarks/kvzap_features.py`` measures this choice against the hidden states entering the layer).
+
+:class:`Surrogate` holds the maps (ridge regression, closed form); it lives inside the model's profile
+file (:mod:`lukv_cache.profiles.profile`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigurationError
+from . import Scorer
+
+FEATURES = "key_prerope_value"  # the one feature set this version computes
+
+
+# ---------------------------------------------------------------------------------------------- features
+
+
+class RopeInverse:
+    """Undo RoPE on cached keys with the model's own rotary embedding (found next to the attention class).
+
+    >>> inverse = RopeInverse.for_module(model.model.layers[0].self_attn)
+    >>> k = torch.randn(1, 2, 5, 16)
+    >>> cos, sin = inverse.cos_sin(k, torch.arange(5)[None])
+    >>> rotated = k * cos[:, None] + torch.cat([-k[..., 8:], k[..., :8]], -1) * sin[:, None]
+    >>> torch.allclose(inverse(rotated, torch.arange(5)[None]), k, atol=1e-5)
+    True
+    """
+
+    def __init__(self, rotary: torch.nn.Module, layer_type: str | None = None):
+        self.rotary = rotary
+        self.layer_type = layer_type
+
+    @classmethod
+    def for_module(cls, module: Any) -> RopeInverse:
+        config = getattr(module, "config", None)
+        namespace = sys.modules.get(type(module).__module__)
+        found = [
+            obj
+            for name, obj in vars(namespace or {}).items()
+            if name.endswith("RotaryEmbedding") and isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+        ]
+        if config is None or len(found) != 1:
+            raise ConfigurationError(
+                f"kvzap undoes RoPE with the model's rotary embedding, and none was found for "
+                f"{type(module).__name__} ({len(found)} candidates in {type(module).__module__}). "
+                "Use another scorer (e.g. 'keydiff') for this model."
+            )
+        rotary = found[0](config)
+        layer_type = None
+        if "layer_type" in inspect.signature(rotary.forward).parameters:
+            types = getattr(config, "layer_types", None) or []
+            idx = getattr(module, "layer_idx", 0)
+            layer_type = types[idx] if idx < len(types) else None
+        return cls(rotary, layer_type)
+
+    def cos_sin(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin ``[B, T, R]`` (``R`` rotary dims) at ``positions [B, T]``."""
+        self.rotary.to(like.device)
+        x = like.new_empty(0, dtype=torch.float32)
+        args = (self.layer_type,) if self.layer_type is not None else ()
+        cos, sin = self.rotary(x, positions.to(like.device).long(), *args)
+        return cos.float(), sin.float()
+
+    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys before RoPE, fp32 ``[B, H, T, D]``, from cached keys ``[B, H, T, D]`` at ``positions``."""
+        cos, sin = self.cos_sin(keys, positions)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, R]
+        r = cos.shape[-1]
+        k = keys.float()
+        rot, rest = k[..., :r], k[..., r:]
+        half = r // 2
+        swapped = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)  # rotate_half
+        unrotated = (rot * cos - swapped * sin) / (cos * cos + sin * sin).clamp_min(1e-12)
+        return torch.cat([unrotated, rest], dim=-1)
+
+
+def token_features(keys_prerope: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[B, H_kv, T, 2 * D]``: each token's pre-RoPE key and value, per KV head."""
+    return torch.cat([keys_prerope.float(), values.float()], dim=-1)
+
+
+_INVERSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rope_inverse(module: Any) -> RopeInverse:
+    """The :class:`RopeInverse` of an attention module (built once per module)."""
+    if module not in _INVERSES:
+        _INVERSES[module] = RopeInverse.for_module(module)
+    return _INVERSES[module]
+
+
+# ---------------------------------------------------------------------------------------------- surrogate
+
+
+@dataclass(eq=False)
+class Surrogate:
+    """Per (layer, KV head): a token's features ``[F]`` (its pre-RoPE key and value) -> its predicted log
+    KVzip+ score. Linear (ridge regression): ``((x - mean) / std) . weight + bias`` with ``weight``,
+    ``mean``, ``std`` ``[L, H_kv, F]`` and ``bias [L, H_kv]``. One head's score reads only that head's
+    key and value, so a tensor-parallel rank scores its own heads alone. ``layers``: the layers it was
+    trained for (sliding-window layers are never evicted and keep zeros). ``meta``: what it was trained
+    on and how well it fits.
+
+    >>> s = Surrogate.zeros(num_layers=2, heads=2, features=8)
+    >>> s.predict(0, torch.ones(1, 2, 3, 8)).shape
+    torch.Size([1, 2, 3])
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    layers: list[int] = field(default_factory=list)
+    features: str = FEATURES
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def zeros(cls, num_layers: int, heads: int, features: int) -> Surrogate:
+        return cls(
+            torch.zeros(num_layers, heads, features),
+            torch.zeros(num_layers, heads),
+            torch.zeros(num_layers, heads, features),
+            torch.ones(num_layers, heads, features),
+        )
+
+    @property
+    def family(self) -> str:
+        return "linear"
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def num_features(self) -> int:
+        return int(self.weight.shape[2])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors as stored in a profile (``kvzap.*``)."""
+        out = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std}
+        return {f"kvzap.{name}": t.detach().float().contiguous() for name, t in out.items()}
+
+    def predict(self, layer: int, features: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
+        """fp32 ``[B, H, T]`` predicted log-scores from ``features [B, H, T, F]`` (``heads``: which of the
+        surrogate's heads these are, under tensor parallelism)."""
+        device = features.device
+        mean, std = self.mean[layer, heads].to(device), self.std[layer, heads].to(device)
+        x = (features.float() - mean[:, None]) / std[:, None]
+        weight, bias = self.weight[layer, heads].to(device), self.bias[layer, heads].to(device)
+        return torch.einsum("bhtf,hf->bht", x, weight) + bias[:, None]
+
+
+class RidgeStats:
+    """Sufficient statistics of a ridge regression, summed over batches of rows (float64, ``O(F^2)``
+    memory whatever the number of rows): a layer's surrogate is trained from a corpus without holding it.
+
+    >>> stats = RidgeStats(3, 1)
+    >>> x = torch.randn(500, 3)
+    >>> stats.add(x[:200], x[:200, :1] * 2 + 1)
+    >>> stats.add(x[200:], x[200:, :1] * 2 + 1)
+    >>> weight, bias, mean, std = stats.solve(alpha=0.0)
+    >>> torch.allclose((x - mean) / std @ weight + bias, x[:, :1] * 2 + 1, atol=1e-4)
+    True
+    """
+
+    def __init__(self, features: int, targets: int):
+        self.n = 0
+        self.sx = torch.zeros(features, dtype=torch.float64)
+        self.sy = torch.zeros(targets, dtype=torch.float64)
+        self.sxx = torch.zeros(features, features, dtype=torch.float64)
+        self.sxy = torch.zeros(features, targets, dtype=torch.float64)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add rows ``x [N, F]`` with targets ``y [N, H]``."""
+        x, y = x.double().cpu(), y.double().cpu()
+        self.n += x.shape[0]
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        self.sxx += x.T @ x
+        self.sxy += x.T @ y
+
+    def solve(self, alpha: float = 1.0) -> tuple[torch.Tensor, ...]:
+        """fp32 ``weight [F, H]``, ``bias [H]``, ``mean [F]``, ``std [F]``: ridge on standardised inputs
+        (``alpha`` per row of data, so its strength does not depend on the corpus size)."""
+        if self.n < 2:
+            raise ConfigurationError("A surrogate needs at least two scored tokens to train on.")
+        mean, y_mean = self.sx / self.n, self.sy / self.n
+        cov = self.sxx / self.n - torch.outer(mean, mean)
+        cov_xy = self.sxy / self.n - torch.outer(mean, y_mean)
+        std = cov.diagonal().clamp_min(0).sqrt().clamp_min(1e-6)
+        gram = cov / torch.outer(std, std) + alpha / self.n * torch.eye(len(std), dtype=torch.float64)
+        weight = torch.linalg.solve(gram, cov_xy / std[:, None])
+        return weight.float(), y_mean.float(), mean.float(), std.float()
+
+
+# ---------------------------------------------------------------------------------------------- the scorer
+
+KVZAP_WINDOW = 32  # the recent window KVzip protects here too: the surrogate stands in for its scores
+_HOW = (
+    "LUKVCache.from_pretrained(model_id, ratio=..., scorer='kvzap') reads the surrogate from the model's profile; "
+    "build one with `lukv build <model> --scorer kvzap`, or pass scorer=kvzap_scorer(surrogate)."
+)
+
+
+def _kvzap(keys, values, queries, *, surrogate, layer_idx, module, heads, positions):
+    features = token_features(rope_inverse(module)(keys, positions), values)
+    return surrogate.predict(layer_idx, features, heads)
+
+
+def kvzap_scorer(surrogate: Surrogate, window: int = KVZAP_WINDOW) -> Scorer:
+    """The ``kvzap`` scorer with a trained ``surrogate``: predicted log KVzip+ scores, in the ordinary forward.
+
+    >>> scorer = kvzap_scorer(Surrogate.zeros(2, 2, 32))
+    >>> scorer.name, scorer.window, scorer.context
+    ('kvzap', 32, True)
+    """
+    if not isinstance(surrogate, Surrogate):
+        raise ConfigurationError(f"kvzap_scorer needs a Surrogate, got {type(surrogate).__name__}. {_HOW}")
+    return Scorer("kvzap", _kvzap, window=window, params={"surrogate": surrogate}, context=True)
+
+
+def _untrained(*args, **kwargs):
+    raise ConfigurationError(f"Scorer 'kvzap' has no trained surrogate. {_HOW}")
+
+
+KVZAP_PLACEHOLDER = Scorer(
+    "kvzap",
+    _untrained,
+    window=KVZAP_WINDOW,
+    context=True,
+    missing=(f"Scorer 'kvzap' scores with a surrogate trained for one model, and none was given. {_HOW}"),
+)
