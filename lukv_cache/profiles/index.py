@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import ConfigurationError, ProfileFormatError
 from .hub_errors import translated_hub_errors
+from .jsonfile import parse_json
 from .location import INDEX_FILENAME, HubLocation, check_model_id, profile_filename
 from .profile import Profile, atomic_write
 
@@ -25,19 +26,30 @@ def empty_index() -> dict[str, Any]:
 
 
 def parse_index(data: bytes, source: str) -> dict[str, Any]:
-    """A validated index from its bytes; a malformed one raises :class:`ProfileFormatError`."""
+    """A validated index from its bytes; a malformed one raises :class:`ProfileFormatError`.
+
+    Every entry must be an object whose ``model_id`` and ``scorer`` (and ``path``, when present) are
+    strings: listing, publishing and mirroring sort and look entries up by them."""
     try:
-        index = json.loads(data)
+        index = parse_json(data)
         if not isinstance(index, dict) or not isinstance(index.get("profiles"), list):
             raise ValueError("expected an object with a 'profiles' list")
-        for entry in index["profiles"]:
-            if not isinstance(entry, dict) or not {"model_id", "scorer"} <= set(entry):
-                raise ValueError("every entry needs 'model_id' and 'scorer'")
+        for number, entry in enumerate(index["profiles"], start=1):
+            _check_entry(entry, number)
     except ValueError as err:
         raise ProfileFormatError(
             f"{source} is not a valid profile index ({err}). Fix or regenerate it, then retry.", source=source
         ) from None
     return index
+
+
+def _check_entry(entry: Any, number: int) -> None:
+    """Raise ValueError unless ``entry`` (the ``number``-th) has string ``model_id``, ``scorer`` and ``path``."""
+    if not isinstance(entry, dict) or not {"model_id", "scorer"} <= set(entry):
+        raise ValueError(f"entry {number}: every entry needs 'model_id' and 'scorer'")
+    for key in ("model_id", "scorer", "path"):
+        if key in entry and not isinstance(entry[key], str):
+            raise ValueError(f"entry {number}: {key} must be a string, got {json.dumps(entry[key])[:80]}")
 
 
 def index_entry(profile: Profile, model_id: str) -> dict[str, Any]:

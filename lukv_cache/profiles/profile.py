@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchError, ProfileNotFoundError
+from .jsonfile import parse_json
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
@@ -403,7 +404,7 @@ def _check_values(p: Profile, where: str) -> None:
             if not isinstance(getattr(p, name), dict):
                 raise TypeError(f"expected a dict, got {type(getattr(p, name)).__name__}")
             _to_json(getattr(p, name))
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, RecursionError) as err:  # RecursionError: nested too deep
             raise ProfileFormatError(f"{where}: {name} must be a JSON-serialisable dict ({err}).") from None
     for name, low in (("sink", 0), ("window", 0), ("k_max", 1), ("head_dim", 1)):
         value = getattr(p, name)
@@ -446,7 +447,7 @@ def _read_safetensors(data: bytes, source: str) -> tuple[dict[str, np.ndarray], 
         header_len = int.from_bytes(data[:8], "little")
         if len(data) < 8 or header_len > len(data) - 8:
             raise ValueError(f"header of {header_len} bytes in a file of {len(data)}")
-        header = json.loads(data[8 : 8 + header_len])
+        header = parse_json(data[8 : 8 + header_len])
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except (ValueError, UnicodeDecodeError) as err:
@@ -512,11 +513,11 @@ def _parse_metadata(metadata: dict[str, str], source: str) -> dict[str, Any]:
         for key in _STR_KEYS:
             values[key] = str(metadata[key])
         for key in _JSON_DICT_KEYS:
-            values[key] = json.loads(metadata[key])
+            values[key] = parse_json(metadata[key])
             if not isinstance(values[key], dict):
                 raise TypeError(f"expected a JSON object, got {type(values[key]).__name__}")
         key = "head_dim"
-        values[key] = json.loads(metadata[key])
+        values[key] = parse_json(metadata[key])
         value = values[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise TypeError("expected a positive integer or null")
@@ -524,7 +525,7 @@ def _parse_metadata(metadata: dict[str, str], source: str) -> dict[str, Any]:
         raise
     except (ValueError, TypeError) as err:
         raise ProfileFormatError(
-            f"{source}: malformed metadata {key}={metadata[key]!r} ({err}). {_REBUILD}",
+            f"{source}: malformed metadata {key}={metadata[key]!r:.120} ({err}). {_REBUILD}",
             source=source,
             field=key,
         ) from None

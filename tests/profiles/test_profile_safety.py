@@ -160,3 +160,96 @@ def test_a_connection_dropped_after_the_commit_says_the_upload_may_have_been_app
     assert "Nothing was changed in the repository" not in message
     repo = hub.repos[("model", "lukv-test/profiles")]
     assert "org/tiny-llama/keydiff.safetensors" in repo.snapshots[repo.branches["main"]]
+
+
+# ------------------------------------------------------------------------------------------ deep JSON
+
+DEEP = "[" * 5000 + "]" * 5000  # past Python's recursion limit: json.loads alone raises RecursionError
+
+
+@pytest.mark.parametrize("field", ["extra", "scorer_params", "head_dim"])
+def test_deeply_nested_metadata_is_a_format_error_naming_the_field(profile, field):
+    with pytest.raises(ProfileFormatError, match=f"malformed metadata {field}=.*nested") as info:
+        Profile.from_bytes(_with_metadata(profile, **{field: DEEP}))
+    assert info.value.field == field and len(str(info.value)) < 500
+
+
+def test_a_deeply_nested_safetensors_header_is_a_format_error(profile):
+    data = profile.to_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    blob = (json.dumps(header)[:-1] + ', "deep": ' + DEEP + "}").encode()
+    with pytest.raises(ProfileFormatError, match="nested"):
+        Profile.from_bytes(len(blob).to_bytes(8, "little") + blob + data[8 + header_len :])
+
+
+def test_a_profile_file_with_deep_metadata_fails_typed_in_load_from_pretrained_and_show(
+    tmp_path, profile, capsys
+):
+    from lukv_cache import LUKVCache
+    from lukv_cache.cli import main
+
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(_with_metadata(profile, extra=DEEP))
+    with pytest.raises(ProfileFormatError):
+        Profile.load(path)
+    with pytest.raises(ProfileFormatError):
+        LUKVCache.from_pretrained(str(path), 0.5)
+    assert main(["show", str(path)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def _mirror_with_index(tmp_path, profile, index_text: str):
+    save_to_local_dir(profile, tmp_path)
+    (tmp_path / "index.json").write_text(index_text)
+    return tmp_path
+
+
+def test_a_deeply_nested_index_is_a_format_error_in_list_and_push(tmp_path, profile, capsys):
+    from lukv_cache.cli import main
+
+    mirror = _mirror_with_index(tmp_path / "mirror", profile, '{"profiles": ' + DEEP + "}")
+    with pytest.raises(ProfileFormatError, match="nested"):
+        list_profiles(local_dir=mirror)
+    with pytest.raises(ProfileFormatError, match="nested"):
+        save_to_local_dir(profile, mirror)
+    file = profile.save(tmp_path / "p.safetensors")
+    for argv in (["list", "--local-dir", str(mirror)], ["push", str(file), "--local-dir", str(mirror)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "index" in err and "Traceback" not in err
+
+
+def test_a_deeply_nested_index_on_the_hub_is_a_format_error(hub, hf_cache, profile):
+    from huggingface_hub import HfApi
+
+    from lukv_cache.profiles import HubLocation, push_profile
+
+    api = HfApi(endpoint=hub.url)
+    api.create_repo("lukv-test/profiles")
+    api.upload_file(path_or_fileobj=DEEP.encode(), path_in_repo="index.json", repo_id="lukv-test/profiles")
+    location = HubLocation(repo_id="lukv-test/profiles", endpoint=hub.url, cache_dir=hf_cache)
+    with pytest.raises(ProfileFormatError, match="nested"):
+        list_profiles(hub=location)
+    with pytest.raises(PublishError, match="nested") as info:
+        push_profile(profile, hub=location)
+    assert isinstance(info.value.__cause__, ProfileFormatError)
+
+
+@pytest.mark.parametrize(
+    ("entry", "key"),
+    [({"model_id": 5, "scorer": "keydiff"}, "model_id"), ({"model_id": "a/b", "scorer": ["x"]}, "scorer"),
+     ({"model_id": "a/b", "scorer": "keydiff", "path": None}, "path")],
+)  # fmt: skip
+def test_an_index_entry_with_a_non_string_key_is_a_format_error_on_push(
+    tmp_path, profile, capsys, entry, key
+):
+    from lukv_cache.cli import main
+
+    index = {"format_version": 1, "profiles": [entry]}
+    mirror = _mirror_with_index(tmp_path / "mirror", profile, json.dumps(index))
+    with pytest.raises(ProfileFormatError, match=f"entry 1: {key} must be a string"):
+        save_to_local_dir(profile, mirror)
+    file = profile.save(tmp_path / "p.safetensors")
+    assert main(["push", str(file), "--local-dir", str(mirror)]) == 2
+    assert f"{key} must be a string" in capsys.readouterr().err
