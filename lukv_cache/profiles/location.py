@@ -22,6 +22,7 @@ INDEX_FILENAME = "index.json"
 DEFAULT_SCORER = "keydiff"
 TIMEOUT_ENV = "LUKV_HUB_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0
+MAX_TIMEOUT = 86_400.0  # one day: any longer wait is a typo
 # the profiles this package ships (a copy of the shared repository's, for offline use)
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "profiles_hub"
 _SCORER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -50,21 +51,27 @@ class HubLocation:
     timeout: float | None = field(default=None)
 
     def __post_init__(self) -> None:
-        from ..errors import ConfigurationError
-
+        given = f"timeout={self.timeout!r}"
         if self.timeout is None:
             raw = os.environ.get(TIMEOUT_ENV, "")
+            given = f"${TIMEOUT_ENV}={raw!r}"
             try:
                 value = float(raw) if raw.strip() else DEFAULT_TIMEOUT
             except ValueError:
-                raise ConfigurationError(f"${TIMEOUT_ENV}={raw!r} is not a number of seconds.") from None
+                raise ConfigurationError(f"{given} is not a number of seconds.") from None
             object.__setattr__(self, "timeout", value)
+        timeout = self.timeout
+        # refused, not clamped: inf or 1e300 overflow the socket's timeout, and the Hub would never be
+        # declared unreachable (so the shipped profiles never served); a silent clamp would hide the typo
         if (
-            isinstance(self.timeout, bool)
-            or not isinstance(self.timeout, (int, float))
-            or not self.timeout > 0
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= MAX_TIMEOUT
         ):
-            raise ConfigurationError(f"timeout must be a positive number of seconds, got {self.timeout!r}.")
+            raise ConfigurationError(
+                f"{given}: the Hub timeout must be a finite number of seconds in (0, {MAX_TIMEOUT:g}]; "
+                f"e.g. {DEFAULT_TIMEOUT:g} (the default) or 60."
+            )
 
     @property
     def repo(self) -> str:

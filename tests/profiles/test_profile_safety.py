@@ -253,3 +253,36 @@ def test_an_index_entry_with_a_non_string_key_is_a_format_error_on_push(
     file = profile.save(tmp_path / "p.safetensors")
     assert main(["push", str(file), "--local-dir", str(mirror)]) == 2
     assert f"{key} must be a string" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ Hub timeout
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300, float("nan"), 0, -1.0, 86_401])
+def test_a_timeout_that_is_not_a_finite_positive_number_of_seconds_is_refused(hub, hf_cache, timeout):
+    from lukv_cache import LUKVCache
+    from lukv_cache.profiles import HubLocation, download_profile
+
+    with pytest.raises(ConfigurationError, match=r"timeout=.*finite number of seconds in \(0, 86400\]"):
+        download_profile(
+            "org/tiny-llama", hub=HubLocation(endpoint=hub.url, cache_dir=hf_cache, timeout=timeout)
+        )
+    with pytest.raises(ConfigurationError, match="finite number of seconds"):
+        LUKVCache.from_pretrained(
+            "org/tiny-llama", 0.5, endpoint=hub.url, cache_dir=hf_cache, timeout=timeout
+        )
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "-5"])
+def test_a_bad_timeout_in_the_environment_is_refused_naming_the_variable(monkeypatch, value):
+    from lukv_cache.profiles import HubLocation
+
+    monkeypatch.setenv("LUKV_HUB_TIMEOUT", value)
+    with pytest.raises(ConfigurationError, match=r"\$LUKV_HUB_TIMEOUT=.*finite number of seconds"):
+        HubLocation()
+
+
+def test_a_day_long_timeout_is_accepted():
+    from lukv_cache.profiles import HubLocation
+
+    assert HubLocation(timeout=86_400).timeout == 86_400
