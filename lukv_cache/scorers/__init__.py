@@ -113,9 +113,9 @@ def _probe(scorer: Scorer) -> None:
         raise ConfigurationError(
             f"Scorer {scorer.name!r}: expected a function, got {type(scorer.fn).__name__}."
         )
-    if isinstance(scorer.n_queries, bool) or not isinstance(scorer.n_queries, int) or scorer.n_queries < 0:
+    if not _is_count(scorer.n_queries):
         raise ConfigurationError(f"Scorer {scorer.name!r}: n_queries must be a non-negative integer.")
-    if isinstance(scorer.window, bool) or not isinstance(scorer.window, int) or scorer.window < 0:
+    if not _is_count(scorer.window):
         raise ConfigurationError(f"Scorer {scorer.name!r}: window must be a non-negative integer.")
     gen = torch.Generator().manual_seed(0)
     b, h, t, d = 1, 2, max(16, scorer.n_queries + 8), 8
@@ -129,6 +129,11 @@ def _probe(scorer: Scorer) -> None:
             f"{type(err).__name__}: {err}"
         ) from err
     check_scores(scorer, scores, (b, h, t))
+
+
+def _is_count(value: object, low: int = 0) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def check_scores(scorer: Scorer, scores: object, expected: tuple[int, ...]) -> torch.Tensor:
@@ -174,10 +179,19 @@ def kvzip_scorer(
     >>> kvzip_scorer(chunk_size=1024).reconstruction.chunk_size
     1024
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if not _is_count(chunk_size, 1):
         raise ConfigurationError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}.")
+    for arg, value in (("overlap", overlap), ("window", window)):
+        if not _is_count(value):
+            raise ConfigurationError(
+                f"{arg} must be a non-negative number of tokens (e.g. 8), got {value!r}."
+            )
     if template not in ("auto", "chat", "plain"):
         raise ConfigurationError(f"template must be 'auto', 'chat' or 'plain', got {template!r}.")
+    if not isinstance(weighted, bool):
+        raise ConfigurationError(f"weighted must be True (KVzip+) or False, got {weighted!r}.")
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"name must be a non-empty string, got {name!r}.")
     return Scorer(
         name, None, window=window, reconstruction=Reconstruction(chunk_size, overlap, template, weighted)
     )

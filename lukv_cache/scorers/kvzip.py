@@ -42,6 +42,30 @@ class RepeatPrompt:
     next: tuple[int, ...]
     suffix: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        for name in ("first", "next", "suffix"):
+            ids = getattr(self, name)
+            try:
+                ids = tuple(ids)
+            except TypeError:
+                ids = (ids,)
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise ConfigurationError(
+                    f"RepeatPrompt.{name} must be token ids (non-negative integers), got {getattr(self, name)!r:.80}; "
+                    "build it with RepeatPrompt.from_tokenizer(tokenizer)."
+                )
+            object.__setattr__(self, name, ids)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise :class:`ConfigurationError` when an id is outside the model's vocabulary ``[0, vocab_size)``
+        (a prompt written with another model's tokenizer): the embedding lookup would fail mid-prefill."""
+        outside = sorted({i for i in (*self.first, *self.next, *self.suffix) if i >= vocab_size})
+        if outside:
+            raise ConfigurationError(
+                f"The repeat prompt has token ids {outside[:5]} outside the model's vocabulary of {vocab_size}: "
+                "build it with the model's own tokenizer (RepeatPrompt.from_tokenizer), or pass tokenizer=."
+            )
+
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, template: str = "auto") -> RepeatPrompt:
         """The prompt in ``tokenizer``'s words. ``template``: ``"auto"`` (the chat template's assistant turn
@@ -84,12 +108,19 @@ class RepeatPrompt:
 def _assistant_turn(tokenizer: Any) -> str:
     """The chat template's text between the end of a user message and the assistant's answer."""
     marker = "\n" + "#" * 16
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "lukv" + marker}], add_generation_prompt=True, tokenize=False
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "lukv" + marker}], add_generation_prompt=True, tokenize=False
+        )
+    except Exception as err:  # the template is the model's code (jinja): any failure means it cannot be used
+        raise ConfigurationError(
+            f"The tokenizer's chat template failed to render the repeat prompt ({type(err).__name__}: {err}); "
+            "use template='plain' (kvzip_scorer(template='plain')) or pass repeat_prompt=RepeatPrompt(...)."
+        ) from err
     if marker not in rendered:
         raise ConfigurationError(
-            "The tokenizer's chat template does not keep the user's message; use template='plain'."
+            "The tokenizer's chat template does not keep the user's message; use template='plain' or pass "
+            "repeat_prompt=RepeatPrompt(...)."
         )
     return rendered.split(marker, 1)[1]
 
