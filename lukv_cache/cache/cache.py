@@ -34,7 +34,7 @@ from .compression import (
 )
 from .layer import LUKVLayer
 from .parallel import HeadShard, head_shard, mesh_shard
-from .reconstruction import ReconstructionRound, plan_rounds
+from .reconstruction import ReconstructionRound, check_prefill_inputs, plan_rounds
 
 
 def check_ratio(ratio: Any) -> float:
@@ -484,8 +484,10 @@ class LUKVCache(DynamicCache):
             return None
         shard = self._head_shard
         heads = slice(None) if shard is None else shard.heads(layer.num_heads * shard.size)
-        positions = suffix_positions(attention_mask, layer)
-        return {"layer_idx": idx, "module": module, "heads": heads, "positions": positions}
+        context = {"layer_idx": idx, "module": module, "heads": heads}
+        context["positions"] = suffix_positions(attention_mask, layer)
+        context["gather_heads"] = None if shard is None else shard.gather
+        return context
 
     def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
         """Compress after a multi-token forward: always the first time, then whenever chunked prefill
@@ -565,7 +567,14 @@ class LUKVCache(DynamicCache):
         (48, True)
         """
         recon = self.scorer.reconstruction
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text, "vocab_size", None)
+        mask = check_prefill_inputs(
+            input_ids, attention_mask, left_padding_only=recon is not None, vocab_size=vocab
+        )
+        if attention_mask is not None:
+            attention_mask = mask
         model_kwargs.setdefault("position_ids", _positions(mask, input_ids.shape[1], self.get_seq_length()))
         if recon is None or not self.evicts and self.prefill_scores is None:
             return model(
@@ -587,6 +596,8 @@ class LUKVCache(DynamicCache):
                     "pass tokenizer=<the model's tokenizer> (or repeat_prompt=RepeatPrompt(...))."
                 )
             repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer, recon.template)
+        if isinstance(vocab, int):
+            repeat_prompt.check_vocabulary(vocab)
         with self._in_phase("hold"):
             out = model(
                 input_ids=input_ids,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchError, ProfileNotFoundError
+from . import surrogate as surrogate_format
 from .jsonfile import parse_json
 
 FORMAT_VERSION = 1
@@ -81,6 +82,8 @@ class Profile:
     created: str = field(default_factory=_utc_now)
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
+    # the KVzap surrogate (lukv_cache.scorers.kvzap.Surrogate) for scorer "kvzap", stored in the same file
+    surrogate: Any = field(default=None, repr=False)
     # where this profile was read from, for error messages; not part of the file
     source: str | None = field(default=None, repr=False, compare=False)
 
@@ -92,6 +95,8 @@ class Profile:
         self.grid = _as_float32(self.grid, "grid", where)
         self.evict_ratio = _as_float32(self.evict_ratio, "evict_ratio", where)
         _check_values(self, where)
+        if self.surrogate is not None:
+            surrogate_format.check(self.surrogate, self.num_layers, self.num_kv_heads, self.head_dim, where)
 
     def __repr__(self) -> str:  # the arrays are large: summarise them
         return (
@@ -183,7 +188,11 @@ class Profile:
         """The safetensors bytes of this profile (what :meth:`save` writes)."""
         from safetensors.numpy import save
 
-        return save({"grid": self.grid, "evict_ratio": self.evict_ratio}, metadata=self._metadata())
+        tensors, metadata = {"grid": self.grid, "evict_ratio": self.evict_ratio}, self._metadata()
+        if self.surrogate is not None:
+            arrays, metadata[surrogate_format.METADATA_KEY] = surrogate_format.to_file(self.surrogate)
+            tensors |= arrays
+        return save(tensors, metadata=metadata)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the profile to ``path`` (safetensors) atomically: a temp file in the same folder, then rename.
@@ -227,7 +236,13 @@ class Profile:
                 f"{source}: evict_ratio has shape {list(ratios.shape)} but the metadata says "
                 f"{layers} layers and {kv_heads} KV heads. {_REBUILD}"
             )
-        return cls(grid=grid, evict_ratio=ratios, source=source, **values)
+        surrogate, family = None, None
+        if surrogate_format.TENSORS[0] in tensors:
+            surrogate, family = surrogate_format.from_file(
+                tensors, metadata.get(surrogate_format.METADATA_KEY, ""), source
+            )
+            surrogate_format.check(surrogate, layers, kv_heads, values["head_dim"], source, family)
+        return cls(grid=grid, evict_ratio=ratios, source=source, surrogate=surrogate, **values)
 
     def _metadata(self) -> dict[str, str]:
         return {
@@ -460,15 +475,18 @@ def _read_safetensors(data: bytes, source: str) -> tuple[dict[str, np.ndarray], 
             source=source,
         )
     names = {name for name in header if name != "__metadata__"}
-    missing = [name for name in _TENSORS if name not in names]
-    unexpected = sorted(names - set(_TENSORS))
+    expected = set(_TENSORS) | (
+        set(surrogate_format.TENSORS) if names & set(surrogate_format.TENSORS) else set()
+    )
+    missing = sorted(expected - names)
+    unexpected = sorted(names - expected)
     if missing or unexpected:
         raise ProfileFormatError(
-            f"{source}: a profile holds exactly the tensors {list(_TENSORS)}; missing {missing}, "
-            f"unexpected {unexpected}. {_REBUILD}",
+            f"{source}: a profile holds the tensors {list(_TENSORS)} (and, for kvzap, all of "
+            f"{list(surrogate_format.TENSORS)}); missing {missing}, unexpected {unexpected}. {_REBUILD}",
             source=source,
         )
-    for name in _TENSORS:
+    for name in sorted(expected):
         dtype = header[name].get("dtype") if isinstance(header[name], dict) else None
         if dtype != "F32":
             raise ProfileFormatError(

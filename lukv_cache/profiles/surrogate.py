@@ -12,10 +12,11 @@ import torch
 
 from ..errors import ProfileFormatError
 from ..scorers.kvzap import FEATURES, Surrogate
+from .jsonfile import parse_json
 
 TENSORS = ("kvzap.weight", "kvzap.bias", "kvzap.mean", "kvzap.std")
 METADATA_KEY = "kvzap"
-_MAX_FEATURES = 1 << 17  # 2 x head dim: far beyond any model
+_MAX_FEATURES = 1 << 20  # 2 x KV heads x head dim: far beyond any model
 
 
 def to_file(surrogate: Surrogate) -> tuple[dict[str, np.ndarray], str]:
@@ -28,7 +29,7 @@ def to_file(surrogate: Surrogate) -> tuple[dict[str, np.ndarray], str]:
 def from_file(tensors: dict[str, np.ndarray], metadata: str, source: str) -> tuple[Surrogate, Any]:
     """The surrogate stored in a profile's ``tensors`` and ``metadata``, and its family (for :func:`check`)."""
     try:
-        meta = json.loads(metadata)
+        meta = parse_json(metadata)
         if not isinstance(meta, dict):
             raise TypeError(f"expected a JSON object, got {type(meta).__name__}")
     except (ValueError, TypeError, RecursionError) as err:
@@ -62,8 +63,8 @@ def check(
     expected = {
         "weight": (layers, heads, f),
         "bias": (layers, heads),
-        "mean": (layers, heads, f),
-        "std": (layers, heads, f),
+        "mean": (layers, f),
+        "std": (layers, f),
     }
     for name, shape in expected.items():
         t = getattr(surrogate, name)
@@ -71,8 +72,8 @@ def check(
             problems.append(f"{name} is {t.dtype} {list(t.shape)}, expected float32 {list(shape)}")
         elif not bool(torch.isfinite(t).all()):
             problems.append(f"{name} has NaN or infinite values")
-    if not 0 < f <= _MAX_FEATURES or (head_dim is not None and f != 2 * head_dim):
-        problems.append(f"{f} features per head (2 x head dim {head_dim} expected)")
+    if not 0 < f <= _MAX_FEATURES or (head_dim is not None and f != 2 * heads * head_dim):
+        problems.append(f"{f} features (2 x KV heads {heads} x head dim {head_dim} expected)")
     elif not problems and bool((surrogate.std <= 0).any()):
         problems.append("std has values <= 0")
     layer_ids = surrogate.layers

@@ -26,7 +26,7 @@ import torch
 
 from .._paths import cache_root
 from ..errors import ConfigurationError
-from ..scorers import Scorer, get_scorer
+from ..scorers import Scorer, get_scorer, kvzap_scorer
 from .calibration import load_calibration
 from .oracle import AGGREGATES, oracle_importance, prefill_context
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
@@ -125,7 +125,7 @@ def _context_scores(model, context_ids: torch.Tensor, scorer: Scorer, tokenizer)
 
 def _scorer_params(scorer: Scorer) -> dict:
     """What a profile records of its scorer: the keyword defaults, and a reconstruction scorer's settings."""
-    params = dict(scorer.params)
+    params = {k: v for k, v in scorer.params.items() if k != "surrogate"}  # kvzap's is stored as tensors
     if scorer.reconstruction is not None:
         params["reconstruction"] = dataclasses.asdict(scorer.reconstruction)
     return params
@@ -286,11 +286,14 @@ def build_profiles(
     show_progress: bool = True,
     model_id: str | None = None,
     extra: dict | None = None,
+    kvzap_documents: int = 48,
 ) -> dict:
     """Build one LU-KV profile per scorer from one oracle pass: ``{scorer_name: Profile}``.
 
     Same arguments as :func:`build_profile`, with ``scorers`` a list. The full-cache decoding of each
-    question (the expensive part) is shared by all scorers.
+    question (the expensive part) is shared by all scorers. ``kvzap`` first learns its surrogate from
+    ``kvzap_documents`` news documents (KVzip+ targets, ridge regression; :mod:`.kvzap`) and stores it in
+    its profile.
 
     >>> profiles = build_profiles(model, tokenizer, scorers=["keydiff", "snapkv"])  # doctest: +SKIP
     >>> profiles["snapkv"].window  # doctest: +SKIP
@@ -303,6 +306,11 @@ def build_profiles(
     scorer_objs = list({s.name: s for s in map(get_scorer, scorers)}.values())
     if not scorer_objs:
         raise ConfigurationError("build_profiles needs at least one scorer.")
+    surrogate = None
+    if any(s.name == "kvzap" for s in scorer_objs):  # learn KVzap's surrogate first (unless given one)
+        given = next(s for s in scorer_objs if s.name == "kvzap").params.get("surrogate")
+        surrogate = given or _train_kvzap(model, tokenizer, kvzap_documents, seed, cache_dir, show_progress)
+        scorer_objs = [kvzap_scorer(surrogate) if s.name == "kvzap" else s for s in scorer_objs]
     grid_arr = check_grid(DEFAULT_GRID if grid is None else grid)
     if scope not in ("all", "layer"):
         raise ConfigurationError(f"scope must be 'all' or 'layer', got {scope!r}.")
@@ -396,9 +404,49 @@ def build_profiles(
             k_max=k_max,
             calibration=run.description,
             extra=provenance,
+            surrogate=surrogate if s.name == "kvzap" else None,
         )
         for s in scorer_objs
     }
+
+
+def _train_kvzap(model, tokenizer, documents: int, seed: int, cache_dir, show_progress: bool):
+    """KVzap's surrogate for ``model``, trained on ``documents`` news documents of 1,024 tokens; each
+    document's KVzip+ targets (the repeat passes, most of the time) are kept in ``cache_dir`` so an
+    interrupted build resumes."""
+    from tqdm.auto import tqdm
+
+    from ..models import max_positions
+    from .kvzap import KVZAP_TOKENS, kvzip_plus_targets, news_documents, train_surrogate
+
+    if isinstance(documents, bool) or not isinstance(documents, int) or documents < 1:
+        raise ConfigurationError(f"kvzap_documents must be a positive integer, got {documents!r}.")
+    root = default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
+    store = _ResultStore(None if root is None else root / "kvzap")
+    fingerprint = model_fingerprint(model)
+    tokens = min(KVZAP_TOKENS, max_positions(model.config) or KVZAP_TOKENS)
+    docs = news_documents(tokenizer, documents, tokens, seed=seed)
+
+    def targets_of(index: int, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        key = _sha("kvzip_plus_targets", fingerprint, ids.tolist())
+        saved = store.load(key)
+        if saved is None:
+            computed = {layer: t.numpy() for layer, t in kvzip_plus_targets(model, tokenizer, ids).items()}
+            store.save(key, {str(layer): t for layer, t in computed.items()})
+            return {layer: torch.from_numpy(t) for layer, t in computed.items()}
+        return {int(layer): torch.from_numpy(t) for layer, t in saved.items()}
+
+    bar = tqdm(total=len(docs), desc="KVzap surrogate", unit="document", disable=not show_progress)
+    with bar:
+        surrogate = train_surrogate(
+            model,
+            tokenizer,
+            docs,
+            progress=lambda done: bar.update(done - bar.n),
+            targets_of=targets_of,
+            meta={"corpus": f"gensim lee_background news, {len(docs)} documents x {tokens} tokens"},
+        )
+    return surrogate
 
 
 def build_profile(
@@ -420,6 +468,7 @@ def build_profile(
     show_progress: bool = True,
     model_id: str | None = None,
     extra: dict | None = None,
+    kvzap_documents: int = 48,
 ):
     """Build the LU-KV profile of ``model`` for ``scorer`` from a calibration set.
 
@@ -432,7 +481,8 @@ def build_profile(
     keeps. ``scope``: ``"all"`` (one budget over all layers) or ``"layer"``. ``max_questions``: use a seeded
     random subset. ``cache_dir``: where per-question results are kept (``False`` disables, default
     :func:`default_cache_dir`). ``model_id``: defaults to ``model.config.name_or_path``. ``extra``: free JSON
-    metadata stored in the profile (e.g. where the weights came from).
+    metadata stored in the profile (e.g. where the weights came from). ``kvzap_documents``: for
+    ``scorer="kvzap"``, the news documents its surrogate learns from (the profile stores it).
 
     >>> from lukv_cache import build_profile
     >>> profile = build_profile(model, tokenizer, scorer="keydiff")  # doctest: +SKIP
@@ -459,6 +509,7 @@ def build_profile(
                 show_progress=show_progress,
                 model_id=model_id,
                 extra=extra,
+                kvzap_documents=kvzap_documents,
             ).values()
         )
     )

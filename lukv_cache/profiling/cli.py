@@ -60,6 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--sink", type=int, default=4, help="protected first tokens (4)")
     build.add_argument("--window", type=int, help="protected last tokens (default: the scorer's own)")
+    build.add_argument(
+        "--kvzap-documents",
+        type=int,
+        default=48,
+        help="--scorer kvzap: news documents of 1,024 tokens its surrogate learns from (default 48)",
+    )
     build.add_argument("--min-keep", type=float, default=0.01, help="fraction every head keeps (0.01)")
     build.add_argument(
         "--scope", choices=("all", "layer"), default="all", help="one budget for all layers, or per layer"
@@ -147,6 +153,7 @@ def _build(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
         model_id=args.model_id,
         extra=extra,
+        kvzap_documents=args.kvzap_documents,
     )
     for name, profile in profiles.items():
         path = profile.save(args.out if single_file else args.out / f"{name}.safetensors")

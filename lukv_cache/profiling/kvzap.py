@@ -27,6 +27,7 @@ from ..texts import news_articles
 from .scores import prefill_scores
 
 _FEATURES_IMPL = "lukv_kvzap_features"
+KVZAP_TOKENS = 1024  # tokens per training document (KVzap trains on ~1k-token texts)
 SKIP_FIRST = 4  # attention sinks: always kept, and their scores are outliers a surrogate need not learn
 
 
@@ -39,7 +40,7 @@ def news_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0
     random.Random(seed).shuffle(articles)
     docs, current = [], []
     for text in articles:
-        current.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
+        current.extend(tokenizer.encode(text + "\n\n", add_special_tokens=False))
         if len(current) >= tokens:
             docs.append(torch.tensor([current[:tokens]]))
             current = []
@@ -50,7 +51,8 @@ def news_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0
 
 @torch.no_grad()
 def token_feature_maps(model: Any, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-    """fp32 ``{layer: [B, T, F]}``: the KVzap features of every token, from a plain forward."""
+    """fp32 ``{layer: [B, T, F]}``: the KVzap features of every token, from a plain forward through the
+    model's own attention (whose position ids place RoPE)."""
     impl = model.config._attn_implementation
     stock = ALL_ATTENTION_FUNCTIONS[impl]
     features: dict[int, torch.Tensor] = {}
@@ -60,7 +62,7 @@ def token_feature_maps(model: Any, input_ids: torch.Tensor) -> dict[int, torch.T
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(t, device=key.device).expand(b, t)
-        features[module.layer_idx] = token_features(rope_inverse(module)(key, positions), value)
+        features[module.layer_idx] = token_features(rope_inverse(module)(key, positions), value).flatten(2)
         return stock(module, query, key, value, attention_mask, **kwargs)
 
     with attention_swapped(model, _FEATURES_IMPL, observe, mask=impl):
@@ -84,18 +86,20 @@ def train_surrogate(
     alpha: float = 1.0,
     progress: Callable[[int], None] | None = None,
     meta: dict | None = None,
+    targets_of: Callable[[int, torch.Tensor], dict[int, torch.Tensor]] | None = None,
 ) -> Surrogate:
     """A linear KVzap surrogate for ``model``: ridge regression of log KVzip+ on token features, per layer
-    and KV head, over ``documents`` (each ``[1, T]``)."""
-    stats: dict[int, list[RidgeStats]] = {}
+    and KV head, over ``documents`` (each ``[1, T]``). ``targets_of(index, ids)``: the log KVzip+ scores of
+    a document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an
+    interrupted build resumes without the repeat passes it already ran)."""
+    targets_of = targets_of or (lambda _, ids: kvzip_plus_targets(model, tokenizer, ids))
+    stats: dict[int, RidgeStats] = {}
     for i, ids in enumerate(documents):
         features = token_feature_maps(model, ids)
-        for layer, targets in kvzip_plus_targets(model, tokenizer, ids).items():
-            x = features[layer][0, :, SKIP_FIRST:]  # [H, T, F]
+        for layer, targets in targets_of(i, ids).items():
+            x = features[layer][0, SKIP_FIRST:]  # [T, F]
             y = targets[0, SKIP_FIRST:]  # [T, H]
-            layer_stats = stats.setdefault(layer, [RidgeStats(x.shape[-1], 1) for _ in range(x.shape[0])])
-            for h, head_stats in enumerate(layer_stats):
-                head_stats.add(x[h], y[:, h : h + 1])
+            stats.setdefault(layer, RidgeStats(x.shape[-1], y.shape[-1])).add(x, y)
         if progress is not None:
             progress(i + 1)
     if not stats:
@@ -103,20 +107,16 @@ def train_surrogate(
     return _surrogate_from(stats, model, alpha, meta or {})
 
 
-def _surrogate_from(stats: dict[int, list[RidgeStats]], model: Any, alpha: float, meta: dict) -> Surrogate:
+def _surrogate_from(stats: dict[int, RidgeStats], model: Any, alpha: float, meta: dict) -> Surrogate:
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     some = next(iter(stats.values()))
-    heads, features = len(some), some[0].sx.shape[0]
-    surrogate = Surrogate.zeros(num_layers, heads, features)
+    surrogate = Surrogate.zeros(num_layers, some.sy.shape[0], some.sx.shape[0])
     for layer, layer_stats in stats.items():
-        for h, head_stats in enumerate(layer_stats):
-            weight, bias, mean, std = head_stats.solve(alpha)
-            surrogate.weight[layer, h] = weight[:, 0]
-            surrogate.bias[layer, h] = bias[0]
-            surrogate.mean[layer, h] = mean
-            surrogate.std[layer, h] = std
+        weight, bias, mean, std = layer_stats.solve(alpha)
+        surrogate.weight[layer], surrogate.bias[layer] = weight.T, bias
+        surrogate.mean[layer], surrogate.std[layer] = mean, std
     surrogate.layers = sorted(stats)
-    surrogate.meta = {"alpha": alpha, "tokens": some[0].n, **meta}
+    surrogate.meta = {"alpha": alpha, "tokens_per_layer": some.n, **meta}
     return surrogate
 
 

@@ -51,8 +51,9 @@ class Scorer:
     ``params``: keyword defaults passed to ``fn``. ``reconstruction``: set for scorers that score the
     whole context through the model after the prefill (KVzip); such a scorer has no ``fn``.
     ``context``: ``fn`` also receives ``layer_idx``, ``module`` (the attention module), ``heads`` (the
-    slice of the model's KV heads these are: all of them, or a tensor-parallel rank's) and
-    ``positions`` (int64 ``[B, T]`` position ids), as keywords. ``missing``: set on a placeholder that
+    slice of the model's KV heads these are: all of them, or a tensor-parallel rank's), ``positions``
+    (int64 ``[B, T]`` position ids) and ``gather_heads`` (``None``, or under tensor parallelism
+    ``gather_heads(tensor, dim)``: every rank's heads, concatenated), as keywords. ``missing``: set on a placeholder that
     needs model-specific data (``kvzap`` without a surrogate): the message a cache raises at construction.
     """
 

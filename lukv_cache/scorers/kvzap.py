@@ -5,8 +5,8 @@ KVzip+ ranks a context token by the attention the model pays it while repeating 
 learns, per layer, a map from features of the token to ``log`` of that score for every KV head, and
 scores in the ordinary prefill.
 
-The features here are the token's own key before RoPE and its value, per KV head (``2 * D`` numbers):
-what the cache holds anyway, so scoring needs no hook and works for every
+The features here are the token's keys before RoPE and its values, of every KV head of the layer
+(``2 * H_kv * D`` numbers): what the cache holds anyway, so scoring needs no hook and works for every
 token the cache holds (chunked prefill, padded rows, decoded tokens). RoPE is undone with the model's own
 rotary embedding at the token's position. A token's KVzip+ score depends on the token only through its
 key (at its position) and its value; the position-free part of the key is what a surrogate can use
@@ -29,7 +29,7 @@ import torch
 from ..errors import ConfigurationError
 from . import Scorer
 
-FEATURES = "key_prerope_value"  # the one feature set this version computes
+FEATURES = "keys_prerope_values"  # the one feature set this version computes
 
 
 # ---------------------------------------------------------------------------------------------- features
@@ -95,8 +95,9 @@ class RopeInverse:
 
 
 def token_features(keys_prerope: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[B, H_kv, T, 2 * D]``: each token's pre-RoPE key and value, per KV head."""
-    return torch.cat([keys_prerope.float(), values.float()], dim=-1)
+    """fp32 ``[B, T, H_kv, 2 * D]``: each token's pre-RoPE key and value, per KV head (flatten the last two
+    dims for a surrogate's input)."""
+    return torch.cat([keys_prerope.float(), values.float()], dim=-1).transpose(1, 2)
 
 
 _INVERSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -114,15 +115,14 @@ def rope_inverse(module: Any) -> RopeInverse:
 
 @dataclass(eq=False)
 class Surrogate:
-    """Per (layer, KV head): a token's features ``[F]`` (its pre-RoPE key and value) -> its predicted log
-    KVzip+ score. Linear (ridge regression): ``((x - mean) / std) . weight + bias`` with ``weight``,
-    ``mean``, ``std`` ``[L, H_kv, F]`` and ``bias [L, H_kv]``. One head's score reads only that head's
-    key and value, so a tensor-parallel rank scores its own heads alone. ``layers``: the layers it was
-    trained for (sliding-window layers are never evicted and keep zeros). ``meta``: what it was trained
-    on and how well it fits.
+    """Per layer: a token's features ``x [F]`` (pre-RoPE keys and values of every KV head of the layer,
+    ``F = 2 * H_kv * D``) -> its predicted log KVzip+ score for each KV head. Linear (ridge regression):
+    ``((x - mean[l]) / std[l]) . weight[l, h] + bias[l, h]``, with ``weight [L, H_kv, F]``, ``bias
+    [L, H_kv]``, ``mean``/``std [L, F]``. ``layers``: the layers it was trained for (sliding-window layers
+    are never evicted and keep zeros). ``meta``: what it was trained on and how well it fits.
 
     >>> s = Surrogate.zeros(num_layers=2, heads=2, features=8)
-    >>> s.predict(0, torch.ones(1, 2, 3, 8)).shape
+    >>> s.predict(0, torch.ones(1, 3, 8)).shape
     torch.Size([1, 2, 3])
     """
 
@@ -139,8 +139,8 @@ class Surrogate:
         return cls(
             torch.zeros(num_layers, heads, features),
             torch.zeros(num_layers, heads),
-            torch.zeros(num_layers, heads, features),
-            torch.ones(num_layers, heads, features),
+            torch.zeros(num_layers, features),
+            torch.ones(num_layers, features),
         )
 
     @property
@@ -165,13 +165,13 @@ class Surrogate:
         return {f"kvzap.{name}": t.detach().float().contiguous() for name, t in out.items()}
 
     def predict(self, layer: int, features: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
-        """fp32 ``[B, H, T]`` predicted log-scores from ``features [B, H, T, F]`` (``heads``: which of the
-        surrogate's heads these are, under tensor parallelism)."""
+        """fp32 ``[B, H, T]`` predicted log-scores from ``features [B, T, F]`` (``heads``: which of the
+        surrogate's heads to predict, e.g. a tensor-parallel rank's). Standardisation is folded into the
+        weights: one ``[B, T, F] x [F, H]`` matmul, nothing of size ``H x T x F``."""
         device = features.device
-        mean, std = self.mean[layer, heads].to(device), self.std[layer, heads].to(device)
-        x = (features.float() - mean[:, None]) / std[:, None]
-        weight, bias = self.weight[layer, heads].to(device), self.bias[layer, heads].to(device)
-        return torch.einsum("bhtf,hf->bht", x, weight) + bias[:, None]
+        scale = self.weight[layer, heads].to(device) / self.std[layer].to(device)  # [H, F]
+        bias = self.bias[layer, heads].to(device) - scale @ self.mean[layer].to(device)
+        return (features.float() @ scale.T + bias).transpose(1, 2)
 
 
 class RidgeStats:
@@ -226,9 +226,11 @@ _HOW = (
 )
 
 
-def _kvzap(keys, values, queries, *, surrogate, layer_idx, module, heads, positions):
-    features = token_features(rope_inverse(module)(keys, positions), values)
-    return surrogate.predict(layer_idx, features, heads)
+def _kvzap(keys, values, queries, *, surrogate, layer_idx, module, heads, positions, gather_heads=None):
+    features = token_features(rope_inverse(module)(keys, positions), values)  # [B, T, H_kv, 2D]
+    if gather_heads is not None:  # tensor parallelism: every rank's heads make the features
+        features = gather_heads(features, dim=2)
+    return surrogate.predict(layer_idx, features.flatten(2), heads)
 
 
 def kvzap_scorer(surrogate: Surrogate, window: int = KVZAP_WINDOW) -> Scorer:

@@ -69,6 +69,8 @@ def run_cases(model, profile_path: str) -> dict:
     from lukv_cache import LUKVCache
     from lukv_cache.scorers.kvzip import RepeatPrompt
 
+    from core_models import scorer_for
+
     ids, mask = inputs()
     mesh = getattr(model, "_device_mesh", None)
     caches = {
@@ -88,6 +90,8 @@ def run_cases(model, profile_path: str) -> dict:
         "adakv_0.8": lambda: LUKVCache(0.8, "snapkv", "adakv"),
         "global_0.8": lambda: LUKVCache(0.8, "keydiff", "global"),
         "kvzip_plus_global_0.8": lambda: LUKVCache(0.8, "kvzip_plus", "global"),
+        "kvzap_global_0.8": lambda: LUKVCache(0.8, scorer_for("kvzap", model), "global"),
+        "kvzap_adakv_0.5": lambda: LUKVCache(0.5, scorer_for("kvzap", model), "adakv"),
     }
     results = {}
     for name, make in caches.items():

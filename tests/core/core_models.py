@@ -119,7 +119,7 @@ def scorer_for(name: str, model):
 
     text = model.config.get_text_config()
     heads, head_dim = text.num_key_value_heads, getattr(text, "head_dim", None) or 16
-    surrogate = Surrogate.zeros(text.num_hidden_layers, heads, 2 * head_dim)
+    surrogate = Surrogate.zeros(text.num_hidden_layers, heads, 2 * heads * head_dim)
     gen = torch.Generator().manual_seed(0)
     surrogate.weight.copy_(torch.randn(surrogate.weight.shape, generator=gen))
     surrogate.bias.copy_(torch.randn(surrogate.bias.shape, generator=gen))

@@ -1,6 +1,7 @@
 """End-to-end profile building on a tiny random model."""
 
 import numpy as np
+import torch
 import pytest
 
 import lukv_cache.profiling.build as build_module
@@ -198,3 +199,31 @@ def test_stale_temporary_files_of_a_dead_build_are_removed_on_the_next_run(tmp_p
     alive.write_bytes(b"half")
     build_module._ResultStore(store_dir)
     assert not dead.exists() and alive.exists()
+
+
+def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch
+):
+    """`lukv build --scorer kvzap` end to end on a tiny model: the surrogate is trained (KVzip+ targets
+    from the news corpus), stored in the profile, read back by from_pretrained; a second build reuses the
+    cached targets (no repeat pass runs again)."""
+    from lukv_cache import LUKVCache
+    from lukv_cache.profiling import kvzap
+
+    tiny_model.config.name_or_path = "org/tiny"
+    kwargs = dict(scorer="kvzap", calibration=tiny_calibration, cache_dir=tmp_path / "c", show_progress=False)
+    profile = build_profile(tiny_model, byte_tokenizer, kvzap_documents=2, **kwargs)
+    assert profile.scorer == "kvzap" and profile.window == 32 and profile.surrogate is not None
+    assert profile.surrogate.layers == [0, 1] and "2 documents" in profile.surrogate.meta["corpus"]
+    path = profile.save(tmp_path / "kvzap.safetensors")
+    cache = LUKVCache.from_pretrained(path, ratio=0.5)
+    with torch.no_grad():
+        tiny_model(torch.randint(3, 128, (1, 90)), past_key_values=cache)
+    assert cache.is_compressed
+
+    def no_repeat_pass(*args, **kwargs):
+        raise AssertionError("the KVzip+ targets were cached")
+
+    monkeypatch.setattr(kvzap, "kvzip_plus_targets", no_repeat_pass)
+    again = build_profile(tiny_model, byte_tokenizer, kvzap_documents=2, **kwargs)
+    assert torch.equal(again.surrogate.weight, profile.surrogate.weight)
