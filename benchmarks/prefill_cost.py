@@ -1,7 +1,8 @@
 """What filling a cache costs, side by side in one run: a full DynamicCache, LUKVCache with keydiff (one
-layer's full KV at a time) and with KVzip (the whole context held, then the repeat passes), on real text.
+layer's full KV at a time), with KVzap (its surrogate scoring in the same forward) and with KVzip (the
+whole context held, then the repeat passes), on real text.
 
-    python benchmarks/prefill_cost.py --tokens 1024 2048 --repeats 3 --threads 1
+    python benchmarks/prefill_cost.py --tokens 1024 4096 --repeats 3 --threads 1
 
 Prints and writes ``prefill_cost.{md,json}``: the median seconds of each prefill and its ratio to keydiff's.
 """
@@ -25,6 +26,8 @@ from lukv_cache.texts import wikipedia_articles
 METHODS = (
     ("DynamicCache (full)", None),
     ("LUKVCache keydiff / uniform", ("keydiff", "uniform")),
+    ("LUKVCache kvzap / global", ("kvzap", "global")),
+    ("LUKVCache kvzap / profile", ("kvzap", "profile")),
     ("LUKVCache kvzip / global", ("kvzip", "global")),
 )
 
@@ -43,6 +46,11 @@ def prefill_seconds(model, tokenizer, ids: torch.Tensor, method) -> float:
     started = time.perf_counter()
     if method is None:
         model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    elif method[0] == "kvzap":  # the shipped profile holds the surrogate
+        cache = LUKVCache.from_pretrained(model, 0.8, "kvzap", local_files_only=True)
+        if method[1] != "profile":
+            cache = LUKVCache(0.8, cache.scorer, method[1])
+        cache.prefill(model, ids, logits_to_keep=1)
     else:
         scorer, allocator = method
         LUKVCache(0.8, scorer, allocator).prefill(model, ids, tokenizer=tokenizer, logits_to_keep=1)
@@ -76,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"command": command, "threads": torch.get_num_threads(), "rows": rows}, indent=1) + "\n"
     )
     lines = [
-        "# Prefill cost: full cache vs keydiff vs KVzip (SmolLM2-135M-Instruct, real Wikipedia text)",
+        "# Prefill cost: full cache vs keydiff vs KVzap vs KVzip (SmolLM2-135M-Instruct, real Wikipedia text)",
         "",
         f"Command: `{command}`; {torch.get_num_threads()} CPU thread(s); median of {args.repeats} prefills; ratio 0.8.",
         "",

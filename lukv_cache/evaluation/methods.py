@@ -70,7 +70,15 @@ def make_cache(
     from ..cache import LUKVCache
 
     if method.allocator not in PROFILE_ALLOCATORS:
-        return LUKVCache(method.ratio, method.scorer, method.allocator, config=model.config)
+        scorer = method.scorer
+        if scorer == "kvzap":  # its surrogate is in the model's kvzap profile, whatever the allocator
+            from ..profiles import HubLocation, resolve_profile
+            from ..scorers import kvzap_scorer
+
+            hub_location = HubLocation(local_files_only=not hub)
+            profile = resolve_profile(model, "kvzap", hub=hub_location, local_dir=profiles_dir)
+            scorer = kvzap_scorer(profile.surrogate) if profile.surrogate is not None else scorer
+        return LUKVCache(method.ratio, scorer, method.allocator, config=model.config)
     return LUKVCache.from_pretrained(
         model,
         method.ratio,

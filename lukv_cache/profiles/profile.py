@@ -384,8 +384,9 @@ def _check_values(p: Profile, where: str) -> None:
     if not np.isfinite(grid).all():
         raise ProfileFormatError(f"{where}: grid contains NaN or infinite values. {_REBUILD}")
     if not ((grid > 0.0).all() and (grid < 1.0).all() and (np.diff(grid) > 0).all()):
+        shown = np.round(grid.astype(np.float64), 4).tolist()  # in float32, rounding a huge value overflows
         raise ProfileFormatError(
-            f"{where}: grid must be strictly increasing inside (0, 1), got {np.round(grid, 4).tolist()}. {_REBUILD}"
+            f"{where}: grid must be strictly increasing inside (0, 1), got {shown}. {_REBUILD}"
         )
     bad = ~np.isfinite(ratios)
     if bad.any():
