@@ -77,13 +77,15 @@ class Allocator:
     """A built allocator: ``fn(request) -> keep counts [L, B, H_kv]``.
 
     ``whole_model``: it needs every layer's scores in one request (the cache defers compression to the end
-    of the prefill, holding the full KV until then).
+    of the prefill, holding the full KV until then). ``adaptive``: its total follows the scores (a
+    threshold), so a prompt's kept share differs from the ratio; ``max_tokens`` still bounds it.
     """
 
     name: str
     fn: AllocateFn
     whole_model: bool = False
     params: dict[str, Any] = field(default_factory=dict)
+    adaptive: bool = False
 
     def __call__(self, request: AllocationRequest) -> torch.Tensor:
         counts = self.fn(request)
@@ -98,7 +100,7 @@ class Allocator:
 
 
 _Factory = Callable[..., AllocateFn]
-ALLOCATORS: Registry[tuple[_Factory, bool]] = Registry("allocator")
+ALLOCATORS: Registry[tuple[_Factory, bool, bool]] = Registry("allocator")
 
 
 def register_allocator(
@@ -106,6 +108,7 @@ def register_allocator(
     factory: _Factory | None = None,
     *,
     whole_model: bool = False,
+    adaptive: bool = False,
     overwrite: bool = False,
 ):
     """Register an allocator *factory* (called with the cache's allocator kwargs) under ``name``.
@@ -121,7 +124,7 @@ def register_allocator(
     """
 
     def add(f: _Factory) -> _Factory:
-        ALLOCATORS.add(name, (f, whole_model), overwrite=overwrite)
+        ALLOCATORS.add(name, (f, whole_model, adaptive), overwrite=overwrite)
         return f
 
     return add(factory) if factory is not None else add
@@ -139,8 +142,8 @@ def get_allocator(name: str | Allocator | AllocateFn, **kwargs: Any) -> Allocato
         return name
     if callable(name) and not isinstance(name, str):
         return Allocator(getattr(name, "__name__", "custom"), name)
-    factory, whole_model = ALLOCATORS.get(name)
-    return Allocator(name, factory(**kwargs), whole_model, dict(kwargs))
+    factory, whole_model, adaptive = ALLOCATORS.get(name)
+    return Allocator(name, factory(**kwargs), whole_model, dict(kwargs), adaptive)
 
 
 def largest_remainder(weights: torch.Tensor, totals: torch.Tensor, req: AllocationRequest) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The built-in allocators: uniform, pyramid (PyramidKV), adakv (AdaKV), global (KVzip) and profile (LU-KV)."""
+"""The built-in allocators: uniform, pyramid (PyramidKV), adakv (AdaKV), global (KVzip), profile (LU-KV),
+its hybrids, and threshold (KVzap / DMS)."""
 
 from __future__ import annotations
 
@@ -237,5 +238,43 @@ def hybrid_global(evict_ratio=None, floor: float = 0.5, profile=None):
         flat_floor = guaranteed.permute(1, 0, 2).reshape(b, num * h)
         counts = _competing_counts(flat_scores, prior.sum((0, 2)), flat_floor, req.n_evictable)
         return counts.view(b, num, h).transpose(0, 1)
+
+    return allocate
+
+
+@register_allocator("threshold", adaptive=True)
+def threshold(value: float | None = None, profile=None):
+    """KVzap / DMS: keep every evictable token whose score clears a threshold, so the budget follows the
+    prompt (an easy prompt keeps less) instead of a fixed share.
+
+    ``value``: a fixed threshold on the scorer's scale. Or ``profile``: a ``kvzap`` profile, whose
+    surrogate records for each global ratio the threshold that removes that share of its training tokens
+    (``meta["thresholds"]``); each row reads it at its ratio, so ``ratio`` is the *average* removed share
+    on text like the training corpus. Every head keeps at least its minimum; ``max_tokens`` still caps it.
+    """
+    if (value is None) == (profile is None):
+        raise ConfigurationError("threshold: pass value= (a score threshold) or profile= (a kvzap profile).")
+    grid = values = None
+    if profile is not None:
+        table = (getattr(getattr(profile, "surrogate", None), "meta", None) or {}).get("thresholds")
+        if not isinstance(table, dict) or not table.get("grid"):
+            raise ConfigurationError(
+                "threshold: this profile records no score thresholds (a kvzap profile built by lukv build "
+                "--scorer kvzap does); pass value= instead."
+            )
+        grid = torch.tensor(table["grid"], dtype=torch.float64)
+        values = torch.tensor(table["values"], dtype=torch.float64)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigurationError(f"threshold: value must be a number, got {value!r}.")
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        if values is None:
+            tau = torch.full_like(req.ratio, float(value))
+        else:
+            tau = torch.from_numpy(np.interp(req.ratio.numpy(), grid.numpy(), values.numpy()))
+        above = req.scores >= tau.to(req.scores).view(1, -1, 1, 1)  # -inf (not evictable) never is
+        counts = above.sum(-1).cpu()
+        low = req.min_counts().view(1, -1, 1)
+        return torch.minimum(torch.maximum(counts, low), req.n_evictable.view(1, -1, 1))
 
     return allocate

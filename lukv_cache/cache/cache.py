@@ -335,8 +335,10 @@ class LUKVCache(DynamicCache):
         in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
         ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
         The profile's scorer, sink and window become the cache's unless overridden. ``allocator``:
-        ``"profile"`` (LU-KV's budgets as they are) or ``"hybrid"`` (the profile's layer totals, spread over
-        each layer's heads by score; see :mod:`lukv_cache.allocation.builtin`). ``revision``,
+        ``"profile"`` (LU-KV's budgets as they are), ``"hybrid"`` (the profile's layer totals, spread over
+        each layer's heads by score), ``"hybrid_global"``, or ``"threshold"`` (a kvzap profile's score
+        thresholds: every token above the one for the ratio; see :mod:`lukv_cache.allocation.builtin`).
+        ``scorer="kvzap"`` reads the model's kvzap profile and scores with the surrogate it stores. ``revision``,
         ``repo_id``, ``token``, ``cache_dir``, ``endpoint``, ``local_files_only`` and ``timeout`` (seconds before the Hub counts as
         unreachable; default ``$LUKV_HUB_TIMEOUT`` or 10) go to huggingface_hub.
 
@@ -358,10 +360,10 @@ class LUKVCache(DynamicCache):
                 f"its budgets are used with scorer {scorer!r} instead.",
                 stacklevel=2,
             )
-        if allocator not in ("profile", "hybrid", "hybrid_global"):
+        if allocator not in ("profile", "hybrid", "hybrid_global", "threshold"):
             raise ConfigurationError(
-                "from_pretrained reads its budgets from a profile: allocator must be 'profile', 'hybrid' or "
-                f"'hybrid_global', got "
+                "from_pretrained reads its budgets from a profile: allocator must be 'profile', 'hybrid', "
+                f"'hybrid_global' or 'threshold' (a kvzap profile's score thresholds), got "
                 f"{allocator!r}. For other allocators build the cache directly: LUKVCache(ratio, scorer, allocator)."
             )
         cache = cls(

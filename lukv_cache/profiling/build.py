@@ -417,7 +417,8 @@ def _train_kvzap(model, tokenizer, documents: int, seed: int, cache_dir, show_pr
     from tqdm.auto import tqdm
 
     from ..models import max_positions
-    from .kvzap import KVZAP_TOKENS, kvzip_plus_targets, news_documents, train_surrogate
+    from ..scorers.kvzap import KVZAP_WINDOW
+    from .kvzap import KVZAP_TOKENS, kvzip_plus_targets, news_documents, score_thresholds, train_surrogate
 
     if isinstance(documents, bool) or not isinstance(documents, int) or documents < 1:
         raise ConfigurationError(f"kvzap_documents must be a positive integer, got {documents!r}.")
@@ -446,6 +447,7 @@ def _train_kvzap(model, tokenizer, documents: int, seed: int, cache_dir, show_pr
             targets_of=targets_of,
             meta={"corpus": f"gensim lee_background news, {len(docs)} documents x {tokens} tokens"},
         )
+    surrogate.meta["thresholds"] = score_thresholds(model, surrogate, docs[:8], DEFAULT_GRID, KVZAP_WINDOW)
     return surrogate
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -118,6 +118,24 @@ def _surrogate_from(stats: dict[int, RidgeStats], model: Any, alpha: float, meta
     surrogate.layers = sorted(stats)
     surrogate.meta = {"alpha": alpha, "tokens_per_layer": some.n, **meta}
     return surrogate
+
+
+@torch.no_grad()
+def score_thresholds(
+    model: Any, surrogate: Surrogate, documents: Iterable[torch.Tensor], grid: Sequence[float], window: int
+) -> dict[str, list[float]]:
+    """For each global ratio of ``grid``: the predicted log-score below which that share of the evictable
+    tokens of ``documents`` fall, over every trained layer and head (the ``threshold`` allocator reads it,
+    so its average kept share on text like these documents is the ratio asked for)."""
+    pooled = []
+    for ids in documents:
+        features = token_feature_maps(model, ids)
+        end = ids.shape[1] - window
+        for layer in surrogate.layers:
+            pooled.append(surrogate.predict(layer, features[layer])[0, :, SKIP_FIRST:end].flatten())
+    scores = torch.cat(pooled).double()
+    values = torch.quantile(scores, torch.tensor(list(grid), dtype=torch.float64))
+    return {"grid": [float(g) for g in grid], "values": values.tolist()}
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -64,12 +64,11 @@ def inputs():
 
 def run_cases(model, profile_path: str) -> dict:
     """Every case: ``{"tokens": [B, NEW_TOKENS], "stored": [L, B, local KV heads], "heads": [start, stop]}``."""
+    from core_models import scorer_for
     from transformers import DynamicCache
 
     from lukv_cache import LUKVCache
     from lukv_cache.scorers.kvzip import RepeatPrompt
-
-    from core_models import scorer_for
 
     ids, mask = inputs()
     mesh = getattr(model, "_device_mesh", None)

@@ -45,6 +45,8 @@ def _profile(model) -> Profile:
 
 def _cache(model, ratio: float, scorer: str, allocator: str) -> LUKVCache:
     kwargs = {"profile": _profile(model)} if allocator in PROFILE_FAMILY else None
+    if allocator == "threshold":
+        kwargs = {"value": 0.0}  # keydiff keeps about half; any threshold tests that rows are alone
     return LUKVCache(ratio, scorer_for(scorer, model), allocator, sink=2, window=3, allocator_kwargs=kwargs)
 
 

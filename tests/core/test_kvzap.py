@@ -230,3 +230,28 @@ def test_token_features_are_each_heads_key_and_value():
 def test_kvzap_scorer_refuses_anything_but_a_surrogate():
     with pytest.raises(ConfigurationError, match="needs a Surrogate"):
         kvzap_scorer({"weight": 1})
+
+
+def test_the_threshold_allocator_reads_a_kvzap_profiles_thresholds_and_adapts_to_the_prompt(tmp_path):
+    """Every token whose predicted score clears the threshold recorded for the ratio: a prompt whose
+    tokens score low keeps less than one whose tokens score high."""
+    from lukv_cache.profiling.kvzap import score_thresholds
+
+    model = tiny_model("llama", "sdpa")
+    surrogate = _trained(model)
+    docs = [prompt(1, 48, seed=s) for s in range(3)]
+    surrogate.meta["thresholds"] = score_thresholds(model, surrogate, docs, [0.25, 0.5, 0.75], window=1)
+    values = surrogate.meta["thresholds"]["values"]
+    assert values == sorted(values)
+    path = _profile(surrogate).save(tmp_path / "kvzap.safetensors")
+    kept = []
+    for seed in range(4):
+        cache = LUKVCache.from_pretrained(path, ratio=0.5, allocator="threshold", window=1)
+        with torch.no_grad():
+            model(prompt(1, 100, seed=10 + seed), past_key_values=cache)
+        kept.append(float(cache.stored_tokens().double().mean()))
+    assert all(5 < k < 100 for k in kept) and len(set(kept)) > 1  # adaptive: not one fixed share
+    with pytest.raises(ConfigurationError, match="records no score thresholds"):
+        LUKVCache.from_pretrained(
+            _profile(_trained(model)).save(tmp_path / "b.safetensors"), 0.5, allocator="threshold"
+        )

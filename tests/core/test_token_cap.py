@@ -74,7 +74,10 @@ def _assert_capped(cache: LUKVCache, lengths, n: int) -> None:
 @pytest.mark.parametrize("n", [5, 16, 48])
 def test_the_cap_holds_for_allocators_without_a_profile(n, allocator, shape):
     lengths, chunk = SHAPES[shape]
-    cache = LUKVCache(max_tokens=n, allocator=allocator, sink=4, window=1, prefill_chunk_size=chunk)
+    kwargs = {"value": -10.0} if allocator == "threshold" else None  # keeps everything: the cap must trim
+    cache = LUKVCache(
+        max_tokens=n, allocator=allocator, sink=4, window=1, prefill_chunk_size=chunk, allocator_kwargs=kwargs
+    )
     _fill(cache, lengths, chunk)
     _assert_capped(cache, lengths, n)
 

@@ -1,8 +1,8 @@
 """End-to-end profile building on a tiny random model."""
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 import lukv_cache.profiling.build as build_module
 from lukv_cache import build_profile
