@@ -17,7 +17,8 @@ PROFILE_ALLOCATORS = (
     "profile",
     "hybrid",
     "hybrid_global",
-)  # allocators whose budgets come from the model's profile
+    "threshold",
+)  # allocators whose budgets come from the model's profile (threshold: a kvzap profile's thresholds)
 
 
 @dataclass(frozen=True)

@@ -255,3 +255,16 @@ def test_the_threshold_allocator_reads_a_kvzap_profiles_thresholds_and_adapts_to
         LUKVCache.from_pretrained(
             _profile(_trained(model)).save(tmp_path / "b.safetensors"), 0.5, allocator="threshold"
         )
+
+
+def test_the_shipped_smollm2_kvzap_profile_holds_a_valid_surrogate_and_thresholds():
+    from lukv_cache.profiles.location import BUNDLED_DIR
+
+    profile = Profile.load(BUNDLED_DIR / "HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors")
+    surrogate = profile.surrogate
+    assert profile.scorer == "kvzap" and profile.window == 32
+    assert tuple(surrogate.weight.shape) == (30, 3, 2 * 3 * 64) and surrogate.layers == list(range(30))
+    thresholds = surrogate.meta["thresholds"]
+    assert thresholds["grid"] == [float(g) for g in profile.grid] or len(thresholds["grid"]) == 99
+    assert thresholds["values"] == sorted(thresholds["values"])
+    assert "news" in surrogate.meta["corpus"]
