@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, HubUnavailableError, ProfileFormatError, ProfileNotFoundError
-from .hub_errors import LOCAL_OPTION, connection_errors, translated_hub_errors
+from .hub_errors import LOCAL_OPTION, connection_errors, hub_answers, translated_hub_errors
 from .location import BUNDLED_DIR, DEFAULT_SCORER, LOCAL_DIR_ENV, HubLocation, profile_filename
 from .profile import Profile, library_version
 
@@ -96,7 +96,8 @@ def download_profile(
     Resolution order: ``local_dir`` (else ``$LUKV_PROFILE_DIR``); then the shared Hub repository through
     huggingface_hub (its cache, revision, offline mode; a Hub that does not answer within ``hub.timeout``
     seconds counts as unreachable); then, when the Hub has no such file or cannot be reached and no
-    revision is pinned, the copy shipped inside this package (with a warning when the Hub was unreachable).
+    revision is pinned, the copy shipped inside this package (with a warning when the Hub was unreachable,
+    an INFO log when ``local_files_only`` or ``HF_HUB_OFFLINE`` asked for no network).
 
     >>> download_profile("meta-llama/Llama-3.1-8B-Instruct")  # doctest: +SKIP
     PosixPath('~/.cache/huggingface/hub/models--lukv-cache--profiles/snapshots/<sha>/meta-llama/...')
@@ -114,7 +115,11 @@ def download_profile(
         bundled = BUNDLED_DIR / filename
         if hub.revision is not None or not bundled.is_file():
             raise
-        if isinstance(err, HubUnavailableError):
+        if _offline_by_intent(hub):  # the user asked for no network: that is not news
+            logger.info(
+                "lukv_cache: offline (local_files_only / HF_HUB_OFFLINE): using the shipped %s", bundled
+            )
+        elif isinstance(err, HubUnavailableError):
             warnings.warn(
                 f"The Hub could not serve {filename!r} ({str(err).split('. ')[0]}); using the copy shipped with "
                 f"lukv_cache: {bundled}",
@@ -123,20 +128,10 @@ def download_profile(
         return bundled
 
 
-def _probe_hub(filename: str, hub: HubLocation) -> bool:
-    """Whether the Hub answers about ``filename`` within ``hub.timeout`` (any answer, even "not found")."""
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+def _offline_by_intent(hub: HubLocation) -> bool:
+    from huggingface_hub import constants
 
-    if hub.local_files_only or constants.is_offline_mode():
-        return True  # huggingface_hub will not touch the network: nothing to wait for
-    url = hf_hub_url(hub.repo, filename, revision=hub.revision, endpoint=hub.endpoint)
-    try:
-        get_hf_file_metadata(url, token=hub.token, timeout=hub.timeout, retry_on_errors=False)
-    except connection_errors():
-        return False
-    except Exception:  # an answer (404, 401, ...): hf_hub_download reports it properly
-        return True
-    return True
+    return bool(hub.local_files_only or constants.is_offline_mode())
 
 
 def _from_hub(model_id: str, scorer: str, filename: str, hub: HubLocation, searched: str) -> Path:
@@ -144,7 +139,7 @@ def _from_hub(model_id: str, scorer: str, filename: str, hub: HubLocation, searc
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
     subject = f"{filename!r} (profile of {model_id!r})"
-    reachable = _probe_hub(filename, hub)
+    reachable = hub_answers(filename, hub)
     with translated_hub_errors(subject, hub, model_id=model_id, searched=searched):
         try:
             return Path(

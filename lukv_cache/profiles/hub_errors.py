@@ -109,3 +109,19 @@ def translated_hub_errors(
             f"The Hub at {endpoint} failed while fetching {subject} from {repo!r}{at}: {one_line(err)}. "
             f"Retry later, {LOCAL_OPTION}."
         ) from err
+
+
+def hub_answers(filename: str, hub: HubLocation) -> bool:
+    """Whether the Hub answers about ``filename`` within ``hub.timeout`` (any answer, even "not found")."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+
+    if hub.local_files_only or constants.is_offline_mode():
+        return True  # huggingface_hub will not touch the network: nothing to wait for
+    url = hf_hub_url(hub.repo, filename, revision=hub.revision, endpoint=hub.endpoint)
+    try:
+        get_hf_file_metadata(url, token=hub.token, timeout=hub.timeout, retry_on_errors=False)
+    except connection_errors():
+        return False
+    except Exception:  # an answer (404, 401, ...): hf_hub_download reports it properly
+        return True
+    return True

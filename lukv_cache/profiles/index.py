@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, ProfileFormatError
-from .hub_errors import translated_hub_errors
+from .hub_errors import hub_answers, translated_hub_errors
 from .jsonfile import parse_json
 from .location import INDEX_FILENAME, HubLocation, check_model_id, profile_filename
 from .profile import Profile, atomic_write
@@ -94,6 +94,7 @@ def list_profiles(
         index = parse_index(path.read_bytes(), str(path)) if path.is_file() else empty_index()
     else:
         hub = hub or HubLocation()
+        reachable = hub_answers(INDEX_FILENAME, hub)  # one probe, as from_pretrained: no retries offline
         with translated_hub_errors(f"the profile index {INDEX_FILENAME!r}", hub):
             try:
                 path = hf_hub_download(
@@ -104,6 +105,8 @@ def list_profiles(
                     token=hub.token,
                     cache_dir=hub.cache_dir,
                     endpoint=hub.endpoint,
+                    local_files_only=hub.local_files_only or not reachable,
+                    etag_timeout=hub.timeout,
                 )
             except RemoteEntryNotFoundError:
                 return []  # a repository without an index holds no profiles yet

@@ -423,3 +423,27 @@ def test_a_pinned_revision_never_falls_back(silent_endpoint, hf_cache):
     location = HubLocation(endpoint=silent_endpoint, cache_dir=hf_cache, timeout=1.0, revision="v1")
     with pytest.raises(HubUnavailableError):
         resolve_profile("HuggingFaceTB/SmolLM2-135M-Instruct", hub=location)
+
+
+def test_offline_by_intent_uses_the_shipped_profile_quietly(hf_cache, caplog):
+    """local_files_only=True (or HF_HUB_OFFLINE=1) is a choice, not a failure: an INFO log, no warning."""
+    import logging
+    import warnings
+
+    location = HubLocation(cache_dir=hf_cache, local_files_only=True)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="lukv_cache"):
+        warnings.simplefilter("error")
+        profile = resolve_profile("HuggingFaceTB/SmolLM2-135M-Instruct", hub=location)
+    assert "profiles_hub" in profile.source
+    assert any("offline" in record.getMessage() for record in caplog.records)
+
+
+def test_listing_an_unreachable_hub_gives_up_after_one_probe(silent_endpoint, hf_cache):
+    """`lukv list` offline retried the Hub five times (37 s); it now probes once, like from_pretrained."""
+    from lukv_cache.profiles import list_profiles
+
+    location = HubLocation(endpoint=silent_endpoint, cache_dir=hf_cache, timeout=1.0)
+    start = time.perf_counter()
+    with pytest.raises(HubUnavailableError):
+        list_profiles(hub=location)
+    assert time.perf_counter() - start < 8
