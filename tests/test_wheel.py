@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = "lukv_cache/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/keydiff.safetensors"
+# from_pretrained without a scorer takes the model's kvzap profile (its surrogate is in the file)
+PROFILE = "lukv_cache/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors"
 
 
 @pytest.fixture(scope="module")

@@ -336,9 +336,11 @@ class LUKVCache(DynamicCache):
         ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
         The profile's scorer, sink and window become the cache's unless overridden. ``allocator``:
         ``"profile"`` (LU-KV's budgets as they are), ``"hybrid"`` (the profile's layer totals, spread over
-        each layer's heads by score), ``"hybrid_global"``, or ``"threshold"`` (a kvzap profile's score
-        thresholds: every token above the one for the ratio; see :mod:`lukv_cache.allocation.builtin`).
-        ``scorer="kvzap"`` reads the model's kvzap profile and scores with the surrogate it stores. ``revision``,
+        each layer's heads by score), ``"hybrid_global"``, ``"threshold"`` (a kvzap profile's score
+        thresholds: every token above the one for the ratio; see :mod:`lukv_cache.allocation.builtin`), or
+        any other registered allocator (``"global"``: the profile then gives the scorer, sink and window).
+        ``scorer``: by default the model's ``kvzap`` profile when it has one (its surrogate scores), else
+        ``keydiff``. ``revision``,
         ``repo_id``, ``token``, ``cache_dir``, ``endpoint``, ``local_files_only`` and ``timeout`` (seconds before the Hub counts as
         unreachable; default ``$LUKV_HUB_TIMEOUT`` or 10) go to huggingface_hub.
 
@@ -360,12 +362,8 @@ class LUKVCache(DynamicCache):
                 f"its budgets are used with scorer {scorer!r} instead.",
                 stacklevel=2,
             )
-        if allocator not in ("profile", "hybrid", "hybrid_global", "threshold"):
-            raise ConfigurationError(
-                "from_pretrained reads its budgets from a profile: allocator must be 'profile', 'hybrid', "
-                f"'hybrid_global' or 'threshold' (a kvzap profile's score thresholds), got "
-                f"{allocator!r}. For other allocators build the cache directly: LUKVCache(ratio, scorer, allocator)."
-            )
+        reads_profile = allocator in ("profile", "hybrid", "hybrid_global", "threshold")
+        allocator_kwargs = {"profile": profile} if reads_profile else {}
         cache = cls(
             ratio,
             _profile_scorer(profile, scorer or profile.scorer),
@@ -375,7 +373,7 @@ class LUKVCache(DynamicCache):
             min_keep=kwargs.pop("min_keep", profile.min_keep),
             max_tokens=max_tokens,
             # the profile's curve, read at the ratio (or each prompt's own ratio under max_tokens)
-            allocator_kwargs={"profile": profile, **(kwargs.pop("allocator_kwargs", None) or {})},
+            allocator_kwargs={**allocator_kwargs, **(kwargs.pop("allocator_kwargs", None) or {})},
             **kwargs,
         )
         cache.profile = profile

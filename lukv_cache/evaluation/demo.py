@@ -3,7 +3,8 @@
 Several contexts (seeded, fixed in advance), each with several facts, each cache filled before the
 questions arrive (question-agnostic). One compact table: the full cache, uniform eviction, the LU-KV
 profile that ``LUKVCache.from_pretrained`` reads, and KVzip, each at two ratios, with KV memory and
-correct answers. The same code runs on any causal LM (the tests use a tiny random Llama).
+correct answers (the keydiff profile; ``from_pretrained`` without a scorer takes a model's kvzap
+profile where it has one). The same code runs on any causal LM (the tests use a tiny random Llama).
 
     >>> from lukv_cache.models import load_model
     >>> from lukv_cache.evaluation.demo import run_demo, format_report
@@ -163,6 +164,7 @@ def format_report(report: DemoReport) -> str:
     lines += [
         "",
         f"ratio = fraction of the context's KV removed. {report.seconds:.0f} s in all. LU-KV profile: the budgets "
-        "LUKVCache.from_pretrained(model, ratio) reads; KVzip: cache.prefill(model, ids, tokenizer=...).",
+        "LUKVCache.from_pretrained(model, ratio, scorer='keydiff') reads; KVzip: cache.prefill(model, ids, "
+        "tokenizer=...).",
     ]
     return "\n".join(lines)

@@ -70,16 +70,9 @@ def make_cache(
         return DynamicCache()
     from ..cache import LUKVCache
 
-    if method.allocator not in PROFILE_ALLOCATORS:
-        scorer = method.scorer
-        if scorer == "kvzap":  # its surrogate is in the model's kvzap profile, whatever the allocator
-            from ..profiles import HubLocation, resolve_profile
-            from ..scorers import kvzap_scorer
-
-            hub_location = HubLocation(local_files_only=not hub)
-            profile = resolve_profile(model, "kvzap", hub=hub_location, local_dir=profiles_dir)
-            scorer = kvzap_scorer(profile.surrogate) if profile.surrogate is not None else scorer
-        return LUKVCache(method.ratio, scorer, method.allocator, config=model.config)
+    if method.allocator not in PROFILE_ALLOCATORS and method.scorer != "kvzap":
+        return LUKVCache(method.ratio, method.scorer, method.allocator, config=model.config)
+    # the model's profile: the budgets, or (kvzap) the surrogate whatever the allocator
     return LUKVCache.from_pretrained(
         model,
         method.ratio,

@@ -14,7 +14,14 @@ from typing import Any
 
 from ..errors import ConfigurationError, HubUnavailableError, ProfileFormatError, ProfileNotFoundError
 from .hub_errors import LOCAL_OPTION, connection_errors, hub_answers, translated_hub_errors
-from .location import BUNDLED_DIR, DEFAULT_SCORER, LOCAL_DIR_ENV, HubLocation, profile_filename
+from .location import (
+    BUNDLED_DIR,
+    DEFAULT_SCORER,
+    LOCAL_DIR_ENV,
+    PREFERRED_SCORERS,
+    HubLocation,
+    profile_filename,
+)
 from .profile import Profile, library_version
 
 logger = logging.getLogger("lukv_cache")
@@ -41,7 +48,9 @@ def resolve_profile(
 
     A model id is looked up first in ``local_dir`` (else ``$LUKV_PROFILE_DIR``) at
     ``<local_dir>/<model_id>/<scorer>.safetensors``, then in the shared Hub repository through
-    ``hf_hub_download`` (cache, offline mode, token, revision and endpoint from ``hub``).
+    ``hf_hub_download`` (cache, offline mode, token, revision and endpoint from ``hub``). Without a
+    ``scorer``, the model's ``kvzap`` profile if it has one, else its ``keydiff`` profile
+    (:data:`~lukv_cache.profiles.location.PREFERRED_SCORERS`).
 
     >>> profile = resolve_profile("meta-llama/Llama-3.1-8B-Instruct", "snapkv")  # doctest: +SKIP
     >>> profile = resolve_profile("./my_profile.safetensors")                   # doctest: +SKIP
@@ -66,10 +75,9 @@ def resolve_profile(
         raise ConfigurationError(
             f"Expected a profile file, a model id or a loaded model, got {type(model).__name__}."
         )
-    path = download_profile(model_id, scorer, hub=hub, local_dir=local_dir)
+    path, scorer = _preferred_profile(model_id, scorer, hub, local_dir)
     profile = Profile.load(path)
     logger.info("lukv_cache: the %s profile of %s comes from %s", profile.scorer, model_id, path)
-    scorer = scorer or DEFAULT_SCORER
     if profile.scorer != scorer:
         raise ProfileFormatError(
             f"{path} is stored as the {scorer!r} profile of {model_id!r} but says it was built for scorer "
@@ -82,6 +90,21 @@ def resolve_profile(
             f"The profile stored for {model_id!r} says it was built for {profile.model_id!r}.", stacklevel=2
         )
     return profile
+
+
+def _preferred_profile(
+    model_id: str, scorer: str | None, hub: HubLocation | None, local_dir: str | os.PathLike | None
+) -> tuple[Path, str]:
+    """The file of ``scorer``'s profile; without a scorer, the first of :data:`PREFERRED_SCORERS` that
+    ``model_id`` has a profile for (where it is not found or not reachable, the next is tried)."""
+    candidates = [scorer] if scorer else list(PREFERRED_SCORERS)
+    for i, candidate in enumerate(candidates):
+        try:
+            return download_profile(model_id, candidate, hub=hub, local_dir=local_dir), candidate
+        except (ProfileNotFoundError, HubUnavailableError):
+            if i == len(candidates) - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def download_profile(

@@ -19,7 +19,10 @@ DEFAULT_REPO_ID = "lukv-cache/profiles"
 REPO_ID_ENV = "LUKV_PROFILE_REPO"
 LOCAL_DIR_ENV = "LUKV_PROFILE_DIR"
 INDEX_FILENAME = "index.json"
-DEFAULT_SCORER = "keydiff"
+DEFAULT_SCORER = "keydiff"  # what `lukv pull` fetches by default
+# from_pretrained without a scorer: the first a model has a profile for. KVzap (learned KVzip+ scores) beat
+# keydiff on SmolLM2-135M on retrieval and continuation loss (docs/kvzap.md).
+PREFERRED_SCORERS = ("kvzap", DEFAULT_SCORER)
 TIMEOUT_ENV = "LUKV_HUB_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0
 MAX_TIMEOUT = 86_400.0  # one day: any longer wait is a typo

@@ -268,3 +268,21 @@ def test_the_shipped_smollm2_kvzap_profile_holds_a_valid_surrogate_and_threshold
     assert thresholds["grid"] == [float(g) for g in profile.grid] or len(thresholds["grid"]) == 99
     assert thresholds["values"] == sorted(thresholds["values"])
     assert "news" in surrogate.meta["corpus"]
+
+
+def test_from_pretrained_prefers_a_models_kvzap_profile_then_keydiff_and_takes_any_allocator(tmp_path):
+    model = tiny_model("llama", "sdpa")
+    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
+    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
+    mirror = tmp_path / "mirror" / "org" / "tiny"
+    mirror.mkdir(parents=True)
+    Profile(grid, ratios, model_id="org/tiny", scorer="keydiff", head_dim=16).save(
+        mirror / "keydiff.safetensors"
+    )
+    assert LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror").scorer.name == "keydiff"
+    _profile(_trained(model)).save(mirror / "kvzap.safetensors")
+    cache = LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror", allocator="global")
+    assert cache.scorer.name == "kvzap" and cache.allocator_name == "global"
+    with torch.no_grad():
+        model(prompt(1, 90, seed=4), past_key_values=cache)
+    assert cache.is_compressed
