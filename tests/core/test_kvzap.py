@@ -209,12 +209,14 @@ def test_a_corrupt_surrogate_is_refused_with_a_typed_error(tmp_path, edit):
         Profile.from_bytes(data)
 
 
-def test_profiles_without_a_surrogate_still_load_unchanged(tmp_path):
-    """Files written before kvzap existed hold exactly grid and evict_ratio; they load as they did."""
+@pytest.mark.parametrize("scorer", ["keydiff", "snapkv", "expected_attention", "knorm", "kvzip"])
+def test_profiles_without_a_surrogate_still_load_unchanged(scorer):
+    """The shipped files were written before kvzap existed (exactly grid and evict_ratio); they load as
+    they did, and write back the same values."""
     from lukv_cache.profiles.location import BUNDLED_DIR
 
-    shipped = Profile.load(BUNDLED_DIR / "HuggingFaceTB/SmolLM2-135M-Instruct/keydiff.safetensors")
-    assert shipped.surrogate is None and shipped.scorer == "keydiff"
+    shipped = Profile.load(BUNDLED_DIR / f"HuggingFaceTB/SmolLM2-135M-Instruct/{scorer}.safetensors")
+    assert shipped.surrogate is None and shipped.scorer == scorer
     again = Profile.from_bytes(shipped.to_bytes())
     assert again._metadata() == shipped._metadata() and again.surrogate is None
     assert np.array_equal(again.evict_ratio, shipped.evict_ratio) and np.array_equal(again.grid, shipped.grid)
