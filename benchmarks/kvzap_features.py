@@ -64,14 +64,14 @@ def feature_sets(model, ids) -> tuple[dict[str, dict[int, torch.Tensor]], dict[i
     finally:
         for hook in hooks:
             hook.remove()
-    heads = next(iter(kv.values())).shape[1]
+    heads = model.config.num_key_value_heads
     sets: dict[str, dict[int, torch.Tensor]] = {name: {} for name in SETS}
     for layer, h in hidden.items():
         attn = model.model.layers[layer].self_attn
         with torch.no_grad():
             query = attn.q_proj(h)
-        both = kv[layer][0]  # [H, T, 2D]
-        kv_all = both.permute(1, 0, 2).flatten(1)  # [T, H * 2D]
+        kv_all = kv[layer][0]  # [T, H * 2D]: every head's pre-RoPE key and value
+        both = kv_all.view(kv_all.shape[0], heads, -1).transpose(0, 1)  # [H, T, 2D]
         for name, x in (("hidden", h), ("query", query), ("kv_all", kv_all)):
             sets[name][layer] = x.unsqueeze(0).expand(heads, -1, -1)
         sets["kv_head"][layer] = both
