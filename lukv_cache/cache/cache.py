@@ -118,12 +118,9 @@ def kv_cache_bytes(cache: Any) -> int:
 def _positions(mask: torch.Tensor, length: int, past: int) -> torch.Tensor | None:
     """Position ids of the last ``length`` tokens as ``generate()`` numbers a left-padded batch (each row
     from 0, padding at 1), from a mask over the past and new tokens; None if the mask covers neither."""
-    if mask.shape[-1] not in (length, past + length):
+    if mask.shape[-1] != past + length:  # e.g. a mask of the new tokens alone: the model numbers them
         return None
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    if mask.shape[-1] == length and past:
-        return None  # a mask of the new tokens alone: the model numbers them after the past
-    return positions[:, -length:]
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -length:]
 
 
 def _profile_scorer(profile: Any, name: str) -> str | Scorer:
@@ -249,7 +246,6 @@ class LUKVCache(DynamicCache):
         self._last_full_layer: int | None = None
         self._full_layers: list[int] = []
         self._cap_ratio: torch.Tensor | None = None  # max_tokens: each row's ratio in this forward
-        self._pending_layers = self._model_heads = 1
         self._config_checked = False
         self._record_past = False
         self._awaiting: int | None = None  # layer whose announced attention has not run yet
@@ -484,10 +480,13 @@ class LUKVCache(DynamicCache):
             return None
         shard = self._head_shard
         heads = slice(None) if shard is None else shard.heads(layer.num_heads * shard.size)
-        context = {"layer_idx": idx, "module": module, "heads": heads}
-        context["positions"] = suffix_positions(attention_mask, layer)
-        context["gather_heads"] = None if shard is None else shard.gather
-        return context
+        return {
+            "layer_idx": idx,
+            "module": module,
+            "heads": heads,
+            "positions": suffix_positions(attention_mask, layer),
+            "gather_heads": None if shard is None else shard.gather,
+        }
 
     def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
         """Compress after a multi-token forward: always the first time, then whenever chunked prefill
@@ -516,11 +515,11 @@ class LUKVCache(DynamicCache):
             shard = self._head_shard
             if shard is not None:  # allocate over every head of the model, keep this rank's block
                 scores = shard.gather(scores, dim=2)
-            cap = self._token_cap(region, scored, scores.shape[2])
+            cap, slots = self._token_cap(region, scored, scores.shape[2])
             request = AllocationRequest(
                 scores=scores,
                 n_evictable=region.n_evictable.cpu(),
-                ratio=self._row_ratios(region, cap),
+                ratio=self._row_ratios(region, cap, slots),
                 layers=tuple(scored),
                 num_layers=self.num_layers or max(scored) + 1,
                 min_keep=self.policy.min_keep,
@@ -709,36 +708,38 @@ class LUKVCache(DynamicCache):
             )
 
     # ------------------------------------------------------------------ the model
-    def _row_ratios(self, region: Region, cap: torch.Tensor | None) -> torch.Tensor:
-        """float64 ``[B]``: each row's ratio; with ``max_tokens``, the one that fills the room ``cap``
-        leaves (fixed at the first eviction of a forward, so every layer reads its profile at one ratio)."""
+    def _row_ratios(self, region: Region, cap: torch.Tensor | None, slots: int) -> torch.Tensor:
+        """float64 ``[B]``: each row's ratio; with ``max_tokens``, the one that fills the room ``cap`` leaves
+        over ``slots`` (layer, KV head) pairs still to evict in this forward (fixed at the forward's first
+        eviction, so every layer reads its profile at one ratio)."""
         batch = region.evictable.shape[0]
         if cap is None:
             return torch.full((batch,), self.ratio, dtype=torch.float64)
         if self._cap_ratio is None or self._cap_ratio.shape[0] != batch:
             n = region.n_evictable.cpu().double()
-            room = cap.double() / (
-                self._pending_layers * self._model_heads
-            )  # per head of every layer to come
+            room = cap.double() / slots  # per head of every layer to come
             self._cap_ratio = torch.where(n > room, 1.0 - room / n.clamp_min(1), torch.zeros_like(n))
         return self._cap_ratio.clamp(0.0, 0.999999)
 
-    def _token_cap(self, region: Region, layers: list[int], num_heads: int) -> torch.Tensor | None:
-        """int64 ``[B]``, with ``max_tokens``: the evictable tokens that ``layers`` (evicted now, over all
+    def _token_cap(
+        self, region: Region, layers: list[int], num_heads: int
+    ) -> tuple[torch.Tensor | None, int]:
+        """With ``max_tokens``: int64 ``[B]``, the evictable tokens that ``layers`` (evicted now, over all
         ``num_heads`` KV heads of the model) may keep in all, so that after this forward every row holds at
-        most ``max_tokens`` tokens per (full-attention layer, KV head) on average: every layer's store, its
-        protected window, and the sinks of the layers still to evict in this forward all count."""
+        most ``max_tokens`` tokens per (full-attention layer, KV head) on average (every layer's store, its
+        protected window, and the sinks of the layers still to evict in this forward all count); and the
+        number of (layer, head) pairs still to evict. ``(None, 0)`` without a cap."""
         if self.policy.max_tokens is None:
-            return None
+            return None, 0
         full = self._full_layers or [i for i, layer in enumerate(self.layers) if isinstance(layer, LUKVLayer)]
         later = 0 if self.policy.defers else sum(1 for i in full if i > max(layers))
-        self._pending_layers, self._model_heads = len(layers) + later, num_heads
         layer = self.layers[layers[0]]
         window = layer.suffix_length - region.length
         sinks = region.sinks.sum(-1).cpu()
         budget = self.policy.max_tokens * len(full) * num_heads
         protected = num_heads * (len(full) * window + (len(layers) + later) * sinks)
-        return budget - self._stored_in_stores(sinks.shape[0]) - protected
+        cap = budget - self._stored_in_stores(sinks.shape[0]) - protected
+        return cap, (len(layers) + later) * num_heads
 
     def _stored_in_stores(self, batch: int) -> torch.Tensor:
         """int64 ``[B]``: tokens in the ragged stores of every layer, over every KV head of the model."""

@@ -97,14 +97,13 @@ def _preferred_profile(
 ) -> tuple[Path, str]:
     """The file of ``scorer``'s profile; without a scorer, the first of :data:`PREFERRED_SCORERS` that
     ``model_id`` has a profile for (where it is not found or not reachable, the next is tried)."""
-    candidates = [scorer] if scorer else list(PREFERRED_SCORERS)
-    for i, candidate in enumerate(candidates):
+    *preferred, last = [scorer] if scorer else PREFERRED_SCORERS
+    for candidate in preferred:
         try:
             return download_profile(model_id, candidate, hub=hub, local_dir=local_dir), candidate
         except (ProfileNotFoundError, HubUnavailableError):
-            if i == len(candidates) - 1:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return download_profile(model_id, last, hub=hub, local_dir=local_dir), last
 
 
 def download_profile(

@@ -236,12 +236,11 @@ class Profile:
                 f"{source}: evict_ratio has shape {list(ratios.shape)} but the metadata says "
                 f"{layers} layers and {kv_heads} KV heads. {_REBUILD}"
             )
-        surrogate, family = None, None
+        surrogate = None  # validated with the rest in __post_init__
         if surrogate_format.TENSORS[0] in tensors:
-            surrogate, family = surrogate_format.from_file(
+            surrogate = surrogate_format.from_file(
                 tensors, metadata.get(surrogate_format.METADATA_KEY, ""), source
             )
-            surrogate_format.check(surrogate, layers, kv_heads, values["head_dim"], source, family)
         return cls(grid=grid, evict_ratio=ratios, source=source, surrogate=surrogate, **values)
 
     def _metadata(self) -> dict[str, str]:

@@ -26,8 +26,9 @@ def to_file(surrogate: Surrogate) -> tuple[dict[str, np.ndarray], str]:
     return arrays, json.dumps({**meta, "meta": surrogate.meta}, sort_keys=True, default=str)
 
 
-def from_file(tensors: dict[str, np.ndarray], metadata: str, source: str) -> tuple[Surrogate, Any]:
-    """The surrogate stored in a profile's ``tensors`` and ``metadata``, and its family (for :func:`check`)."""
+def from_file(tensors: dict[str, np.ndarray], metadata: str, source: str) -> Surrogate:
+    """The surrogate stored in a profile's ``tensors`` and ``metadata`` (its shapes and values are checked by
+    :func:`check` when the profile is constructed)."""
     try:
         meta = parse_json(metadata)
         if not isinstance(meta, dict):
@@ -36,18 +37,22 @@ def from_file(tensors: dict[str, np.ndarray], metadata: str, source: str) -> tup
         raise ProfileFormatError(
             f"{source}: malformed kvzap metadata ({type(err).__name__}).", source=source
         ) from None
+    if meta.get("family") != "linear":
+        raise ProfileFormatError(
+            f"{source}: invalid kvzap surrogate: family {meta.get('family')!r} (this version reads 'linear'). "
+            "Rebuild it: lukv build <model> --scorer kvzap.",
+            source=source,
+        )
     arrays = [torch.from_numpy(np.array(tensors[name], dtype=np.float32)) for name in TENSORS]
     return Surrogate(
         *arrays,
         layers=meta.get("layers", []),
         features=meta.get("features", ""),
         meta=meta.get("meta", {}) if isinstance(meta.get("meta"), dict) else {},
-    ), meta.get("family")
+    )
 
 
-def check(
-    surrogate: Any, layers: int, heads: int, head_dim: int | None, where: str, family: Any = "linear"
-) -> None:
+def check(surrogate: Any, layers: int, heads: int, head_dim: int | None, where: str) -> None:
     """Raise :class:`ProfileFormatError` unless ``surrogate`` fits a profile of ``layers`` x ``heads``."""
     if not isinstance(surrogate, Surrogate):
         raise ProfileFormatError(
@@ -56,8 +61,6 @@ def check(
     problems = []
     if surrogate.features != FEATURES:
         problems.append(f"features {surrogate.features!r} (this version reads {FEATURES!r})")
-    if family != "linear":
-        problems.append(f"family {family!r} (this version reads 'linear')")
     w = surrogate.weight
     f = int(w.shape[-1]) if w.ndim == 3 else -1
     expected = {
