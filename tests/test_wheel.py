@@ -30,9 +30,25 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_the_wheel_contains_the_shipped_profiles_and_their_index(wheel):
-    names = zipfile.ZipFile(wheel).namelist()
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
     assert PROFILE in names
     assert "lukv_cache/profiles_hub/index.json" in names
+    # carried from the repository's top-level profiles_hub/ (setup.py's package_dir), file for file
+    shipped = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "profiles_hub").rglob("*")
+        if p.suffix in {".json", ".md", ".safetensors"}
+    )
+    assert (
+        sorted(n.removeprefix("lukv_cache/") for n in names if n.startswith("lukv_cache/profiles_hub/"))
+        == shipped
+    )
+    assert (
+        archive.read("lukv_cache/profiles_hub/index.json")
+        == (ROOT / "profiles_hub" / "index.json").read_bytes()
+    )
+    assert not any(n.startswith("profiles_hub/") for n in names)  # not a top-level package of its own
     assert "lukv_cache/profiling/calibration/default.jsonl" in names
 
 

@@ -3,7 +3,7 @@
 The profile for ``meta-llama/Llama-3.1-8B-Instruct`` with scorer ``keydiff`` lives at
 ``meta-llama/Llama-3.1-8B-Instruct/keydiff.safetensors`` in the repository named by ``repo_id``, else
 ``$LUKV_PROFILE_REPO``, else ``lukv-cache/profiles``; ``index.json`` at its root lists what exists. A local
-mirror (``profiles_hub/``, ``$LUKV_PROFILE_DIR``) has the same layout.
+mirror (``profiles_hub/`` at the top of this repository, ``$LUKV_PROFILE_DIR``) has the same layout.
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ PREFERRED_SCORERS = ("kvzap", DEFAULT_SCORER)
 TIMEOUT_ENV = "LUKV_HUB_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0
 MAX_TIMEOUT = 86_400.0  # one day: any longer wait is a typo
-# the profiles this package ships (a copy of the shared repository's, for offline use)
-BUNDLED_DIR = Path(__file__).resolve().parent.parent / "profiles_hub"
+# the profiles this package ships (a copy of the shared repository's, for offline use): the repository's
+# top-level profiles_hub/, which the wheel carries as lukv_cache/profiles_hub/ (setup.py); a source checkout or
+# an editable install reads the top-level folder itself
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+BUNDLED_DIR = _PACKAGE_DIR / "profiles_hub"
+if not (BUNDLED_DIR / INDEX_FILENAME).is_file() and (_PACKAGE_DIR.parent / "pyproject.toml").is_file():
+    BUNDLED_DIR = _PACKAGE_DIR.parent / "profiles_hub"
 _SCORER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 

@@ -104,8 +104,17 @@ def test_save_to_local_dir_writes_profile_and_index(tmp_path, profile):
     assert [e["scorer"] for e in list_profiles(local_dir=tmp_path)] == ["keydiff"]
 
 
+def test_the_top_level_profiles_hub_is_the_one_shipped_copy():
+    """profiles_hub/ beside lukv_cache/ is what a checkout (or an editable install) reads; the wheel carries it
+    as lukv_cache/profiles_hub/ (tests/test_wheel.py); no second copy lives in the package folder."""
+    from lukv_cache.profiles.location import BUNDLED_DIR
+
+    assert BUNDLED_DIR == ROOT / "profiles_hub"
+    assert not (ROOT / "lukv_cache" / "profiles_hub" / "index.json").exists()
+
+
 def test_shipped_profiles_hub_index_is_valid():
-    bundled = ROOT / "lukv_cache" / "profiles_hub"
+    bundled = ROOT / "profiles_hub"
     entries = list_profiles(local_dir=bundled)
     assert entries
     for entry in entries:  # every listed profile is there and loads
@@ -414,9 +423,7 @@ def test_a_hub_without_the_file_falls_back_to_the_bundled_profile(hub, hf_cache,
     profile.push_to_hub(repo_id=REPO, endpoint=hub.url)  # the repository exists, without SmolLM2's profile
     location = HubLocation(repo_id=REPO, endpoint=hub.url, cache_dir=hf_cache)
     found = resolve_profile("HuggingFaceTB/SmolLM2-135M-Instruct", "keydiff", hub=location)
-    assert found.source.endswith(
-        "lukv_cache/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/keydiff.safetensors"
-    )
+    assert found.source.endswith("profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/keydiff.safetensors")
 
 
 def test_a_pinned_revision_never_falls_back(silent_endpoint, hf_cache):
