@@ -4,6 +4,8 @@
   :func:`wikipedia_articles` parses the XML with the standard library and strips the wiki markup.
 * News: ``gensim``'s ``lee_background.cor``, 300 short Australian news articles, one per line
   (:func:`news_articles`).
+* Python's reference documentation (``pydoc_data``, shipped with CPython itself; its content follows the
+  interpreter's version): 79 topics of technical prose and code (:func:`python_docs`).
 
 The files are read from the package directory (found with ``importlib.util.find_spec``); gensim itself is
 never imported, so ``pip install --no-deps gensim`` is enough.
@@ -214,6 +216,19 @@ def news_articles() -> list[Article]:
     300
     """
     return list(_news_articles())
+
+
+def python_docs() -> list[Article]:
+    """The topics of Python's reference documentation that ``help()`` shows (``pydoc_data.topics``, part
+    of every CPython install), in name order. The text is the running interpreter's version's.
+
+    >>> docs = python_docs()
+    >>> len(docs) > 50 and all(d.text for d in docs)
+    True
+    """
+    from pydoc_data.topics import topics
+
+    return [Article(name, topics[name].strip()) for name in sorted(topics)]
 
 
 def haystack_paragraphs(source: str = "wikipedia") -> list[str]:

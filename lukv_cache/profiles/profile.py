@@ -475,15 +475,16 @@ def _read_safetensors(data: bytes, source: str) -> tuple[dict[str, np.ndarray], 
             source=source,
         )
     names = {name for name in header if name != "__metadata__"}
-    expected = set(_TENSORS) | (
-        set(surrogate_format.TENSORS) if names & set(surrogate_format.TENSORS) else set()
-    )
+    kvzap = names & set(surrogate_format.tensor_names("mlp"))
+    family = "mlp" if kvzap & set(surrogate_format.MLP_TENSORS) else "linear"
+    expected = set(_TENSORS) | (set(surrogate_format.tensor_names(family)) if kvzap else set())
     missing = sorted(expected - names)
     unexpected = sorted(names - expected)
     if missing or unexpected:
         raise ProfileFormatError(
             f"{source}: a profile holds the tensors {list(_TENSORS)} (and, for kvzap, all of "
-            f"{list(surrogate_format.TENSORS)}); missing {missing}, unexpected {unexpected}. {_REBUILD}",
+            f"{list(surrogate_format.TENSORS)}, plus {list(surrogate_format.MLP_TENSORS)} for an MLP); "
+            f"missing {missing}, unexpected {unexpected}. {_REBUILD}",
             source=source,
         )
     for name in sorted(expected):

@@ -15,8 +15,16 @@ from ..scorers.kvzap import FEATURES, Surrogate
 from .jsonfile import parse_json
 
 TENSORS = ("kvzap.weight", "kvzap.bias", "kvzap.mean", "kvzap.std")
+MLP_TENSORS = ("kvzap.hidden_weight", "kvzap.hidden_bias")  # only in an MLP surrogate
+FAMILIES = ("linear", "mlp")
 METADATA_KEY = "kvzap"
 _MAX_FEATURES = 1 << 20  # 2 x KV heads x head dim: far beyond any model
+_MAX_HIDDEN = 1 << 16  # an MLP's width (kvpress' KVzap: 512)
+
+
+def tensor_names(family: str) -> tuple[str, ...]:
+    """The tensors a surrogate of ``family`` stores."""
+    return TENSORS + (MLP_TENSORS if family == "mlp" else ())
 
 
 def to_file(surrogate: Surrogate) -> tuple[dict[str, np.ndarray], str]:
@@ -37,15 +45,20 @@ def from_file(tensors: dict[str, np.ndarray], metadata: str, source: str) -> Sur
         raise ProfileFormatError(
             f"{source}: malformed kvzap metadata ({type(err).__name__}).", source=source
         ) from None
-    if meta.get("family") != "linear":
+    family = meta.get("family")
+    if family not in FAMILIES or (set(MLP_TENSORS) <= set(tensors)) != (family == "mlp"):
         raise ProfileFormatError(
-            f"{source}: invalid kvzap surrogate: family {meta.get('family')!r} (this version reads 'linear'). "
-            "Rebuild it: lukv build <model> --scorer kvzap.",
+            f"{source}: invalid kvzap surrogate: family {family!r} with tensors "
+            f"{sorted(n for n in tensors if n.startswith('kvzap.'))} (this version reads {list(FAMILIES)}: "
+            f"{list(TENSORS)}, plus {list(MLP_TENSORS)} for 'mlp'). Rebuild it: lukv build <model> --scorer kvzap.",
             source=source,
         )
-    arrays = [torch.from_numpy(np.array(tensors[name], dtype=np.float32)) for name in TENSORS]
+    arrays = {
+        name.removeprefix("kvzap."): torch.from_numpy(np.array(tensors[name], dtype=np.float32))
+        for name in tensor_names(family)
+    }
     return Surrogate(
-        *arrays,
+        **arrays,
         layers=meta.get("layers", []),
         features=meta.get("features", ""),
         meta=meta.get("meta", {}) if isinstance(meta.get("meta"), dict) else {},
@@ -61,17 +74,21 @@ def check(surrogate: Any, layers: int, heads: int, head_dim: int | None, where: 
     problems = []
     if surrogate.features != FEATURES:
         problems.append(f"features {surrogate.features!r} (this version reads {FEATURES!r})")
-    w = surrogate.weight
-    f = int(w.shape[-1]) if w.ndim == 3 else -1
-    expected = {
-        "weight": (layers, heads, f),
-        "bias": (layers, heads),
-        "mean": (layers, f),
-        "std": (layers, f),
-    }
+    f = int(surrogate.mean.shape[-1]) if surrogate.mean.ndim == 2 else -1
+    m = f
+    expected = {"bias": (layers, heads), "mean": (layers, f), "std": (layers, f)}
+    if surrogate.hidden_weight is not None or surrogate.hidden_bias is not None:
+        hidden = surrogate.hidden_weight
+        m = int(hidden.shape[1]) if isinstance(hidden, torch.Tensor) and hidden.ndim == 3 else -1
+        expected |= {"hidden_weight": (layers, m, f), "hidden_bias": (layers, m)}
+        if not 0 < m <= _MAX_HIDDEN:
+            problems.append(f"an MLP of width {m} (at most {_MAX_HIDDEN})")
+    expected["weight"] = (layers, heads, m)
     for name, shape in expected.items():
         t = getattr(surrogate, name)
-        if tuple(t.shape) != shape or t.dtype != torch.float32:
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name} is {type(t).__name__}, expected a float32 tensor {list(shape)}")
+        elif tuple(t.shape) != shape or t.dtype != torch.float32:
             problems.append(f"{name} is {t.dtype} {list(t.shape)}, expected float32 {list(shape)}")
         elif not bool(torch.isfinite(t).all()):
             problems.append(f"{name} has NaN or infinite values")

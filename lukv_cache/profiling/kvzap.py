@@ -23,7 +23,7 @@ from ..attention.swap import attention_swapped
 from ..errors import ConfigurationError
 from ..scorers.kvzap import RidgeStats, Surrogate, rope_inverse, token_features
 from ..scorers.kvzip import RepeatPrompt
-from ..texts import news_articles
+from ..texts import news_articles, python_docs
 from .scores import prefill_scores
 
 _FEATURES_IMPL = "lukv_kvzap_features"
@@ -36,7 +36,19 @@ def news_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0
 
     >>> docs = news_documents(tokenizer, 4)  # doctest: +SKIP
     """
-    articles = [a.text for a in news_articles()]
+    return _documents([a.text for a in news_articles()], "news", tokenizer, count, tokens, seed)
+
+
+def python_docs_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` documents ``[1, tokens]`` of Python's reference documentation (topics shuffled with
+    ``seed``, long ones cut into several documents).
+
+    >>> docs = python_docs_documents(tokenizer, 4)  # doctest: +SKIP
+    """
+    return _documents([a.text for a in python_docs()], "Python docs", tokenizer, count, tokens, seed)
+
+
+def _documents(articles: list[str], corpus: str, tokenizer: Any, count: int, tokens: int, seed: int):
     random.Random(seed).shuffle(articles)
     docs, current = [], []
     for text in articles:
@@ -46,7 +58,7 @@ def news_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0
             current = []
             if len(docs) == count:
                 return docs
-    raise ConfigurationError(f"The news corpus holds {len(docs)} documents of {tokens} tokens, not {count}.")
+    raise ConfigurationError(f"The {corpus} corpus holds {len(docs)} documents of {tokens} tokens, not {count}.")
 
 
 @torch.no_grad()
@@ -83,32 +95,51 @@ def train_surrogate(
     tokenizer: Any,
     documents: Iterable[torch.Tensor],
     *,
+    family: str = "linear",
     alpha: float = 1.0,
+    samples: int = 512,
+    seed: int = 0,
     progress: Callable[[int], None] | None = None,
     meta: dict | None = None,
     targets_of: Callable[[int, torch.Tensor], dict[int, torch.Tensor]] | None = None,
 ) -> Surrogate:
-    """A linear KVzap surrogate for ``model``: ridge regression of log KVzip+ on token features, per layer
-    and KV head, over ``documents`` (each ``[1, T]``). ``targets_of(index, ids)``: the log KVzip+ scores of
-    a document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an
-    interrupted build resumes without the repeat passes it already ran)."""
+    """A KVzap surrogate for ``model``: log KVzip+ regressed on token features, per layer and KV head, over
+    ``documents`` (each ``[1, T]``). ``family``: ``"linear"`` (ridge regression with strength ``alpha``,
+    closed form on every token) or ``"mlp"`` (:func:`fit_mlp` on ``samples`` random positions per 1,024
+    tokens of each document, drawn with ``seed``). ``targets_of(index, ids)``: the log KVzip+ scores of a
+    document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
+    build resumes without the repeat passes it already ran)."""
+    if family not in ("linear", "mlp"):
+        raise ConfigurationError(f"Unknown kvzap surrogate family {family!r}; use 'linear' or 'mlp'.")
     targets_of = targets_of or (lambda _, ids: kvzip_plus_targets(model, tokenizer, ids))
+    generator = torch.Generator().manual_seed(seed)
     stats: dict[int, RidgeStats] = {}
+    rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for i, ids in enumerate(documents):
         features = token_feature_maps(model, ids)
+        length = ids.shape[1] - SKIP_FIRST
+        pick = torch.randperm(length, generator=generator)[: max(1, samples * length // 1024)]
         for layer, targets in targets_of(i, ids).items():
             x = features[layer][0, SKIP_FIRST:]  # [T, F]
             y = targets[0, SKIP_FIRST:]  # [T, H]
-            stats.setdefault(layer, RidgeStats(x.shape[-1], y.shape[-1])).add(x, y)
+            if family == "linear":
+                stats.setdefault(layer, RidgeStats(x.shape[-1], y.shape[-1])).add(x, y)
+            else:
+                rows.setdefault(layer, []).append((x[pick].clone(), y[pick].clone()))
         if progress is not None:
             progress(i + 1)
-    if not stats:
+    if not stats and not rows:
         raise ConfigurationError("No full-attention layer was scored: nothing to train a surrogate on.")
-    return _surrogate_from(stats, model, alpha, meta or {})
-
-
-def _surrogate_from(stats: dict[int, RidgeStats], model: Any, alpha: float, meta: dict) -> Surrogate:
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    if family == "linear":
+        surrogate = _linear_surrogate(stats, num_layers, alpha)
+    else:
+        surrogate = _mlp_surrogate(rows, num_layers, seed)
+    surrogate.meta = {**surrogate.meta, "family": family, **(meta or {})}
+    return surrogate
+
+
+def _linear_surrogate(stats: dict[int, RidgeStats], num_layers: int, alpha: float) -> Surrogate:
     some = next(iter(stats.values()))
     surrogate = Surrogate.zeros(num_layers, some.sy.shape[0], some.sx.shape[0])
     for layer, layer_stats in stats.items():
@@ -116,8 +147,72 @@ def _surrogate_from(stats: dict[int, RidgeStats], model: Any, alpha: float, meta
         surrogate.weight[layer], surrogate.bias[layer] = weight.T, bias
         surrogate.mean[layer], surrogate.std[layer] = mean, std
     surrogate.layers = sorted(stats)
-    surrogate.meta = {"alpha": alpha, "tokens_per_layer": some.n, **meta}
+    surrogate.meta = {"alpha": alpha, "tokens_per_layer": some.n}
     return surrogate
+
+
+def _mlp_surrogate(rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], num_layers: int, seed: int):
+    surrogate = None
+    for layer, pairs in rows.items():
+        x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        first, _, last = fit_mlp(x, y, seed=seed)
+        if surrogate is None:
+            surrogate = Surrogate.zeros(num_layers, y.shape[1], x.shape[1], hidden=first.out_features)
+        surrogate.hidden_weight[layer], surrogate.hidden_bias[layer] = first.weight, first.bias
+        surrogate.weight[layer], surrogate.bias[layer] = last.weight, last.bias
+    surrogate.layers = sorted(rows)
+    surrogate.meta = {"rows_per_layer": int(x.shape[0])}
+    return surrogate
+
+
+def fit_mlp(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    hidden: int = 512,
+    epochs: int = 10,
+    batch: int = 512,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> torch.nn.Sequential:
+    """An MLP ``Linear(F, hidden) - GELU - Linear(hidden, H)`` fitted to rows ``x [N, F]`` -> ``y [N, H]``
+    (MSE, AdamW, cosine-decayed learning rate, as kvpress' KVzap MLP), with the inputs' standardisation
+    folded into its first layer: it reads raw features.
+
+    >>> x = torch.randn(2000, 4)
+    >>> mlp = fit_mlp(x * 3 + 5, x[:, :1] ** 2, hidden=32, epochs=20, batch=64, lr=1e-2)
+    >>> float(((mlp(x * 3 + 5) - x[:, :1] ** 2) ** 2).mean()) < 0.1  # the variance of x0^2 is 2
+    True
+    """
+    generator = torch.Generator().manual_seed(seed)
+    x, y = x.float(), y.float()
+    mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
+    y_mean, y_std = y.mean(0), y.std(0).clamp_min(1e-6)
+    xs, ys = (x - mean) / std, (y - y_mean) / y_std
+    first, last = torch.nn.Linear(x.shape[1], hidden), torch.nn.Linear(hidden, y.shape[1])
+    with torch.no_grad():  # seeded initialisation, independent of the global RNG
+        for layer in (first, last):
+            bound = layer.in_features**-0.5
+            layer.weight.copy_(torch.rand(layer.weight.shape, generator=generator) * 2 * bound - bound)
+            layer.bias.zero_()
+    mlp = torch.nn.Sequential(first, torch.nn.GELU(), last)
+    steps = epochs * max(1, math.ceil(len(xs) / batch))
+    optimizer = torch.optim.AdamW(mlp.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    with torch.enable_grad():
+        for _ in range(epochs):
+            for rows in torch.randperm(len(xs), generator=generator).split(batch):
+                loss = torch.nn.functional.mse_loss(mlp(xs[rows]), ys[rows])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+    with torch.no_grad():  # fold the standardisations into the two linear layers
+        first.bias -= first.weight @ (mean / std)
+        first.weight /= std
+        last.weight *= y_std[:, None]
+        last.bias.mul_(y_std).add_(y_mean)
+    return mlp.eval().requires_grad_(False)
 
 
 @torch.no_grad()

@@ -116,14 +116,21 @@ def rope_inverse(module: Any) -> RopeInverse:
 @dataclass(eq=False)
 class Surrogate:
     """Per layer: a token's features ``x [F]`` (pre-RoPE keys and values of every KV head of the layer,
-    ``F = 2 * H_kv * D``) -> its predicted log KVzip+ score for each KV head. Linear (ridge regression):
-    ``((x - mean[l]) / std[l]) . weight[l, h] + bias[l, h]``, with ``weight [L, H_kv, F]``, ``bias
-    [L, H_kv]``, ``mean``/``std [L, F]``. ``layers``: the layers it was trained for (sliding-window layers
-    are never evicted and keep zeros). ``meta``: what it was trained on and how well it fits.
+    ``F = 2 * H_kv * D``) -> its predicted log KVzip+ score for each KV head, with ``z = (x - mean[l]) /
+    std[l]`` (``mean``/``std [L, F]``):
+
+    * ``linear`` (ridge regression): ``z . weight[l, h] + bias[l, h]``, ``weight [L, H_kv, F]``;
+    * ``mlp``: ``gelu(hidden_weight[l] z + hidden_bias[l]) . weight[l, h] + bias[l, h]``, with
+      ``hidden_weight [L, M, F]``, ``hidden_bias [L, M]`` and ``weight [L, H_kv, M]``.
+
+    ``bias`` is ``[L, H_kv]``. ``layers``: the layers it was trained for (sliding-window layers are never
+    evicted and keep zeros). ``meta``: what it was trained on and how well it fits.
 
     >>> s = Surrogate.zeros(num_layers=2, heads=2, features=8)
     >>> s.predict(0, torch.ones(1, 3, 8)).shape
     torch.Size([1, 2, 3])
+    >>> Surrogate.zeros(num_layers=2, heads=2, features=8, hidden=16).family
+    'mlp'
     """
 
     weight: torch.Tensor
@@ -133,19 +140,29 @@ class Surrogate:
     layers: list[int] = field(default_factory=list)
     features: str = FEATURES
     meta: dict = field(default_factory=dict)
+    hidden_weight: torch.Tensor | None = None
+    hidden_bias: torch.Tensor | None = None
 
     @classmethod
-    def zeros(cls, num_layers: int, heads: int, features: int) -> Surrogate:
+    def zeros(cls, num_layers: int, heads: int, features: int, hidden: int | None = None) -> Surrogate:
+        """An all-zero surrogate (``hidden``: the MLP's width; ``None`` for a linear one)."""
+        mlp = {}
+        if hidden is not None:
+            mlp = {
+                "hidden_weight": torch.zeros(num_layers, hidden, features),
+                "hidden_bias": torch.zeros(num_layers, hidden),
+            }
         return cls(
-            torch.zeros(num_layers, heads, features),
+            torch.zeros(num_layers, heads, features if hidden is None else hidden),
             torch.zeros(num_layers, heads),
             torch.zeros(num_layers, features),
             torch.ones(num_layers, features),
+            **mlp,
         )
 
     @property
     def family(self) -> str:
-        return "linear"
+        return "linear" if self.hidden_weight is None else "mlp"
 
     @property
     def num_layers(self) -> int:
@@ -157,21 +174,29 @@ class Surrogate:
 
     @property
     def num_features(self) -> int:
-        return int(self.weight.shape[2])
+        return int(self.mean.shape[1])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors as stored in a profile (``kvzap.*``)."""
         out = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std}
+        if self.hidden_weight is not None:
+            out |= {"hidden_weight": self.hidden_weight, "hidden_bias": self.hidden_bias}
         return {f"kvzap.{name}": t.detach().float().contiguous() for name, t in out.items()}
 
     def predict(self, layer: int, features: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
         """fp32 ``[B, H, T]`` predicted log-scores from ``features [B, T, F]`` (``heads``: which of the
         surrogate's heads to predict, e.g. a tensor-parallel rank's). Standardisation is folded into the
-        weights: one ``[B, T, F] x [F, H]`` matmul, nothing of size ``H x T x F``."""
+        first weights: one ``[B, T, F] x [F, H]`` matmul (linear), or ``[F, M]`` then ``[M, H]`` (MLP),
+        nothing of size ``H x T x F``."""
         device = features.device
-        scale = self.weight[layer, heads].to(device) / self.std[layer].to(device)  # [H, F]
-        bias = self.bias[layer, heads].to(device) - scale @ self.mean[layer].to(device)
-        return (features.float() @ scale.T + bias).transpose(1, 2)
+        mean, std = self.mean[layer].to(device), self.std[layer].to(device)
+        weight, bias = self.weight[layer, heads].to(device), self.bias[layer, heads].to(device)
+        if self.hidden_weight is None:
+            scale = weight / std  # [H, F]
+            return (features.float() @ scale.T + (bias - scale @ mean)).transpose(1, 2)
+        first = self.hidden_weight[layer].to(device) / std  # [M, F]
+        hidden = features.float() @ first.T + (self.hidden_bias[layer].to(device) - first @ mean)
+        return (torch.nn.functional.gelu(hidden) @ weight.T + bias).transpose(1, 2)
 
 
 class RidgeStats:

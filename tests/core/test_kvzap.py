@@ -86,6 +86,23 @@ def test_surrogate_predictions_equal_a_computation_by_hand():
     torch.testing.assert_close(s.predict(1, x, heads=slice(1, 2)), got[:, 1:])
 
 
+def test_mlp_surrogate_predictions_equal_a_computation_by_hand():
+    gen = torch.Generator().manual_seed(4)
+    s = Surrogate.zeros(num_layers=2, heads=3, features=6, hidden=5)
+    for t in (s.weight, s.bias, s.mean, s.hidden_weight, s.hidden_bias):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    s.std.copy_(torch.rand(s.std.shape, generator=gen) + 0.5)
+    x = torch.randn(2, 4, 6, generator=gen)
+    got = s.predict(1, x)
+    assert got.shape == (2, 3, 4) and s.family == "mlp" and s.num_features == 6
+    for b in range(2):
+        for t in range(4):
+            z = (x[b, t] - s.mean[1]) / s.std[1]
+            hidden = torch.nn.functional.gelu(s.hidden_weight[1] @ z + s.hidden_bias[1])
+            torch.testing.assert_close(got[b, :, t], s.weight[1] @ hidden + s.bias[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s.predict(1, x, heads=slice(2, 3)), got[:, 2:])
+
+
 def test_ridge_without_penalty_is_least_squares_and_the_penalty_shrinks():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(300, 5, generator=gen, dtype=torch.float64) * torch.tensor([1, 10, 0.1, 3, 1.0])
@@ -125,20 +142,29 @@ def test_kvzap_works_with_chunked_prefill_and_keeps_the_budget():
     assert cache.is_compressed and int(cache.stored_tokens().max()) < 120
 
 
-def _trained(model):
+def _trained(model, family="linear"):
     docs = [prompt(1, 48, seed=s) for s in range(3)]
-    return train_surrogate(model, PROMPT, docs, alpha=1.0, meta={"corpus": "random ids"})
+    return train_surrogate(
+        model, PROMPT, docs, family=family, alpha=1.0, samples=1024, meta={"corpus": "random ids"}
+    )
 
 
-def test_training_end_to_end_on_a_tiny_model_fits_its_own_corpus():
+@pytest.mark.parametrize("family", ["linear", "mlp"])
+def test_training_end_to_end_on_a_tiny_model_fits_its_own_corpus(family):
     model = tiny_model("llama", "sdpa")
-    surrogate = _trained(model)
+    surrogate = _trained(model, family)
     assert surrogate.layers == [0, 1] and surrogate.meta["corpus"] == "random ids"
+    assert surrogate.family == family == surrogate.meta["family"]
     ids = prompt(1, 48, seed=0)
     predicted = surrogate.predict(0, token_feature_maps(model, ids)[0])[0, :, 4:]
     target = kvzip_plus_targets(model, PROMPT, ids)[0][0, 4:].T
     # a random tiny model's KVzip+ is far from linear in its keys and values: 0.45 here, 0 for no fit
     assert torch.corrcoef(torch.stack([predicted.flatten(), target.flatten()]))[0, 1] > 0.3
+
+
+def test_an_unknown_surrogate_family_is_refused():
+    with pytest.raises(ConfigurationError, match="'linear' or 'mlp'"):
+        _trained(tiny_model("llama", "sdpa"), family="forest")
 
 
 def _profile(surrogate, **kw) -> Profile:
@@ -149,13 +175,16 @@ def _profile(surrogate, **kw) -> Profile:
     )
 
 
-def test_a_profile_round_trips_with_its_surrogate_and_feeds_from_pretrained(tmp_path):
+@pytest.mark.parametrize("family", ["linear", "mlp"])
+def test_a_profile_round_trips_with_its_surrogate_and_feeds_from_pretrained(tmp_path, family):
     model = tiny_model("llama", "sdpa")
-    surrogate = _trained(model)
+    surrogate = _trained(model, family)
     path = _profile(surrogate).save(tmp_path / "kvzap.safetensors")
     loaded = Profile.load(path).surrogate
-    for name in ("weight", "bias", "mean", "std"):
-        assert torch.equal(getattr(loaded, name), getattr(surrogate, name))
+    assert loaded.tensors().keys() == surrogate.tensors().keys()
+    for name, tensor in surrogate.tensors().items():
+        assert torch.equal(loaded.tensors()[name], tensor)
+    assert loaded.family == family and (loaded.hidden_weight is None) == (family == "linear")
     assert loaded.layers == [0, 1] and loaded.meta["corpus"] == "random ids"
     cache = LUKVCache.from_pretrained(path, ratio=0.5)
     assert cache.scorer.name == "kvzap" and cache.scorer.params["surrogate"] is not None
@@ -207,6 +236,27 @@ def test_a_corrupt_surrogate_is_refused_with_a_typed_error(tmp_path, edit):
     data = _corrupt(tmp_path, _trained(tiny_model("llama", "sdpa")), edit)
     with pytest.raises(ProfileFormatError):
         Profile.from_bytes(data)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda t, m: t.pop("kvzap.hidden_bias"),
+        lambda t, m: t.__setitem__("kvzap.hidden_weight", t["kvzap.hidden_weight"][:, :7]),  # width 7 != 512
+        lambda t, m: t.__setitem__("kvzap.hidden_bias", t["kvzap.hidden_bias"].astype(np.float16)),
+        lambda t, m: t.__setitem__("kvzap.hidden_weight", np.full_like(t["kvzap.hidden_weight"], np.inf)),
+        lambda t, m: m.__setitem__(
+            "kvzap", json.dumps({"features": "keys_prerope_values", "family": "linear", "layers": [0]})
+        ),
+        lambda t, m: (t.pop("kvzap.hidden_weight"), t.pop("kvzap.hidden_bias")),  # an MLP's weight [L, H, M]
+    ],
+)
+def test_a_corrupt_mlp_surrogate_is_refused_with_a_typed_error(tmp_path, edit):
+    surrogate = Surrogate.zeros(2, 2, 64, hidden=512)
+    surrogate.layers = [0, 1]
+    assert Profile.from_bytes(_profile(surrogate).to_bytes()).surrogate.family == "mlp"
+    with pytest.raises(ProfileFormatError):
+        Profile.from_bytes(_corrupt(tmp_path, surrogate, edit))
 
 
 @pytest.mark.parametrize("scorer", ["keydiff", "snapkv", "expected_attention", "knorm", "kvzip"])
