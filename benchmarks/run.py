@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lukv_cache.evaluation.cli import add_bench_arguments, run_bench
+from lukv_cache.cli import add_bench_arguments
+from lukv_cache.evaluation.cli import run_bench
 
 
 def main(argv: list[str] | None = None) -> int:

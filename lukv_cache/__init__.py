@@ -2,15 +2,19 @@
 
 >>> from lukv_cache import LUKVCache
 >>> cache = LUKVCache(ratio=0.8, scorer="keydiff", allocator="uniform")
+
+Importing the package is cheap: the public names below load their modules (and torch) on first use, and
+lukv's attention wrappers are registered in transformers' attention registry as soon as that registry is
+imported (by any model class, or by ``LUKVCache``), see :mod:`lukv_cache._after_import`.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from .allocation import AllocationRequest, Allocator, get_allocator, register_allocator  # noqa: E402
-from .attention import install as _install_attention  # noqa: E402
-from .attention import lukv_aware  # noqa: E402
-from .cache import LUKVCache  # noqa: E402
-from .errors import (  # noqa: E402
+import importlib
+from typing import Any
+
+from ._after_import import when_imported
+from .errors import (
     BatchMismatchError,
     CalibrationFormatError,
     ConfigurationError,
@@ -27,23 +31,59 @@ from .errors import (  # noqa: E402
     TextUnavailableError,
     UnknownNameError,
 )
-from .scorers import Scorer, get_scorer, register_scorer  # noqa: E402
 
-_install_attention()
+__version__ = "0.1.0"
+
+# public name -> the module that defines it, imported on first access (PEP 562)
+_LAZY = {
+    "AllocationRequest": "allocation",
+    "Allocator": "allocation",
+    "get_allocator": "allocation",
+    "register_allocator": "allocation",
+    "lukv_aware": "attention",
+    "LUKVCache": "cache",
+    "Profile": "profiles",
+    "build_profile": "profiling",
+    "build_profiles": "profiling",
+    "Scorer": "scorers",
+    "get_scorer": "scorers",
+    "register_scorer": "scorers",
+}
+_SUBPACKAGES = (
+    "allocation",
+    "attention",
+    "cache",
+    "cli",
+    "evaluation",
+    "models",
+    "profiles",
+    "profiling",
+    "scorers",
+    "texts",
+)
 
 
-def __getattr__(name: str):
-    # Profiles and profiling pull in more (huggingface_hub, tqdm); load them on first use.
-    if name == "Profile":
-        from .profiles import Profile
-
-        return Profile
-    if name in ("build_profile", "build_profiles"):
-        from . import profiling
-
-        return getattr(profiling, name)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'lukv_cache' has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _install_attention() -> None:
+    from .attention.routing import install
+
+    install()
+
+
+when_imported("transformers.modeling_utils", _install_attention)
 
 __all__ = [
     "AllocationRequest",

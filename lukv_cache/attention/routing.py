@@ -1,8 +1,10 @@
 """Make the stock ``sdpa`` and ``eager`` attention read a LUKVCache; guard every other implementation.
 
-Importing :mod:`lukv_cache` calls :func:`install`, which registers wrapped ``sdpa`` and ``eager`` functions
-in transformers' ``AttentionInterface`` (paired with the stock mask functions in
-``AttentionMaskInterface``), plus ``"lukv"`` as an explicit name. A wrapper claims the call a LUKVCache
+:func:`install` registers wrapped ``sdpa`` and ``eager`` functions in transformers' ``AttentionInterface``
+(paired with the stock mask functions in ``AttentionMaskInterface``), plus ``"lukv"`` as an explicit name.
+Importing :mod:`lukv_cache` arranges for it to run as soon as transformers' registry
+(``transformers.modeling_utils``) is imported, so this module imports transformers only inside
+:func:`install`. A wrapper claims the call a LUKVCache
 announced for the keys it receives (:mod:`.calls`); any other call goes straight to the stock function,
 unchanged.
 """
@@ -13,9 +15,6 @@ import sys
 from collections.abc import Callable
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from ..errors import IncompatibleAttentionError
 from .calls import claim_attention, guard_attention, lukv_aware
@@ -36,6 +35,8 @@ def _model_eager(module: torch.nn.Module) -> Callable:
 def route(stock: Callable | None) -> Callable:
     """A lukv-aware attention function around ``stock`` (``None``: the module's own eager function).
 
+    >>> from transformers import AttentionInterface
+    >>> from transformers.integrations.sdpa_attention import sdpa_attention_forward
     >>> AttentionInterface.register("my_sdpa", route(sdpa_attention_forward))
     """
 
@@ -73,6 +74,10 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
     AttentionInterface.register("sdpa", route(sdpa_attention_forward))
     AttentionInterface.register("eager", route(None))
     AttentionInterface.register("lukv", route(sdpa_attention_forward))

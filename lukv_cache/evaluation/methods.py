@@ -1,4 +1,8 @@
-"""The ways to hold a context that the evaluation compares: the full cache, or allocator x scorer x ratio."""
+"""The ways to hold a context that the evaluation compares: the full cache, or allocator x scorer x ratio.
+
+Light on purpose (torch and transformers load in :func:`make_cache`): the ``lukv`` command line reads the
+defaults below for its help.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import DynamicCache
-
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "continuation")  # made by .tasks
 ALLOCATORS = ("uniform", "pyramid", "adakv", "profile")
 SCORERS = ("keydiff", "snapkv", "expected_attention", "knorm")
 RATIOS = (0.25, 0.5, 0.8, 0.9)
+# `lukv check`'s defaults: the allocators a user is likely to choose between, at the ratios worth deploying
+CHECK_ALLOCATORS = ("uniform", "adakv", "profile")
+CHECK_RATIOS = (0.5, 0.8, 0.9)
+CHECK_SCORER = "keydiff"
 FULL = "full"
 PROFILE_ALLOCATORS = (
     "profile",
@@ -67,6 +74,8 @@ def make_cache(
     'adakv'
     """
     if method.is_full:
+        from transformers import DynamicCache
+
         return DynamicCache()
     from ..cache import LUKVCache
 

@@ -12,21 +12,47 @@
 (32, 8)
 """
 
-from .convert import KVPRESS_GRID, convert_curve
-from .download import download_profile, model_id_of, resolve_profile
-from .index import INDEX_FORMAT_VERSION, list_profiles, save_to_local_dir
-from .location import (
-    DEFAULT_REPO_ID,
-    DEFAULT_SCORER,
-    INDEX_FILENAME,
-    LOCAL_DIR_ENV,
-    REPO_ID_ENV,
-    HubLocation,
-    profile_filename,
-    profile_repo_id,
-)
-from .profile import FORMAT_VERSION, Profile
-from .publish import push_profile
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the module of this package that defines it, imported on first access (PEP 562), so that
+# the light ones (.location: names and places) do not pull in torch, safetensors and huggingface_hub
+_LAZY = {
+    "KVPRESS_GRID": "convert",
+    "convert_curve": "convert",
+    "download_profile": "download",
+    "model_id_of": "download",
+    "resolve_profile": "download",
+    "INDEX_FORMAT_VERSION": "index",
+    "list_profiles": "index",
+    "save_to_local_dir": "index",
+    "DEFAULT_REPO_ID": "location",
+    "DEFAULT_SCORER": "location",
+    "INDEX_FILENAME": "location",
+    "LOCAL_DIR_ENV": "location",
+    "REPO_ID_ENV": "location",
+    "HubLocation": "location",
+    "profile_filename": "location",
+    "profile_repo_id": "location",
+    "FORMAT_VERSION": "profile",
+    "Profile": "profile",
+    "push_profile": "publish",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "DEFAULT_REPO_ID",

@@ -1,7 +1,8 @@
 """``lukv pull | push | list | convert``: profiles from the shell.
 
-``lukv_cache.cli`` calls :func:`register` with its sub-parsers; each command returns an exit code and
-lets :class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:`` line, exit code 2).
+Their flags are declared in :mod:`lukv_cache.cli` (argparse alone, so ``--help`` stays fast); it imports
+this module only when one of them runs. Each command returns an exit code and lets
+:class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:`` line, exit code 2).
 """
 
 from __future__ import annotations
@@ -10,17 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from .location import DEFAULT_SCORER, HubLocation
+from .location import HubLocation
 from .profile import Profile
-
-
-def _hub_options(parser: argparse.ArgumentParser, *, revision_help: str) -> None:
-    parser.add_argument(
-        "--repo-id", help="shared profile repository (default: $LUKV_PROFILE_REPO or lukv-cache/profiles)"
-    )
-    parser.add_argument("--revision", help=revision_help)
-    parser.add_argument("--endpoint", help="Hub endpoint (default: huggingface_hub's, i.e. $HF_ENDPOINT)")
-    parser.add_argument("--token", help="Hub token (default: huggingface_hub's stored token / $HF_TOKEN)")
 
 
 def _hub(args: argparse.Namespace) -> HubLocation:
@@ -31,59 +23,6 @@ def _hub(args: argparse.Namespace) -> HubLocation:
         cache_dir=getattr(args, "cache_dir", None),
         endpoint=args.endpoint,
     )
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``pull``, ``push``, ``list`` and ``convert`` to the ``lukv`` command.
-
-    >>> parser = argparse.ArgumentParser(prog="lukv")
-    >>> register(parser.add_subparsers(dest="command"))
-    >>> parser.parse_args(["pull", "org/model"]).scorer
-    'keydiff'
-    """
-    pull = subparsers.add_parser("pull", help="download the shared profile of a model (into the Hub cache)")
-    pull.add_argument("model_id", metavar="MODEL_ID", help="e.g. meta-llama/Llama-3.1-8B-Instruct")
-    pull.add_argument(
-        "--scorer", default=DEFAULT_SCORER, help=f"scorer the profile was built for ({DEFAULT_SCORER})"
-    )
-    _hub_options(pull, revision_help="branch, tag or commit sha of the shared repository (default: main)")
-    pull.add_argument("--out", type=Path, help="also write a copy of the profile to this file")
-    pull.add_argument("--cache-dir", help="huggingface_hub cache folder (default: its usual one)")
-    pull.add_argument("--local-dir", help="folder of profiles searched first (default: $LUKV_PROFILE_DIR)")
-    pull.set_defaults(func=_pull)
-
-    push = subparsers.add_parser("push", help="publish a profile file to the shared repository")
-    push.add_argument("file", metavar="FILE", type=Path, help="a profile (.safetensors)")
-    push.add_argument("--model-id", help="publish under this model id (default: the one in the file)")
-    _hub_options(push, revision_help="branch to commit to (default: main)")
-    push.add_argument(
-        "--local-dir",
-        help="write into this local mirror (e.g. profiles_hub/) and its index instead of the Hub",
-    )
-    push.set_defaults(func=_push)
-
-    listing = subparsers.add_parser("list", help="list the profiles in the shared repository")
-    listing.add_argument("--model-id", help="only this model's profiles")
-    _hub_options(listing, revision_help="branch, tag or commit sha (default: main)")
-    listing.add_argument("--local-dir", help="list a local mirror (e.g. profiles_hub/) instead of the Hub")
-    listing.add_argument("--cache-dir", help="huggingface_hub cache folder (default: its usual one)")
-    listing.add_argument("--json", action="store_true", help="print the index entries as JSON")
-    listing.set_defaults(func=_list)
-
-    convert = subparsers.add_parser(
-        "convert", help="turn a LU-KV / kvpress curve (.npy [99, L, H_kv]) into a profile"
-    )
-    convert.add_argument("curve", metavar="CURVE.npy", type=Path)
-    convert.add_argument(
-        "--model", required=True, metavar="MODEL_ID", help="the model id the curve was built for"
-    )
-    convert.add_argument(
-        "--scorer", required=True, metavar="NAME", help="the scorer the curve was built with"
-    )
-    convert.add_argument("--out", type=Path, help="output file (default: CURVE with a .safetensors suffix)")
-    convert.add_argument("--calibration", default="", help="what the curve was calibrated on")
-    convert.add_argument("--head-dim", type=int, help="the model's head dimension, recorded in the profile")
-    convert.set_defaults(func=_convert)
 
 
 def _describe(profile: Profile) -> str:

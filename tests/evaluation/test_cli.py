@@ -1,7 +1,5 @@
-import argparse
-
 from lukv_cache.cli import build_parser
-from lukv_cache.evaluation.cli import _split, register
+from lukv_cache.evaluation.cli import _split
 
 
 def test_lukv_has_demo_and_bench_commands():
@@ -15,9 +13,7 @@ def test_lukv_has_demo_and_bench_commands():
 
 
 def test_bench_flags_shrink_the_grid():
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
+    args = build_parser().parse_args(
         ["bench", "--tasks", "niah_multikey", "--allocators", "uniform", "adakv", "--context-tokens", "2000"]
     )
     assert _split(args.tasks) == ["niah_multikey"]

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 import pytest
 
+from lukv_cache.cli import build_parser
 from lukv_cache.errors import ProfileFormatError
 from lukv_cache.profiles import KVPRESS_GRID, Profile, convert_curve, list_profiles
-from lukv_cache.profiles.cli import register
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 REPO = "lukv-test/profiles"
@@ -23,9 +22,7 @@ def _curve(layers: int = 3, kv_heads: int = 2) -> np.ndarray:
 
 
 def _run(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="lukv")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -1,0 +1,104 @@
+"""Start-up: ``lukv --help`` and every ``lukv <command> --help`` import neither torch nor transformers, every
+option's help shows its default, and ``import lukv_cache`` is cheap while its public names still work."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lukv_cache.cli import build_parser
+
+HEAVY = ("torch", "transformers", "numpy", "safetensors", "huggingface_hub")
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+COMMANDS = sorted(_subcommands(build_parser()))
+
+
+def _fresh(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints one JSON line last."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_command_is_covered():
+    assert {"pull", "push", "list", "convert", "build", "show", "demo", "bench", "check"} <= set(COMMANDS)
+
+
+def test_help_of_lukv_and_of_every_command_imports_no_heavy_module():
+    code = f"""
+import contextlib, io, json, sys
+from lukv_cache.cli import main
+helped = {{}}
+for argv in [["--help"]] + [[c, "--help"] for c in {COMMANDS!r}]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+    helped[" ".join(argv)] = "usage: lukv" in out.getvalue()
+print(json.dumps({{"helped": helped, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+    result = _fresh(code)
+    assert all(result["helped"].values()), result["helped"]
+    assert result["heavy"] == [], f"lukv --help imported {result['heavy']}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_shows_its_default(command):
+    parser = _subcommands(build_parser())[command]
+    rendered = parser.format_help()
+    for action in parser._actions:
+        if not action.option_strings or action.required or isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            continue  # a flag: off unless given
+        formatter = parser._get_formatter()
+        text = formatter._expand_help(action) if action.help else ""
+        assert "default" in text, f"lukv {command} {action.option_strings[0]}: no default in {text!r}"
+    assert "(default: %" not in rendered
+
+
+def test_import_lukv_cache_is_light_and_its_public_names_resolve():
+    code = f"""
+import json, sys
+import lukv_cache
+light = [m for m in {HEAVY!r} if m in sys.modules]
+missing = [n for n in lukv_cache.__all__ if getattr(lukv_cache, n, None) is None]
+print(json.dumps({{"light": light, "missing": missing, "dir": sorted(set(lukv_cache.__all__) - set(dir(lukv_cache)))}}))
+"""
+    result = _fresh(code)
+    assert result == {"light": [], "missing": [], "dir": []}
+
+
+@pytest.mark.parametrize(
+    "lukv_first", [True, False], ids=["lukv-then-transformers", "transformers-then-lukv"]
+)
+def test_attention_routing_is_installed_whichever_is_imported_first(lukv_first):
+    first, second = "import lukv_cache", "import transformers.modeling_utils"
+    if not lukv_first:
+        first, second = second, first
+    code = f"""
+import json
+{first}
+{second}
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+print(json.dumps({{n: ALL_ATTENTION_FUNCTIONS[n].__name__ for n in ("sdpa", "eager", "lukv")}}))
+"""
+    # the routing wrappers (a guarded stock function would be named lukv_guarded_sdpa)
+    assert _fresh(code) == {
+        "sdpa": "lukv_sdpa_attention_forward",
+        "eager": "lukv_eager",
+        "lukv": "lukv_sdpa_attention_forward",
+    }
