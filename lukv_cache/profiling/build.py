@@ -28,6 +28,7 @@ from .._paths import cache_root
 from ..errors import ConfigurationError
 from ..scorers import Scorer, get_scorer, kvzap_scorer
 from .calibration import load_calibration
+from .kvzap_options import KVzapTraining
 from .oracle import AGGREGATES, oracle_importance, prefill_context
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
 
@@ -286,14 +287,14 @@ def build_profiles(
     show_progress: bool = True,
     model_id: str | None = None,
     extra: dict | None = None,
-    kvzap_documents: int = 48,
+    kvzap: KVzapTraining | None = None,
 ) -> dict:
     """Build one LU-KV profile per scorer from one oracle pass: ``{scorer_name: Profile}``.
 
     Same arguments as :func:`build_profile`, with ``scorers`` a list. The full-cache decoding of each
-    question (the expensive part) is shared by all scorers. ``kvzap`` first learns its surrogate from
-    ``kvzap_documents`` news documents (KVzip+ targets, ridge regression; :mod:`.kvzap`) and stores it in
-    its profile.
+    question (the expensive part) is shared by all scorers. ``kvzap`` first learns its surrogate as
+    ``kvzap`` says (:class:`~lukv_cache.profiling.kvzap.KVzapTraining`: KVzip+ targets on real text, then
+    ridge regression or an MLP) and stores it in its profile.
 
     >>> profiles = build_profiles(model, tokenizer, scorers=["keydiff", "snapkv"])  # doctest: +SKIP
     >>> profiles["snapkv"].window  # doctest: +SKIP
@@ -309,7 +310,9 @@ def build_profiles(
     surrogate = None
     if any(s.name == "kvzap" for s in scorer_objs):  # learn KVzap's surrogate first (unless given one)
         given = next(s for s in scorer_objs if s.name == "kvzap").params.get("surrogate")
-        surrogate = given or _train_kvzap(model, tokenizer, kvzap_documents, seed, cache_dir, show_progress)
+        surrogate = given or _train_kvzap(
+            model, tokenizer, kvzap or KVzapTraining(), seed, cache_dir, show_progress
+        )
         scorer_objs = [kvzap_scorer(surrogate) if s.name == "kvzap" else s for s in scorer_objs]
     grid_arr = check_grid(DEFAULT_GRID if grid is None else grid)
     if scope not in ("all", "layer"):
@@ -410,23 +413,21 @@ def build_profiles(
     }
 
 
-def _train_kvzap(model, tokenizer, documents: int, seed: int, cache_dir, show_progress: bool):
-    """KVzap's surrogate for ``model``, trained on ``documents`` news documents of 1,024 tokens; each
-    document's KVzip+ targets (the repeat passes, most of the time) are kept in ``cache_dir`` so an
-    interrupted build resumes."""
+def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir, show_progress: bool):
+    """KVzap's surrogate for ``model``, trained as ``training`` says; each document's KVzip+ targets (the
+    repeat passes, most of the time) are kept in ``cache_dir`` so an interrupted build resumes."""
     from tqdm.auto import tqdm
 
     from ..models import max_positions
     from ..scorers.kvzap import KVZAP_WINDOW
-    from .kvzap import KVZAP_TOKENS, kvzip_plus_targets, news_documents, score_thresholds, train_surrogate
+    from .kvzap import kvzip_plus_targets, score_thresholds, train_surrogate
 
-    if isinstance(documents, bool) or not isinstance(documents, int) or documents < 1:
-        raise ConfigurationError(f"kvzap_documents must be a positive integer, got {documents!r}.")
+    if not isinstance(training, KVzapTraining):
+        raise ConfigurationError(f"kvzap must be a KVzapTraining, got {type(training).__name__}.")
     root = default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
     store = _ResultStore(None if root is None else root / "kvzap")
     fingerprint = model_fingerprint(model)
-    tokens = min(KVZAP_TOKENS, max_positions(model.config) or KVZAP_TOKENS)
-    docs = news_documents(tokenizer, documents, tokens, seed=seed)
+    docs = training.corpus(tokenizer, seed, max_positions(model.config))
 
     def targets_of(index: int, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         key = _sha("kvzip_plus_targets", fingerprint, ids.tolist())
@@ -443,9 +444,13 @@ def _train_kvzap(model, tokenizer, documents: int, seed: int, cache_dir, show_pr
             model,
             tokenizer,
             docs,
+            family=training.family,
+            alpha=training.alpha,
+            samples=training.samples,
+            seed=seed,
             progress=lambda done: bar.update(done - bar.n),
             targets_of=targets_of,
-            meta={"corpus": f"gensim lee_background news, {len(docs)} documents x {tokens} tokens"},
+            meta={"corpus": f"{training.describe()} ({len(docs)} documents)"},
         )
     surrogate.meta["thresholds"] = score_thresholds(model, surrogate, docs[:8], DEFAULT_GRID, KVZAP_WINDOW)
     return surrogate
@@ -470,7 +475,7 @@ def build_profile(
     show_progress: bool = True,
     model_id: str | None = None,
     extra: dict | None = None,
-    kvzap_documents: int = 48,
+    kvzap: KVzapTraining | None = None,
 ):
     """Build the LU-KV profile of ``model`` for ``scorer`` from a calibration set.
 
@@ -483,8 +488,9 @@ def build_profile(
     keeps. ``scope``: ``"all"`` (one budget over all layers) or ``"layer"``. ``max_questions``: use a seeded
     random subset. ``cache_dir``: where per-question results are kept (``False`` disables, default
     :func:`default_cache_dir`). ``model_id``: defaults to ``model.config.name_or_path``. ``extra``: free JSON
-    metadata stored in the profile (e.g. where the weights came from). ``kvzap_documents``: for
-    ``scorer="kvzap"``, the news documents its surrogate learns from (the profile stores it).
+    metadata stored in the profile (e.g. where the weights came from). ``kvzap``: for ``scorer="kvzap"``,
+    how its surrogate is trained (:class:`~lukv_cache.profiling.kvzap.KVzapTraining`: documents,
+    corpora, family; the profile records it).
 
     >>> from lukv_cache import build_profile
     >>> profile = build_profile(model, tokenizer, scorer="keydiff")  # doctest: +SKIP
@@ -511,7 +517,7 @@ def build_profile(
                 show_progress=show_progress,
                 model_id=model_id,
                 extra=extra,
-                kvzap_documents=kvzap_documents,
+                kvzap=kvzap,
             ).values()
         )
     )

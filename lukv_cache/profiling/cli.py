@@ -14,6 +14,23 @@ import time
 from pathlib import Path
 
 from ..models import SMOLLM2_ALIAS, add_threads_argument
+from .kvzap_options import CORPORA, FAMILIES, KVzapTraining
+
+
+def _document_group(text: str) -> tuple[int, int]:
+    """``"48x1024"`` -> ``(48, 1024)``; ``"48"`` -> ``(48, 1024)``."""
+    count, x, tokens = text.lower().partition("x")
+    try:
+        group = (int(count), int(tokens) if x else 1024)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not COUNTxTOKENS (e.g. 48x1024) or a count") from None
+    if min(group) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the count and the tokens must be positive")
+    return group
+
+
+def _groups(groups: tuple[tuple[int, int], ...]) -> str:
+    return " ".join(f"{count}x{tokens}" for count, tokens in groups)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,9 +79,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--window", type=int, help="protected last tokens (default: the scorer's own)")
     build.add_argument(
         "--kvzap-documents",
-        type=int,
-        default=48,
-        help="--scorer kvzap: news documents of 1,024 tokens its surrogate learns from (default 48)",
+        nargs="+",
+        type=_document_group,
+        default=None,
+        metavar="COUNTxTOKENS",
+        help="--scorer kvzap: groups of training documents, e.g. 48x1024 8x4096 (a plain count means "
+        f"documents of 1,024 tokens; default: {_groups(KVzapTraining().documents)})",
+    )
+    build.add_argument(
+        "--kvzap-corpus",
+        nargs="+",
+        choices=CORPORA,
+        default=None,
+        help=f"--scorer kvzap: real text its documents come from, in turn (default: "
+        f"{' '.join(KVzapTraining().corpora)})",
+    )
+    build.add_argument(
+        "--kvzap-family",
+        choices=FAMILIES,
+        default=KVzapTraining().family,
+        help="--scorer kvzap: the surrogate, a ridge regression or a 2-layer MLP (default: %(default)s)",
     )
     build.add_argument("--min-keep", type=float, default=0.01, help="fraction every head keeps (0.01)")
     build.add_argument(
@@ -153,7 +187,11 @@ def _build(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
         model_id=args.model_id,
         extra=extra,
-        kvzap_documents=args.kvzap_documents,
+        kvzap=KVzapTraining(
+            documents=tuple(args.kvzap_documents or KVzapTraining().documents),
+            corpora=tuple(args.kvzap_corpus or KVzapTraining().corpora),
+            family=args.kvzap_family,
+        ),
     )
     for name, profile in profiles.items():
         path = profile.save(args.out if single_file else args.out / f"{name}.safetensors")

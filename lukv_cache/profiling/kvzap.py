@@ -24,11 +24,10 @@ from ..errors import ConfigurationError
 from ..scorers.kvzap import RidgeStats, Surrogate, rope_inverse, token_features
 from ..scorers.kvzip import RepeatPrompt
 from ..texts import news_articles, python_docs
+from .kvzap_options import FAMILIES, SKIP_FIRST
 from .scores import prefill_scores
 
 _FEATURES_IMPL = "lukv_kvzap_features"
-KVZAP_TOKENS = 1024  # tokens per training document (KVzap trains on ~1k-token texts)
-SKIP_FIRST = 4  # attention sinks: always kept, and their scores are outliers a surrogate need not learn
 
 
 def news_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0) -> list[torch.Tensor]:
@@ -39,7 +38,9 @@ def news_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0
     return _documents([a.text for a in news_articles()], "news", tokenizer, count, tokens, seed)
 
 
-def python_docs_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0) -> list[torch.Tensor]:
+def python_docs_documents(
+    tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0
+) -> list[torch.Tensor]:
     """``count`` documents ``[1, tokens]`` of Python's reference documentation (topics shuffled with
     ``seed``, long ones cut into several documents).
 
@@ -58,7 +59,12 @@ def _documents(articles: list[str], corpus: str, tokenizer: Any, count: int, tok
             current = []
             if len(docs) == count:
                 return docs
-    raise ConfigurationError(f"The {corpus} corpus holds {len(docs)} documents of {tokens} tokens, not {count}.")
+    raise ConfigurationError(
+        f"The {corpus} corpus holds {len(docs)} documents of {tokens} tokens, not {count}."
+    )
+
+
+CORPORA = {"news": news_documents, "python_docs": python_docs_documents}
 
 
 @torch.no_grad()
@@ -109,7 +115,7 @@ def train_surrogate(
     tokens of each document, drawn with ``seed``). ``targets_of(index, ids)``: the log KVzip+ scores of a
     document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
     build resumes without the repeat passes it already ran)."""
-    if family not in ("linear", "mlp"):
+    if family not in FAMILIES:
         raise ConfigurationError(f"Unknown kvzap surrogate family {family!r}; use 'linear' or 'mlp'.")
     targets_of = targets_of or (lambda _, ids: kvzip_plus_targets(model, tokenizer, ids))
     generator = torch.Generator().manual_seed(seed)

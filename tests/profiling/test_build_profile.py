@@ -9,6 +9,7 @@ from lukv_cache import build_profile
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles.profile import Profile
 from lukv_cache.profiling import build_profiles
+from lukv_cache.profiling.kvzap_options import KVzapTraining
 
 
 def test_end_to_end_build_gives_a_valid_profile(tiny_model, byte_tokenizer, tiny_calibration, tmp_path):
@@ -212,9 +213,11 @@ def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
 
     tiny_model.config.name_or_path = "org/tiny"
     kwargs = dict(scorer="kvzap", calibration=tiny_calibration, cache_dir=tmp_path / "c", show_progress=False)
-    profile = build_profile(tiny_model, byte_tokenizer, kvzap_documents=2, **kwargs)
+    training = KVzapTraining(documents=((2, 64), (1, 96)), corpora=("news", "python_docs"))
+    profile = build_profile(tiny_model, byte_tokenizer, kvzap=training, **kwargs)
     assert profile.scorer == "kvzap" and profile.window == 32 and profile.surrogate is not None
-    assert profile.surrogate.layers == [0, 1] and "2 documents" in profile.surrogate.meta["corpus"]
+    assert profile.surrogate.layers == [0, 1] and profile.surrogate.family == "linear"
+    assert profile.surrogate.meta["corpus"] == "news, python_docs: 2 x 64 + 1 x 96 tokens (3 documents)"
     path = profile.save(tmp_path / "kvzap.safetensors")
     cache = LUKVCache.from_pretrained(path, ratio=0.5)
     with torch.no_grad():
@@ -225,5 +228,39 @@ def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
         raise AssertionError("the KVzip+ targets were cached")
 
     monkeypatch.setattr(kvzap, "kvzip_plus_targets", no_repeat_pass)
-    again = build_profile(tiny_model, byte_tokenizer, kvzap_documents=2, **kwargs)
+    again = build_profile(tiny_model, byte_tokenizer, kvzap=training, **kwargs)
     assert torch.equal(again.surrogate.weight, profile.surrogate.weight)
+
+
+def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
+    import argparse
+
+    from lukv_cache.profiling.cli import register
+
+    parser = argparse.ArgumentParser(prog="lukv")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        [
+            "build",
+            "smollm2",
+            "--out",
+            "p/",
+            "--scorer",
+            "kvzap",
+            "--kvzap-documents",
+            "48x1024",
+            "8X4096",
+            "16",
+        ]
+        + ["--kvzap-corpus", "news", "python_docs", "--kvzap-family", "mlp"]
+    )
+    assert args.kvzap_documents == [(48, 1024), (8, 4096), (16, 1024)]
+    assert args.kvzap_corpus == ["news", "python_docs"] and args.kvzap_family == "mlp"
+    for bad in (["--kvzap-documents", "8x"], ["--kvzap-documents", "0x1024"], ["--kvzap-family", "tree"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["build", "smollm2", "--out", "p/", *bad])
+    assert "kvzap" in capsys.readouterr().err
+    with pytest.raises(ConfigurationError, match=r"\(count, tokens\) pairs"):
+        KVzapTraining(documents=((8, 2),))
+    with pytest.raises(ConfigurationError, match="distinct names"):
+        KVzapTraining(corpora=("news", "novels"))

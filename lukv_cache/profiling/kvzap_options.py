@@ -1,0 +1,93 @@
+"""How ``lukv build --scorer kvzap`` trains a surrogate: the options, without importing torch (the CLI
+builds its help from them). The training itself is :mod:`lukv_cache.profiling.kvzap`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+CORPORA = ("news", "python_docs")  # lukv_cache.profiling.kvzap.CORPORA reads them
+FAMILIES = ("linear", "mlp")
+SKIP_FIRST = 4  # attention sinks: always kept, and their scores are outliers a surrogate need not learn
+
+
+@dataclass(frozen=True)
+class KVzapTraining:
+    """How a build trains a KVzap surrogate (``build_profile(..., kvzap=KVzapTraining(...))``, ``lukv build
+    --scorer kvzap --kvzap-documents ... --kvzap-corpus ... --kvzap-family ...``).
+
+    ``documents``: ``(count, tokens)`` groups of training documents, each group's documents taken in turn
+    from ``corpora`` (:data:`CORPORA`: ``"news"``, gensim's news articles; ``"python_docs"``, Python's
+    reference documentation). Long documents teach the surrogate long contexts: trained on 1,024-token
+    documents only, SmolLM2-135M's surrogate ranks 4,096-token contexts much worse than 1,024-token ones.
+    ``family``: ``"linear"`` (ridge with strength ``alpha``) or ``"mlp"`` (``samples`` rows per 1,024
+    tokens of each document).
+
+    >>> KVzapTraining(documents=((48, 1024), (8, 4096))).describe()
+    'news: 48 x 1,024 + 8 x 4,096 tokens'
+    >>> KVzapTraining(family="tree")
+    Traceback (most recent call last):
+    ...
+    lukv_cache.errors.ConfigurationError: Unknown kvzap surrogate family 'tree'; use 'linear' or 'mlp'.
+    """
+
+    documents: tuple[tuple[int, int], ...] = ((48, 1024),)
+    corpora: tuple[str, ...] = ("news",)
+    family: str = "linear"
+    alpha: float = 1.0
+    samples: int = 512
+
+    def __post_init__(self) -> None:
+        def count(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+        if self.family not in FAMILIES:
+            raise ConfigurationError(
+                f"Unknown kvzap surrogate family {self.family!r}; use 'linear' or 'mlp'."
+            )
+        groups = self.documents
+        if (
+            not isinstance(groups, tuple)
+            or not groups
+            or not all(
+                isinstance(g, tuple) and len(g) == 2 and count(g[0]) and count(g[1]) and g[1] > SKIP_FIRST
+                for g in groups
+            )
+        ):
+            raise ConfigurationError(
+                f"kvzap documents must be (count, tokens) pairs of positive integers (tokens > {SKIP_FIRST}), "
+                f"e.g. ((48, 1024), (8, 4096)); got {groups!r}."
+            )
+        unknown = [c for c in self.corpora if c not in CORPORA]
+        if not self.corpora or unknown or len(set(self.corpora)) != len(self.corpora):
+            raise ConfigurationError(
+                f"kvzap corpora must be distinct names among {sorted(CORPORA)}; got {list(self.corpora)!r}."
+            )
+        if not count(self.samples) or not (isinstance(self.alpha, int | float) and self.alpha >= 0):
+            raise ConfigurationError(
+                f"kvzap samples must be a positive integer and alpha a number >= 0; got {self.samples!r}, "
+                f"{self.alpha!r}."
+            )
+
+    def corpus(self, tokenizer: Any, seed: int = 0, max_tokens: int | None = None) -> list[torch.Tensor]:
+        """The training documents ``[1, tokens]`` (each cut to ``max_tokens``, the model's positions)."""
+        from . import kvzap
+
+        docs = []
+        for group, (count, tokens) in enumerate(self.documents):
+            tokens = min(tokens, max_tokens or tokens)
+            n = len(self.corpora)
+            for i, name in enumerate(self.corpora):
+                share = count // n + (i < count % n)
+                if share:
+                    docs += kvzap.CORPORA[name](tokenizer, share, tokens, seed=seed + group)
+        return docs
+
+    def describe(self) -> str:
+        groups = " + ".join(f"{count} x {tokens:,}" for count, tokens in self.documents)
+        return f"{', '.join(self.corpora)}: {groups} tokens"
