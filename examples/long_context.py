@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             do_sample=False,
         )
         answer = tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+        answer = answer.split("\n", 1)[0]  # the first line
         print(f"Q: {question}\nA: {answer}")
 
 

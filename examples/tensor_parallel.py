@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 from lukv_cache import LUKVCache
 
@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer, text = load_tokenizer("smollm2"), wikipedia_articles()[0].text[:4000]
 
     # Every rank loads its shard; transformers starts the process group (torchrun's environment).
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_plan="auto"), attn_implementation="sdpa"
+    ).eval()
     cache = LUKVCache.from_pretrained(model_id, ratio=0.8)  # the model's LU-KV profile, as in one process
 
     inputs = tokenizer(text + "\n\nIn one sentence, the text above is about", return_tensors="pt")
