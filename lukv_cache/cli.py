@@ -32,6 +32,7 @@ from .evaluation.methods import (
 )
 from .models import SMOLLM2_ALIAS, add_threads_argument
 from .profiles.location import DEFAULT_REPO_ID, DEFAULT_SCORER, LOCAL_DIR_ENV, REPO_ID_ENV
+from .profiling.kvzap_options import CORPORA, FAMILIES, KVzapTraining
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -134,6 +135,22 @@ def _profiles_commands(subparsers: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------- profiling: build show
+def _document_group(text: str) -> tuple[int, int]:
+    """``"48x1024"`` -> ``(48, 1024)``; ``"48"`` -> ``(48, 1024)``."""
+    count, x, tokens = text.lower().partition("x")
+    try:
+        group = (int(count), int(tokens) if x else 1024)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not COUNTxTOKENS (e.g. 48x1024) or a count") from None
+    if min(group) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the count and the tokens must be positive")
+    return group
+
+
+def _groups(groups: tuple[tuple[int, int], ...]) -> str:
+    return " ".join(f"{count}x{tokens}" for count, tokens in groups)
+
+
 def _profiling_commands(subparsers: Any) -> None:
     run = "lukv_cache.profiling.cli"
     build = _add(
@@ -177,9 +194,26 @@ def _profiling_commands(subparsers: Any) -> None:
     build.add_argument("--window", type=int, help="protected last tokens (default: the scorer's own)")
     build.add_argument(
         "--kvzap-documents",
-        type=int,
-        default=48,
-        help="--scorer kvzap: news documents of 1,024 tokens its surrogate learns from",
+        nargs="+",
+        type=_document_group,
+        default=None,
+        metavar="COUNTxTOKENS",
+        help="--scorer kvzap: groups of training documents, e.g. 48x1024 8x4096 (a plain count means "
+        f"documents of 1,024 tokens; default: {_groups(KVzapTraining().documents)})",
+    )
+    build.add_argument(
+        "--kvzap-corpus",
+        nargs="+",
+        choices=CORPORA,
+        default=None,
+        help=f"--scorer kvzap: real text its documents come from, in turn (default: "
+        f"{' '.join(KVzapTraining().corpora)})",
+    )
+    build.add_argument(
+        "--kvzap-family",
+        choices=FAMILIES,
+        default=KVzapTraining().family,
+        help="--scorer kvzap: the surrogate, a ridge regression or a 2-layer MLP (default: %(default)s)",
     )
     build.add_argument("--min-keep", type=float, default=0.01, help="fraction every head keeps")
     build.add_argument(
@@ -294,8 +328,9 @@ def _evaluation_commands(subparsers: Any) -> None:
         "check",
         "measure ratios and allocators on your own texts and questions before deploying them",
         "For each context, the full cache answers every question; each allocator at each ratio then answers "
-        "through its compressed cache. Prints how often the answers agree, the excess NLL of the full cache's "
-        "answers, and the highest ratio that keeps agreement above --tolerance.",
+        "through its compressed cache (one shared prefill and one scoring per context). Prints how often the "
+        "answers agree, the excess NLL of the full cache's answers, and the ratio it recommends: the highest "
+        "that keeps agreement at or above --tolerance.",
     )
     check.add_argument(
         "model", metavar="MODEL", help="'smollm2' (packaged), a local model folder or a Hub id"
@@ -318,6 +353,9 @@ def _evaluation_commands(subparsers: Any) -> None:
     check.add_argument("--scorer", default=CHECK_SCORER, help="token scorer of every allocator")
     check.add_argument("--tolerance", type=float, default=0.9, help="agreement a ratio must keep")
     check.add_argument("--max-new-tokens", type=int, default=24, help="answer tokens decoded per question")
+    check.add_argument(
+        "--show-answers", action="store_true", help="print the full and compressed answers side by side"
+    )
     check.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
     check.add_argument("--hub", action="store_true", help="look profiles up in the shared Hub repository too")
     add_threads_argument(check)

@@ -7,11 +7,38 @@
 
 from __future__ import annotations
 
-from ..errors import CalibrationFormatError
-from .build import build_profile, build_profiles, default_cache_dir
-from .calibration import load_calibration, shipped_calibrations
-from .scores import prefill_scores
-from .solver import DEFAULT_GRID, exact_keep_counts, greedy_keep_counts, pava, solve_evict_ratios
+import importlib
+from typing import Any
+
+# public name -> the module of this package that defines it, imported on first access (PEP 562), so that
+# the light ones (.kvzap_options, which the CLI's help reads) do not pull in torch and transformers
+_LAZY = {
+    "CalibrationFormatError": "..errors",
+    "build_profile": ".build",
+    "build_profiles": ".build",
+    "default_cache_dir": ".build",
+    "load_calibration": ".calibration",
+    "shipped_calibrations": ".calibration",
+    "prefill_scores": ".scores",
+    "DEFAULT_GRID": ".solver",
+    "exact_keep_counts": ".solver",
+    "greedy_keep_counts": ".solver",
+    "pava": ".solver",
+    "solve_evict_ratios": ".solver",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "DEFAULT_GRID",

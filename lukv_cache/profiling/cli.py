@@ -1,7 +1,8 @@
 """``lukv build`` and ``lukv show``: build a profile from the shell, and look at one.
 
-``lukv_cache.cli`` calls :func:`register` with its sub-parsers; commands return an exit code and let
-:class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:`` line, exit code 2).
+Their flags are declared in :mod:`lukv_cache.cli` (argparse alone, so help needs no torch); commands
+return an exit code and let :class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:``
+line, exit code 2).
 """
 
 from __future__ import annotations
@@ -13,131 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..models import SMOLLM2_ALIAS, add_threads_argument
-from .kvzap_options import CORPORA, FAMILIES, KVzapTraining
-
-
-def _document_group(text: str) -> tuple[int, int]:
-    """``"48x1024"`` -> ``(48, 1024)``; ``"48"`` -> ``(48, 1024)``."""
-    count, x, tokens = text.lower().partition("x")
-    try:
-        group = (int(count), int(tokens) if x else 1024)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not COUNTxTOKENS (e.g. 48x1024) or a count") from None
-    if min(group) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: the count and the tokens must be positive")
-    return group
-
-
-def _groups(groups: tuple[tuple[int, int], ...]) -> str:
-    return " ".join(f"{count}x{tokens}" for count, tokens in groups)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``build`` and ``show`` to the ``lukv`` command.
-
-    >>> parser = argparse.ArgumentParser(prog="lukv")
-    >>> register(parser.add_subparsers(dest="command"))
-    >>> parser.parse_args(["build", "smollm2", "--scorer", "keydiff", "--scorer", "snapkv", "--out", "p/"]).scorer
-    ['keydiff', 'snapkv']
-    """
-    build = subparsers.add_parser(
-        "build",
-        help="build LU-KV profiles of a model from a calibration set",
-        description="Decode the calibration questions with a full cache, record the oracle importance, "
-        "solve the allocation for every ratio and write one profile per scorer.",
-    )
-    build.add_argument(
-        "model",
-        metavar="MODEL_PATH_OR_ID",
-        help=f"a local model folder or Hub id; '{SMOLLM2_ALIAS}' for the demo model",
-    )
-    build.add_argument("--scorer", action="append", help="scorer (repeat for several; default keydiff)")
-    build.add_argument(
-        "--out",
-        type=Path,
-        required=True,
-        help="a .safetensors file (one scorer) or a folder (writes <folder>/<scorer>.safetensors)",
-    )
-    build.add_argument("--push", action="store_true", help="also publish to the shared profile repository")
-    build.add_argument(
-        "--repo-id", help="shared repository for --push (default: $LUKV_PROFILE_REPO or its default)"
-    )
-    build.add_argument(
-        "--calibration", default="planted", help="shipped set name or JSONL file (default: planted)"
-    )
-    build.add_argument("--k-max", type=int, default=64, help="answer tokens decoded per question (64)")
-    build.add_argument(
-        "--aggregate",
-        choices=("max", "mean"),
-        default="max",
-        help="oracle importance over the decode steps: max (the paper, default) or mean",
-    )
-    build.add_argument("--max-questions", type=int, help="use a seeded random subset of the questions")
-    build.add_argument("--seed", type=int, default=0)
-    build.add_argument("--sink", type=int, default=4, help="protected first tokens (4)")
-    build.add_argument("--window", type=int, help="protected last tokens (default: the scorer's own)")
-    build.add_argument(
-        "--kvzap-documents",
-        nargs="+",
-        type=_document_group,
-        default=None,
-        metavar="COUNTxTOKENS",
-        help="--scorer kvzap: groups of training documents, e.g. 48x1024 8x4096 (a plain count means "
-        f"documents of 1,024 tokens; default: {_groups(KVzapTraining().documents)})",
-    )
-    build.add_argument(
-        "--kvzap-corpus",
-        nargs="+",
-        choices=CORPORA,
-        default=None,
-        help=f"--scorer kvzap: real text its documents come from, in turn (default: "
-        f"{' '.join(KVzapTraining().corpora)})",
-    )
-    build.add_argument(
-        "--kvzap-family",
-        choices=FAMILIES,
-        default=KVzapTraining().family,
-        help="--scorer kvzap: the surrogate, a ridge regression or a 2-layer MLP (default: %(default)s)",
-    )
-    build.add_argument("--min-keep", type=float, default=0.01, help="fraction every head keeps (0.01)")
-    build.add_argument(
-        "--scope", choices=("all", "layer"), default="all", help="one budget for all layers, or per layer"
-    )
-    build.add_argument(
-        "--cache-dir", help="per-question results, for resuming (default: ~/.cache/lukv_cache/profiling)"
-    )
-    build.add_argument(
-        "--model-id", help="model id recorded in the profile (default: the model's name_or_path)"
-    )
-    build.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_threads_argument(build)
-    build.set_defaults(func=_build)
-
-    show = subparsers.add_parser("show", help="summarise a profile; optionally plot it")
-    show.add_argument("profile", metavar="PROFILE", type=Path, help="a profile (.safetensors)")
-    show.add_argument(
-        "--ratio",
-        type=float,
-        nargs="+",
-        action="extend",
-        help="global ratio(s) to report, e.g. --ratio 0.5 0.8 (default 0.5 0.8 0.9)",
-    )
-    show.add_argument(
-        "--png", type=Path, help="write heatmaps at the ratios (and curves, as <name>-curves.png)"
-    )
-    show.add_argument("--json", action="store_true", help="print the metadata as JSON")
-    show.add_argument(
-        "--model",
-        metavar="MODEL_PATH_OR_ID",
-        help="also decompose the eviction loss (LU-KV vs uniform, pyramid, AdaKV, global, hybrid) on a calibration set",
-    )
-    show.add_argument(
-        "--calibration", default="default", help="calibration set for --model (default: default)"
-    )
-    show.add_argument("--max-questions", type=int, help="questions used by --model (default: all)")
-    show.add_argument("--cache-dir", help="per-question results shared with `lukv build` (same default)")
-    show.set_defaults(func=_show)
+from .kvzap_options import KVzapTraining
 
 
 def _load_model(name: str):

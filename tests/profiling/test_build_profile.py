@@ -233,12 +233,9 @@ def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
 
 
 def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
-    import argparse
+    from lukv_cache.cli import build_parser
 
-    from lukv_cache.profiling.cli import register
-
-    parser = argparse.ArgumentParser(prog="lukv")
-    register(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     args = parser.parse_args(
         [
             "build",
