@@ -8,7 +8,16 @@ with the same context (question-agnostic, as in deployment) and is measured agai
 * **excess NLL**: the mean negative log-likelihood (nats/token) of the full cache's answer under the
   compressed cache, minus the same under the full cache.
 
-The suggested ratio is the highest one whose agreement stays at or above ``tolerance`` for that allocator.
+What is shared, so that a check is worth waiting for: each context is prefilled once
+(:class:`~lukv_cache.evaluation.prefill.SharedPrefill`); each allocator scores it once, and its other
+ratios compress from the same scored prefill; and a compressed cache answers each question in one
+teacher-forced forward over the full cache's answer: greedy decoding reproduces that answer exactly when,
+at every token of it, the compressed cache predicts the same next token as the full cache does (and stops
+where it stops), which that one forward shows, with the answer's NLL. Only ``show_answers`` decodes the
+compressed answers themselves.
+
+The recommended ratio is the highest one whose agreement stays at or above ``tolerance`` (at every lower
+ratio too) for some allocator; ties go to the lower excess NLL.
 
     >>> report = check(model, tokenizer, [("text ...", ["question?"])])  # doctest: +SKIP
     >>> print(format_check(report))  # doctest: +SKIP
@@ -17,7 +26,9 @@ The suggested ratio is the highest one whose agreement stays at or above ``toler
 from __future__ import annotations
 
 import copy
+import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +37,21 @@ from typing import Any
 import torch
 
 from ..allocation import ALLOCATORS
+from ..cache import check_ratio
 from ..errors import ConfigurationError, ProfileError
 from ..models import check_positions, max_positions
 from ..profiling.build import QUESTION_TEMPLATE
 from ..profiling.calibration import load_calibration
 from ..scorers import get_scorer
-from .methods import FULL, Method
+from .methods import (
+    CHECK_ALLOCATORS,
+    CHECK_RATIOS,
+    CHECK_SCORER,
+    FULL,
+    PROFILE_ALLOCATORS,
+    Method,
+    make_cache,
+)
 from .prefill import SharedPrefill
 from .tasks import greedy_decode, stop_ids
 
@@ -81,10 +101,27 @@ def read_contexts(
     return contexts
 
 
-def check_options(*, allocators: Sequence[str], scorer: str, max_new_tokens: int, tolerance: float) -> None:
+def check_options(
+    *,
+    allocators: Sequence[str],
+    scorer: str,
+    max_new_tokens: int,
+    tolerance: float,
+    ratios: Sequence[float] = CHECK_RATIOS,
+) -> list[float]:
     """Refuse bad settings of :func:`check` before any model loads: unknown scorer or allocator names
-    (:class:`~lukv_cache.errors.UnknownNameError`), a tolerance outside (0, 1] or fewer than one decoded
-    token (:class:`ConfigurationError`; with none, every ratio would trivially "agree")."""
+    (:class:`~lukv_cache.errors.UnknownNameError`), ratios outside [0, 1), no ratio or allocator, a
+    tolerance outside (0, 1] or fewer than one decoded token (:class:`ConfigurationError`; with none,
+    every ratio would trivially "agree"). Returns the ratios as floats.
+
+    >>> check_options(allocators=["uniform"], scorer="keydiff", max_new_tokens=8, tolerance=0.9, ratios=[0.5])
+    [0.5]
+    """
+    checked = [check_ratio(r) for r in ratios]
+    if not checked or not allocators:
+        raise ConfigurationError(
+            "Give at least one ratio and one allocator, e.g. --ratios 0.5 --allocators uniform."
+        )
     get_scorer(scorer)
     for name in allocators:
         ALLOCATORS.get(name)
@@ -97,6 +134,7 @@ def check_options(*, allocators: Sequence[str], scorer: str, max_new_tokens: int
             f"max_new_tokens must be at least 1 (the answers compared are decoded), got {max_new_tokens!r}; "
             "e.g. 24."
         )
+    return checked
 
 
 def _max_token_chars(tokenizer: Any) -> int | None:
@@ -148,12 +186,18 @@ def _encode(tokenizer: Any, text: str) -> torch.Tensor:
 
 @dataclass
 class CheckRow:
+    """One allocator at one ratio: questions asked, answers that agree, excess NLL of each answer."""
+
     allocator: str
     ratio: float
     agree: int = 0
     asked: int = 0
     excess_nll: list[float] = field(default_factory=list)
     skipped: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.allocator} {self.ratio:g}"
 
     @property
     def agreement(self) -> float:
@@ -165,12 +209,25 @@ class CheckRow:
 
 
 @dataclass
+class Answers:
+    """One question's answers (``show_answers``): the full cache's, and each row's (by :attr:`CheckRow.name`)
+    with whether it agrees."""
+
+    context: int
+    question: str
+    full: str
+    compressed: dict[str, tuple[str, bool]] = field(default_factory=dict)
+
+
+@dataclass
 class CheckReport:
     scorer: str
     rows: list[CheckRow]
     contexts: int
     questions: int
     tolerance: float
+    answers: list[Answers] = field(default_factory=list)
+    seconds: float = 0.0
 
     def safe_ratio(self, allocator: str) -> float | None:
         """The highest ratio whose agreement is at least ``tolerance`` (and every lower ratio's too)."""
@@ -178,21 +235,57 @@ class CheckReport:
         for row in sorted(
             (r for r in self.rows if r.allocator == allocator and not r.skipped), key=lambda r: r.ratio
         ):
-            if row.agreement < self.tolerance:
+            if not row.agreement >= self.tolerance:
                 break
             safe = row.ratio
         return safe
 
+    def recommended(self) -> CheckRow | None:
+        """The row to deploy: the highest safe ratio above 0 (0 evicts nothing) of any allocator; ties go to
+        the lower excess NLL."""
+        best = None
+        for allocator in dict.fromkeys(r.allocator for r in self.rows):
+            safe = self.safe_ratio(allocator)
+            if not safe:
+                continue
+            row = next(r for r in self.rows if r.allocator == allocator and r.ratio == safe and not r.skipped)
+            if best is None or (row.ratio, -row.mean_excess) > (best.ratio, -best.mean_excess):
+                best = row
+        return best
+
+
+_STOP = -1  # every stop token predicts the same thing: the answer ends
+
 
 @torch.no_grad()
-def _answer_nll(model: Any, cache: Any, question_ids: torch.Tensor, answer: list[int]) -> float:
-    """Mean NLL of ``answer`` after ``question_ids``, teacher-forced through ``cache`` (consumed)."""
-    if not answer:
-        return 0.0
-    target = torch.tensor([answer], device=question_ids.device)
-    ids = torch.cat([question_ids, target[:, :-1]], dim=1)
-    logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -len(answer) :].float()
-    return float(torch.nn.functional.cross_entropy(logits[0], target[0]))
+def _predictions(
+    model: Any, cache: Any, prompt: torch.Tensor, answer: list[int], stops: Sequence[int], max_new_tokens: int
+) -> tuple[list[int], float]:
+    """One teacher-forced forward of ``prompt`` + ``answer`` through ``cache`` (consumed): the greedy
+    prediction after the prompt and after each answer token (stop tokens as ``_STOP``; none after an answer
+    that ran to ``max_new_tokens``), and the mean NLL of ``answer`` (nats/token; 0 for an empty one)."""
+    target = torch.tensor([answer], dtype=prompt.dtype, device=prompt.device)
+    ids = torch.cat([prompt, target], dim=1)
+    logits = model(
+        input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=len(answer) + 1
+    ).logits
+    logits = logits[0].float()
+    predicted = [_STOP if t in stops else t for t in logits.argmax(-1).tolist()]
+    if len(answer) >= max_new_tokens:  # decoding ended on the length, not on a prediction
+        predicted = predicted[: len(answer)]
+    nll = float(torch.nn.functional.cross_entropy(logits[: len(answer)], target[0])) if answer else 0.0
+    return predicted, nll
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc="lukv check",
+        disable=not enabled,
+        bar_format="{desc}: {percentage:3.0f}%|{bar:16}| {elapsed} elapsed, ETA {remaining}{postfix}",
+    )
 
 
 def check(
@@ -200,62 +293,125 @@ def check(
     tokenizer: Any,
     contexts: Sequence[Context],
     *,
-    ratios: Sequence[float] = (0.5, 0.8, 0.9),
-    allocators: Sequence[str] = ("uniform", "adakv", "profile"),
-    scorer: str = "keydiff",
+    ratios: Sequence[float] = CHECK_RATIOS,
+    allocators: Sequence[str] = CHECK_ALLOCATORS,
+    scorer: str = CHECK_SCORER,
     max_new_tokens: int = 24,
     tolerance: float = 0.9,
     profiles_dir: str | os.PathLike | None = None,
     hub: bool = False,
     show_progress: bool = True,
+    show_answers: bool = False,
 ) -> CheckReport:
     """Compare each allocator at each ratio with the full cache on ``contexts`` (see the module docstring).
 
-    Bad settings and contexts that do not fit the model's positions raise before anything is prefilled."""
-    from tqdm.auto import tqdm
-
-    check_options(allocators=allocators, scorer=scorer, max_new_tokens=max_new_tokens, tolerance=tolerance)
+    Bad settings and contexts that do not fit the model's positions raise before anything is prefilled; an
+    allocator whose profile cannot be found is skipped (with the reason) before any prefill too.
+    ``show_answers``: also decode every compressed cache's answers (:attr:`CheckReport.answers`)."""
+    started = time.perf_counter()
+    ratios = check_options(
+        allocators=allocators,
+        scorer=scorer,
+        max_new_tokens=max_new_tokens,
+        tolerance=tolerance,
+        ratios=ratios,
+    )
     encoded = encode_contexts(tokenizer, contexts, model.config, max_new_tokens)  # before any prefill
-    methods = [Method(a, scorer, float(r)) for a in allocators for r in ratios]
-    rows = [CheckRow(m.allocator, m.ratio) for m in methods]
+    rows = [CheckRow(a, r) for a in dict.fromkeys(allocators) for r in dict.fromkeys(ratios)]
+    for row in rows:  # a profile that is not there: said once, before any work
+        if row.allocator in PROFILE_ALLOCATORS or scorer == "kvzap":
+            try:
+                make_cache(Method(row.allocator, scorer, row.ratio), model, profiles_dir, hub=hub)
+            except ProfileError as err:
+                row.skipped = str(err).split(". ")[0]
+    active = [row for row in rows if not row.skipped]
     device = next(model.parameters()).device
     stops = stop_ids(tokenizer)
-    total = sum(len(qs) for _, qs in contexts)
     n_queries = max(2, get_scorer(scorer).n_queries)
-    with tqdm(total=total * (len(methods) + 1), desc="lukv check", disable=not show_progress) as progress:
-        for context_ids, question_ids in encoded:
+    report = CheckReport(scorer, rows, len(contexts), sum(len(qs) for _, qs in contexts), tolerance)
+
+    # progress in units of about one forward of one token: a prefill ~ its tokens / 64, the full answers
+    # max_new_tokens each, a compression 1, a compressed answer 1 (+ max_new_tokens with show_answers)
+    def prefill_units(ids: torch.Tensor) -> int:
+        return max(1, ids.shape[1] // 64)
+
+    per_answer = 1 + (max_new_tokens if show_answers else 0)
+    total = sum(
+        prefill_units(ids) + len(qs) * max_new_tokens + len(active) * (1 + len(qs) * per_answer)
+        for ids, qs in encoded
+    )
+    with _progress(total, show_progress) as progress:
+        for number, (context_ids, question_ids) in enumerate(encoded, start=1):
+            where = f"context {number}/{len(encoded)}"
+            progress.set_postfix_str(f"{where}: prefill", refresh=True)
             shared = SharedPrefill.record(model, context_ids.to(device), n_queries)
-            full = shared.cache_for(Method(FULL), model)
+            progress.update(prefill_units(context_ids))
+            full, _ = shared.scored_cache(Method(FULL), model, tokenizer)
             prompts = [ids.to(device) for ids in question_ids]
-            answers, base_nll = [], []
+            answers, reference, base_nll = [], [], []
+            progress.set_postfix_str(f"{where}: full cache's answers", refresh=True)
             for prompt in prompts:
-                answers.append(greedy_decode(model, copy.deepcopy(full), prompt, max_new_tokens, stops)[0])
-                base_nll.append(_answer_nll(model, copy.deepcopy(full), prompt, answers[-1]))
+                answer = greedy_decode(model, copy.deepcopy(full), prompt, max_new_tokens, stops)[0]
+                predicted, nll = _predictions(
+                    model, copy.deepcopy(full), prompt, answer, stops, max_new_tokens
+                )
+                answers.append(answer)
+                reference.append(predicted)
+                base_nll.append(nll)
+                progress.update(max_new_tokens)
+            if show_answers:
+                questions = contexts[number - 1][1]
+                shown = [Answers(number, q, _text(tokenizer, a)) for q, a in zip(questions, answers)]
+                report.answers.extend(shown)
+            scores: dict[str, Any] = {}  # allocator -> its scored prefill of this context
+            for row in active:
+                progress.set_postfix_str(f"{where}: {row.name}", refresh=True)
+                method = Method(row.allocator, scorer, row.ratio)
+                cache, scores[row.allocator] = shared.scored_cache(
+                    method, model, tokenizer, profiles_dir, hub=hub, scores=scores.get(row.allocator)
+                )
                 progress.update(1)
-            for row, method in zip(rows, methods):
-                if row.skipped:
-                    progress.update(len(prompts))
-                    continue
-                try:
-                    cache = shared.cache_with_scores(method, model, tokenizer, profiles_dir, hub=hub)
-                except ProfileError as err:
-                    row.skipped = str(err).split(". ")[0]
-                    progress.update(len(prompts))
-                    continue
-                for prompt, answer, base in zip(prompts, answers, base_nll):
-                    got = greedy_decode(model, copy.deepcopy(cache), prompt, max_new_tokens, stops)[0]
-                    row.agree += int(got == answer)
+                for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+                    predicted, nll = _predictions(
+                        model, copy.deepcopy(cache), prompt, answer, stops, max_new_tokens
+                    )
+                    agrees = predicted == reference[i]
+                    row.agree += int(agrees)
                     row.asked += 1
-                    row.excess_nll.append(_answer_nll(model, copy.deepcopy(cache), prompt, answer) - base)
-                    progress.update(1)
-    return CheckReport(scorer, rows, len(contexts), total, tolerance)
+                    row.excess_nll.append(nll - base_nll[i])
+                    if show_answers:
+                        got = greedy_decode(model, copy.deepcopy(cache), prompt, max_new_tokens, stops)[0]
+                        shown[i].compressed[row.name] = (_text(tokenizer, got), agrees)
+                    progress.update(per_answer)
+        progress.set_postfix_str("done", refresh=True)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _text(tokenizer: Any, ids: list[int]) -> str:
+    return " ".join(tokenizer.decode(ids, skip_special_tokens=True).split())
+
+
+LEGEND = (
+    "agreement: share of the questions whose greedy answer through the compressed cache is, token for\n"
+    "  token, the full cache's answer.\n"
+    "excess NLL: nats per token by which the compressed cache finds the full cache's answer less likely\n"
+    "  than the full cache does (the difference of their mean negative log-likelihoods); 0 = no loss.\n"
+    "  Below zero, the compressed cache finds that answer more likely: evicting tokens can remove\n"
+    "  distractions and sharpen a prediction, and over a few questions noise goes both ways, so read\n"
+    "  small values either side of 0 as 0."
+)
 
 
 def format_check(report: CheckReport) -> str:
-    """The table: agreement with the full cache and excess NLL per allocator and ratio; the suggested ratio."""
-    lines = [
-        f"lukv check: scorer {report.scorer}, {report.contexts} context(s), {report.questions} question(s); "
-        f"agreement = the compressed cache's greedy answer equals the full cache's.",
+    """The table (agreement with the full cache and excess NLL per allocator and ratio), a legend, each
+    allocator's highest safe ratio and, last, the recommendation; with answers, those first."""
+    lines = []
+    if report.answers:
+        lines += format_answers(report)
+    lines += [
+        f"lukv check: scorer {report.scorer}, {report.contexts} context(s), {report.questions} question(s)"
+        + (f", {report.seconds:.0f} s" if report.seconds else ""),
         "",
         f"{'allocator':<14} {'ratio':>5}  {'agreement':>9}  {'excess NLL':>10}",
     ]
@@ -266,9 +422,61 @@ def format_check(report: CheckReport) -> str:
         lines.append(
             f"{row.allocator:<14} {row.ratio:>5g}  {100 * row.agreement:>8.0f}%  {row.mean_excess:>+10.3f}"
         )
-    lines.append("")
+    lines += ["", LEGEND, ""]
+    tolerance = f"{100 * report.tolerance:.0f}%"
     for allocator in dict.fromkeys(r.allocator for r in report.rows):
+        measured = [r for r in report.rows if r.allocator == allocator and not r.skipped]
+        if not measured:
+            lines.append(f"{allocator}: not measured (no profile).")
+            continue
         safe = report.safe_ratio(allocator)
-        verdict = f"up to ratio {safe:g}" if safe is not None else "none of the ratios checked"
-        lines.append(f"{allocator}: agreement >= {100 * report.tolerance:.0f}% {verdict}.")
+        if safe:
+            lines.append(f"{allocator}: agreement >= {tolerance} up to ratio {safe:g}.")
+        elif safe == 0:
+            lines.append(f"{allocator}: agreement >= {tolerance} only at ratio 0 (nothing evicted).")
+        else:
+            best = max(measured, key=lambda r: (r.agreement, -r.ratio))
+            lines.append(
+                f"{allocator}: no ratio checked keeps agreement >= {tolerance} "
+                f"(best {100 * best.agreement:.0f}% at {best.ratio:g})."
+            )
+    lines.append("")
+    lines.append(recommendation(report))
     return "\n".join(lines)
+
+
+def recommendation(report: CheckReport) -> str:
+    """The last line: the ratio and allocator to deploy, or that none met the tolerance and what to try."""
+    tolerance = f"{100 * report.tolerance:.0f}%"
+    best = report.recommended()
+    if best is not None:
+        return (
+            f"Recommended: ratio {best.ratio:g} with allocator {best.allocator} (scorer {report.scorer}): "
+            f"{100 * best.agreement:.0f}% of the answers unchanged (tolerance {tolerance}), excess NLL "
+            f"{best.mean_excess:+.3f}."
+        )
+    measured = [r for r in report.rows if not r.skipped and r.ratio > 0]
+    if not measured:
+        return "Recommended: none; no allocator was measured at a ratio above 0 (see the skipped rows)."
+    lowest = min(r.ratio for r in measured)
+    lower = math.floor(lowest / 2 * 20) / 20  # half the lowest ratio checked, on a 0.05 step
+    try_ratio = f" (--ratios {lower:g})" if lower > 0 else ""
+    return (
+        f"Recommended: none. No ratio checked keeps {tolerance} of the answers unchanged with any allocator; "
+        f"try lower ratios{try_ratio}, another --scorer (e.g. kvzip), shorter answers (--max-new-tokens 8), "
+        f"or a lower --tolerance if close answers are good enough."
+    )
+
+
+def format_answers(report: CheckReport) -> list[str]:
+    """The full cache's answer to each question, and each compressed cache's beneath it (``=``: the same
+    answer, ``x``: another)."""
+    width = max([len(name) for a in report.answers for name in a.compressed] + [len("full cache")])
+    lines = []
+    for answers in report.answers:
+        lines.append(f"Context {answers.context}: {answers.question}")
+        lines.append(f"  {'full cache':<{width}}    {answers.full}")
+        for name, (text, agrees) in answers.compressed.items():
+            lines.append(f"  {name:<{width}}  {'=' if agrees else 'x'} {text}")
+        lines.append("")
+    return lines

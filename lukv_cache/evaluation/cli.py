@@ -60,12 +60,12 @@ def _check(args: argparse.Namespace) -> int:
     from .check import check, check_options, encode_contexts, format_check, read_contexts
 
     # everything that can be refused is refused before the model's weights load
-    ratios = [check_ratio(r) for r in args.ratios]
-    check_options(
+    ratios = check_options(
         allocators=args.allocators,
         scorer=args.scorer,
         max_new_tokens=args.max_new_tokens,
         tolerance=args.tolerance,
+        ratios=args.ratios,
     )
     contexts = read_contexts(args.calibration or (), args.text or (), args.questions)
     encode_contexts(load_tokenizer(args.model), contexts, load_config(args.model), args.max_new_tokens)
@@ -82,6 +82,7 @@ def _check(args: argparse.Namespace) -> int:
         profiles_dir=args.profiles,
         hub=args.hub,
         show_progress=not args.quiet,
+        show_answers=args.show_answers,
     )
     print(format_check(report))
     return 0

@@ -125,6 +125,43 @@ class SharedPrefill:
             scores = self._reconstruction[method.scorer]
         return self.cache_for(method, model, profiles_dir, hub=hub, scores=scores)
 
+    def scored_cache(
+        self,
+        method: Method,
+        model: Any,
+        tokenizer: Any,
+        profiles_dir: str | os.PathLike[str] | None = None,
+        *,
+        hub: bool = False,
+        scores: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[Any, dict[int, torch.Tensor] | None]:
+        """``method``'s cache and the per-layer scores it ranked the context by (``None`` for the full cache).
+
+        Pass those scores back (``scores=``) for the same allocator and scorer at another ratio: that cache
+        is then compressed from the same scored prefill, without scoring it again (``lukv check`` does so
+        for every ratio of an allocator). Without ``scores``: :meth:`cache_with_scores`, scores kept.
+
+        >>> shared = SharedPrefill.record(model, inputs["input_ids"], n_queries=64)
+        >>> cache, scores = shared.scored_cache(Method("uniform", "keydiff", 0.5), model, tokenizer=None)
+        >>> other, _ = shared.scored_cache(Method("uniform", "keydiff", 0.8), model, None, scores=scores)
+        >>> other.get_seq_length()
+        48
+        """
+        if method.is_full:
+            return self.cache_for(method, model), None
+        if scores is None:
+            from ..scorers import get_scorer
+
+            if get_scorer(method.scorer).reconstruction is not None:
+                cache = self.cache_with_scores(method, model, tokenizer, profiles_dir, hub=hub)
+                return cache, self._reconstruction[method.scorer]
+            cache = make_cache(method, model, profiles_dir, hub=hub)
+            cache.prefill_scores = {}  # keep what the replay scores (keep_scores=True)
+            self._replay(cache)
+            scores, cache.prefill_scores = cache.prefill_scores, None
+            return cache, scores
+        return self.cache_for(method, model, profiles_dir, hub=hub, scores=scores), scores
+
     def _replay(self, cache: Any) -> None:
         attention = ALL_ATTENTION_FUNCTIONS[self.attn_implementation]
         for layer_idx, (keys, values) in enumerate(zip(self.keys, self.values)):

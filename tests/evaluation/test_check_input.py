@@ -91,6 +91,8 @@ def test_check_refuses_a_context_that_does_not_fit_before_any_prefill(model, tok
         (["--tolerance", "0"], "tolerance"),
         (["--scorer", "h2o"], "h2o"),
         (["--allocators", "uniform", "nope"], "nope"),
+        (["--ratios", "0.5", "1.5"], "ratio is the fraction"),
+        (["--ratios", "-0.1"], "ratio is the fraction"),
     ],
 )
 def test_bad_settings_are_refused_before_the_weights_load(
