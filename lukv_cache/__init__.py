@@ -4,8 +4,9 @@
 >>> cache = LUKVCache(ratio=0.8, scorer="keydiff", allocator="uniform")
 
 Importing the package is cheap: the public names below load their modules (and torch) on first use, and
-lukv's attention wrappers are registered in transformers' attention registry as soon as that registry is
-imported (by any model class, or by ``LUKVCache``), see :mod:`lukv_cache._after_import`.
+lukv's attention wrappers are registered in transformers' attention registry as soon as that registry
+(``transformers.modeling_utils``) is imported, which every transformers model class does; see
+:mod:`lukv_cache._after_import`.
 """
 
 from __future__ import annotations
