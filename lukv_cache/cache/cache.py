@@ -32,8 +32,10 @@ from .compression import (
     trim_counts,
     valid_from_mask,
 )
-from .layer import LUKVLayer
+from .decoding import fit_counts, gather_held, held_tokens, masked_held, rescore
+from .layer import FOLD_AT, LUKVLayer
 from .parallel import HeadShard, head_shard, mesh_shard
+from .ragged import keep_mask_from_counts
 from .reconstruction import ReconstructionRound, check_prefill_inputs, plan_rounds
 
 
@@ -123,6 +125,28 @@ def _positions(mask: torch.Tensor, length: int, past: int) -> torch.Tensor | Non
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -length:]
 
 
+def _check_decodes(scorer: Scorer) -> None:
+    """A scorer asked to rank tokens generated while decoding must be able to (``Scorer.decodes``)."""
+    if not scorer.decodes:
+        why = (
+            "its scores come from repeat passes over the whole context, run once by cache.prefill"
+            if scorer.reconstruction is not None
+            else "it is registered with decodes=False"
+        )
+        raise ConfigurationError(
+            f"Scorer {scorer.name!r} cannot rank tokens generated while decoding (decode_max_tokens=): {why}. "
+            "Use 'kvzap' (a learned surrogate of KVzip+ that scores every token in the ordinary forward: "
+            "LUKVCache.from_pretrained(model, scorer='kvzap', decode_max_tokens=...)) or 'keydiff', or drop "
+            "decode_max_tokens= to compress the prompt only."
+        )
+    if scorer.context and scorer.rescores:
+        raise ConfigurationError(
+            f"Scorer {scorer.name!r} reads every KV head of a token (context=True), which eviction no longer keeps "
+            "together, so it cannot rescore a head's tokens at a fold: give it rescores=False (each token keeps "
+            "the score it got when first scored)."
+        )
+
+
 def _profile_scorer(profile: Any, name: str) -> str | Scorer:
     """``name``, or for ``kvzap`` the scorer bound to the surrogate stored in ``profile``."""
     if name != "kvzap":
@@ -159,6 +183,14 @@ class LUKVCache(DynamicCache):
             ``allocator_kwargs={"profile": profile}`` reads a profile's curve at the ratio instead.
         config: the model config; lets sliding-window layers use the stock sliding layer from the start.
         keep_scores: keep each layer's prefill scores (fp32 ``[B, H_kv, T]``) in :attr:`prefill_scores`.
+        decode_max_tokens: bound the whole generation, not just the prompt: every ``fold_interval`` tokens
+            after the prompt, the budgets are applied again to everything the cache holds, so that each row
+            keeps at most this many tokens per (full-attention layer, KV head) on average (sinks and window
+            included), the allocator's budgets read at the ratio that total implies. Without ``ratio`` or
+            ``max_tokens`` it bounds the prompt too (``max_tokens`` is this). Needs a scorer that decodes
+            (not ``kvzip``). Off by default.
+        fold_interval: the dense suffix of decoded tokens is folded into the ragged store every this many
+            tokens (default 256), and with ``decode_max_tokens`` evicted there.
         device_mesh: tensor parallelism's ``DeviceMesh`` (1-D, or one with a ``"tp"`` dimension such as
             transformers' ``model._device_mesh``). Rarely needed: a model loaded with ``tp_plan="auto"`` is
             recognised from its sharded attention weights. Under tensor parallelism each rank's cache holds
@@ -187,11 +219,22 @@ class LUKVCache(DynamicCache):
         config: Any = None,
         keep_scores: bool = False,
         device_mesh: Any = None,
+        decode_max_tokens: int | None = None,
+        fold_interval: int = FOLD_AT,
     ):
         kwargs = dict(allocator_kwargs or {})
         if evict_ratio is not None:
             kwargs["evict_ratio"] = evict_ratio
         _check_table_alone(kwargs.get("evict_ratio"), ratio, max_tokens)
+        decode_max_tokens = _check_count("decode_max_tokens", decode_max_tokens, positive=True)
+        fold_interval = _check_count("fold_interval", fold_interval, positive=True)
+        if decode_max_tokens is not None:
+            if decode_max_tokens > _MAX_TOKENS_LIMIT:
+                raise ConfigurationError(
+                    f"decode_max_tokens={decode_max_tokens} is beyond any context; pass None for no bound."
+                )
+            if ratio is None and max_tokens is None and kwargs.get("evict_ratio") is None:
+                max_tokens = decode_max_tokens  # the prompt is bounded too
         if max_tokens is not None:
             if ratio is not None:
                 raise ConfigurationError(
@@ -206,17 +249,20 @@ class LUKVCache(DynamicCache):
         scorer_obj = get_scorer(scorer)
         if scorer_obj.missing:
             raise ConfigurationError(scorer_obj.missing)
+        if decode_max_tokens is not None:
+            _check_decodes(scorer_obj)
         sink = _check_count("sink", sink)
         window = _check_count("window", window)
         prefill_chunk_size = _check_count("prefill_chunk_size", prefill_chunk_size, positive=True)
         if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Real) or not 0.0 <= min_keep < 1.0:
             raise ConfigurationError(f"min_keep must be a number in [0, 1), got {min_keep!r}.")
         window = scorer_obj.window if window is None else window
-        if max_tokens is not None and max_tokens < sink + window:
-            raise ConfigurationError(
-                f"max_tokens={max_tokens} is below the tokens every head always keeps (sink={sink} + "
-                f"window={window}): raise max_tokens to at least {sink + window}, or lower sink/window."
-            )
+        for name, bound in (("max_tokens", max_tokens), ("decode_max_tokens", decode_max_tokens)):
+            if bound is not None and bound < sink + window:
+                raise ConfigurationError(
+                    f"{name}={bound} is below the tokens every head always keeps (sink={sink} + "
+                    f"window={window}): raise {name} to at least {sink + window}, or lower sink/window."
+                )
         allocator_obj = get_allocator(allocator, **kwargs)
         if kwargs.get("evict_ratio") is not None:  # validated by the allocator: the ratio it implies
             ratio = min(_table_mean(kwargs["evict_ratio"]), math.nextafter(1.0, 0.0))
@@ -230,6 +276,8 @@ class LUKVCache(DynamicCache):
             min_keep=float(min_keep),
             prefill_chunk_size=prefill_chunk_size,
             max_tokens=max_tokens,
+            decode_max_tokens=decode_max_tokens,
+            fold_interval=fold_interval,
         )
         super().__init__(config=config)  # DynamicCache's own layers: sliding ones from the config
         if config is None:
@@ -250,6 +298,8 @@ class LUKVCache(DynamicCache):
         self._record_past = False
         self._awaiting: int | None = None  # layer whose announced attention has not run yet
         self._deferred: dict[int, tuple[Region, torch.Tensor | None]] = {}
+        # decode_max_tokens: layers whose fold is due in this forward -> (attention module, mask)
+        self._folding: dict[int, tuple[Any, torch.Tensor | None]] = {}
         # "hold": multi-token forwards plan their regions and keep everything (evict_held() evicts);
         # "reconstruct": a reconstruction scorer's pass, scored into _round.scores and cropped afterwards
         self._phase: str | None = None
@@ -270,11 +320,20 @@ class LUKVCache(DynamicCache):
     @property
     def evicts(self) -> bool:
         """Whether this cache removes anything (a ratio above 0, or a token budget)."""
-        return self.policy.ratio > 0 or self.policy.max_tokens is not None
+        policy = self.policy
+        return policy.ratio > 0 or policy.max_tokens is not None or policy.decode_max_tokens is not None
 
     @property
     def max_tokens(self) -> int | None:
         return self.policy.max_tokens
+
+    @property
+    def decode_max_tokens(self) -> int | None:
+        return self.policy.decode_max_tokens
+
+    @property
+    def fold_interval(self) -> int:
+        return self.policy.fold_interval
 
     @property
     def allocator(self):
@@ -382,6 +441,8 @@ class LUKVCache(DynamicCache):
             self._cap_ratio = None
             if self._deferred:  # a forward ended before its last full-attention layer compressed
                 self._evict_deferred()
+            if self._folding:  # likewise for a fold
+                self._fold_evict()
         if (
             self.scorer.reconstruction is not None
             and self._phase is None
@@ -404,6 +465,7 @@ class LUKVCache(DynamicCache):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
         if isinstance(layer, LUKVLayer):
+            self._set_fold(layer)
             self._awaiting = layer_idx
             announce_attention(AttentionCall(layer_idx, keys, values, layer.store, self._after_attention))
         return keys, values
@@ -451,6 +513,8 @@ class LUKVCache(DynamicCache):
             return
         self._learn_heads(layer, module)
         if not self._wants_compression(layer, query.shape[2]):
+            if self.policy.decode_max_tokens is not None and self._phase is None:
+                self._after_decoding(idx, layer, module, query, attention_mask)
             return
         region = plan_region(layer, self.policy, attention_mask)
         if self._phase == "hold":
@@ -487,6 +551,123 @@ class LUKVCache(DynamicCache):
             "positions": suffix_positions(attention_mask, layer),
             "gather_heads": None if shard is None else shard.gather,
         }
+
+    # ------------------------------------------------------------------ eviction at fold time
+    @property
+    def _keeps_scores(self) -> bool:
+        """Whether stores keep each token's score (eviction at fold time with a scorer that reuses them)."""
+        return self.policy.decode_max_tokens is not None and self.scorer.keeps_scores
+
+    def _set_fold(self, layer: LUKVLayer) -> None:
+        policy = self.policy
+        if policy.decode_max_tokens is None:
+            layer.fold_at = policy.fold_interval
+        else:  # the protected window and fold_interval tokens, then the fold evicts (never a plain fold)
+            layer.fold_at, layer.bounded = policy.fold_interval + policy.window, True
+
+    def _after_decoding(
+        self,
+        idx: int,
+        layer: LUKVLayer,
+        module: Any,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        """With ``decode_max_tokens``, after a forward that did not compress: keep the queries the scorer
+        reads at the next fold; once ``fold_interval`` tokens arrived since the last eviction, the fold is
+        due (every layer's at once, after the last full-attention layer's attention)."""
+        fold = self.policy.fold_interval
+        since = layer.cumulative_length - layer.settled_length
+        wanted = self.scorer.n_queries
+        if wanted and since > fold - wanted:
+            layer.record_queries(query, wanted)
+        if since >= fold:
+            self._folding[idx] = (module, attention_mask)
+            if idx == self._last_full_layer:
+                self._fold_evict()
+
+    def _fold_evict(self) -> None:
+        """Eviction at fold time (:mod:`lukv_cache.cache.decoding`): the layers whose fold is due keep, per
+        row, at most ``decode_max_tokens`` tokens per (layer, KV head) on average, sinks and window
+        included; budgets from one allocator call at the ratio that total implies over the row's tokens."""
+        folding, self._folding = self._folding, {}
+        policy, shard = self.policy, self._head_shard
+        idxs = sorted(folding)
+        layers = [self.layers[i] for i in idxs]
+        first = layers[0]
+        b, h, device = first.batch_size, first.num_heads, first.keys.device
+        real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
+        frames = [
+            held_tokens(layer, self._suffix_valid(folding[i][1], layer), policy.sink, policy.window)
+            for i, layer in zip(idxs, layers)
+        ]
+        protected = frames[0].protected.sum(-1).view(b, h).amax(-1).cpu()  # the same for every head
+        room = policy.decode_max_tokens - protected  # evictable tokens a head keeps on average
+        heads = h * (1 if shard is None else shard.size)
+        allowed = room * len(idxs) * heads
+        evictable = torch.stack([f.evictable.sum(-1).view(b, h) for f in frames]).cpu()  # [L, B, H]
+        if shard is not None:
+            evictable = shard.gather(evictable, dim=2)
+        row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator
+        fits = bool(row_fits.all())
+        raw = None
+        if not fits or self._keeps_scores:
+            raw = [self._held_scores(i, layer, f, *folding[i]) for i, layer, f in zip(idxs, layers, frames)]
+        if fits:
+            keeps = [f.slots for f in frames]
+        else:
+            width = max(f.width for f in frames)
+            if shard is not None:  # every rank's request has the same width
+                width = int(shard.gather(torch.tensor([[width]], device=device), dim=1).max())
+            scores = torch.stack(
+                [
+                    torch.nn.functional.pad(masked_held(r, f), (0, width - f.width), value=float("-inf"))
+                    for r, f in zip(raw, frames)
+                ]
+            ).view(len(idxs), b, h, width)
+            if shard is not None:
+                scores = shard.gather(scores, dim=2)
+            n = (real - protected).clamp_min(0)
+            request = AllocationRequest(
+                scores=scores,
+                n_evictable=n,
+                ratio=torch.where(n > room, 1.0 - room / n.clamp_min(1).double(), 0.0).clamp(0.0, 0.999999),
+                layers=tuple(idxs),
+                num_layers=self.num_layers or max(idxs) + 1,
+                min_keep=policy.min_keep,
+            )
+            counts = fit_counts(policy.allocator(request), evictable, allowed, not policy.allocator.adaptive)
+            counts[:, row_fits] = evictable[:, row_fits]
+            if shard is not None:
+                counts, scores = (t[:, :, shard.heads(request.num_heads)] for t in (counts, scores))
+            keeps = [
+                f.protected
+                | (keep_mask_from_counts(scores[i], counts[i]).flatten(0, 1)[:, : f.width] & f.evictable)
+                for i, f in enumerate(frames)
+            ]
+        for i, (layer, frame, keep) in enumerate(zip(layers, frames, keeps)):
+            kept = None if not self._keeps_scores else raw[i][keep]
+            layer.refold(frame.source[keep], keep.sum(-1), kept, capacity=policy.fold_interval)
+
+    @staticmethod
+    def _suffix_valid(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch.Tensor:
+        return valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.keys.device)
+
+    def _held_scores(
+        self, idx: int, layer: LUKVLayer, held: Any, module: Any, attention_mask
+    ) -> torch.Tensor:
+        """fp32 ``[G, M]``: the scores of the tokens ``layer`` holds, in ``held``'s slots: kept ones from
+        the store plus the suffix scored now, or every segment's tokens scored again."""
+        store = layer.store
+        if self._keeps_scores:
+            context = self._score_context(idx, module, layer, attention_mask)
+            valid = self._suffix_valid(attention_mask, layer)
+            suffix = score_suffix(self.scorer, layer, layer.queries, valid, context)
+            stored = None if store is None or store.scores is None else store.scores.unsqueeze(-1)
+            return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
+        keys = gather_held(held, None if store is None else store.keys, layer.keys)
+        values = gather_held(held, None if store is None else store.values, layer.values)
+        return rescore(self.scorer, held, keys, values, layer.queries, layer.num_heads)
 
     def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
         """Compress after a multi-token forward: always the first time, then whenever chunked prefill
@@ -537,7 +718,7 @@ class LUKVCache(DynamicCache):
                 keep = (region.sinks | region.evictable).unsqueeze(1).expand(b, h, region.length)
             else:
                 keep = keep_mask(region, scores, counts[idx])
-            layer.evict(keep)
+            layer.evict(keep, scores if self._keeps_scores else None)
 
     # ------------------------------------------------------------------ prefill, and reconstruction scorers
     @torch.no_grad()
@@ -823,7 +1004,7 @@ class LUKVCache(DynamicCache):
         memory) inside a layer: nothing of that forward is left pending."""
         super().reset()
         self._awaiting = None
-        self._deferred, self._held = {}, {}
+        self._deferred, self._held, self._folding = {}, {}, {}
         self._phase, self._round, self._cap_ratio = None, None, None
         if self.prefill_scores is not None:
             self.prefill_scores = {}

@@ -14,7 +14,7 @@ import torch
 
 from ..allocation import Allocator
 from ..scorers import Scorer, check_scores
-from .layer import LUKVLayer
+from .layer import FOLD_AT, LUKVLayer
 from .ragged import keep_mask_from_counts
 
 
@@ -26,7 +26,9 @@ class CompressionPolicy:
     tokens; ``min_keep``: fraction of its evictable tokens every head keeps (and at least one);
     ``prefill_chunk_size``: also compress later multi-token forwards once that many uncompressed tokens
     piled up. ``max_tokens``: instead of a fixed ratio, keep at most this many tokens per (layer, KV head)
-    on average; each prompt (each row of a batch) gets the ratio that does.
+    on average; each prompt (each row of a batch) gets the ratio that does. ``decode_max_tokens``: every
+    ``fold_interval`` tokens after the prompt, re-apply the budgets to everything held so that each row
+    keeps at most this many tokens per (layer, KV head) on average (:mod:`lukv_cache.cache.decoding`).
     """
 
     ratio: float
@@ -37,6 +39,8 @@ class CompressionPolicy:
     min_keep: float
     prefill_chunk_size: int | None = None
     max_tokens: int | None = None
+    decode_max_tokens: int | None = None
+    fold_interval: int = FOLD_AT
 
     @property
     def defers(self) -> bool:

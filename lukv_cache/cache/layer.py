@@ -21,7 +21,8 @@ from .ragged import RaggedStore, flat_index_from_mask, gather_ragged
 
 _MIN_SUFFIX_CAPACITY = 16  # room to decode after compression before the buffer first grows
 # A decoding suffix this long is folded into the ragged store: the store is rebuilt once per this many
-# steps (amortised O(store / 256) per step) and the suffix buffer's slack stays bounded.
+# steps (amortised O(store / 256) per step) and the suffix buffer's slack stays bounded. The default of
+# LUKVLayer.fold_at (LUKVCache(fold_interval=...) sets it).
 FOLD_AT = 256
 
 
@@ -44,6 +45,12 @@ class LUKVLayer(DynamicLayer):
         # [B] sinks still to protect per row (a chunk of a chunked prefill may be all padding); the cache's
         # eviction reads and updates it, batch operations keep it aligned with the rows
         self.sinks_left: torch.Tensor | None = None
+        self.fold_at = FOLD_AT  # fold a decoding suffix this long into the store
+        self.bounded = False  # the suffix buffer never grows past fold_at + 1 (eviction at fold time)
+        # logical length at the last eviction or fold: eviction at fold time counts the tokens since then
+        self.settled_length = 0
+        # [B, H_q, W, D]: the last post-RoPE queries, kept while they may score a fold (record_queries)
+        self.queries: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ the dense suffix
     @property
@@ -85,14 +92,14 @@ class LUKVLayer(DynamicLayer):
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         s, n = self._suffix_len, key_states.shape[-2]
         if s + n > self._kbuf.shape[-2]:
-            if self.compressed and n == 1 and s >= FOLD_AT:
+            if self.compressed and n == 1 and s >= self.fold_at:
                 self.fold()
                 s = 0
             else:
                 # geometric growth once decoding (up to the fold size); exact size for a prefill
                 grow = max(2 * (s + n), _MIN_SUFFIX_CAPACITY) if (self.compressed or n == 1) else 0
-                if self.compressed and n == 1:
-                    grow = min(grow, FOLD_AT + 1)
+                if self.compressed and n == 1 or self.bounded:
+                    grow = min(grow, self.fold_at + 1)
                 self._set_suffix(self.keys, self.values, capacity=max(s + n, grow))
         self._kbuf[:, :, s : s + n] = key_states
         self._vbuf[:, :, s : s + n] = value_states
@@ -132,6 +139,8 @@ class LUKVLayer(DynamicLayer):
         self.cumulative_length = 0
         self.compressed = False
         self.sinks_left = None
+        self.settled_length = 0
+        self.queries = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -146,6 +155,8 @@ class LUKVLayer(DynamicLayer):
             return
         n = min(n, self.cumulative_length)
         self.cumulative_length -= n
+        self.settled_length = min(self.settled_length, self.cumulative_length)
+        self.queries = None
         if n <= self._suffix_len:
             self._suffix_len -= n
             self._sync_views()
@@ -167,6 +178,8 @@ class LUKVLayer(DynamicLayer):
         )
         if self.sinks_left is not None:
             self.sinks_left = self.sinks_left[rows.to(self.sinks_left.device)]
+        if self.queries is not None:
+            self.queries = self.queries.index_select(0, rows.to(self.queries.device))
         if self.store is not None:
             self.store = self.store.select_rows(rows)
 
@@ -187,7 +200,7 @@ class LUKVLayer(DynamicLayer):
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> int:
         """Bytes of every tensor this layer holds (store, positions, offsets, suffix buffers)."""
-        tensors = [self._kbuf, self._vbuf, self.sinks_left]
+        tensors = [self._kbuf, self._vbuf, self.sinks_left, self.queries]
         total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return total + (self.store.memory_bytes() if self.store is not None else 0)
 
@@ -202,30 +215,36 @@ class LUKVLayer(DynamicLayer):
         return counts
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, keep: torch.Tensor) -> None:
+    def evict(self, keep: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         """Move the kept tokens of the suffix's first ``R`` tokens (``keep [B, H, R]``) into the ragged store
         and drop the rest; the suffix then holds its last ``S - R`` tokens (the protected window), with room
-        for 16 more before it grows: the buffer is sized by the tokens it holds, never by a setting."""
+        for 16 more before it grows: the buffer is sized by the tokens it holds, never by a setting.
+        ``scores [B, H, R]``: stored with the kept tokens (eviction at fold time reuses them)."""
         r = keep.shape[-1]
         start = self.cumulative_length - self._suffix_len
-        self._absorb(self.keys[:, :, :r], self.values[:, :, :r], keep, start)
+        self._absorb(self.keys[:, :, :r], self.values[:, :, :r], keep, start, scores)
         kept = self._suffix_len - r
         self._set_suffix(self.keys[:, :, r:], self.values[:, :, r:], capacity=kept + _MIN_SUFFIX_CAPACITY)
         self.compressed = True
+        self.settled_length = self.cumulative_length
 
-    def _absorb(self, keys, values, keep: torch.Tensor, start: int) -> None:
+    def _absorb(
+        self, keys, values, keep: torch.Tensor, start: int, scores: torch.Tensor | None = None
+    ) -> None:
         """Move the kept tokens (``keep [B, H, R]``) of a dense block starting at logical ``start`` into
-        the ragged store, merged segment by segment with what it already holds."""
+        the ragged store, merged segment by segment with what it already holds (``scores [B, H, R]`` with
+        them, if given)."""
         b, h, r = keep.shape
         counts = keep.sum(-1).flatten()
         flat = flat_index_from_mask(keep)  # segment-major, positions ascending: the store layout
         # gather straight from [B, H, R, D] (often a strided view): no copy of the whole block
         new_k, new_v = gather_ragged(keys, flat), gather_ragged(values, flat)
         new_pos = (flat % r + start).to(torch.int32)
+        new_s = None if scores is None else scores.reshape(-1)[flat.to(scores.device)].to(new_k.device)
         if self.store is None:
-            self.store = RaggedStore.build(new_k, new_v, new_pos, counts, num_heads=h)
+            self.store = RaggedStore.build(new_k, new_v, new_pos, counts, num_heads=h, scores=new_s)
         else:
-            self.store = self.store.extend(new_k, new_v, new_pos, counts)
+            self.store = self.store.extend(new_k, new_v, new_pos, counts, new_s)
 
     def fold(self) -> None:
         """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one."""
@@ -234,7 +253,49 @@ class LUKVLayer(DynamicLayer):
             return
         keep = torch.ones(self.batch_size, self.num_heads, s, dtype=torch.bool, device=self._kbuf.device)
         self._absorb(self.keys, self.values, keep, self.cumulative_length - s)
-        self._set_suffix(self.keys[:, :, :0], self.values[:, :, :0], capacity=FOLD_AT + 1)
+        self._set_suffix(self.keys[:, :, :0], self.values[:, :, :0], capacity=self.fold_at + 1)
+
+    def refold(
+        self, source: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor | None, capacity: int
+    ) -> None:
+        """Rebuild the store from what the layer holds and empty the suffix (eviction at fold time).
+
+        ``source``: int64 ``[K]``, the kept tokens in store layout (segment-major, positions ascending),
+        each a row of the store (``< N``) or a suffix token (``N +`` its flat index into ``[B, H, S]``);
+        ``counts [B * H]``: kept tokens per segment; ``scores [K]``: stored with them (or ``None``);
+        ``capacity``: the new suffix buffer's, in tokens."""
+        n = 0 if self.store is None else self.store.num_tokens
+        from_store = source < n
+        in_suffix = source[~from_store] - n
+        start = self.cumulative_length - self._suffix_len
+        suffix_pos = (in_suffix % max(self._suffix_len, 1) + start).to(torch.int32)
+
+        def pick(stored: torch.Tensor | None, from_suffix: torch.Tensor) -> torch.Tensor:
+            out = from_suffix.new_empty((source.shape[0], *from_suffix.shape[1:]))
+            out[~from_store] = from_suffix
+            if stored is not None:
+                out[from_store] = stored[source[from_store]]
+            return out
+
+        store = self.store if n else None
+        keys = pick(None if store is None else store.keys, gather_ragged(self.keys, in_suffix))
+        values = pick(None if store is None else store.values, gather_ragged(self.values, in_suffix))
+        positions = pick(None if store is None else store.positions, suffix_pos)
+        self.store = RaggedStore.build(
+            keys, values, positions, counts.to(keys.device), num_heads=self.num_heads, scores=scores
+        )
+        self._set_suffix(self.keys[:, :, :0], self.values[:, :, :0], capacity=capacity)
+        self.compressed = True
+        self.settled_length = self.cumulative_length
+        self.queries = None
+
+    def record_queries(self, query: torch.Tensor, count: int) -> None:
+        """Keep this forward's post-RoPE ``query [B, H_q, q, D]`` after the ones kept before, the last
+        ``count`` of them (a scorer that reads queries ranks the tokens at the next fold with them)."""
+        recent = query[:, :, -count:]
+        if self.queries is not None and self.queries.shape[0] == recent.shape[0]:
+            recent = torch.cat([self.queries, recent], dim=2)[:, :, -count:]
+        self.queries = recent.clone()  # never a view: it would pin the forward's queries
 
     def to_sliding(self, sliding_window: int, *, record_past: bool = False) -> DynamicSlidingWindowLayer:
         """The stock sliding layer holding what this (never compressed) layer holds."""

@@ -2,7 +2,9 @@
 
 * ``keys``, ``values``: ``[N, D]``; segment ``s = b * H_kv + h`` is rows ``offsets[s]:offsets[s + 1]``;
 * ``positions``: int32 ``[N]``, each token's original (logical) position, ascending inside a segment;
-* ``offsets``: int64 ``[B * H_kv + 1]``.
+* ``offsets``: int64 ``[B * H_kv + 1]``;
+* ``scores``: fp32 ``[N]`` or ``None``, each token's score from when it was first scored (kept only when
+  eviction at fold time reuses scores: ``decode_max_tokens`` with a scorer that keeps them, e.g. ``kvzap``).
 
 :class:`RaggedStore` is the frozen view of one layer's store that attention reads; the functions below
 build and edit stores on any device with one gather and no host sync (sizes come from shapes).
@@ -32,6 +34,7 @@ class RaggedStore:
     offsets: torch.Tensor
     offsets_list: tuple[int, ...]
     num_heads: int
+    scores: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -42,10 +45,14 @@ class RaggedStore:
         counts: torch.Tensor,
         *,
         num_heads: int,
+        scores: torch.Tensor | None = None,
     ) -> RaggedStore:
         """A store from its rows and per-segment ``counts [B * H_kv]`` (offsets are their cumulative sum)."""
         offsets = offsets_from_counts(counts.to(keys.device))
-        return cls(keys, values, positions.to(torch.int32), offsets, tuple(offsets.tolist()), int(num_heads))
+        if scores is not None:
+            scores = scores.float()
+        pos = positions.to(torch.int32)
+        return cls(keys, values, pos, offsets, tuple(offsets.tolist()), int(num_heads), scores)
 
     @property
     def num_segments(self) -> int:
@@ -66,8 +73,14 @@ class RaggedStore:
     def select(self, keep: torch.Tensor) -> RaggedStore:
         """The rows where ``keep [N]`` is True (segments stay, possibly emptier)."""
         counts = torch.bincount(self.segment_ids()[keep], minlength=self.num_segments)
+        scores = None if self.scores is None else self.scores[keep]
         return RaggedStore.build(
-            self.keys[keep], self.values[keep], self.positions[keep], counts, num_heads=self.num_heads
+            self.keys[keep],
+            self.values[keep],
+            self.positions[keep],
+            counts,
+            num_heads=self.num_heads,
+            scores=scores,
         )
 
     def select_rows(self, rows: torch.Tensor) -> RaggedStore:
@@ -78,22 +91,39 @@ class RaggedStore:
         starts, counts = self.offsets[:-1][old], self.counts()[old]
         idx = torch.repeat_interleave(starts - torch.cumsum(counts, 0) + counts, counts)
         idx = idx + torch.arange(idx.numel(), device=idx.device)
-        return RaggedStore.build(self.keys[idx], self.values[idx], self.positions[idx], counts, num_heads=h)
+        scores = None if self.scores is None else self.scores[idx]
+        return RaggedStore.build(
+            self.keys[idx], self.values[idx], self.positions[idx], counts, num_heads=h, scores=scores
+        )
 
     def extend(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        counts: torch.Tensor,
+        scores: torch.Tensor | None = None,
     ) -> RaggedStore:
-        """Segment-wise append of new rows (segment-major, ``counts [S]``) after each segment's rows."""
+        """Segment-wise append of new rows (segment-major, ``counts [S]``) after each segment's rows.
+        ``scores``: the new rows' scores (NaN for rows without one, when only one side has scores)."""
         new_offsets = offsets_from_counts(counts.to(self.offsets.device))
         merged_k, offsets = concat_ragged(self.keys, self.offsets, keys, new_offsets)
         merged_v, _ = concat_ragged(self.values, self.offsets, values, new_offsets)
         merged_p, _ = concat_ragged(self.positions, self.offsets, positions.to(torch.int32), new_offsets)
-        return RaggedStore(merged_k, merged_v, merged_p, offsets, tuple(offsets.tolist()), self.num_heads)
+        merged_s = None
+        if self.scores is not None or scores is not None:
+            old, new = (
+                torch.full((n,), float("nan"), device=keys.device) if t is None else t.float()
+                for t, n in ((self.scores, self.num_tokens), (scores, keys.shape[0]))
+            )
+            merged_s, _ = concat_ragged(old, self.offsets, new, new_offsets)
+        return RaggedStore(
+            merged_k, merged_v, merged_p, offsets, tuple(offsets.tolist()), self.num_heads, merged_s
+        )
 
     def memory_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.offsets)
-        )
+        tensors = (self.keys, self.values, self.positions, self.offsets, self.scores)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def segment_ids_from_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:

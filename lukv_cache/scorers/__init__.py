@@ -55,6 +55,13 @@ class Scorer:
     (int64 ``[B, T]`` position ids) and ``gather_heads`` (``None``, or under tensor parallelism
     ``gather_heads(tensor, dim)``: every rank's heads, concatenated), as keywords. ``missing``: set on a placeholder that
     needs model-specific data (``kvzap`` without a surrogate): the message a cache raises at construction.
+    ``decodes``: it can rank tokens generated while decoding (``LUKVCache(decode_max_tokens=...)``); a
+    reconstruction scorer cannot (its scores come from repeat passes over the whole context).
+    ``rescores``: at each fold, score the tokens a head holds again (``True``: the score depends on the other
+    tokens or on the latest queries, e.g. keydiff's anchor) or reuse each token's score from when it was
+    first scored (``False``: it depends on the token alone; stored with the token). ``None``: ``False``
+    for ``context`` scorers (they read every KV head of a token, which eviction no longer keeps together),
+    ``True`` otherwise.
     """
 
     name: str
@@ -65,6 +72,17 @@ class Scorer:
     reconstruction: Reconstruction | None = None
     context: bool = False
     missing: str | None = None
+    decodes: bool = True
+    rescores: bool | None = None
+
+    @property
+    def keeps_scores(self) -> bool:
+        """Whether eviction at fold time reuses each token's first score (see ``rescores``).
+
+        >>> get_scorer("keydiff").keeps_scores
+        False
+        """
+        return self.context if self.rescores is None else not self.rescores
 
     def __call__(
         self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None, **params: Any
@@ -87,9 +105,12 @@ def register_scorer(
     n_queries: int = 0,
     window: int = 1,
     overwrite: bool = False,
+    decodes: bool = True,
+    rescores: bool | None = None,
     **params: Any,
 ):
-    """Register ``fn`` as scorer ``name``; usable as a decorator.
+    """Register ``fn`` as scorer ``name``; usable as a decorator. ``decodes`` and ``rescores``: how it
+    ranks tokens generated while decoding (see :class:`Scorer`).
 
     >>> @register_scorer("vnorm")
     ... def vnorm(keys, values, queries):
@@ -97,7 +118,7 @@ def register_scorer(
     """
 
     def add(f: ScoreFn) -> ScoreFn:
-        scorer = Scorer(name, f, n_queries, window, dict(params))
+        scorer = Scorer(name, f, n_queries, window, dict(params), decodes=decodes, rescores=rescores)
         _probe(scorer)
         SCORERS.add(name, scorer, overwrite=overwrite)
         return f
@@ -194,7 +215,11 @@ def kvzip_scorer(
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"name must be a non-empty string, got {name!r}.")
     return Scorer(
-        name, None, window=window, reconstruction=Reconstruction(chunk_size, overlap, template, weighted)
+        name,
+        None,
+        window=window,
+        reconstruction=Reconstruction(chunk_size, overlap, template, weighted),
+        decodes=False,  # its scores come from repeat passes over the whole context, once
     )
 
 

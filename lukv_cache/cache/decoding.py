@@ -1,0 +1,166 @@
+"""Eviction at fold time (``LUKVCache(decode_max_tokens=N)``), as pure functions the cache composes.
+
+Every ``fold_interval`` tokens after the prompt, the cache re-applies its budgets to everything a layer
+holds: the ragged store's tokens and the dense suffix's real ones, per segment (batch row, KV head) in
+position order (:class:`Held`). The first ``sink`` and the last ``window`` of them are protected; the rest
+are ranked by the scorer and each segment keeps its budget. Scores come from one of two places:
+
+* **rescored** (the default for scorers that read keys, values and queries only: ``keydiff``,
+  ``snapkv``, ``tova``, ``expected_attention``, ``knorm``, ``streaming``, ``random``): each segment's held
+  tokens are scored again at the fold, on their own (a head's tokens differ from its neighbours' after an
+  eviction), with the queries of the last decoding steps (:meth:`LUKVLayer.record_queries`), so
+  keydiff's anchor and snapkv's observation window are those of the current state;
+* **kept** (scorers that read every KV head of a token, ``Scorer.context``: ``kvzap``): a token is scored
+  once, when it leaves the dense suffix (prefill or fold), where all heads still hold it, and its score
+  is stored with it in the store (``RaggedStore.scores``) and reused at every later fold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..scorers import Scorer, check_scores
+from .layer import LUKVLayer
+from .ragged import gather_ragged
+
+
+@dataclass(frozen=True, eq=False)
+class Held:
+    """What one layer holds at a fold, per segment ``g = b * H + h``, in position order: the store's
+    tokens, then the suffix's real ones (never padding), in slots ``[G, M]``.
+
+    ``source``: int64 ``[G, M]``, each slot's token as a store row (``< n_store``) or ``n_store +`` its
+    flat index into the suffix ``[B, H, S]`` (0 past a segment's end); ``counts``: int64 ``[G]`` tokens
+    held; ``protected``: bool ``[G, M]``, the segment's first ``sink`` and last ``window`` tokens;
+    ``evictable``: the other held slots.
+    """
+
+    source: torch.Tensor
+    counts: torch.Tensor
+    protected: torch.Tensor
+    evictable: torch.Tensor
+    n_store: int
+
+    @property
+    def width(self) -> int:
+        return int(self.source.shape[1])
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """bool ``[G, M]``: the slots that hold a token."""
+        return self.protected | self.evictable
+
+
+def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -> Held:
+    """The :class:`Held` frame of ``layer`` (``valid``: bool ``[B, S]``, the suffix's real tokens).
+
+    The first ``sink`` held tokens of a segment are its row's first real tokens (sinks are never evicted and
+    every held token is real), so a row of a padded batch protects what it protects alone.
+    """
+    b, h, s, device = layer.batch_size, layer.num_heads, layer.suffix_length, layer.keys.device
+    store = layer.store
+    n_store = 0 if store is None else store.num_tokens
+    in_store = torch.zeros(b * h, dtype=torch.long, device=device) if store is None else store.counts()
+    starts = torch.zeros_like(in_store) if store is None else store.offsets[:-1]
+    real = valid.sum(-1).repeat_interleave(h)  # [G]
+    counts = in_store + real
+    width = int(counts.max()) if counts.numel() else 0
+    slot = torch.arange(width, device=device).unsqueeze(0)
+    # the suffix's real tokens of each row in order (padding, at the row's start, sorted after them)
+    order = valid.long().argsort(dim=-1, descending=True, stable=True).repeat_interleave(h, dim=0)
+    nth = (slot - in_store.unsqueeze(-1)).clamp(0, max(s - 1, 0))
+    suffix = order.gather(1, nth) if s else torch.zeros_like(nth)
+    segment = torch.arange(b * h, device=device).unsqueeze(-1)
+    source = torch.where(
+        slot < in_store.unsqueeze(-1), starts.unsqueeze(-1) + slot, n_store + segment * s + suffix
+    )
+    slots = slot < counts.unsqueeze(-1)
+    protected = slots & ((slot < sink) | (slot >= counts.unsqueeze(-1) - window))
+    return Held(source.masked_fill(~slots, 0), counts, protected, slots & ~protected, n_store)
+
+
+def gather_held(held: Held, stored: torch.Tensor | None, suffix: torch.Tensor) -> torch.Tensor:
+    """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor) or of ``suffix
+    [B, H, S, ...]`` (the suffix's); slots past a segment's end hold an arbitrary row."""
+    source = held.source.flatten()
+    from_store = source < held.n_store
+    out = suffix.new_empty((source.shape[0], *suffix.shape[3:]))
+    out[~from_store] = gather_ragged(suffix, source[~from_store] - held.n_store)
+    if stored is not None and held.n_store:
+        out[from_store] = stored[source[from_store]].to(out.dtype)
+    return out.view(*held.source.shape, *suffix.shape[3:])
+
+
+def masked_held(scores: torch.Tensor, held: Held) -> torch.Tensor:
+    """``scores [G, M]`` with ``-inf`` on every slot that is not evictable; a score that is not finite
+    becomes the largest or lowest finite one, as for a prefill (``masked_scores``)."""
+    finfo = torch.finfo(torch.float32)
+    scores = scores.nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    return scores.masked_fill(~held.evictable, float("-inf"))
+
+
+def rescore(
+    scorer: Scorer,
+    held: Held,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    num_heads: int,
+) -> torch.Tensor:
+    """fp32 ``[G, M]``: each segment's held tokens scored on their own (``keys``/``values [G, M, D]`` from
+    :func:`gather_held`; ``queries [B, H_q, W, D]``, the last decoding steps', or ``None``), ``-inf`` past
+    a segment's end. Segments holding as many tokens are scored in one call, each as a batch row."""
+    scores = torch.full(held.source.shape, float("-inf"), dtype=torch.float32, device=keys.device)
+    if queries is not None and scorer.n_queries:
+        queries = queries[:, :, -scorer.n_queries :]
+    for n in held.counts.unique().tolist():
+        if n == 0:
+            continue
+        segs = (held.counts == n).nonzero().flatten()
+        q = None
+        if queries is not None and scorer.n_queries:
+            group = queries.shape[1] // num_heads
+            q = queries.view(queries.shape[0], num_heads, group, *queries.shape[2:])
+            q = q[segs // num_heads, segs % num_heads]  # [K, group, W, D]: each segment's query heads
+        k, v = keys[segs, :n].unsqueeze(1), values[segs, :n].unsqueeze(1)
+        part = check_scores(scorer, scorer(k, v, q), (segs.numel(), 1, n))
+        scores[segs, :n] = part[:, 0]
+    return scores
+
+
+def fit_counts(counts: torch.Tensor, held: torch.Tensor, allowed: torch.Tensor, fill: bool) -> torch.Tensor:
+    """Keep counts ``[L, B, H]`` that each head can keep (at most ``held [L, B, H]``, its evictable tokens)
+    and whose row totals fit ``allowed [B]``: trimmed proportionally where a row asks for more; with
+    ``fill``, a row whose heads hold fewer tokens than their budgets hands the rest of its total to the
+    heads that hold more, in proportion to their budgets (water-filling, largest remainder).
+
+    >>> fit_counts(torch.tensor([[[4, 4]]]), torch.tensor([[[2, 9]]]), torch.tensor([8]), True).tolist()
+    [[[2, 6]]]
+    """
+    counts = torch.minimum(counts, held)
+    out = counts.clone()
+    for row in range(counts.shape[1]):
+        want, cap = counts[:, row].flatten().double(), held[:, row].flatten().double()
+        total = min(float(allowed[row]), float(cap.sum()))
+        if float(want.sum()) > total:  # proportionally down (the max_tokens trim)
+            target = want * total / float(want.sum())
+        elif fill and float(want.sum()) < total and bool((want > 0).any()):
+            low, high = 1.0, float((cap / want.clamp_min(1e-9)).max()) + 1.0
+            for _ in range(64):
+                mid = (low + high) / 2
+                if float(torch.minimum(cap, mid * want).sum()) < total:
+                    low = mid
+                else:
+                    high = mid
+            target = torch.minimum(cap, low * want)  # just below the total: floors never exceed it
+        else:
+            continue
+        kept = target.floor().long()
+        left = int(total) - int(kept.sum())
+        spare = torch.where(kept.double() < cap, target - kept.double(), torch.full_like(target, -1.0))
+        order = spare.argsort(descending=True, stable=True)[: max(left, 0)]
+        kept[order[spare[order] >= 0]] += 1
+        out[:, row] = kept.view(counts.shape[0], counts.shape[2])
+    return out
