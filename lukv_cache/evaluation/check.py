@@ -468,6 +468,9 @@ def recommendation(report: CheckReport) -> str:
     )
 
 
+_EMPTY = "(no answer: a stop token came first)"
+
+
 def format_answers(report: CheckReport) -> list[str]:
     """The full cache's answer to each question, and each compressed cache's beneath it (``=``: the same
     answer, ``x``: another)."""
@@ -475,8 +478,8 @@ def format_answers(report: CheckReport) -> list[str]:
     lines = []
     for answers in report.answers:
         lines.append(f"Context {answers.context}: {answers.question}")
-        lines.append(f"  {'full cache':<{width}}    {answers.full}")
+        lines.append(f"  {'full cache':<{width}}    {answers.full or _EMPTY}")
         for name, (text, agrees) in answers.compressed.items():
-            lines.append(f"  {name:<{width}}  {'=' if agrees else 'x'} {text}")
+            lines.append(f"  {name:<{width}}  {'=' if agrees else 'x'} {text or _EMPTY}")
         lines.append("")
     return lines
