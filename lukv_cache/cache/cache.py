@@ -384,7 +384,8 @@ class LUKVCache(DynamicCache):
         """A cache whose per-head budgets come from the LU-KV profile of a model.
 
         ``ratio``: the fraction of the prompt removed; or ``max_tokens``: at most that many tokens per
-        (layer, KV head) whatever the prompt's length, the profile read at each prompt's own ratio.
+        (layer, KV head) whatever the prompt's length, the profile read at each prompt's own ratio; or
+        ``decode_max_tokens``: that bound kept for the whole generation (see :class:`LUKVCache`).
 
         ``model_or_profile``: a model id (looked up in ``local_dir`` / ``$LUKV_PROFILE_DIR`` first, then
         in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
@@ -403,6 +404,8 @@ class LUKVCache(DynamicCache):
         """
         from ..profiles import HubLocation, resolve_profile
 
+        if max_tokens is None and ratio is None and kwargs.get("decode_max_tokens") is not None:
+            max_tokens = kwargs["decode_max_tokens"]  # the prompt is bounded too, as in LUKVCache()
         if max_tokens is None:
             ratio = check_ratio(ratio)
         hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)

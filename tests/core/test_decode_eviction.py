@@ -18,6 +18,7 @@ from lukv_cache.cache.cache import kv_cache_bytes
 from lukv_cache.cache.decoding import fit_counts
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import Profile
+from lukv_cache.profiles.download import BUNDLED_DIR
 from lukv_cache.scorers import SCORERS, Scorer, get_scorer, register_scorer
 
 PROFILE_FAMILY = ("profile", "hybrid", "hybrid_global")
@@ -379,6 +380,19 @@ def test_custom_scorers_declare_it_too():
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
         LUKVCache(**kwargs)
+
+
+def test_from_pretrained_reads_a_real_profiles_curve_at_each_folds_ratio(tmp_path):
+    real = Profile.load(BUNDLED_DIR / "HuggingFaceTB/SmolLM2-135M-Instruct/keydiff.safetensors")
+    curves = Profile(
+        real.grid, real.evict_ratio[:, :2, :2], model_id="org/tiny", scorer="keydiff", head_dim=16
+    )
+    cache = LUKVCache.from_pretrained(curves.save(tmp_path / "p.safetensors"), decode_max_tokens=40)
+    assert cache.max_tokens == 40 and cache.allocator_name == "profile"
+    model = _model()
+    _, watch = _watched_generate(model, cache, prompt(1, 100, seed=1), max_new_tokens=150, do_sample=False)
+    _check_bound(cache, model, watch, batch=1)
+    assert (torch.stack(watch.stored)[torch.tensor(watch.folded)] == 40).all()
 
 
 def test_the_prompt_is_bounded_too_unless_a_ratio_is_given():
