@@ -91,6 +91,16 @@ def run_cases(model, profile_path: str) -> dict:
         "kvzip_plus_global_0.8": lambda: LUKVCache(0.8, "kvzip_plus", "global"),
         "kvzap_global_0.8": lambda: LUKVCache(0.8, scorer_for("kvzap", model), "global"),
         "kvzap_adakv_0.5": lambda: LUKVCache(0.5, scorer_for("kvzap", model), "adakv"),
+        # eviction at fold time: the prompt capped at N, one fold 4 tokens later
+        "decode_profile": lambda: LUKVCache.from_pretrained(
+            profile_path, decode_max_tokens=20, fold_interval=4
+        ),
+        "decode_snapkv_adakv": lambda: LUKVCache(
+            scorer="snapkv", allocator="adakv", decode_max_tokens=24, fold_interval=4, window=2
+        ),
+        "decode_kvzap_global": lambda: LUKVCache(
+            scorer=scorer_for("kvzap", model), allocator="global", decode_max_tokens=40, fold_interval=4
+        ),
     }
     results = {}
     for name, make in caches.items():

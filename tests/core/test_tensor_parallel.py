@@ -135,5 +135,8 @@ def test_tensor_parallel_ranks_match_a_single_process_run(tmp_path):
     # the cases really evict, and with unequal budgets per head (a wrong slice would show)
     profile_stored = torch.tensor(reference["profile_0.8"]["stored"])
     assert profile_stored.unique().numel() > 4 and profile_stored.max() < 60
+    for name, n in (("decode_profile", 20), ("decode_snapkv_adakv", 24), ("decode_kvzap_global", 40)):
+        per_row = torch.tensor(reference[name]["stored"]).double().mean((0, 2))
+        assert (per_row == n + 1).all(), (name, per_row)  # N per row after the fold, and one more token
     assert reference["uniform_0"]["tokens"] == single_tokens
     assert reference["profile_0"]["tokens"] == single_tokens
