@@ -321,6 +321,23 @@ def test_a_left_padded_row_generates_what_it_generates_alone():
     assert (ids[mask == 0] == PAD).all()
 
 
+@pytest.mark.parametrize("scorer", ["snapkv", "kvzap"])
+def test_a_fold_intervals_tokens_in_one_forward_attend_as_token_by_token(scorer):
+    """Nothing is evicted between folds and the fold runs after the forward that completes the interval,
+    so teacher forcing ``fold_interval`` tokens per forward (benchmarks/decode_nll.py) is decoding."""
+    model = _model()
+    ids = prompt(1, 40 + 96, seed=2)
+    logits = []
+    for step in (1, 32):
+        cache = _cache(model, scorer, "adakv", decode_max_tokens=24, fold_interval=32, window=8)
+        with torch.no_grad():
+            out = [cache.prefill(model, ids[:, :40]).logits[0, -1:]]
+            for start in range(40, ids.shape[1], step):
+                out.append(model(input_ids=ids[:, start : start + step], past_key_values=cache).logits[0])
+        logits.append(torch.cat(out)[:-1])
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------ which scorers decode
 DECODING = [name for name in SCORERS.names() if get_scorer(name).decodes]
 
