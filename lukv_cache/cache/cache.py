@@ -32,7 +32,7 @@ from .compression import (
     trim_counts,
     valid_from_mask,
 )
-from .decoding import fit_counts, gather_held, held_tokens, masked_held, rescore
+from .decoding import Held, fit_counts, gather_held, held_tokens, masked_held, rescore
 from .layer import FOLD_AT, LUKVLayer
 from .parallel import HeadShard, head_shard, mesh_shard
 from .ragged import keep_mask_from_counts
@@ -657,7 +657,7 @@ class LUKVCache(DynamicCache):
         return valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.keys.device)
 
     def _held_scores(
-        self, idx: int, layer: LUKVLayer, held: Any, module: Any, attention_mask
+        self, idx: int, layer: LUKVLayer, held: Held, module: Any, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         """fp32 ``[G, M]``: the scores of the tokens ``layer`` holds, in ``held``'s slots: kept ones from
         the store plus the suffix scored now, or every segment's tokens scored again."""

@@ -83,13 +83,14 @@ def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -
 
 def gather_held(held: Held, stored: torch.Tensor | None, suffix: torch.Tensor) -> torch.Tensor:
     """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor) or of ``suffix
-    [B, H, S, ...]`` (the suffix's); slots past a segment's end hold an arbitrary row."""
+    [B, H, S, ...]`` (the suffix's; NaN for store rows when ``stored`` is None); slots past a segment's
+    end hold an arbitrary row."""
     source = held.source.flatten()
     from_store = source < held.n_store
     out = suffix.new_empty((source.shape[0], *suffix.shape[3:]))
     out[~from_store] = gather_ragged(suffix, source[~from_store] - held.n_store)
-    if stored is not None and held.n_store:
-        out[from_store] = stored[source[from_store]].to(out.dtype)
+    if held.n_store:  # a store without this tensor (scores never kept): NaN, ranked lowest
+        out[from_store] = float("nan") if stored is None else stored[source[from_store]].to(out.dtype)
     return out.view(*held.source.shape, *suffix.shape[3:])
 
 

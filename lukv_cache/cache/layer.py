@@ -227,6 +227,7 @@ class LUKVLayer(DynamicLayer):
         self._set_suffix(self.keys[:, :, r:], self.values[:, :, r:], capacity=kept + _MIN_SUFFIX_CAPACITY)
         self.compressed = True
         self.settled_length = self.cumulative_length
+        self.queries = None
 
     def _absorb(
         self, keys, values, keep: torch.Tensor, start: int, scores: torch.Tensor | None = None
