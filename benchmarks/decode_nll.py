@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -134,7 +135,7 @@ def cached_nll(model, ids: torch.Tensor, prompt: int, cache: LUKVCache) -> dict:
 
 def run(args) -> dict:
     model, tokenizer = load_model(args.model, threads=args.threads)
-    rows = []
+    rows, corpora = [], set()
     for length in args.continuation:
         docs = documents(tokenizer, args.documents, args.prompt + length)
         full = {title: full_nll(model, ids, args.prompt, args.fold_interval) for title, ids in docs}
@@ -147,6 +148,9 @@ def run(args) -> dict:
                 excess, peaks, lasts, folds, over_time = [], [], [], [], None
                 for title, ids in docs:
                     cache = METHODS[method](model, n, args.fold_interval)
+                    surrogate = getattr(cache.profile, "surrogate", None)
+                    if surrogate is not None:
+                        corpora.add(str(surrogate.meta.get("corpus")))
                     out = cached_nll(model, ids, args.prompt, cache)
                     excess.append(out["nll"] - full[title][0])
                     peaks.append(max(out["bytes"]))
@@ -176,7 +180,14 @@ def run(args) -> dict:
                     + (f"  fold {1000 * row['fold_seconds_median']:.0f} ms" if folds else ""),
                     flush=True,
                 )
-    return {"rows": rows, "documents": [title for title, _ in docs], "threads": torch.get_num_threads()}
+    if any("python" in corpus.lower() for corpus in corpora):
+        print(f"warning: the kvzap surrogate was trained on {corpora}, which these documents may be part of")
+    return {
+        "rows": rows,
+        "documents": [title for title, _ in docs],
+        "threads": torch.get_num_threads(),
+        "kvzap_training_corpus": sorted(corpora),
+    }
 
 
 def _mean(values) -> float:
@@ -195,7 +206,12 @@ def write(result: dict, args, command: str) -> None:
         f"{', '.join(result['documents'])}. A {args.prompt}-token prompt, then the continuation fed "
         f"{args.fold_interval} tokens per forward (a fold after each). Excess NLL per token (nats) against a "
         f"full DynamicCache, mean over documents, in windows of {args.nll_window} tokens; bytes: the cache's "
-        "peak over the forwards and the full cache's at the end.",
+        "peak over the forwards and the full cache's at the end."
+        + (
+            f" The kvzap surrogate was trained on: {'; '.join(result['kvzap_training_corpus'])}."
+            if result["kvzap_training_corpus"]
+            else ""
+        ),
     ]
     for length in args.continuation:
         for n in args.budgets:
@@ -257,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="decode_nll")
     args = parser.parse_args(argv)
-    command = " ".join(["python benchmarks/decode_nll.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(
+        ["python", "benchmarks/decode_nll.py", *(argv if argv is not None else sys.argv[1:])]
+    )
     write(run(args), args, command)
     return 0
 
