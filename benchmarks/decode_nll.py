@@ -18,7 +18,8 @@ over documents, per budget N and method:
 * ``kvzap / global``: the shipped kvzap surrogate's scores, kept from when each token was first scored,
   one top-k over the model (``kvzap / profile`` with ``--methods``).
 
-Also the cache's bytes after every forward (peak and last, against the full cache's; the first
+``--window W`` protects the last W tokens at every fold for every method (default: each scorer's own, 1
+for keydiff and streaming, 32 for kvzap). Also the cache's bytes after every forward (peak and last, against the full cache's; the first
 document's over time in the json) and the seconds per fold (median; a timing, so run it on a quiet
 machine). Writes ``decode_nll.{md,json,png}`` under ``--out``.
 """
@@ -44,13 +45,14 @@ from lukv_cache.texts import python_docs
 
 
 def _pretrained(scorer: str, allocator: str):
-    def make(model, n: int, fold: int) -> LUKVCache:
+    def make(model, n: int, fold: int, window: int | None) -> LUKVCache:
         return LUKVCache.from_pretrained(
             model,
             scorer=scorer,
             allocator=allocator,
             decode_max_tokens=n,
             fold_interval=fold,
+            window=window,
             local_files_only=True,
         )
 
@@ -58,9 +60,14 @@ def _pretrained(scorer: str, allocator: str):
 
 
 def _plain(scorer: str, allocator: str):
-    def make(model, n: int, fold: int) -> LUKVCache:
+    def make(model, n: int, fold: int, window: int | None) -> LUKVCache:
         return LUKVCache(
-            scorer=scorer, allocator=allocator, decode_max_tokens=n, fold_interval=fold, config=model.config
+            scorer=scorer,
+            allocator=allocator,
+            decode_max_tokens=n,
+            fold_interval=fold,
+            window=window,
+            config=model.config,
         )
 
     return make
@@ -147,7 +154,7 @@ def run(args) -> dict:
             for method in args.methods:
                 excess, peaks, lasts, folds, over_time = [], [], [], [], None
                 for title, ids in docs:
-                    cache = METHODS[method](model, n, args.fold_interval)
+                    cache = METHODS[method](model, n, args.fold_interval, args.window)
                     surrogate = getattr(cache.profile, "surrogate", None)
                     if surrogate is not None:
                         corpora.add(str(surrogate.meta.get("corpus")))
@@ -268,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--documents", type=int, default=4)
     parser.add_argument("--fold-interval", type=int, default=256)
     parser.add_argument("--nll-window", type=int, default=256)
+    parser.add_argument(
+        "--window", type=int, default=None, help="protected recent window (default: the scorer's)"
+    )
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results")
