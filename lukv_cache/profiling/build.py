@@ -452,7 +452,8 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             targets_of=targets_of,
             meta={"corpus": f"{training.describe()} ({len(docs)} documents)"},
         )
-    surrogate.meta["thresholds"] = score_thresholds(model, surrogate, docs[:8], DEFAULT_GRID, KVZAP_WINDOW)
+    spread = docs[:: max(1, len(docs) // 8)][:8]  # 8 documents across the groups, lengths and corpora
+    surrogate.meta["thresholds"] = score_thresholds(model, surrogate, spread, DEFAULT_GRID, KVZAP_WINDOW)
     return surrogate
 
 

@@ -267,7 +267,17 @@ def kvzap_scorer(surrogate: Surrogate, window: int = KVZAP_WINDOW) -> Scorer:
     """
     if not isinstance(surrogate, Surrogate):
         raise ConfigurationError(f"kvzap_scorer needs a Surrogate, got {type(surrogate).__name__}. {_HOW}")
-    return Scorer("kvzap", _kvzap, window=window, params={"surrogate": surrogate}, context=True)
+    # a token's score is kept from when it was scored (at prefill, or when it leaves the decoding suffix):
+    # once heads hold different tokens, its key and value can no longer be gathered from every head
+    return Scorer(
+        "kvzap",
+        _kvzap,
+        window=window,
+        params={"surrogate": surrogate},
+        context=True,
+        decodes=True,
+        rescores=False,
+    )
 
 
 def _untrained(*args, **kwargs):
@@ -279,5 +289,7 @@ KVZAP_PLACEHOLDER = Scorer(
     _untrained,
     window=KVZAP_WINDOW,
     context=True,
+    decodes=True,
+    rescores=False,
     missing=(f"Scorer 'kvzap' scores with a surrogate trained for one model, and none was given. {_HOW}"),
 )
