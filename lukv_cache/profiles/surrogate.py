@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import ProfileFormatError
-from ..scorers.kvzap import FEATURES, Surrogate
+from ..scorers.kvzap import FEATURE_SETS, Surrogate, input_size
 from .jsonfile import parse_json
 
 TENSORS = ("kvzap.weight", "kvzap.bias", "kvzap.mean", "kvzap.std")
@@ -72,8 +72,8 @@ def check(surrogate: Any, layers: int, heads: int, head_dim: int | None, where: 
             f"{where}: surrogate must be a kvzap Surrogate, got {type(surrogate).__name__}."
         )
     problems = []
-    if surrogate.features != FEATURES:
-        problems.append(f"features {surrogate.features!r} (this version reads {FEATURES!r})")
+    if surrogate.features not in FEATURE_SETS:
+        problems.append(f"features {surrogate.features!r} (this version reads {list(FEATURE_SETS)})")
     f = int(surrogate.mean.shape[-1]) if surrogate.mean.ndim == 2 else -1
     m = f
     expected = {"bias": (layers, heads), "mean": (layers, f), "std": (layers, f)}
@@ -92,8 +92,12 @@ def check(surrogate: Any, layers: int, heads: int, head_dim: int | None, where: 
             problems.append(f"{name} is {t.dtype} {list(t.shape)}, expected float32 {list(shape)}")
         elif not bool(torch.isfinite(t).all()):
             problems.append(f"{name} has NaN or infinite values")
-    if not 0 < f <= _MAX_FEATURES or (head_dim is not None and f != 2 * heads * head_dim):
-        problems.append(f"{f} features (2 x KV heads {heads} x head dim {head_dim} expected)")
+    base = 2 * heads * head_dim if head_dim is not None else None
+    wanted = input_size(surrogate.features, base) if base and surrogate.features in FEATURE_SETS else None
+    if not 0 < f <= _MAX_FEATURES or (wanted is not None and f != wanted):
+        problems.append(
+            f"{f} inputs ({wanted} expected for {surrogate.features!r}: KV heads {heads} x head dim {head_dim})"
+        )
     elif not problems and bool((surrogate.std <= 0).any()):
         problems.append("std has values <= 0")
     layer_ids = surrogate.layers

@@ -21,7 +21,15 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention.swap import attention_swapped
 from ..errors import ConfigurationError
-from ..scorers.kvzap import RidgeStats, Surrogate, rope_inverse, token_features
+from ..scorers.kvzap import (
+    FEATURE_SETS,
+    FEATURES,
+    RidgeStats,
+    Surrogate,
+    rope_inverse,
+    surrogate_inputs,
+    token_features,
+)
 from ..scorers.kvzip import RepeatPrompt
 from ..texts import news_articles, python_docs
 from .kvzap_options import FAMILIES, SKIP_FIRST
@@ -102,6 +110,7 @@ def train_surrogate(
     documents: Iterable[torch.Tensor],
     *,
     family: str = "linear",
+    features: str = FEATURES,
     alpha: float = 1.0,
     samples: int = 512,
     seed: int = 0,
@@ -112,21 +121,24 @@ def train_surrogate(
     """A KVzap surrogate for ``model``: log KVzip+ regressed on token features, per layer and KV head, over
     ``documents`` (each ``[1, T]``). ``family``: ``"linear"`` (ridge regression with strength ``alpha``,
     closed form on every token) or ``"mlp"`` (:func:`fit_mlp` on ``samples`` random positions per 1,024
-    tokens of each document, drawn with ``seed``). ``targets_of(index, ids)``: the log KVzip+ scores of a
+    tokens of each document, drawn with ``seed``). ``features``: one of
+    :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's length is an input). ``targets_of(index, ids)``: the log KVzip+ scores of a
     document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
     build resumes without the repeat passes it already ran)."""
     if family not in FAMILIES:
         raise ConfigurationError(f"Unknown kvzap surrogate family {family!r}; use 'linear' or 'mlp'.")
+    if features not in FEATURE_SETS:
+        raise ConfigurationError(f"Unknown kvzap feature set {features!r}; use one of {list(FEATURE_SETS)}.")
     targets_of = targets_of or (lambda _, ids: kvzip_plus_targets(model, tokenizer, ids))
     generator = torch.Generator().manual_seed(seed)
     stats: dict[int, RidgeStats] = {}
     rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for i, ids in enumerate(documents):
-        features = token_feature_maps(model, ids)
+        maps = token_feature_maps(model, ids)
         length = ids.shape[1] - SKIP_FIRST
         pick = torch.randperm(length, generator=generator)[: max(1, samples * length // 1024)]
         for layer, targets in targets_of(i, ids).items():
-            x = features[layer][0, SKIP_FIRST:]  # [T, F]
+            x = surrogate_inputs(maps[layer], None, features)[0, SKIP_FIRST:]  # [T, F]
             y = targets[0, SKIP_FIRST:]  # [T, H]
             if family == "linear":
                 stats.setdefault(layer, RidgeStats(x.shape[-1], y.shape[-1])).add(x, y)
@@ -141,6 +153,7 @@ def train_surrogate(
         surrogate = _linear_surrogate(stats, num_layers, alpha)
     else:
         surrogate = _mlp_surrogate(rows, num_layers, seed)
+    surrogate.features = features
     surrogate.meta = {**surrogate.meta, "family": family, **(meta or {})}
     return surrogate
 

@@ -29,7 +29,35 @@ import torch
 from ..errors import ConfigurationError
 from . import Scorer
 
-FEATURES = "keys_prerope_values"  # the one feature set this version computes
+FEATURES = "keys_prerope_values"  # every surrogate reads these; the feature sets below may add the length
+# what a surrogate's inputs are: the features alone, plus log(context length), or plus that and every feature
+# times it (a surrogate trained on several lengths learns how each head's scores move with the length)
+FEATURE_SETS = (FEATURES, FEATURES + "+log_length", FEATURES + "+log_length+interactions")
+
+
+def input_size(feature_set: str, features: int) -> int:
+    """The number of inputs a surrogate of ``feature_set`` reads for ``features`` token features.
+
+    >>> [input_size(s, 384) for s in FEATURE_SETS]
+    [384, 385, 769]
+    """
+    return {0: features, 1: features + 1, 2: 2 * features + 1}[FEATURE_SETS.index(feature_set)]
+
+
+def surrogate_inputs(features: torch.Tensor, lengths: torch.Tensor | None, feature_set: str) -> torch.Tensor:
+    """fp32 ``[B, T, input_size]``: a surrogate's inputs from token features ``[B, T, F]`` and each row's
+    context length ``lengths [B]`` (tokens the row holds; ``None``: ``T``).
+
+    >>> surrogate_inputs(torch.ones(1, 2, 3), torch.tensor([8]), FEATURE_SETS[2])[0, 0]
+    tensor([1.0000, 1.0000, 1.0000, 2.0794, 2.0794, 2.0794, 2.0794])
+    """
+    x = features.float()
+    if feature_set == FEATURES:
+        return x
+    b, t, _ = x.shape
+    lengths = torch.full((b,), t) if lengths is None else lengths
+    log_t = lengths.to(x.device, torch.float32).clamp_min(1).log()[:, None, None].expand(b, t, 1)
+    return torch.cat([x, log_t, x * log_t] if feature_set.endswith("+interactions") else [x, log_t], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- features
@@ -183,19 +211,27 @@ class Surrogate:
             out |= {"hidden_weight": self.hidden_weight, "hidden_bias": self.hidden_bias}
         return {f"kvzap.{name}": t.detach().float().contiguous() for name, t in out.items()}
 
-    def predict(self, layer: int, features: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
-        """fp32 ``[B, H, T]`` predicted log-scores from ``features [B, T, F]`` (``heads``: which of the
-        surrogate's heads to predict, e.g. a tensor-parallel rank's). Standardisation is folded into the
-        first weights: one ``[B, T, F] x [F, H]`` matmul (linear), or ``[F, M]`` then ``[M, H]`` (MLP),
+    def predict(
+        self,
+        layer: int,
+        features: torch.Tensor,
+        heads: slice = slice(None),
+        lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """fp32 ``[B, H, T]`` predicted log-scores from token features ``[B, T, F]`` (``heads``: which of the
+        surrogate's heads to predict, e.g. a tensor-parallel rank's; ``lengths [B]``: each row's context
+        length, for a surrogate whose feature set reads it; default ``T``). Standardisation is folded into
+        the first weights: one ``[B, T, F] x [F, H]`` matmul (linear), or ``[F, M]`` then ``[M, H]`` (MLP),
         nothing of size ``H x T x F``."""
+        x = surrogate_inputs(features, lengths, self.features)
         device = features.device
         mean, std = self.mean[layer].to(device), self.std[layer].to(device)
         weight, bias = self.weight[layer, heads].to(device), self.bias[layer, heads].to(device)
         if self.hidden_weight is None:
             scale = weight / std  # [H, F]
-            return (features.float() @ scale.T + (bias - scale @ mean)).transpose(1, 2)
+            return (x @ scale.T + (bias - scale @ mean)).transpose(1, 2)
         first = self.hidden_weight[layer].to(device) / std  # [M, F]
-        hidden = features.float() @ first.T + (self.hidden_bias[layer].to(device) - first @ mean)
+        hidden = x @ first.T + (self.hidden_bias[layer].to(device) - first @ mean)
         return (torch.nn.functional.gelu(hidden) @ weight.T + bias).transpose(1, 2)
 
 
@@ -255,7 +291,8 @@ def _kvzap(keys, values, queries, *, surrogate, layer_idx, module, heads, positi
     features = token_features(rope_inverse(module)(keys, positions), values)  # [B, T, H_kv, 2D]
     if gather_heads is not None:  # tensor parallelism: every rank's heads make the features
         features = gather_heads(features, dim=2)
-    return surrogate.predict(layer_idx, features.flatten(2), heads)
+    lengths = positions.amax(dim=-1) + 1  # each row's context so far (padding sits at lower positions)
+    return surrogate.predict(layer_idx, features.flatten(2), heads, lengths)
 
 
 def kvzap_scorer(surrogate: Surrogate, window: int = KVZAP_WINDOW) -> Scorer:

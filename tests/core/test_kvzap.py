@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -17,7 +18,15 @@ from lukv_cache.profiling.kvzap import (
     token_feature_maps,
     train_surrogate,
 )
-from lukv_cache.scorers.kvzap import RidgeStats, RopeInverse, Surrogate, kvzap_scorer, token_features
+from lukv_cache.scorers.kvzap import (
+    FEATURE_SETS,
+    RidgeStats,
+    RopeInverse,
+    Surrogate,
+    input_size,
+    kvzap_scorer,
+    token_features,
+)
 from lukv_cache.scorers.kvzip import RepeatPrompt
 
 PROMPT = RepeatPrompt(first=(5, 6, 7), next=(8, 9), suffix=(10,))
@@ -121,7 +130,7 @@ def test_ridge_without_penalty_is_least_squares_and_the_penalty_shrinks():
 
 def test_kvzap_scores_are_the_surrogate_on_each_tokens_key_and_value():
     model = tiny_model("llama", "sdpa")
-    scorer = scorer_for("kvzap", model)
+    scorer = scorer_for("kvzap", model)  # reads the context's length too
     ids = prompt(1, 40, seed=2)
     cache = LUKVCache(0.0, scorer, sink=0, window=0, keep_scores=True)
     with torch.no_grad():
@@ -129,7 +138,26 @@ def test_kvzap_scores_are_the_surrogate_on_each_tokens_key_and_value():
     features = token_feature_maps(model, ids)
     surrogate = scorer.params["surrogate"]
     for layer, scores in cache.prefill_scores.items():
-        torch.testing.assert_close(scores, surrogate.predict(layer, features[layer]), atol=1e-4, rtol=1e-4)
+        want = surrogate.predict(layer, features[layer], lengths=torch.tensor([40]))
+        torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(
+            scores, surrogate.predict(layer, features[layer], lengths=torch.tensor([80]))
+        )
+
+
+def test_a_length_aware_surrogate_reads_log_length_and_its_products_with_the_features():
+    gen = torch.Generator().manual_seed(5)
+    s = Surrogate.zeros(num_layers=1, heads=2, features=input_size(FEATURE_SETS[2], 3))
+    s.features = FEATURE_SETS[2]
+    for t in (s.weight, s.bias, s.mean):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    x = torch.randn(2, 4, 3, generator=gen)
+    got = s.predict(0, x, lengths=torch.tensor([10, 300]))
+    for b, length in enumerate((10, 300)):
+        log_t = torch.full((4, 1), math.log(length))
+        inputs = torch.cat([x[b], log_t, x[b] * log_t], dim=1)
+        want = (inputs - s.mean[0]) @ s.weight[0].T + s.bias[0]  # std is 1
+        torch.testing.assert_close(got[b], want.T, atol=1e-4, rtol=1e-4)
 
 
 def test_kvzap_works_with_chunked_prefill_and_keeps_the_budget():
