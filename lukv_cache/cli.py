@@ -32,7 +32,7 @@ from .evaluation.methods import (
 )
 from .models import SMOLLM2_ALIAS, add_threads_argument
 from .profiles.location import DEFAULT_REPO_ID, DEFAULT_SCORER, LOCAL_DIR_ENV, REPO_ID_ENV
-from .profiling.kvzap_options import CORPORA, FAMILIES, KVzapTraining
+from .profiling.kvzap_options import CORPORA, FAMILIES, LENGTH_INPUTS, KVzapTraining
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -214,6 +214,13 @@ def _profiling_commands(subparsers: Any) -> None:
         choices=FAMILIES,
         default=KVzapTraining().family,
         help="--scorer kvzap: the surrogate, a ridge regression or a 2-layer MLP (default: %(default)s)",
+    )
+    build.add_argument(
+        "--kvzap-length",
+        choices=LENGTH_INPUTS,
+        default=KVzapTraining().length,
+        help="--scorer kvzap: whether the surrogate reads the context's length: not at all, log T, or log T "
+        "and every feature times it (for documents of several lengths; default: %(default)s)",
     )
     build.add_argument("--min-keep", type=float, default=0.01, help="fraction every head keeps")
     build.add_argument(

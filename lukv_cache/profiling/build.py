@@ -445,6 +445,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             tokenizer,
             docs,
             family=training.family,
+            features=training.features,
             alpha=training.alpha,
             samples=training.samples,
             seed=seed,

@@ -68,6 +68,7 @@ def _build(args: argparse.Namespace) -> int:
             documents=tuple(args.kvzap_documents or KVzapTraining().documents),
             corpora=tuple(args.kvzap_corpus or KVzapTraining().corpora),
             family=args.kvzap_family,
+            length=args.kvzap_length,
         ),
     )
     for name, profile in profiles.items():

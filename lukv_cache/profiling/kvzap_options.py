@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 CORPORA = ("news", "python_docs")  # lukv_cache.profiling.kvzap.CORPORA reads them
 FAMILIES = ("linear", "mlp")
+LENGTH_INPUTS = ("none", "log", "interactions")  # -> lukv_cache.scorers.kvzap.FEATURE_SETS, in order
 SKIP_FIRST = 4  # attention sinks: always kept, and their scores are outliers a surrogate need not learn
 
 
@@ -26,7 +27,9 @@ class KVzapTraining:
     reference documentation). Long documents teach the surrogate long contexts: trained on 1,024-token
     documents only, SmolLM2-135M's surrogate ranks 4,096-token contexts much worse than 1,024-token ones.
     ``family``: ``"linear"`` (ridge with strength ``alpha``) or ``"mlp"`` (``samples`` rows per 1,024
-    tokens of each document).
+    tokens of each document). ``length``: whether the surrogate also reads the context's length:
+    ``"none"``, ``"log"`` (``log T``) or ``"interactions"`` (``log T`` and every feature times it), which lets
+    each head's scores move with the length when the documents have several lengths.
 
     >>> KVzapTraining(documents=((48, 1024), (8, 4096))).describe()
     'news: 48 x 1,024 + 8 x 4,096 tokens'
@@ -39,6 +42,7 @@ class KVzapTraining:
     documents: tuple[tuple[int, int], ...] = ((48, 1024),)
     corpora: tuple[str, ...] = ("news",)
     family: str = "linear"
+    length: str = "none"
     alpha: float = 1.0
     samples: int = 512
 
@@ -49,6 +53,10 @@ class KVzapTraining:
         if self.family not in FAMILIES:
             raise ConfigurationError(
                 f"Unknown kvzap surrogate family {self.family!r}; use 'linear' or 'mlp'."
+            )
+        if self.length not in LENGTH_INPUTS:
+            raise ConfigurationError(
+                f"kvzap length must be one of {list(LENGTH_INPUTS)}, got {self.length!r}."
             )
         groups = self.documents
         if (
@@ -87,6 +95,13 @@ class KVzapTraining:
                 if share:
                     docs += kvzap.CORPORA[name](tokenizer, share, tokens, seed=seed + group)
         return docs
+
+    @property
+    def features(self) -> str:
+        """The surrogate's feature set (:data:`lukv_cache.scorers.kvzap.FEATURE_SETS`)."""
+        from ..scorers.kvzap import FEATURE_SETS
+
+        return FEATURE_SETS[LENGTH_INPUTS.index(self.length)]
 
     def describe(self) -> str:
         groups = " + ".join(f"{count} x {tokens:,}" for count, tokens in self.documents)

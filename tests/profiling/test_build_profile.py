@@ -213,10 +213,13 @@ def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
 
     tiny_model.config.name_or_path = "org/tiny"
     kwargs = dict(scorer="kvzap", calibration=tiny_calibration, cache_dir=tmp_path / "c", show_progress=False)
-    training = KVzapTraining(documents=((2, 64), (1, 96)), corpora=("news", "python_docs"))
+    training = KVzapTraining(
+        documents=((2, 64), (1, 96)), corpora=("news", "python_docs"), length="interactions"
+    )
     profile = build_profile(tiny_model, byte_tokenizer, kvzap=training, **kwargs)
     assert profile.scorer == "kvzap" and profile.window == 32 and profile.surrogate is not None
     assert profile.surrogate.layers == [0, 1] and profile.surrogate.family == "linear"
+    assert profile.surrogate.features == "keys_prerope_values+log_length+interactions"
     assert profile.surrogate.meta["corpus"] == "news, python_docs: 2 x 64 + 1 x 96 tokens (3 documents)"
     path = profile.save(tmp_path / "kvzap.safetensors")
     cache = LUKVCache.from_pretrained(path, ratio=0.5)
@@ -249,10 +252,11 @@ def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
             "8X4096",
             "16",
         ]
-        + ["--kvzap-corpus", "news", "python_docs", "--kvzap-family", "mlp"]
+        + ["--kvzap-corpus", "news", "python_docs", "--kvzap-family", "mlp", "--kvzap-length", "log"]
     )
     assert args.kvzap_documents == [(48, 1024), (8, 4096), (16, 1024)]
     assert args.kvzap_corpus == ["news", "python_docs"] and args.kvzap_family == "mlp"
+    assert args.kvzap_length == "log"
     for bad in (["--kvzap-documents", "8x"], ["--kvzap-documents", "0x1024"], ["--kvzap-family", "tree"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["build", "smollm2", "--out", "p/", *bad])
