@@ -28,11 +28,10 @@ import torch
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import _ResultStore, _sha, default_cache_dir, model_fingerprint
+from lukv_cache.profiling.build import cached_kvzip_plus_targets
 from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
     fit_mlp,
-    kvzip_plus_targets,
     news_documents,
     python_docs_documents,
     spearman,
@@ -56,17 +55,10 @@ def main() -> int:
     torch.manual_seed(0)
     started = time.time()
     model, tokenizer = load_smollm2()
-    store = _ResultStore(default_cache_dir() / "kvzap")
-    fingerprint = model_fingerprint(model)
+    cached = cached_kvzip_plus_targets(model, tokenizer)
 
     def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        key = _sha("kvzip_plus_targets", fingerprint, ids.tolist())
-        saved = store.load(key)
-        if saved is None:
-            computed = {layer: t.numpy() for layer, t in kvzip_plus_targets(model, tokenizer, ids).items()}
-            store.save(key, {str(layer): t for layer, t in computed.items()})
-            saved = {str(k): v for k, v in computed.items()}
-        return {int(layer): torch.from_numpy(t)[0] for layer, t in saved.items()}  # [T, H]
+        return {layer: t[0] for layer, t in cached(ids).items()}  # [T, H]
 
     sets = {
         "news 1k": news_documents(tokenizer, args.news_1k, 1024, seed=0),

@@ -11,10 +11,8 @@ lukv's attention wrappers are registered in transformers' attention registry as 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from ._after_import import when_imported
+from ._lazy import lazy_names
 from .errors import (
     BatchMismatchError,
     CalibrationFormatError,
@@ -37,18 +35,18 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
-    "AllocationRequest": "allocation",
-    "Allocator": "allocation",
-    "get_allocator": "allocation",
-    "register_allocator": "allocation",
-    "lukv_aware": "attention",
-    "LUKVCache": "cache",
-    "Profile": "profiles",
-    "build_profile": "profiling",
-    "build_profiles": "profiling",
-    "Scorer": "scorers",
-    "get_scorer": "scorers",
-    "register_scorer": "scorers",
+    "AllocationRequest": ".allocation",
+    "Allocator": ".allocation",
+    "get_allocator": ".allocation",
+    "register_allocator": ".allocation",
+    "lukv_aware": ".attention",
+    "LUKVCache": ".cache",
+    "Profile": ".profiles",
+    "build_profile": ".profiling",
+    "build_profiles": ".profiling",
+    "Scorer": ".scorers",
+    "get_scorer": ".scorers",
+    "register_scorer": ".scorers",
 }
 _SUBPACKAGES = (
     "allocation",
@@ -64,18 +62,7 @@ _SUBPACKAGES = (
 )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value  # later look-ups skip this function
-        return value
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'lukv_cache' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, _SUBPACKAGES)
 
 
 def _install_attention() -> None:

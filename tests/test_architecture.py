@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lukv_cache"
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "_after_import": set(),
+    "_lazy": set(),
     "_registry": {"errors"},
     "_paths": set(),
     "_ops": set(),
@@ -23,8 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "allocation": {"_registry", "errors"},
     "attention": {"_ops", "errors"},
     "cache": {"attention", "scorers", "allocation", "errors", "profiles"},
-    "profiles": {"errors", "scorers"},
+    "profiles": {"errors", "scorers", "_lazy"},
     "profiling": {
+        "_lazy",
         "cache",
         "attention",
         "scorers",
@@ -51,6 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"errors", "models", "profiles", "profiling", "evaluation"},
     "__init__": {
         "_after_import",
+        "_lazy",
         "allocation",
         "attention",
         "cache",

@@ -14,44 +14,34 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_names
 
 # public name -> the module of this package that defines it, imported on first access (PEP 562), so that
 # the light ones (.location: names and places) do not pull in torch, safetensors and huggingface_hub
 _LAZY = {
-    "KVPRESS_GRID": "convert",
-    "convert_curve": "convert",
-    "download_profile": "download",
-    "model_id_of": "download",
-    "resolve_profile": "download",
-    "INDEX_FORMAT_VERSION": "index",
-    "list_profiles": "index",
-    "save_to_local_dir": "index",
-    "DEFAULT_REPO_ID": "location",
-    "DEFAULT_SCORER": "location",
-    "INDEX_FILENAME": "location",
-    "LOCAL_DIR_ENV": "location",
-    "REPO_ID_ENV": "location",
-    "HubLocation": "location",
-    "profile_filename": "location",
-    "profile_repo_id": "location",
-    "FORMAT_VERSION": "profile",
-    "Profile": "profile",
-    "push_profile": "publish",
+    "KVPRESS_GRID": ".convert",
+    "convert_curve": ".convert",
+    "download_profile": ".download",
+    "model_id_of": ".download",
+    "resolve_profile": ".download",
+    "INDEX_FORMAT_VERSION": ".index",
+    "list_profiles": ".index",
+    "save_to_local_dir": ".index",
+    "DEFAULT_REPO_ID": ".location",
+    "DEFAULT_SCORER": ".location",
+    "INDEX_FILENAME": ".location",
+    "LOCAL_DIR_ENV": ".location",
+    "REPO_ID_ENV": ".location",
+    "HubLocation": ".location",
+    "profile_filename": ".location",
+    "profile_repo_id": ".location",
+    "FORMAT_VERSION": ".profile",
+    "Profile": ".profile",
+    "push_profile": ".publish",
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -413,23 +413,18 @@ def build_profiles(
     }
 
 
-def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir, show_progress: bool):
-    """KVzap's surrogate for ``model``, trained as ``training`` says; each document's KVzip+ targets (the
-    repeat passes, most of the time) are kept in ``cache_dir`` so an interrupted build resumes."""
-    from tqdm.auto import tqdm
+def cached_kvzip_plus_targets(model, tokenizer, cache_dir=None) -> Callable[[torch.Tensor], dict]:
+    """``targets(ids)``: :func:`~lukv_cache.profiling.kvzap.kvzip_plus_targets` of a document ``[1, T]``
+    (``{layer: [1, T, H]}``), kept in ``cache_dir`` (default :func:`default_cache_dir`, ``False``: not kept)
+    under the model's fingerprint and the tokens, so a build that stops resumes without the repeat passes
+    it ran, and benchmarks share them."""
+    from .kvzap import kvzip_plus_targets
 
-    from ..models import max_positions
-    from ..scorers.kvzap import KVZAP_WINDOW
-    from .kvzap import kvzip_plus_targets, score_thresholds, train_surrogate
-
-    if not isinstance(training, KVzapTraining):
-        raise ConfigurationError(f"kvzap must be a KVzapTraining, got {type(training).__name__}.")
     root = default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
     store = _ResultStore(None if root is None else root / "kvzap")
     fingerprint = model_fingerprint(model)
-    docs = training.corpus(tokenizer, seed, max_positions(model.config))
 
-    def targets_of(index: int, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
         key = _sha("kvzip_plus_targets", fingerprint, ids.tolist())
         saved = store.load(key)
         if saved is None:
@@ -437,6 +432,23 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             store.save(key, {str(layer): t for layer, t in computed.items()})
             return {layer: torch.from_numpy(t) for layer, t in computed.items()}
         return {int(layer): torch.from_numpy(t) for layer, t in saved.items()}
+
+    return targets
+
+
+def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir, show_progress: bool):
+    """KVzap's surrogate for ``model``, trained as ``training`` says; each document's KVzip+ targets (the
+    repeat passes, most of the time) are kept in ``cache_dir`` so an interrupted build resumes."""
+    from tqdm.auto import tqdm
+
+    from ..models import max_positions
+    from ..scorers.kvzap import KVZAP_WINDOW
+    from .kvzap import score_thresholds, train_surrogate
+
+    if not isinstance(training, KVzapTraining):
+        raise ConfigurationError(f"kvzap must be a KVzapTraining, got {type(training).__name__}.")
+    docs = training.corpus(tokenizer, seed, max_positions(model.config))
+    targets = cached_kvzip_plus_targets(model, tokenizer, cache_dir)
 
     bar = tqdm(total=len(docs), desc="KVzap surrogate", unit="document", disable=not show_progress)
     with bar:
@@ -450,7 +462,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             samples=training.samples,
             seed=seed,
             progress=lambda done: bar.update(done - bar.n),
-            targets_of=targets_of,
+            targets_of=lambda _, ids: targets(ids),
             meta={"corpus": f"{training.describe()} ({len(docs)} documents)"},
         )
     spread = docs[:: max(1, len(docs) // 8)][:8]  # 8 documents across the groups, lengths and corpora
