@@ -343,7 +343,8 @@ def test_the_shipped_smollm2_kvzap_profile_holds_a_valid_surrogate_and_threshold
     profile = Profile.load(BUNDLED_DIR / "HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors")
     surrogate = profile.surrogate
     assert profile.scorer == "kvzap" and profile.window == 32
-    assert tuple(surrogate.weight.shape) == (30, 3, 2 * 3 * 64) and surrogate.layers == list(range(30))
+    assert surrogate.features == "keys_prerope_values+log_length+interactions"
+    assert tuple(surrogate.weight.shape) == (30, 3, 2 * (2 * 3 * 64) + 1) and surrogate.layers == list(range(30))
     thresholds = surrogate.meta["thresholds"]
     assert thresholds["grid"] == [float(g) for g in profile.grid] or len(thresholds["grid"]) == 99
     assert thresholds["values"] == sorted(thresholds["values"])
