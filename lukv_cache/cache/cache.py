@@ -368,7 +368,7 @@ class LUKVCache(DynamicCache):
         scorer: str | None = None,
         *,
         max_tokens: int | None = None,
-        allocator: str = "profile",
+        allocator: str | None = None,
         revision: str | None = None,
         repo_id: str | None = None,
         token: str | bool | None = None,
@@ -390,8 +390,10 @@ class LUKVCache(DynamicCache):
         ``model_or_profile``: a model id (looked up in ``local_dir`` / ``$LUKV_PROFILE_DIR`` first, then
         in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
         ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
-        The profile's scorer, sink and window become the cache's unless overridden. ``allocator``:
-        ``"profile"`` (LU-KV's budgets as they are), ``"hybrid"`` (the profile's layer totals, spread over
+        The profile's scorer, sink and window become the cache's unless overridden. ``allocator``: by
+        default ``"global"`` for a ``kvzap`` profile (its scores are comparable across layers and heads, and
+        one model-wide top-k lost the least on SmolLM2-135M: docs/kvzap.md) and ``"profile"`` for every
+        other scorer; ``"profile"`` (LU-KV's budgets as they are), ``"hybrid"`` (the profile's layer totals, spread over
         each layer's heads by score), ``"hybrid_global"``, ``"threshold"`` (a kvzap profile's score
         thresholds: every token above the one for the ratio; see :mod:`lukv_cache.allocation.builtin`), or
         any other registered allocator (``"global"``: the profile then gives the scorer, sink and window).
@@ -420,6 +422,8 @@ class LUKVCache(DynamicCache):
                 f"its budgets are used with scorer {scorer!r} instead.",
                 stacklevel=2,
             )
+        if allocator is None:
+            allocator = "global" if profile.scorer == "kvzap" else "profile"
         reads_profile = allocator in ("profile", "hybrid", "hybrid_global", "threshold")
         allocator_kwargs = {"profile": profile} if reads_profile else {}
         cache = cls(

@@ -344,7 +344,8 @@ def test_the_shipped_smollm2_kvzap_profile_holds_a_valid_surrogate_and_threshold
     surrogate = profile.surrogate
     assert profile.scorer == "kvzap" and profile.window == 32
     assert surrogate.features == "keys_prerope_values+log_length+interactions"
-    assert tuple(surrogate.weight.shape) == (30, 3, 2 * (2 * 3 * 64) + 1) and surrogate.layers == list(range(30))
+    assert tuple(surrogate.weight.shape) == (30, 3, 2 * (2 * 3 * 64) + 1)
+    assert surrogate.layers == list(range(30))
     thresholds = surrogate.meta["thresholds"]
     assert thresholds["grid"] == [float(g) for g in profile.grid] or len(thresholds["grid"]) == 99
     assert thresholds["values"] == sorted(thresholds["values"])
@@ -360,10 +361,13 @@ def test_from_pretrained_prefers_a_models_kvzap_profile_then_keydiff_and_takes_a
     Profile(grid, ratios, model_id="org/tiny", scorer="keydiff", head_dim=16).save(
         mirror / "keydiff.safetensors"
     )
-    assert LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror").scorer.name == "keydiff"
+    keydiff = LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror")
+    assert keydiff.scorer.name == "keydiff" and keydiff.allocator_name == "profile"  # LU-KV's budgets
     _profile(_trained(model)).save(mirror / "kvzap.safetensors")
-    cache = LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror", allocator="global")
-    assert cache.scorer.name == "kvzap" and cache.allocator_name == "global"
+    cache = LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror")
+    assert cache.scorer.name == "kvzap" and cache.allocator_name == "global"  # kvzap's default allocator
+    lukv = LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror", allocator="profile")
+    assert lukv.scorer.name == "kvzap" and lukv.allocator_name == "profile"
     with torch.no_grad():
         model(prompt(1, 90, seed=4), past_key_values=cache)
     assert cache.is_compressed
