@@ -293,7 +293,7 @@ def build_profiles(
 
     Same arguments as :func:`build_profile`, with ``scorers`` a list. The full-cache decoding of each
     question (the expensive part) is shared by all scorers. ``kvzap`` first learns its surrogate as
-    ``kvzap`` says (:class:`~lukv_cache.profiling.kvzap.KVzapTraining`: KVzip+ targets on real text, then
+    ``kvzap`` says (:class:`~lukv_cache.profiling.kvzap_options.KVzapTraining`: KVzip+ targets on real text, then
     ridge regression or an MLP) and stores it in its profile.
 
     >>> profiles = build_profiles(model, tokenizer, scorers=["keydiff", "snapkv"])  # doctest: +SKIP
@@ -462,7 +462,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             samples=training.samples,
             seed=seed,
             progress=lambda done: bar.update(done - bar.n),
-            targets_of=lambda _, ids: targets(ids),
+            targets_of=targets,
             meta={"corpus": f"{training.describe()} ({len(docs)} documents)"},
         )
     spread = docs[:: max(1, len(docs) // 8)][:8]  # 8 documents across the groups, lengths and corpora
@@ -503,7 +503,7 @@ def build_profile(
     random subset. ``cache_dir``: where per-question results are kept (``False`` disables, default
     :func:`default_cache_dir`). ``model_id``: defaults to ``model.config.name_or_path``. ``extra``: free JSON
     metadata stored in the profile (e.g. where the weights came from). ``kvzap``: for ``scorer="kvzap"``,
-    how its surrogate is trained (:class:`~lukv_cache.profiling.kvzap.KVzapTraining`: documents,
+    how its surrogate is trained (:class:`~lukv_cache.profiling.kvzap_options.KVzapTraining`: documents,
     corpora, family; the profile records it).
 
     >>> from lukv_cache import build_profile

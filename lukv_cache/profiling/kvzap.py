@@ -116,28 +116,29 @@ def train_surrogate(
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
     meta: dict | None = None,
-    targets_of: Callable[[int, torch.Tensor], dict[int, torch.Tensor]] | None = None,
+    targets_of: Callable[[torch.Tensor], dict[int, torch.Tensor]] | None = None,
 ) -> Surrogate:
     """A KVzap surrogate for ``model``: log KVzip+ regressed on token features, per layer and KV head, over
     ``documents`` (each ``[1, T]``). ``family``: ``"linear"`` (ridge regression with strength ``alpha``,
     closed form on every token) or ``"mlp"`` (:func:`fit_mlp` on ``samples`` random positions per 1,024
     tokens of each document, drawn with ``seed``). ``features``: one of
-    :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's length is an input). ``targets_of(index, ids)``: the log KVzip+ scores of a
+    :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's length is an input). ``targets_of(ids)``: the log KVzip+ scores of a
     document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
     build resumes without the repeat passes it already ran)."""
     if family not in FAMILIES:
         raise ConfigurationError(f"Unknown kvzap surrogate family {family!r}; use 'linear' or 'mlp'.")
     if features not in FEATURE_SETS:
         raise ConfigurationError(f"Unknown kvzap feature set {features!r}; use one of {list(FEATURE_SETS)}.")
-    targets_of = targets_of or (lambda _, ids: kvzip_plus_targets(model, tokenizer, ids))
+    targets_of = targets_of or (lambda ids: kvzip_plus_targets(model, tokenizer, ids))
     generator = torch.Generator().manual_seed(seed)
     stats: dict[int, RidgeStats] = {}
     rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for i, ids in enumerate(documents):
         maps = token_feature_maps(model, ids)
-        length = ids.shape[1] - SKIP_FIRST
-        pick = torch.randperm(length, generator=generator)[: max(1, samples * length // 1024)]
-        for layer, targets in targets_of(i, ids).items():
+        if family == "mlp":  # the rows it learns from: `samples` random positions per 1,024 tokens
+            length = ids.shape[1] - SKIP_FIRST
+            pick = torch.randperm(length, generator=generator)[: max(1, samples * length // 1024)]
+        for layer, targets in targets_of(ids).items():
             x = surrogate_inputs(maps[layer], None, features)[0, SKIP_FIRST:]  # [T, F]
             y = targets[0, SKIP_FIRST:]  # [T, H]
             if family == "linear":
