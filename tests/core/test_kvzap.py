@@ -371,3 +371,33 @@ def test_from_pretrained_prefers_a_models_kvzap_profile_then_keydiff_and_takes_a
     with torch.no_grad():
         model(prompt(1, 90, seed=4), past_key_values=cache)
     assert cache.is_compressed
+
+
+class _WordTokenizer:
+    """One id per word: enough to cut a corpus into documents."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [hash(w) % 1000 for w in text.split()]
+
+
+def test_kvzap_training_options_and_corpora_refuse_what_they_cannot_do():
+    from lukv_cache.profiling.kvzap import news_documents
+    from lukv_cache.profiling.kvzap_options import KVzapTraining
+
+    with pytest.raises(ConfigurationError, match="kvzap length must be one of"):
+        KVzapTraining(length="cubic")
+    with pytest.raises(ConfigurationError, match="samples must be a positive integer"):
+        KVzapTraining(samples=0)
+    with pytest.raises(ConfigurationError, match="Unknown kvzap feature set"):
+        train_surrogate(tiny_model("llama", "sdpa"), PROMPT, [prompt(1, 48)], features="hidden_states")
+    with pytest.raises(
+        ConfigurationError, match="The news corpus holds .* documents of 4096 tokens, not 500"
+    ):
+        news_documents(_WordTokenizer(), 500, 4096)
+
+
+def test_an_mlp_surrogate_of_no_width_is_refused():
+    surrogate = Surrogate.zeros(2, 2, 64, hidden=0)
+    surrogate.layers = [0, 1]
+    with pytest.raises(ProfileFormatError, match="an MLP of width 0"):
+        _profile(surrogate)

@@ -265,3 +265,15 @@ def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
         KVzapTraining(documents=((8, 2),))
     with pytest.raises(ConfigurationError, match="distinct names"):
         KVzapTraining(corpora=("news", "novels"))
+
+
+def test_a_kvzap_build_refuses_training_options_of_another_type(tiny_model, byte_tokenizer, tiny_calibration):
+    with pytest.raises(ConfigurationError, match="kvzap must be a KVzapTraining, got int"):
+        build_profile(
+            tiny_model,
+            byte_tokenizer,
+            scorer="kvzap",
+            calibration=tiny_calibration,
+            show_progress=False,
+            kvzap=48,
+        )
