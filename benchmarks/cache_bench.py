@@ -16,6 +16,14 @@ uses. Decode then runs the real model forward, one token at a time: the median m
     python benchmarks/cache_bench.py --contexts 8192 32768 --batch 1 8 --threads 1 2 --out results/cache_bench.json
     python benchmarks/cache_bench.py --contexts 512 --decode-steps 3 --small   # seconds, for a smoke run
 
+``--interleave`` times the caches step by step in ONE process instead, alternating a decode step of each
+(LUKVCache uniform with eviction at fold time off, the same with ``decode_max_tokens`` = the tokens it kept
+per head, and the ``same`` DynamicCache): machine noise then hits all three alike, so the ratios are
+the figure to read. ``--layers`` keeps the model's first layers only (the model's other work shrinks with
+it, so the ratio gets stricter):
+
+    python benchmarks/cache_bench.py --interleave --contexts 4096 --batch 1 4 --threads 2 --layers 8 --decode-steps 300
+
 ``--prefill`` instead times a real prefill at each context (batch 1; DynamicCache vs LUKVCache): prefill
 seconds and peak RSS, the figures of the first version of this benchmark.
 """
@@ -33,7 +41,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _model(small: bool, max_positions: int):
+def _model(small: bool, max_positions: int, layers: int | None = None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -61,6 +69,8 @@ def _model(small: bool, max_positions: int):
         )
     cfg.max_position_embeddings = max_positions
     cfg._attn_implementation = "sdpa"
+    if layers is not None:
+        cfg.num_hidden_layers = layers
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -153,6 +163,89 @@ def child(
     result["decode_ms"] = _decode_ms(model, cache, first, steps)
     result["peak_rss_mib"] = _rss_mib()
     return result
+
+
+def interleave_child(
+    tokens: int, batch: int, threads: int, ratio: float, steps: int, small: bool, layers: int
+):
+    """``--interleave``: three caches in one process, one decode step of each in turn (see the docstring)."""
+    import statistics
+
+    import torch
+    from transformers import DynamicCache
+
+    sys.path.insert(0, ROOT)
+    import lukv_cache
+
+    torch.set_num_threads(threads)
+    model = _model(small, max(tokens, 2048) + steps + 8, layers or None)
+    gen = torch.Generator().manual_seed(1)
+    caches = {}
+    with torch.no_grad():
+        caches["off"] = lukv_cache.LUKVCache(
+            ratio=ratio, scorer="keydiff", allocator="uniform", config=model.config
+        )
+        _fill(model, caches["off"], batch, tokens, gen)
+        keep = round(float(caches["off"].stored_tokens().double().mean()))
+        caches["on"] = lukv_cache.LUKVCache(
+            ratio=ratio, scorer="keydiff", allocator="uniform", config=model.config, decode_max_tokens=keep
+        )
+        _fill(model, caches["on"], batch, tokens, gen)
+        caches["same"] = DynamicCache(config=model.config)
+        _fill(model, caches["same"], batch, keep, gen)
+    token = torch.zeros((batch, 1), dtype=torch.long)
+    times = {name: [] for name in caches}
+    with torch.no_grad():
+        for _ in range(steps + 3):
+            for name, cache in caches.items():
+                t0 = time.perf_counter()
+                model(input_ids=token, past_key_values=cache, use_cache=True)
+                times[name].append(time.perf_counter() - t0)
+    result = {"tokens": tokens, "batch": batch, "threads": threads, "layers": model.config.num_hidden_layers}
+    result["kept_per_head"] = keep
+    result["on_kept_per_head_after"] = float(caches["on"].stored_tokens().double().mean())
+    for name, series in times.items():
+        series = series[3:]  # warm-up
+        result[name] = {
+            "median_ms": 1000 * statistics.median(series),
+            "mean_ms": 1000 * statistics.fmean(series),
+        }
+    return result
+
+
+def _interleave_rows(args) -> list[dict]:
+    rows = []
+    for tokens in args.contexts:
+        for batch in args.batch:
+            for threads in args.threads:
+                child_args = (
+                    tokens,
+                    batch,
+                    threads,
+                    args.ratio,
+                    args.decode_steps,
+                    int(args.small),
+                    args.layers or 0,
+                )
+                row = _run(args, "interleave", *child_args)
+                rows.append(row)
+                off, on, same = row["off"], row["on"], row["same"]
+                if len(rows) == 1:
+                    print(
+                        f"\nDecode ms/token, one process, steps alternated ({args.decode_steps} each), ratio {args.ratio}, "
+                        "keydiff/uniform; off/on = eviction at fold time; same = DynamicCache of the kept size"
+                    )
+                    print(
+                        "context | batch | threads | layers | kept/head | off | on | same | off/same | on/same (median; mean)"
+                    )
+                print(
+                    f"{tokens} | {batch} | {threads} | {row['layers']} | {row['kept_per_head']} | "
+                    f"{off['median_ms']:.2f} | {on['median_ms']:.2f} | {same['median_ms']:.2f} | "
+                    f"{off['median_ms'] / same['median_ms']:.3f}; {off['mean_ms'] / same['mean_ms']:.3f} | "
+                    f"{on['median_ms'] / same['median_ms']:.3f}; {on['mean_ms'] / same['mean_ms']:.3f}",
+                    flush=True,
+                )
+    return rows
 
 
 def prefill_child(method: str, tokens: int, ratio: float, small: bool) -> dict:
@@ -256,11 +349,20 @@ def main(argv=None) -> int:
     p.add_argument("--skip-full", action="store_true", help="do not time the full DynamicCache")
     p.add_argument("--prefill", action="store_true", help="time a real prefill instead (batch 1)")
     p.add_argument("--small", action="store_true", help="tiny model (for CI / smoke runs)")
+    p.add_argument("--interleave", action="store_true", help="alternate the caches' steps in one process")
+    p.add_argument("--layers", type=int, default=None, help="keep the model's first LAYERS layers")
     p.add_argument("--out", default=None, help="write the raw numbers as JSON here")
     p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         method, *rest = args.child
+        if method == "interleave":
+            tokens, batch, threads, ratio, steps, small, layers = rest
+            row = interleave_child(
+                int(tokens), int(batch), int(threads), float(ratio), int(steps), bool(int(small)), int(layers)
+            )
+            print(json.dumps(row))
+            return 0
         if method.startswith("prefill-"):
             tokens, ratio, small = int(rest[0]), float(rest[1]), bool(int(rest[2]))
             print(json.dumps(prefill_child(method.removeprefix("prefill-"), tokens, ratio, small)))
@@ -296,6 +398,9 @@ def main(argv=None) -> int:
                 flush=True,
             )
         result = {"mode": "prefill", "ratio": args.ratio, "rows": rows}
+    elif args.interleave:
+        result = {"mode": "interleave", "ratio": args.ratio, "decode_steps": args.decode_steps}
+        result["rows"] = _interleave_rows(args)
     else:
         result = {"mode": "decode", "ratio": args.ratio, "decode_steps": args.decode_steps}
         result["rows"] = _decode_rows(args)

@@ -31,8 +31,8 @@ class WindowPlan:
     """How one store is cut into windows (see the module docstring).
 
     Parts are numbered in-place windows first, then gathered windows, then (if any) one suffix part per
-    segment, then one empty part; ``grid [segments, K]`` lists each segment's parts, padded with the
-    empty one.
+    segment; ``grid [segments, K]`` lists each segment's parts, padded with part 0 where ``padding``
+    (bool ``[segments, K, 1]``) is True.
     """
 
     size: int
@@ -43,6 +43,8 @@ class WindowPlan:
     gather_owner: torch.Tensor  # int64 [extra]
     grid: torch.Tensor  # int64 [segments, K] (without the suffix part)
     suffix_grid: torch.Tensor  # int64 [segments, K + 1] (the suffix part of segment s last)
+    padding: torch.Tensor  # bool [segments, K, 1]: the grid's padding entries
+    suffix_padding: torch.Tensor  # bool [segments, K + 1, 1]
 
 
 def window_plan(offsets: torch.Tensor, total: int, size: int = WINDOW) -> WindowPlan:
@@ -75,8 +77,10 @@ def window_plan(offsets: torch.Tensor, total: int, size: int = WINDOW) -> Window
     # Which parts serve each segment; a shared in-place window serves nobody (it is gathered instead).
     part_segment = torch.cat([torch.where(whole, owner, -1), gather_owner])
     n_parts = part_segment.numel()
-    grid = _grid(part_segment, segments, empty=n_parts + segments)  # parts, suffix parts, the empty one
-    suffix_part = torch.arange(n_parts, n_parts + segments)[:, None]
+    grid = _grid(part_segment, segments, empty=-1)
+    padding = (grid < 0).unsqueeze(-1)
+    grid = grid.clamp_(min=0)
+    suffix_part = torch.arange(n_parts, n_parts + segments)[:, None]  # the suffix parts follow the rest
     return WindowPlan(
         size=size,
         in_place=in_place,
@@ -86,6 +90,8 @@ def window_plan(offsets: torch.Tensor, total: int, size: int = WINDOW) -> Window
         gather_owner=gather_owner,
         grid=grid,
         suffix_grid=torch.cat([grid, suffix_part], dim=1),
+        padding=padding,
+        suffix_padding=torch.cat([padding, torch.zeros(segments, 1, 1, dtype=torch.bool)], dim=1),
     )
 
 
@@ -150,6 +156,11 @@ def windowed_ragged_attention(
     b, h, m, d = query.shape
     segments, dv = b * h, values.shape[-1]
     plan = _plan_for(offsets, keys.shape[0])
+    with_suffix = suffix_keys is not None and suffix_keys.shape[-2] > 0
+    grid = plan.suffix_grid if with_suffix else plan.grid
+    if grid.shape[1] == 0:  # nothing stored and no suffix
+        out = query.new_zeros((b, h, m, dv), dtype=torch.float32)
+        return out, query.new_full((b, h, m), float("-inf"), dtype=torch.float32)
     q = query.reshape(segments, m, d)
     c = plan.size
     outs: list[torch.Tensor] = []
@@ -163,32 +174,25 @@ def windowed_ragged_attention(
     if plan.in_place:
         rows = plan.in_place * c
         windows_k = keys[:rows].reshape(plan.in_place, 1, c, d)
-        attend(q[plan.owner].unsqueeze(1), windows_k, values[:rows].reshape(plan.in_place, 1, c, dv))
+        windows_v = values[:rows].reshape(plan.in_place, 1, c, dv)
+        attend(q.index_select(0, plan.owner).unsqueeze(1), windows_k, windows_v)
     if plan.gather_owner.numel():
         extra = plan.gather_owner.numel()
         attend(
-            q[plan.gather_owner].unsqueeze(1),
+            q.index_select(0, plan.gather_owner).unsqueeze(1),
             keys.index_select(0, plan.gather_index).view(extra, 1, c, d),
             values.index_select(0, plan.gather_index).view(extra, 1, c, dv),
             plan.gather_bias,
         )
-    grid = plan.grid
-    if suffix_keys is not None and suffix_keys.shape[-2] > 0:
+    if with_suffix:
         attend(query, suffix_keys, suffix_values)  # [B, H_kv, S, D] as it is, views included
-        grid = plan.suffix_grid
-    else:
-        lses.append(torch.empty(segments, m))  # the suffix parts' rows stay unused
-        outs.append(torch.empty(segments, m, dv))
-    lses.append(torch.full((1, m), float("-inf")))  # the empty part
-    outs.append(torch.zeros(1, m, dv))
-    if grid.shape[1] == 0:  # nothing stored and no suffix
-        out = query.new_zeros((b, h, m, dv), dtype=torch.float32)
-        return out, query.new_full((b, h, m), float("-inf"), dtype=torch.float32)
+    # Each segment's parts side by side; the grid's padding points at part 0, its log-sum-exp masked.
     flat = grid.flatten()
     part_lse = torch.cat(lses).index_select(0, flat).view(segments, -1, m)
+    part_lse.masked_fill_(plan.suffix_padding if with_suffix else plan.padding, float("-inf"))
     part_out = torch.cat(outs).float().index_select(0, flat).view(segments, -1, m, dv)
-    top = part_lse.amax(1, keepdim=True)  # -inf where a segment has nothing to attend
-    weight = (part_lse - top).exp_().nan_to_num_(0.0)
-    norm = weight.sum(1)
-    out = (weight.unsqueeze(-1) * part_out).sum(1).div_(norm.unsqueeze(-1)).nan_to_num_(0.0)
-    return out.view(b, h, m, dv), (top.squeeze(1) + norm.log()).view(b, h, m)
+    # the flash-decoding merge in three calls; a segment with nothing to attend (every part -inf) gets
+    # NaN weights from the softmax, hence zeros
+    weight = torch.softmax(part_lse, dim=1).nan_to_num_(0.0)
+    out = (weight.unsqueeze(-1) * part_out).sum(1)
+    return out.view(b, h, m, dv), torch.logsumexp(part_lse, dim=1).view(b, h, m)

@@ -61,7 +61,9 @@ def test_plan_covers_every_row_once():
     seen = torch.zeros(5, 40, dtype=torch.long)  # [segment, row]: how often a row is attended for it
     extra = plan.gather_owner.numel()
     for s, parts in enumerate(plan.grid.tolist()):
-        for part in parts:
+        for j, part in enumerate(parts):
+            if plan.padding[s, j, 0]:
+                continue  # padding: masked in the merge
             if part < plan.in_place:
                 seen[s, part * 8 : (part + 1) * 8] += 1
                 assert plan.owner[part] == s
@@ -73,6 +75,8 @@ def test_plan_covers_every_row_once():
     expected = torch.zeros(5, 40, dtype=torch.long)
     expected[seg, torch.arange(40)] = 1
     assert torch.equal(seen, expected)
+    assert plan.padding[1].all()  # segment 1 is empty: every entry of its row is padding
+    assert not plan.suffix_padding[1, -1, 0]  # ... but it attends its suffix
 
 
 def test_suffix_merges_like_the_reference():
