@@ -18,8 +18,9 @@ over documents, per budget N and method:
 * ``kvzap / global``: the shipped kvzap surrogate's scores, kept from when each token was first scored,
   one top-k over the model (``kvzap / profile`` with ``--methods``).
 
-``--window W`` protects the last W tokens at every fold for every method (default: each scorer's own, 1
-for keydiff and streaming, 32 for kvzap). Also the cache's bytes after every forward (peak and last, against the full cache's; the first
+``--decode-window W`` protects the last W tokens at every fold for every method (default: the cache's,
+N // 4); ``--skip K`` leaves out the K longest documents (tuning runs use other documents than the reported
+ones). Also the cache's bytes after every forward (peak and last, against the full cache's; the first
 document's over time in the json) and the seconds per fold (median; a timing, so run it on a quiet
 machine). Writes ``decode_nll.{md,json,png}`` under ``--out``.
 """
@@ -52,7 +53,7 @@ def _pretrained(scorer: str, allocator: str):
             allocator=allocator,
             decode_max_tokens=n,
             fold_interval=fold,
-            window=window,
+            decode_window=window,
             local_files_only=True,
         )
 
@@ -66,7 +67,7 @@ def _plain(scorer: str, allocator: str):
             allocator=allocator,
             decode_max_tokens=n,
             fold_interval=fold,
-            window=window,
+            decode_window=window,
             config=model.config,
         )
 
@@ -85,15 +86,16 @@ METHODS = {
 DEFAULT_METHODS = ("streaming", "keydiff / uniform", "keydiff / adakv", "keydiff / profile", "kvzap / global")
 
 
-def documents(tokenizer, n_docs: int, n_tokens: int) -> list[tuple[str, torch.Tensor]]:
-    """The ``n_docs`` longest Python documentation topics that have ``n_tokens`` tokens, cut to that."""
-    docs = []
+def documents(tokenizer, n_docs: int, n_tokens: int, skip: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """The ``n_docs`` longest Python documentation topics that have ``n_tokens`` tokens (after the ``skip``
+    longest ones: tuning runs use other documents than the reported ones), cut to that."""
+    docs: list[tuple[str, torch.Tensor]] = []
     for article in sorted(python_docs(), key=lambda a: -len(a.text)):
         ids = tokenizer(article.text, add_special_tokens=False)["input_ids"]
         if len(ids) >= n_tokens:
             docs.append((article.title, torch.tensor([ids[:n_tokens]])))
-        if len(docs) == n_docs:
-            return docs
+        if len(docs) == skip + n_docs:
+            return docs[skip:]
     raise SystemExit(f"only {len(docs)} documents have {n_tokens} tokens; ask for fewer or shorter")
 
 
@@ -144,7 +146,7 @@ def run(args) -> dict:
     model, tokenizer = load_model(args.model, threads=args.threads)
     rows, corpora = [], set()
     for length in args.continuation:
-        docs = documents(tokenizer, args.documents, args.prompt + length)
+        docs = documents(tokenizer, args.documents, args.prompt + length, args.skip)
         full = {title: full_nll(model, ids, args.prompt, args.fold_interval) for title, ids in docs}
         print(
             f"continuation {length}: full-cache NLL {_mean([f[0].mean() for f in full.values()]):.3f}",
@@ -154,7 +156,7 @@ def run(args) -> dict:
             for method in args.methods:
                 excess, peaks, lasts, folds, over_time = [], [], [], [], None
                 for title, ids in docs:
-                    cache = METHODS[method](model, n, args.fold_interval, args.window)
+                    cache = METHODS[method](model, n, args.fold_interval, args.decode_window)
                     surrogate = getattr(cache.profile, "surrogate", None)
                     if surrogate is not None:
                         corpora.add(str(surrogate.meta.get("corpus")))
@@ -211,7 +213,9 @@ def write(result: dict, args, command: str) -> None:
         "",
         f"Command: `{command}`; {result['threads']} CPU thread(s). Documents (Python reference topics): "
         f"{', '.join(result['documents'])}. A {args.prompt}-token prompt, then the continuation fed "
-        f"{args.fold_interval} tokens per forward (a fold after each). Excess NLL per token (nats) against a "
+        f"{args.fold_interval} tokens per forward (a fold after each), the last "
+        f"{'N // 4 (the default)' if args.decode_window is None else args.decode_window} tokens protected at "
+        "every fold. Excess NLL per token (nats) against a "
         f"full DynamicCache, mean over documents, in windows of {args.nll_window} tokens; bytes: the cache's "
         "peak over the forwards and the full cache's at the end."
         + (
@@ -273,10 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--continuation", type=int, nargs="+", default=[2048])
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--documents", type=int, default=4)
+    parser.add_argument(
+        "--skip", type=int, default=0, help="skip the SKIP longest documents (tune on others than you report)"
+    )
     parser.add_argument("--fold-interval", type=int, default=256)
     parser.add_argument("--nll-window", type=int, default=256)
     parser.add_argument(
-        "--window", type=int, default=None, help="protected recent window (default: the scorer's)"
+        "--decode-window",
+        type=int,
+        default=None,
+        help="recent tokens protected at every fold (default: N // 4)",
     )
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     parser.add_argument("--threads", type=int, default=2)

@@ -125,6 +125,27 @@ def _positions(mask: torch.Tensor, length: int, past: int) -> torch.Tensor | Non
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -length:]
 
 
+def _decode_window(decode_window, decode_max_tokens: int | None, sink: int, window: int) -> int:
+    """The recent tokens protected at every fold: ``decode_window``, or a quarter of the bound (at least
+    the prompt's ``window``, at most what the bound leaves after the sinks)."""
+    decode_window = _check_count("decode_window", decode_window)
+    if decode_max_tokens is None:
+        if decode_window is not None:
+            raise ConfigurationError(
+                "decode_window= protects recent tokens when eviction at fold time runs; pass "
+                "decode_max_tokens= too, or drop decode_window=."
+            )
+        return 0
+    if decode_window is None:
+        return min(max(window, decode_max_tokens // 4), decode_max_tokens - sink)
+    if sink + decode_window > decode_max_tokens:
+        raise ConfigurationError(
+            f"decode_window={decode_window} and sink={sink} do not fit in decode_max_tokens={decode_max_tokens}: "
+            f"lower decode_window to at most {decode_max_tokens - sink}, or raise decode_max_tokens."
+        )
+    return decode_window
+
+
 def _check_decodes(scorer: Scorer) -> None:
     """A scorer asked to rank tokens generated while decoding must be able to (``Scorer.decodes``)."""
     if not scorer.decodes:
@@ -191,6 +212,10 @@ class LUKVCache(DynamicCache):
             (not ``kvzip``). Off by default.
         fold_interval: the dense suffix of decoded tokens is folded into the ragged store every this many
             tokens (default 256), and with ``decode_max_tokens`` evicted there.
+        decode_window: with ``decode_max_tokens``, the most recent tokens each head keeps at every fold
+            (part of the bound). Default: a quarter of ``decode_max_tokens`` (at least ``window``); recent
+            tokens matter most to the next ones, and a quarter measured best for kvzap and keydiff
+            (``benchmarks/results/decode_window_tuning/``).
         device_mesh: tensor parallelism's ``DeviceMesh`` (1-D, or one with a ``"tp"`` dimension such as
             transformers' ``model._device_mesh``). Rarely needed: a model loaded with ``tp_plan="auto"`` is
             recognised from its sharded attention weights. Under tensor parallelism each rank's cache holds
@@ -221,6 +246,7 @@ class LUKVCache(DynamicCache):
         device_mesh: Any = None,
         decode_max_tokens: int | None = None,
         fold_interval: int = FOLD_AT,
+        decode_window: int | None = None,
     ):
         kwargs = dict(allocator_kwargs or {})
         if evict_ratio is not None:
@@ -263,6 +289,7 @@ class LUKVCache(DynamicCache):
                     f"{name}={bound} is below the tokens every head always keeps (sink={sink} + "
                     f"window={window}): raise {name} to at least {sink + window}, or lower sink/window."
                 )
+        decode_window = _decode_window(decode_window, decode_max_tokens, sink, window)
         allocator_obj = get_allocator(allocator, **kwargs)
         if kwargs.get("evict_ratio") is not None:  # validated by the allocator: the ratio it implies
             ratio = min(_table_mean(kwargs["evict_ratio"]), math.nextafter(1.0, 0.0))
@@ -278,6 +305,7 @@ class LUKVCache(DynamicCache):
             max_tokens=max_tokens,
             decode_max_tokens=decode_max_tokens,
             fold_interval=fold_interval,
+            decode_window=decode_window,
         )
         super().__init__(config=config)  # DynamicCache's own layers: sliding ones from the config
         if config is None:
@@ -334,6 +362,11 @@ class LUKVCache(DynamicCache):
     @property
     def fold_interval(self) -> int:
         return self.policy.fold_interval
+
+    @property
+    def decode_window(self) -> int:
+        """The recent tokens each head keeps at every fold (0 without ``decode_max_tokens``)."""
+        return self.policy.decode_window
 
     @property
     def allocator(self):
@@ -605,7 +638,7 @@ class LUKVCache(DynamicCache):
         b, h, device = first.batch_size, first.num_heads, first.keys.device
         real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
         frames = [
-            held_tokens(layer, self._suffix_valid(folding[i][1], layer), policy.sink, policy.window)
+            held_tokens(layer, self._suffix_valid(folding[i][1], layer), policy.sink, policy.decode_window)
             for i, layer in zip(idxs, layers)
         ]
         protected = frames[0].protected.sum(-1).view(b, h).amax(-1).cpu()  # the same for every head

@@ -28,7 +28,8 @@ class CompressionPolicy:
     piled up. ``max_tokens``: instead of a fixed ratio, keep at most this many tokens per (layer, KV head)
     on average; each prompt (each row of a batch) gets the ratio that does. ``decode_max_tokens``: every
     ``fold_interval`` tokens after the prompt, re-apply the budgets to everything held so that each row
-    keeps at most this many tokens per (layer, KV head) on average (:mod:`lukv_cache.cache.decoding`).
+    keeps at most this many tokens per (layer, KV head) on average (:mod:`lukv_cache.cache.decoding`),
+    the last ``decode_window`` tokens of each head protected there.
     """
 
     ratio: float
@@ -41,6 +42,7 @@ class CompressionPolicy:
     max_tokens: int | None = None
     decode_max_tokens: int | None = None
     fold_interval: int = FOLD_AT
+    decode_window: int = 0
 
     @property
     def defers(self) -> bool:

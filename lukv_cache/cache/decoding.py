@@ -2,7 +2,7 @@
 
 Every ``fold_interval`` tokens after the prompt, the cache re-applies its budgets to everything a layer
 holds: the ragged store's tokens and the dense suffix's real ones, per segment (batch row, KV head) in
-position order (:class:`Held`). The first ``sink`` and the last ``window`` of them are protected; the rest
+position order (:class:`Held`). The first ``sink`` and the last ``window`` (the cache's ``decode_window``) of them are protected; the rest
 are ranked by the scorer and each segment keeps its budget. Scores come from one of two places:
 
 * **rescored** (the default for scorers that read keys, values and queries only: ``keydiff``,

@@ -278,10 +278,22 @@ def test_a_left_padded_row_keeps_what_it_keeps_alone(scorer, allocator):
         assert _segments(batch, row, ids.shape[1] - n) == _segments(alone, 0, 0), f"row {row} ({n} tokens)"
 
 
-def test_a_fold_keeps_each_rows_sinks_and_recent_window():
+@pytest.mark.parametrize("recent", [None, 7])
+def test_a_fold_keeps_each_rows_sinks_and_recent_window(recent):
     model = _model()
     ids, mask = left_padded(LENGTHS, seed=5)
-    cache = _cache(model, "knorm", "uniform", decode_max_tokens=12, fold_interval=16, sink=3, window=4)
+    cache = _cache(
+        model,
+        "knorm",
+        "uniform",
+        decode_max_tokens=12,
+        fold_interval=16,
+        sink=3,
+        window=2,
+        decode_window=recent,
+    )
+    kept_recent = 3 if recent is None else recent  # by default a quarter of the bound (at least the window)
+    assert cache.decode_window == kept_recent
     steps = CONTINUATION[:32].expand(3, -1)  # folds after 16 and 32 tokens
     with torch.no_grad():
         cache.prefill(model, ids, mask)
@@ -300,7 +312,7 @@ def test_a_fold_keeps_each_rows_sinks_and_recent_window():
         for positions in _segments(cache, row, 0):
             assert len(positions) == 12, positions
             assert positions[:3] == [start, start + 1, start + 2], positions
-            assert positions[-4:] == list(range(width - 4, width)), positions
+            assert positions[-kept_recent:] == list(range(width - kept_recent, width)), positions
 
 
 def test_a_left_padded_row_generates_what_it_generates_alone():
@@ -393,11 +405,22 @@ def test_custom_scorers_declare_it_too():
         (dict(decode_max_tokens=2**41), "beyond any context"),
         (dict(decode_max_tokens=64, fold_interval=0), "fold_interval"),
         (dict(decode_max_tokens=64, fold_interval=2.5), "fold_interval"),
+        (dict(decode_window=16), "pass decode_max_tokens"),
+        (dict(decode_max_tokens=64, decode_window=61), "at most 60"),
+        (dict(decode_max_tokens=64, decode_window=-1), "decode_window"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
         LUKVCache(**kwargs)
+
+
+def test_the_decode_window_defaults_to_a_quarter_of_the_bound():
+    assert LUKVCache(decode_max_tokens=512).decode_window == 128
+    assert LUKVCache(decode_max_tokens=512, window=200).decode_window == 200  # at least the prompt's window
+    assert LUKVCache(decode_max_tokens=8, sink=4).decode_window == 2
+    assert LUKVCache(decode_max_tokens=512, decode_window=0).decode_window == 0
+    assert LUKVCache(ratio=0.5).decode_window == 0  # no eviction at fold time
 
 
 def test_from_pretrained_reads_a_real_profiles_curve_at_each_folds_ratio(tmp_path):
