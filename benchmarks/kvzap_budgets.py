@@ -1,0 +1,102 @@
+"""Where does the shipped kvzap surrogate lose KVzip+'s selection under `global`: in the budgets it gives
+each (layer, KV head), or in which tokens it picks within a head?
+
+On held-out text (Python's documentation, never trained on), for each ratio r: KVzip+'s own `global`
+selection (the target), the surrogate's, and two hybrids that swap one half: the surrogate's ranking
+within each head with KVzip+'s per-head counts ("true budgets"), and KVzip+'s ranking with the surrogate's
+counts ("true ranking"). Each row reports the share of the target's tokens the selection keeps (sinks
+and the last 32 tokens excluded, as the cache does).
+
+    python benchmarks/kvzap_budgets.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from kvzap_lengths import WINDOW, global_keep  # the benchmark next to this one
+
+from lukv_cache import LUKVCache
+from lukv_cache.models import load_smollm2
+from lukv_cache.profiling.build import cached_kvzip_plus_targets
+from lukv_cache.profiling.kvzap import SKIP_FIRST, python_docs_documents, token_feature_maps
+
+
+def top_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool ``[T, H]``: the ``counts[h]`` highest-scoring tokens of each head."""
+    order = scores.argsort(dim=0, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(0, order, torch.arange(scores.shape[0])[:, None].expand_as(order))
+    return ranks < counts[None, :]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_budgets.md"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    model, tokenizer = load_smollm2()
+    surrogate = LUKVCache.from_pretrained(
+        model, ratio=0.8, scorer="kvzap", local_files_only=True
+    ).profile.surrogate
+    cached = cached_kvzip_plus_targets(model, tokenizer)
+    ratios = (0.5, 0.8, 0.9)
+    kinds = ("surrogate", "true budgets", "true ranking")
+    rows: dict[tuple[int, float, str], list[float]] = {}
+    tests = ((1024, python_docs_documents(tokenizer, args.test[0], 1024, seed=0)),)
+    tests += ((4096, python_docs_documents(tokenizer, args.test[1], 4096, seed=1)),)
+    with torch.no_grad():
+        for tokens, docs in tests:
+            for ids in docs:
+                maps = token_feature_maps(model, ids)
+                true, pred = {}, {}
+                for layer, y in cached(ids).items():
+                    true[layer] = y[0, SKIP_FIRST : tokens - WINDOW]  # [T', H]
+                    full = surrogate.predict(layer, maps[layer]).transpose(1, 2)[0]  # [T, H]
+                    pred[layer] = full[SKIP_FIRST : tokens - WINDOW]
+                for ratio in ratios:
+                    want, got = global_keep(true, ratio), global_keep(pred, ratio)
+                    total = sum(int(w.sum()) for w in want.values())
+                    picks = {
+                        "surrogate": got,
+                        "true budgets": {i: top_counts(pred[i], want[i].sum(0)) for i in true},
+                        "true ranking": {i: top_counts(true[i], got[i].sum(0)) for i in true},
+                    }
+                    for kind, pick in picks.items():
+                        kept = sum(int((want[i] & pick[i]).sum()) for i in true)
+                        rows.setdefault((tokens, ratio, kind), []).append(kept / total)
+            print(f"tested at {tokens} tokens ({time.time() - started:.0f} s)", flush=True)
+    lines = [
+        "# KVzap under `global`: budgets or ranking? (SmolLM2-135M-Instruct)",
+        "",
+        f"Command: `python benchmarks/kvzap_budgets.py {' '.join(sys.argv[1:])}`; {time.time() - started:.0f} s "
+        f"on {args.threads} thread(s).",
+        "",
+        "The shipped kvzap surrogate (ridge on keys, values, log T and their products with log T; trained on "
+        f"news) on held-out Python documentation ({args.test[0]} x 1,024 and {args.test[1]} x 4,096 tokens). "
+        "Share of the tokens KVzip+'s own `global` selection keeps at ratio r that each selection keeps: the "
+        "surrogate's `global`; the surrogate's ranking within each head with KVzip+'s per-head counts (true "
+        "budgets); KVzip+'s ranking with the surrogate's counts (true ranking). Mean over documents.",
+        "",
+        "| context | ratio | " + " | ".join(kinds) + " |",
+        "|---|---|" + "---|" * len(kinds),
+    ]
+    for tokens in (1024, 4096):
+        for ratio in ratios:
+            cells = [f"{statistics.mean(rows[(tokens, ratio, k)]):.3f}" for k in kinds]
+            lines.append(f"| {tokens:,} | {ratio} | " + " | ".join(cells) + " |")
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
