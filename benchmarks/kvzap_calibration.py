@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from kvzap_lengths import WINDOW, global_keep  # the benchmark next to this one
+from kvzap_lengths import WINDOW, kept_share, least_head, mean_spearman  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
 from lukv_cache.profiling.build import cached_kvzip_plus_targets
@@ -35,7 +35,6 @@ from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
     news_documents,
     python_docs_documents,
-    spearman,
     token_feature_maps,
 )
 from lukv_cache.scorers.kvzap import FEATURE_SETS, RidgeStats, surrogate_inputs
@@ -88,21 +87,14 @@ def main() -> int:
             for layer, (weight, _bias, mean, std) in solved.items():
                 x = surrogate_inputs(maps[layer], None, FEATURES)[0, SKIP_FIRST : tokens - WINDOW]
                 base[layer] = ((x - mean) / std) @ weight  # centred prediction, bias added below
-            rho = statistics.mean(
-                spearman(base[layer][:, h], true[layer][:, h])
-                for layer in true
-                for h in range(true[layer].shape[1])
-            )
+            rho = mean_spearman(base, true)
             for power in args.power:
                 predicted = {layer: base[layer] * spread[layer] ** power + solved[layer][1] for layer in base}
                 cell = rows.setdefault((power, tokens), {"rho": [], 0.5: [], 0.8: [], 0.9: [], "min": []})
                 cell["rho"].append(rho)
                 for ratio in (0.5, 0.8, 0.9):
-                    want, got = global_keep(true, ratio), global_keep(predicted, ratio)
-                    kept = sum(int((want[layer] & got[layer]).sum()) for layer in true)
-                    cell[ratio].append(kept / sum(int(want[layer].sum()) for layer in true))
-                    if ratio == 0.8:
-                        cell["min"].append(min(float(got[layer].float().mean(0).min()) for layer in got))
+                    cell[ratio].append(kept_share(true, predicted, ratio))
+                cell["min"].append(least_head(predicted, 0.8))
         print(f"tested at {tokens} tokens ({time.time() - started:.0f} s)", flush=True)
 
     lines = [

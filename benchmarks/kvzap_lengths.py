@@ -61,6 +61,28 @@ def global_keep(scores: dict[int, torch.Tensor], ratio: float) -> dict[int, torc
     return {layer: s >= threshold for layer, s in scores.items()}
 
 
+def kept_share(true: dict[int, torch.Tensor], predicted: dict[int, torch.Tensor], ratio: float) -> float:
+    """The share of the tokens ``true``'s `global` selection keeps at ``ratio`` that ``predicted``'s keeps."""
+    want, got = global_keep(true, ratio), global_keep(predicted, ratio)
+    kept = sum(int((want[layer] & got[layer]).sum()) for layer in true)
+    return kept / sum(int(want[layer].sum()) for layer in true)
+
+
+def least_head(predicted: dict[int, torch.Tensor], ratio: float) -> float:
+    """The smallest share of its tokens any head keeps under ``predicted``'s `global` selection."""
+    got = global_keep(predicted, ratio)
+    return min(float(g.float().mean(0).min()) for g in got.values())
+
+
+def mean_spearman(predicted: dict[int, torch.Tensor], true: dict[int, torch.Tensor]) -> float:
+    """Spearman of predicted vs true scores ``[T, H]``, averaged over every (layer, head)."""
+    return statistics.mean(
+        spearman(predicted[layer][:, h], true[layer][:, h])
+        for layer in true
+        for h in range(true[layer].shape[1])
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, nargs=3, default=[48, 8, 8], metavar=("N1K", "N2K", "N4K"))
@@ -113,19 +135,10 @@ def main() -> int:
                     x = with_length(features[layer][0, SKIP_FIRST : tokens - WINDOW], tokens, mode)
                     predicted[layer] = ((x - mean) / std) @ weight + bias
                 cell = rows.setdefault((name, tokens), {"rho": [], 0.5: [], 0.8: [], 0.9: [], "min": []})
-                cell["rho"].append(
-                    statistics.mean(
-                        spearman(predicted[layer][:, h], true[layer][:, h])
-                        for layer in true
-                        for h in range(true[layer].shape[1])
-                    )
-                )
+                cell["rho"].append(mean_spearman(predicted, true))
                 for ratio in (0.5, 0.8, 0.9):
-                    want, got = global_keep(true, ratio), global_keep(predicted, ratio)
-                    kept = sum(int((want[layer] & got[layer]).sum()) for layer in true)
-                    cell[ratio].append(kept / sum(int(want[layer].sum()) for layer in true))
-                    if ratio == 0.8:
-                        cell["min"].append(min(float(got[layer].float().mean(0).min()) for layer in got))
+                    cell[ratio].append(kept_share(true, predicted, ratio))
+                cell["min"].append(least_head(predicted, 0.8))
         print(f"tested at {tokens} tokens ({time.time() - started:.0f} s)", flush=True)
 
     lines = [
