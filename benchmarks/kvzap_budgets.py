@@ -39,14 +39,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", default=None, help="a kvzap profile file (default: the shipped one)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_budgets.md"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
     model, tokenizer = load_smollm2()
-    surrogate = LUKVCache.from_pretrained(
-        model, ratio=0.8, scorer="kvzap", local_files_only=True
-    ).profile.surrogate
+    source = args.profile or model
+    cache = LUKVCache.from_pretrained(source, ratio=0.8, scorer="kvzap", local_files_only=True)
+    surrogate = cache.profile.surrogate
     cached = cached_kvzip_plus_targets(model, tokenizer)
     ratios = (0.5, 0.8, 0.9)
     kinds = ("surrogate", "true budgets", "true ranking")
@@ -56,7 +57,7 @@ def main() -> int:
     with torch.no_grad():
         for tokens, docs in tests:
             for ids in docs:
-                maps = token_feature_maps(model, ids)
+                maps = token_feature_maps(model, ids, surrogate.features)
                 true, pred = {}, {}
                 for layer, y in cached(ids).items():
                     true[layer] = y[0, SKIP_FIRST : tokens - WINDOW]  # [T', H]
@@ -80,8 +81,8 @@ def main() -> int:
         f"Command: `python benchmarks/kvzap_budgets.py {' '.join(sys.argv[1:])}`; {time.time() - started:.0f} s "
         f"on {args.threads} thread(s).",
         "",
-        "The shipped kvzap surrogate (ridge on keys, values, log T and their products with log T; trained on "
-        f"news) on held-out Python documentation ({args.test[0]} x 1,024 and {args.test[1]} x 4,096 tokens). "
+        f"The kvzap surrogate ({args.profile or 'shipped'}: {surrogate.features}, trained on "
+        f"{surrogate.meta.get('corpus')}) on held-out Python documentation ({args.test[0]} x 1,024 and {args.test[1]} x 4,096 tokens). "
         "Share of the tokens KVzip+'s own `global` selection keeps at ratio r that each selection keeps: the "
         "surrogate's `global`; the surrogate's ranking within each head with KVzip+'s per-head counts (true "
         "budgets); KVzip+'s ranking with the surrogate's counts (true ranking). Mean over documents.",

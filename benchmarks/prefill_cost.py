@@ -63,15 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--skip-kvzip", action="store_true", help="leave out kvzip (its repeat passes are long)"
+    )
     args = parser.parse_args(argv)
+    methods = [m for m in METHODS if not (args.skip_kvzip and m[1] and m[1][0] == "kvzip")]
     model, tokenizer = load_model("smollm2", threads=args.threads)
     rows = []
     for n in args.tokens:
         ids = text_ids(tokenizer, n)
         prefill_seconds(model, tokenizer, ids[:, :64], METHODS[1][1])  # warm-up
-        times: dict[str, list[float]] = {label: [] for label, _ in METHODS}
+        times: dict[str, list[float]] = {label: [] for label, _ in methods}
         for _ in range(args.repeats):  # interleaved: a slow moment of the machine hits every method alike
-            for label, method in METHODS:
+            for label, method in methods:
                 times[label].append(prefill_seconds(model, tokenizer, ids, method))
         medians = {label: statistics.median(t) for label, t in times.items()}
         base = medians[METHODS[1][0]]

@@ -222,6 +222,13 @@ def _profiling_commands(subparsers: Any) -> None:
         help="--scorer kvzap: whether the surrogate reads the context's length: not at all, log T, or log T "
         "and every feature times it (for documents of several lengths; default: %(default)s)",
     )
+    build.add_argument(
+        "--kvzap-window-attention",
+        action=argparse.BooleanOptionalAction,
+        default=KVzapTraining().window_attention,
+        help="--scorer kvzap: whether the surrogate also reads how strongly the context's last 32 queries read "
+        "each token (needs --kvzap-length interactions; default: %(default)s)",
+    )
     build.add_argument("--min-keep", type=float, default=0.01, help="fraction every head keeps")
     build.add_argument(
         "--scope", choices=("all", "layer"), default="all", help="one budget for all layers, or per layer"

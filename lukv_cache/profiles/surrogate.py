@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import ProfileFormatError
-from ..scorers.kvzap import FEATURE_SETS, Surrogate, input_size
+from ..scorers.kvzap import FEATURE_SETS, Surrogate, base_features, input_size
 from .jsonfile import parse_json
 
 TENSORS = ("kvzap.weight", "kvzap.bias", "kvzap.mean", "kvzap.std")
@@ -92,8 +92,9 @@ def check(surrogate: Any, layers: int, heads: int, head_dim: int | None, where: 
             problems.append(f"{name} is {t.dtype} {list(t.shape)}, expected float32 {list(shape)}")
         elif not bool(torch.isfinite(t).all()):
             problems.append(f"{name} has NaN or infinite values")
-    base = 2 * heads * head_dim if head_dim is not None else None
-    wanted = input_size(surrogate.features, base) if base and surrogate.features in FEATURE_SETS else None
+    known = surrogate.features in FEATURE_SETS
+    base = base_features(surrogate.features, heads, head_dim) if head_dim is not None and known else None
+    wanted = input_size(surrogate.features, base) if base else None
     if not 0 < f <= _MAX_FEATURES or (wanted is not None and f != wanted):
         problems.append(
             f"{f} inputs ({wanted} expected for {surrogate.features!r}: KV heads {heads} x head dim {head_dim})"

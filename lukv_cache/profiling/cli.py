@@ -69,6 +69,7 @@ def _build(args: argparse.Namespace) -> int:
             corpora=tuple(args.kvzap_corpus or KVzapTraining().corpora),
             family=args.kvzap_family,
             length=args.kvzap_length,
+            window_attention=args.kvzap_window_attention,
         ),
     )
     for name, profile in profiles.items():

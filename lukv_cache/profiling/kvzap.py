@@ -24,11 +24,14 @@ from ..errors import ConfigurationError
 from ..scorers.kvzap import (
     FEATURE_SETS,
     FEATURES,
+    WINDOW_QUERIES,
     RidgeStats,
     Surrogate,
+    reads_window,
     rope_inverse,
     surrogate_inputs,
     token_features,
+    window_attention,
 )
 from ..scorers.kvzip import RepeatPrompt
 from ..texts import news_articles, python_docs
@@ -76,19 +79,28 @@ CORPORA = {"news": news_documents, "python_docs": python_docs_documents}
 
 
 @torch.no_grad()
-def token_feature_maps(model: Any, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+def token_feature_maps(
+    model: Any, input_ids: torch.Tensor, feature_set: str = FEATURES
+) -> dict[int, torch.Tensor]:
     """fp32 ``{layer: [B, T, F]}``: the KVzap features of every token, from a plain forward through the
-    model's own attention (whose position ids place RoPE)."""
+    model's own attention (whose position ids place RoPE); with the window attention when ``feature_set``
+    reads it (the last :data:`~lukv_cache.scorers.kvzap.WINDOW_QUERIES` queries, as the scorer sees them)."""
     impl = model.config._attn_implementation
     stock = ALL_ATTENTION_FUNCTIONS[impl]
     features: dict[int, torch.Tensor] = {}
+    window = reads_window(feature_set)
 
     def observe(module, query, key, value, attention_mask, **kwargs):
         b, _, t, _ = key.shape
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(t, device=key.device).expand(b, t)
-        features[module.layer_idx] = token_features(rope_inverse(module)(key, positions), value).flatten(2)
+        attention = None
+        if window:
+            scaling = getattr(module, "scaling", None) or key.shape[-1] ** -0.5
+            attention = window_attention(key, query[:, :, -WINDOW_QUERIES:], scaling)
+        maps = token_features(rope_inverse(module)(key, positions), value, attention)
+        features[module.layer_idx] = maps.flatten(2)
         return stock(module, query, key, value, attention_mask, **kwargs)
 
     with attention_swapped(model, _FEATURES_IMPL, observe, mask=impl):
@@ -134,7 +146,7 @@ def train_surrogate(
     stats: dict[int, RidgeStats] = {}
     rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for i, ids in enumerate(documents):
-        maps = token_feature_maps(model, ids)
+        maps = token_feature_maps(model, ids, features)
         if family == "mlp":  # the rows it learns from: `samples` random positions per 1,024 tokens
             length = ids.shape[1] - SKIP_FIRST
             pick = torch.randperm(length, generator=generator)[: max(1, samples * length // 1024)]
@@ -244,7 +256,7 @@ def score_thresholds(
     so its average kept share on text like these documents is the ratio asked for)."""
     pooled = []
     for ids in documents:
-        features = token_feature_maps(model, ids)
+        features = token_feature_maps(model, ids, surrogate.features)
         end = ids.shape[1] - window
         for layer in surrogate.layers:
             pooled.append(surrogate.predict(layer, features[layer])[0, :, SKIP_FIRST:end].flatten())
@@ -273,7 +285,7 @@ def fidelity(
     documents (past the sinks)."""
     sums: dict[int, list[float]] = {}
     for ids in documents:
-        features = token_feature_maps(model, ids)
+        features = token_feature_maps(model, ids, surrogate.features)
         for layer, targets in kvzip_plus_targets(model, tokenizer, ids).items():
             predicted = surrogate.predict(layer, features[layer])[0]  # [H, T]
             for h in range(targets.shape[-1]):

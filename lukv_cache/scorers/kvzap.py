@@ -30,18 +30,47 @@ from ..errors import ConfigurationError
 from . import Scorer
 
 FEATURES = "keys_prerope_values"  # every surrogate reads these; the feature sets below may add the length
+WINDOW_ATTENTION = (
+    "+window_attention"  # one more feature per KV head: what the last queries read of the token
+)
+WINDOW_QUERIES = 32  # the last queries the window attention reads (as SnapKV's observation window)
 # what a surrogate's inputs are: the features alone, plus log(context length), or plus that and every feature
-# times it (a surrogate trained on several lengths learns how each head's scores move with the length)
-FEATURE_SETS = (FEATURES, FEATURES + "+log_length", FEATURES + "+log_length+interactions")
+# times it (a surrogate trained on several lengths learns how each head's scores move with the length); the
+# last set adds each KV head's window attention to the features (context a token's key and value lack)
+FEATURE_SETS = (
+    FEATURES,
+    FEATURES + "+log_length",
+    FEATURES + "+log_length+interactions",
+    FEATURES + WINDOW_ATTENTION + "+log_length+interactions",
+)
+
+
+def reads_window(feature_set: str) -> bool:
+    """Whether surrogates of ``feature_set`` read the window attention (and so the last queries)."""
+    return WINDOW_ATTENTION in feature_set
+
+
+def base_features(feature_set: str, kv_heads: int, head_dim: int) -> int:
+    """The token features a surrogate of ``feature_set`` reads before the length: per KV head its pre-RoPE
+    key and value, and its window attention if the set has it.
+
+    >>> base_features(FEATURE_SETS[2], 3, 64), base_features(FEATURE_SETS[3], 3, 64)
+    (384, 387)
+    """
+    return kv_heads * (2 * head_dim + (1 if reads_window(feature_set) else 0))
 
 
 def input_size(feature_set: str, features: int) -> int:
     """The number of inputs a surrogate of ``feature_set`` reads for ``features`` token features.
 
     >>> [input_size(s, 384) for s in FEATURE_SETS]
-    [384, 385, 769]
+    [384, 385, 769, 769]
     """
-    return {0: features, 1: features + 1, 2: 2 * features + 1}[FEATURE_SETS.index(feature_set)]
+    return (
+        features
+        if feature_set == FEATURES
+        else (features + 1 if feature_set.endswith("+log_length") else 2 * features + 1)
+    )
 
 
 def surrogate_inputs(features: torch.Tensor, lengths: torch.Tensor | None, feature_set: str) -> torch.Tensor:
@@ -122,10 +151,45 @@ class RopeInverse:
         return torch.cat([unrotated, rest], dim=-1)
 
 
-def token_features(keys_prerope: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[B, T, H_kv, 2 * D]``: each token's pre-RoPE key and value, per KV head (flatten the last two
-    dims for a surrogate's input)."""
-    return torch.cat([keys_prerope.float(), values.float()], dim=-1).transpose(1, 2)
+def token_features(
+    keys_prerope: torch.Tensor, values: torch.Tensor, attention: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 ``[B, T, H_kv, 2 * D (+ 1)]``: each token's pre-RoPE key and value, per KV head, and its window
+    attention ``[B, H_kv, T]`` if given (flatten the last two dims for a surrogate's input)."""
+    parts = [keys_prerope.float(), values.float()]
+    if attention is not None:
+        parts.append(attention.float().unsqueeze(-1))
+    return torch.cat(parts, dim=-1).transpose(1, 2)
+
+
+def window_attention(keys: torch.Tensor, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    """fp32 ``[B, H_kv, T]``: how strongly the last queries read each token, ``log mean exp(q . k * scaling)``
+    over the queries ``[B, H_q, W, D]`` (the last ``W`` tokens' own, post-RoPE) of the KV head's group that
+    may see the token (causal), from post-RoPE ``keys [B, H_kv, T, D]``.
+
+    Unnormalised (no softmax over the keys): a token gets the same value whichever other tokens the cache
+    holds beside it, so a token scored when it leaves the decoding suffix compares with one scored at
+    prefill. The ``-inf`` of a token no query may see (none, when the queries are the last tokens') is
+    never produced.
+
+    >>> k, q = torch.randn(1, 1, 5, 4), torch.randn(1, 2, 2, 4)
+    >>> a = window_attention(k, q, 0.5)
+    >>> logits = torch.einsum("bqwd,btd->bqwt", q, k[:, 0]) * 0.5  # 2 query heads x 2 queries x 5 keys
+    >>> bool(torch.allclose(a[0, 0, 3], logits[0, :, :, 3].flatten().logsumexp(0) - torch.log(torch.tensor(4.0))))
+    True
+    >>> bool(torch.allclose(a[0, 0, 4], logits[0, :, 1, 4].logsumexp(0) - torch.log(torch.tensor(2.0))))
+    True
+    """
+    b, h, t, d = keys.shape
+    w = queries.shape[2]
+    g = queries.shape[1] // h
+    q = queries.float().reshape(b, h, g * w, d)  # rows (group member, query)
+    logits = torch.einsum("bhmd,bhtd->bhmt", q, keys.float()) * scaling
+    # query i (the token at suffix position t - w + i) sees the tokens up to its own
+    sees = torch.arange(t, device=keys.device)[None, :] <= torch.arange(t - w, t, device=keys.device)[:, None]
+    sees = sees.repeat(g, 1)  # [G * W, T]
+    logits = logits.masked_fill(~sees, float("-inf"))
+    return logits.logsumexp(dim=2) - sees.sum(0).clamp_min(1).float().log()
 
 
 _INVERSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -311,7 +375,16 @@ _HOW = (
 
 
 def _kvzap(keys, values, queries, *, surrogate, layer_idx, module, heads, positions, gather_heads=None):
-    features = token_features(rope_inverse(module)(keys, positions), values)  # [B, T, H_kv, 2D]
+    attention = None
+    if reads_window(surrogate.features):
+        if queries is None or queries.shape[2] == 0:
+            raise ConfigurationError(
+                "This kvzap surrogate reads the window attention of the context's last queries, and none were "
+                "kept for these tokens. Score them in the forward that brings them (generate, cache.prefill)."
+            )
+        scaling = getattr(module, "scaling", None) or keys.shape[-1] ** -0.5
+        attention = window_attention(keys, queries, scaling)
+    features = token_features(rope_inverse(module)(keys, positions), values, attention)  # [B, T, H_kv, F_h]
     if gather_heads is not None:  # tensor parallelism: every rank's heads make the features
         features = gather_heads(features, dim=2)
     lengths = positions.amax(dim=-1) + 1  # each row's context so far (padding sits at lower positions)
@@ -332,6 +405,7 @@ def kvzap_scorer(surrogate: Surrogate, window: int = KVZAP_WINDOW) -> Scorer:
     return Scorer(
         "kvzap",
         _kvzap,
+        n_queries=WINDOW_QUERIES if reads_window(surrogate.features) else 0,
         window=window,
         params={"surrogate": surrogate},
         context=True,

@@ -113,15 +113,17 @@ def left_padded(lengths: tuple[int, ...] = (24, 17, 11), seed: int = 0) -> tuple
 def scorer_for(name: str, model):
     """A registered scorer by name, ready for ``model``: ``kvzap`` gets a seeded random surrogate of the
     model's shape (a trained one needs the real model; the cache's contract does not) that reads every
-    input a surrogate can read, the context's length included (so a padded row must see its own length)."""
+    input a surrogate can read, the context's length included (so a padded row must see its own length) and
+    the last queries' window attention (so a padded row must be scored from its own queries)."""
     if name != "kvzap":
         return name
-    from lukv_cache.scorers.kvzap import FEATURE_SETS, Surrogate, input_size, kvzap_scorer
+    from lukv_cache.scorers.kvzap import FEATURE_SETS, Surrogate, base_features, input_size, kvzap_scorer
 
     text = model.config.get_text_config()
     heads, head_dim = text.num_key_value_heads, getattr(text, "head_dim", None) or 16
-    features = FEATURE_SETS[-1]
-    surrogate = Surrogate.zeros(text.num_hidden_layers, heads, input_size(features, 2 * heads * head_dim))
+    features = FEATURE_SETS[-1]  # keys, values, the window attention, the length and their products
+    size = input_size(features, base_features(features, heads, head_dim))
+    surrogate = Surrogate.zeros(text.num_hidden_layers, heads, size)
     surrogate.features = features
     gen = torch.Generator().manual_seed(0)
     surrogate.weight.copy_(torch.randn(surrogate.weight.shape, generator=gen))

@@ -23,6 +23,7 @@ from lukv_cache.scorers.kvzap import (
     RidgeStats,
     RopeInverse,
     Surrogate,
+    base_features,
     input_size,
     kvzap_scorer,
     token_features,
@@ -130,13 +131,15 @@ def test_ridge_without_penalty_is_least_squares_and_the_penalty_shrinks():
 
 def test_kvzap_scores_are_the_surrogate_on_each_tokens_key_and_value():
     model = tiny_model("llama", "sdpa")
-    scorer = scorer_for("kvzap", model)  # reads the context's length too
+    scorer = scorer_for("kvzap", model)  # reads the context's length and the window attention too
     ids = prompt(1, 40, seed=2)
     cache = LUKVCache(0.0, scorer, sink=0, window=0, keep_scores=True)
     with torch.no_grad():
         cache.prefill(model, ids)
-    features = token_feature_maps(model, ids)
     surrogate = scorer.params["surrogate"]
+    assert surrogate.features == FEATURE_SETS[3] and scorer.n_queries == 32
+    features = token_feature_maps(model, ids, surrogate.features)  # what training reads
+    assert features[0].shape[-1] == base_features(FEATURE_SETS[3], 2, 16)
     for layer, scores in cache.prefill_scores.items():
         want = surrogate.predict(layer, features[layer], lengths=torch.tensor([40]))
         torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-4)
@@ -343,13 +346,26 @@ def test_the_shipped_smollm2_kvzap_profile_holds_a_valid_surrogate_and_threshold
     profile = Profile.load(BUNDLED_DIR / "HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors")
     surrogate = profile.surrogate
     assert profile.scorer == "kvzap" and profile.window == 32
-    assert surrogate.features == "keys_prerope_values+log_length+interactions"
-    assert tuple(surrogate.weight.shape) == (30, 3, 2 * (2 * 3 * 64) + 1)
+    assert surrogate.features == "keys_prerope_values+window_attention+log_length+interactions"
+    assert tuple(surrogate.weight.shape) == (30, 3, 2 * (3 * (2 * 64 + 1)) + 1)
     assert surrogate.layers == list(range(30))
     thresholds = surrogate.meta["thresholds"]
     assert thresholds["grid"] == [float(g) for g in profile.grid] or len(thresholds["grid"]) == 99
     assert thresholds["values"] == sorted(thresholds["values"])
     assert "news" in surrogate.meta["corpus"]
+
+
+def test_a_kvzap_profile_of_the_previous_release_still_loads_and_scores():
+    """SmolLM2's kvzap profile as shipped before the window attention (keys, values, log T and their
+    products): it loads unchanged, and its scorer reads no queries."""
+    from pathlib import Path
+
+    old = Path(__file__).parent.parent / "data" / "kvzap_smollm2_keys_values_length.safetensors"
+    surrogate = Profile.load(old).surrogate
+    assert surrogate.features == FEATURE_SETS[2] and tuple(surrogate.weight.shape) == (30, 3, 769)
+    assert kvzap_scorer(surrogate).n_queries == 0
+    scores = surrogate.predict(5, torch.randn(2, 7, 384), lengths=torch.tensor([7, 900]))
+    assert scores.shape == (2, 3, 7) and bool(torch.isfinite(scores).all())
 
 
 def test_from_pretrained_prefers_a_models_kvzap_profile_then_keydiff_and_takes_any_allocator(tmp_path):

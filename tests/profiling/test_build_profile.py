@@ -219,7 +219,7 @@ def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
     profile = build_profile(tiny_model, byte_tokenizer, kvzap=training, **kwargs)
     assert profile.scorer == "kvzap" and profile.window == 32 and profile.surrogate is not None
     assert profile.surrogate.layers == [0, 1] and profile.surrogate.family == "linear"
-    assert profile.surrogate.features == "keys_prerope_values+log_length+interactions"
+    assert profile.surrogate.features == "keys_prerope_values+window_attention+log_length+interactions"
     assert profile.surrogate.meta["corpus"] == "news, python_docs: 2 x 64 + 1 x 96 tokens (3 documents)"
     path = profile.save(tmp_path / "kvzap.safetensors")
     cache = LUKVCache.from_pretrained(path, ratio=0.5)
@@ -253,10 +253,15 @@ def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
             "16",
         ]
         + ["--kvzap-corpus", "news", "python_docs", "--kvzap-family", "mlp", "--kvzap-length", "log"]
+        + ["--no-kvzap-window-attention"]
     )
     assert args.kvzap_documents == [(48, 1024), (8, 4096), (16, 1024)]
     assert args.kvzap_corpus == ["news", "python_docs"] and args.kvzap_family == "mlp"
-    assert args.kvzap_length == "log"
+    assert args.kvzap_length == "log" and args.kvzap_window_attention is False
+    assert parser.parse_args(["build", "smollm2", "--out", "p/"]).kvzap_window_attention is True
+    assert KVzapTraining(length="log", window_attention=False).features == "keys_prerope_values+log_length"
+    with pytest.raises(ConfigurationError, match="needs length='interactions'"):
+        KVzapTraining(length="log")  # the window attention (on by default) comes with the interactions
     for bad in (["--kvzap-documents", "8x"], ["--kvzap-documents", "0x1024"], ["--kvzap-family", "tree"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["build", "smollm2", "--out", "p/", *bad])
