@@ -28,6 +28,7 @@ import torch
 
 from ..errors import ConfigurationError
 from . import Scorer
+from .builtin import _group_queries
 
 FEATURES = "keys_prerope_values"  # every surrogate reads these; the feature sets below may add the length
 WINDOW_ATTENTION = (
@@ -183,7 +184,7 @@ def window_attention(keys: torch.Tensor, queries: torch.Tensor, scaling: float) 
     b, h, t, d = keys.shape
     w = queries.shape[2]
     g = queries.shape[1] // h
-    q = queries.float().reshape(b, h, g * w, d)  # rows (group member, query)
+    q = _group_queries(queries.float(), h).flatten(2, 3)  # rows (group member, query)
     logits = torch.einsum("bhmd,bhtd->bhmt", q, keys.float()) * scaling
     # query i (the token at suffix position t - w + i) sees the tokens up to its own
     sees = torch.arange(t, device=keys.device)[None, :] <= torch.arange(t - w, t, device=keys.device)[:, None]
@@ -330,15 +331,19 @@ class RidgeStats:
         self.sxy += x.T @ y
         self.syy += (y * y).sum(0)
 
+    def _moments(self) -> tuple[torch.Tensor, ...]:
+        """float64 input mean ``[F]``, target mean ``[H]``, input covariance ``[F, F]`` and input std ``[F]``."""
+        mean, y_mean = self.sx / self.n, self.sy / self.n
+        cov = self.sxx / self.n - torch.outer(mean, mean)
+        return mean, y_mean, cov, cov.diagonal().clamp_min(0).sqrt().clamp_min(1e-6)
+
     def solve(self, alpha: float = 1.0) -> tuple[torch.Tensor, ...]:
         """fp32 ``weight [F, H]``, ``bias [H]``, ``mean [F]``, ``std [F]``: ridge on standardised inputs
         (``alpha`` per row of data, so its strength does not depend on the corpus size)."""
         if self.n < 2:
             raise ConfigurationError("A surrogate needs at least two scored tokens to train on.")
-        mean, y_mean = self.sx / self.n, self.sy / self.n
-        cov = self.sxx / self.n - torch.outer(mean, mean)
+        mean, y_mean, cov, std = self._moments()
         cov_xy = self.sxy / self.n - torch.outer(mean, y_mean)
-        std = cov.diagonal().clamp_min(0).sqrt().clamp_min(1e-6)
         gram = cov / torch.outer(std, std) + alpha / self.n * torch.eye(len(std), dtype=torch.float64)
         weight = torch.linalg.solve(gram, cov_xy / std[:, None])
         return weight.float(), y_mean.float(), mean.float(), std.float()
@@ -356,9 +361,7 @@ class RidgeStats:
         >>> bool(abs(scale.item() - 2**0.5) < 0.1)
         True
         """
-        mean, y_mean = self.sx / self.n, self.sy / self.n
-        cov = self.sxx / self.n - torch.outer(mean, mean)
-        std = cov.diagonal().clamp_min(0).sqrt().clamp_min(1e-6)
+        _, y_mean, cov, std = self._moments()
         w = weight.double()
         predicted = ((cov / torch.outer(std, std)) @ w * w).sum(0)  # variance of the centred predictions
         target = (self.syy / self.n - y_mean * y_mean).clamp_min(0)
