@@ -417,3 +417,33 @@ def test_an_mlp_surrogate_of_no_width_is_refused():
     surrogate.layers = [0, 1]
     with pytest.raises(ProfileFormatError, match="an MLP of width 0"):
         _profile(surrogate)
+
+
+def test_a_window_attention_surrogate_is_checked_against_its_own_input_count():
+    """2 KV heads x head dim 16: keys and values give 64 features, the window attention 2 more; with the
+    length and the products, 129 inputs without it and 133 with it."""
+    window_set = FEATURE_SETS[3]
+    fits = Surrogate.zeros(2, 2, input_size(window_set, base_features(window_set, 2, 16)))
+    fits.features, fits.layers = window_set, [0, 1]
+    assert fits.num_features == 133
+    _profile(fits)  # accepted
+    sized_without = Surrogate.zeros(2, 2, input_size(window_set, 64))  # 129: the count of the set without it
+    sized_without.features, sized_without.layers = window_set, [0, 1]
+    with pytest.raises(ProfileFormatError, match="133 expected"):
+        _profile(sized_without)
+
+
+def test_a_window_attention_surrogate_without_queries_is_a_typed_error():
+    model = tiny_model("llama", "sdpa")
+    scorer = scorer_for("kvzap", model)  # reads the window attention
+    keys, values = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    with pytest.raises(ConfigurationError, match="none were kept"):
+        scorer(
+            keys,
+            values,
+            None,
+            layer_idx=0,
+            module=model.model.layers[0].self_attn,
+            heads=slice(None),
+            positions=torch.arange(6)[None],
+        )
