@@ -27,16 +27,20 @@ import time
 from pathlib import Path
 
 import torch
-from kvzap_lengths import WINDOW, kept_share, least_head, mean_spearman  # the benchmark next to this one
+from kvzap_lengths import (  # the benchmark next to this one
+    WINDOW,
+    kept_share,
+    least_head,
+    mean_spearman,
+    smollm2_with_targets,
+)
 
-from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import cached_kvzip_plus_targets
 from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
-    news_documents,
     python_docs_documents,
     token_feature_maps,
 )
+from lukv_cache.profiling.kvzap_options import KVzapTraining
 from lukv_cache.scorers.kvzap import FEATURE_SETS, RidgeStats, surrogate_inputs
 
 FEATURES = FEATURE_SETS[2]  # keys, values, log T and their products with log T: the shipped set
@@ -51,17 +55,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
-    model, tokenizer = load_smollm2()
-    cached = cached_kvzip_plus_targets(model, tokenizer)
+    model, tokenizer, targets = smollm2_with_targets()
 
-    def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        return {layer: t[0] for layer, t in cached(ids).items()}  # [T, H]
-
-    training = (
-        news_documents(tokenizer, 48, 1024, seed=0)
-        + news_documents(tokenizer, 8, 4096, seed=1)
-        + news_documents(tokenizer, 8, 2048, seed=2)
-    )
+    training = KVzapTraining().corpus(tokenizer)  # the shipped surrogate's 64 news documents
     stats: dict[int, RidgeStats] = {}
     for ids in training:
         maps = token_feature_maps(model, ids)

@@ -61,6 +61,18 @@ def global_keep(scores: dict[int, torch.Tensor], ratio: float) -> dict[int, torc
     return {layer: s >= threshold for layer, s in scores.items()}
 
 
+def smollm2_with_targets():
+    """SmolLM2-135M-Instruct, its tokenizer and ``targets(ids)``: a document's log KVzip+ scores
+    ``{layer: [T, H]}``, cached across runs (the build's cache)."""
+    model, tokenizer = load_smollm2()
+    cached = cached_kvzip_plus_targets(model, tokenizer)
+
+    def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        return {layer: t[0] for layer, t in cached(ids).items()}
+
+    return model, tokenizer, targets
+
+
 def kept_share(true: dict[int, torch.Tensor], predicted: dict[int, torch.Tensor], ratio: float) -> float:
     """The share of the tokens ``true``'s `global` selection keeps at ``ratio`` that ``predicted``'s keeps."""
     want, got = global_keep(true, ratio), global_keep(predicted, ratio)
@@ -92,11 +104,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
-    model, tokenizer = load_smollm2()
-    cached = cached_kvzip_plus_targets(model, tokenizer)
-
-    def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        return {layer: t[0] for layer, t in cached(ids).items()}  # [T, H]
+    model, tokenizer, targets = smollm2_with_targets()
 
     groups = {
         1024: news_documents(tokenizer, args.docs[0], 1024, seed=0),

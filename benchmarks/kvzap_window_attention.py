@@ -24,16 +24,19 @@ import time
 from pathlib import Path
 
 import torch
-from kvzap_lengths import WINDOW, kept_share, mean_spearman  # the benchmark next to this one
+from kvzap_lengths import (  # the benchmark next to this one
+    WINDOW,
+    kept_share,
+    mean_spearman,
+    smollm2_with_targets,
+)
 
-from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import cached_kvzip_plus_targets
 from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
-    news_documents,
     python_docs_documents,
     token_feature_maps,
 )
+from lukv_cache.profiling.kvzap_options import KVzapTraining
 from lukv_cache.scorers.kvzap import FEATURE_SETS, RidgeStats, surrogate_inputs
 
 SETS = {"keys, values, log T, x log T": FEATURE_SETS[2], "+ window attention": FEATURE_SETS[3]}
@@ -47,11 +50,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
-    model, tokenizer = load_smollm2()
-    cached = cached_kvzip_plus_targets(model, tokenizer)
-
-    def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        return {layer: t[0] for layer, t in cached(ids).items()}  # [T, H]
+    model, tokenizer, targets = smollm2_with_targets()
+    heads = model.config.num_key_value_heads
 
     def inputs(ids: torch.Tensor) -> dict[str, dict[int, torch.Tensor]]:
         maps = token_feature_maps(model, ids, FEATURE_SETS[3])  # keys, values, then the window attention
@@ -60,17 +60,11 @@ def main() -> int:
             out[name] = {}
             for layer, x in maps.items():
                 if feature_set == FEATURE_SETS[2]:  # drop each head's window attention (its last feature)
-                    heads = targets_shape[layer]
                     x = x.view(*x.shape[:2], heads, -1)[..., :-1].flatten(2)
                 out[name][layer] = surrogate_inputs(x, None, feature_set)[0]
         return out
 
-    training = (
-        news_documents(tokenizer, 48, 1024, seed=0)
-        + news_documents(tokenizer, 8, 4096, seed=1)
-        + news_documents(tokenizer, 8, 2048, seed=2)
-    )
-    targets_shape = {layer: t.shape[1] for layer, t in targets(training[0]).items()}
+    training = KVzapTraining().corpus(tokenizer)  # the shipped surrogate's 64 news documents
     stats: dict[str, dict[int, RidgeStats]] = {name: {} for name in SETS}
     for ids in training:
         xs = inputs(ids)
