@@ -216,6 +216,12 @@ def _profiling_commands(subparsers: Any) -> None:
         help="--scorer kvzap: the surrogate, a ridge regression or a 2-layer MLP (default: %(default)s)",
     )
     build.add_argument(
+        "--kvzap-hidden",
+        type=int,
+        default=KVzapTraining().hidden,
+        help="--scorer kvzap --kvzap-family mlp: the MLP's hidden units (default: %(default)s)",
+    )
+    build.add_argument(
         "--kvzap-length",
         choices=LENGTH_INPUTS,
         default=KVzapTraining().length,

@@ -460,6 +460,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             features=training.features,
             alpha=training.alpha,
             samples=training.samples,
+            hidden=training.hidden,
             seed=seed,
             progress=lambda done: bar.update(done - bar.n),
             targets_of=targets,

@@ -68,6 +68,7 @@ def _build(args: argparse.Namespace) -> int:
             documents=tuple(args.kvzap_documents or KVzapTraining().documents),
             corpora=tuple(args.kvzap_corpus or KVzapTraining().corpora),
             family=args.kvzap_family,
+            hidden=args.kvzap_hidden,
             length=args.kvzap_length,
             window_attention=args.kvzap_window_attention,
         ),

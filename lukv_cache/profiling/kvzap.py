@@ -125,6 +125,7 @@ def train_surrogate(
     features: str = FEATURES,
     alpha: float = 1.0,
     samples: int = 512,
+    hidden: int = 512,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
     meta: dict | None = None,
@@ -132,7 +133,7 @@ def train_surrogate(
 ) -> Surrogate:
     """A KVzap surrogate for ``model``: log KVzip+ regressed on token features, per layer and KV head, over
     ``documents`` (each ``[1, T]``). ``family``: ``"linear"`` (ridge regression with strength ``alpha``,
-    closed form on every token) or ``"mlp"`` (:func:`fit_mlp` on ``samples`` random positions per 1,024
+    closed form on every token) or ``"mlp"`` (:func:`fit_mlp` with ``hidden`` units on ``samples`` random positions per 1,024
     tokens of each document, drawn with ``seed``). ``features``: one of
     :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's length is an input). ``targets_of(ids)``: the log KVzip+ scores of a
     document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
@@ -165,7 +166,7 @@ def train_surrogate(
     if family == "linear":
         surrogate = _linear_surrogate(stats, num_layers, alpha)
     else:
-        surrogate = _mlp_surrogate(rows, num_layers, seed)
+        surrogate = _mlp_surrogate(rows, num_layers, seed, hidden)
     surrogate.features = features
     surrogate.meta = {**surrogate.meta, "family": family, **(meta or {})}
     return surrogate
@@ -183,11 +184,13 @@ def _linear_surrogate(stats: dict[int, RidgeStats], num_layers: int, alpha: floa
     return surrogate
 
 
-def _mlp_surrogate(rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], num_layers: int, seed: int):
+def _mlp_surrogate(
+    rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], num_layers: int, seed: int, hidden: int = 512
+):
     surrogate = None
     for layer, pairs in rows.items():
         x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
-        first, _, last = fit_mlp(x, y, seed=seed)
+        first, _, last = fit_mlp(x, y, hidden=hidden, seed=seed)
         if surrogate is None:
             surrogate = Surrogate.zeros(num_layers, y.shape[1], x.shape[1], hidden=first.out_features)
         surrogate.hidden_weight[layer], surrogate.hidden_bias[layer] = first.weight, first.bias

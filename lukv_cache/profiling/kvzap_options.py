@@ -28,8 +28,8 @@ class KVzapTraining:
     trained on 1,024-token documents only, SmolLM2-135M's surrogate ranks 4,096-token contexts much worse
     than 1,024-token ones (Spearman 0.52 against 0.71); on 1k + 2k + 4k documents reading ``log T`` and
     every feature times it, 0.68 at 4k and still 0.71 at 1k (``benchmarks/results/kvzap_lengths.md``).
-    ``family``: ``"linear"`` (ridge with strength ``alpha``) or ``"mlp"`` (``samples`` rows per 1,024
-    tokens of each document). ``length``: whether the surrogate also reads the context's length:
+    ``family``: ``"linear"`` (ridge with strength ``alpha``) or ``"mlp"`` (``hidden`` units, trained on
+    ``samples`` rows per 1,024 tokens of each document). ``length``: whether the surrogate also reads the context's length:
     ``"none"``, ``"log"`` (``log T``) or ``"interactions"`` (``log T`` and every feature times it), which lets
     each head's scores move with the length when the documents have several lengths. ``window_attention``:
     whether the surrogate also reads how strongly the last 32 queries of the context read each token (one
@@ -54,6 +54,7 @@ class KVzapTraining:
     window_attention: bool = True
     alpha: float = 1.0
     samples: int = 512
+    hidden: int = 512
 
     def __post_init__(self) -> None:
         def count(value: Any) -> bool:
@@ -92,11 +93,12 @@ class KVzapTraining:
             raise ConfigurationError(
                 f"kvzap corpora must be distinct names among {sorted(CORPORA)}; got {list(self.corpora)!r}."
             )
-        if not count(self.samples) or not (isinstance(self.alpha, int | float) and self.alpha >= 0):
+        if not count(self.samples) or not count(self.hidden):
             raise ConfigurationError(
-                f"kvzap samples must be a positive integer and alpha a number >= 0; got {self.samples!r}, "
-                f"{self.alpha!r}."
+                f"kvzap samples and hidden must be positive integers; got {self.samples!r}, {self.hidden!r}."
             )
+        if not (isinstance(self.alpha, int | float) and not isinstance(self.alpha, bool) and self.alpha >= 0):
+            raise ConfigurationError(f"kvzap alpha must be a number >= 0; got {self.alpha!r}.")
 
     def corpus(self, tokenizer: Any, seed: int = 0, max_tokens: int | None = None) -> list[torch.Tensor]:
         """The training documents ``[1, tokens]`` (each cut to ``max_tokens``, the model's positions)."""

@@ -193,6 +193,14 @@ def test_training_end_to_end_on_a_tiny_model_fits_its_own_corpus(family):
     assert torch.corrcoef(torch.stack([predicted.flatten(), target.flatten()]))[0, 1] > 0.3
 
 
+def test_an_mlp_surrogate_has_the_width_asked_for():
+    model = tiny_model("llama", "sdpa")
+    docs = [prompt(1, 48, seed=s) for s in range(2)]
+    surrogate = train_surrogate(model, PROMPT, docs, family="mlp", samples=1024, hidden=24)
+    assert surrogate.hidden_weight.shape[1] == 24 and surrogate.weight.shape[-1] == 24
+    assert surrogate.predict(0, token_feature_maps(model, docs[0])[0]).shape == (1, 2, 48)
+
+
 def test_an_unknown_surrogate_family_is_refused():
     with pytest.raises(ConfigurationError, match="'linear' or 'mlp'"):
         _trained(tiny_model("llama", "sdpa"), family="forest")
@@ -402,8 +410,12 @@ def test_kvzap_training_options_and_corpora_refuse_what_they_cannot_do():
 
     with pytest.raises(ConfigurationError, match="kvzap length must be one of"):
         KVzapTraining(length="cubic")
-    with pytest.raises(ConfigurationError, match="samples must be a positive integer"):
+    with pytest.raises(ConfigurationError, match="samples and hidden must be positive integers"):
         KVzapTraining(samples=0)
+    with pytest.raises(ConfigurationError, match="samples and hidden must be positive integers"):
+        KVzapTraining(hidden=0)
+    with pytest.raises(ConfigurationError, match="alpha must be a number >= 0"):
+        KVzapTraining(alpha=-1.0)
     with pytest.raises(ConfigurationError, match="Unknown kvzap feature set"):
         train_surrogate(tiny_model("llama", "sdpa"), PROMPT, [prompt(1, 48)], features="hidden_states")
     with pytest.raises(
