@@ -4,7 +4,8 @@ whole context held, then the repeat passes), on real text.
 
     python benchmarks/prefill_cost.py --tokens 1024 4096 --repeats 3 --threads 1
 
-Prints and writes ``prefill_cost.{md,json}``: the median seconds of each prefill and its ratio to keydiff's.
+``--kvzap-profile FILE`` adds a row for another kvzap profile (e.g. an MLP surrogate's from ``lukv build
+smollm2 --scorer kvzap --kvzap-family mlp``) under `global`. Prints and writes ``prefill_cost.{md,json}``: the median seconds of each prefill and its ratio to keydiff's.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def prefill_seconds(model, tokenizer, ids: torch.Tensor, method) -> float:
     started = time.perf_counter()
     if method is None:
         model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-    elif method[0] == "kvzap":  # the shipped profile holds the surrogate
-        cache = LUKVCache.from_pretrained(model, 0.8, "kvzap", local_files_only=True)
+    elif method[0] == "kvzap":  # the shipped profile (or the given file) holds the surrogate
+        source = method[2] if len(method) > 2 else model
+        cache = LUKVCache.from_pretrained(source, 0.8, "kvzap", local_files_only=True)
         if method[1] != "profile":
             cache = LUKVCache(0.8, cache.scorer, method[1])
         cache.prefill(model, ids, logits_to_keep=1)
@@ -66,8 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-kvzip", action="store_true", help="leave out kvzip (its repeat passes are long)"
     )
+    parser.add_argument(
+        "--kvzap-profile", default=None, help="also time kvzap / global with this profile file"
+    )
     args = parser.parse_args(argv)
     methods = [m for m in METHODS if not (args.skip_kvzip and m[1] and m[1][0] == "kvzip")]
+    if args.kvzap_profile:
+        methods.insert(
+            4,
+            (
+                f"LUKVCache kvzap / global ({args.kvzap_profile})",
+                ("kvzap", "global", args.kvzap_profile),
+            ),
+        )
     model, tokenizer = load_model("smollm2", threads=args.threads)
     rows = []
     for n in args.tokens:

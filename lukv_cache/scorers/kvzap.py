@@ -1,4 +1,4 @@
-"""KVzap (Jegou & Jeblick, arXiv 2601.07891): a learned surrogate of KVzip+'s scores, one matmul per layer.
+"""KVzap (Jegou & Jeblick, arXiv 2601.07891): a learned surrogate of KVzip+'s scores, a small map per layer.
 
 KVzip+ ranks a context token by the attention the model pays it while repeating the context, times
 ``||v W_O||`` (:mod:`lukv_cache.scorers.kvzip`). That costs repeat passes through the model. KVzap
@@ -12,8 +12,10 @@ rotary embedding at the token's position. A token's KVzip+ score depends on the 
 key (at its position) and its value; the position-free part of the key is what a surrogate can use
 (``benchmarks/kvzap_features.py`` measures this choice against the hidden states entering the layer).
 
-:class:`Surrogate` holds the maps (ridge regression, closed form); it lives inside the model's profile
-file (:mod:`lukv_cache.profiles.profile`).
+They also read the window attention (how strongly the context's last queries read the token) and the
+context's length, where the feature set says so (:data:`FEATURE_SETS`). :class:`Surrogate` holds the maps
+(a ridge regression, closed form, or a 2-layer MLP); it lives inside the model's profile file
+(:mod:`lukv_cache.profiles.profile`).
 """
 
 from __future__ import annotations

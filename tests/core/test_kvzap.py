@@ -355,7 +355,9 @@ def test_the_shipped_smollm2_kvzap_profile_holds_a_valid_surrogate_and_threshold
     surrogate = profile.surrogate
     assert profile.scorer == "kvzap" and profile.window == 32
     assert surrogate.features == "keys_prerope_values+window_attention+log_length+interactions"
-    assert tuple(surrogate.weight.shape) == (30, 3, 2 * (3 * (2 * 64 + 1)) + 1)
+    inputs = 2 * (3 * (2 * 64 + 1)) + 1  # keys, values, window attention; log T; all of them times log T
+    assert surrogate.family == "mlp" and tuple(surrogate.hidden_weight.shape) == (30, 128, inputs)
+    assert tuple(surrogate.weight.shape) == (30, 3, 128)
     assert surrogate.layers == list(range(30))
     thresholds = surrogate.meta["thresholds"]
     assert thresholds["grid"] == [float(g) for g in profile.grid] or len(thresholds["grid"]) == 99
@@ -373,6 +375,20 @@ def test_a_kvzap_profile_of_the_previous_release_still_loads_and_scores():
     assert surrogate.features == FEATURE_SETS[2] and tuple(surrogate.weight.shape) == (30, 3, 769)
     assert kvzap_scorer(surrogate).n_queries == 0
     scores = surrogate.predict(5, torch.randn(2, 7, 384), lengths=torch.tensor([7, 900]))
+    assert scores.shape == (2, 3, 7) and bool(torch.isfinite(scores).all())
+
+
+def test_the_linear_window_attention_kvzap_profile_of_the_previous_release_still_loads_and_scores():
+    """SmolLM2's kvzap profile as shipped before the MLP (a ridge on keys, values, the window attention,
+    log T and their products): it loads unchanged, and its scorer reads the last 32 queries."""
+    from pathlib import Path
+
+    old = Path(__file__).parent.parent / "data" / "kvzap_smollm2_linear_window.safetensors"
+    surrogate = Profile.load(old).surrogate
+    assert surrogate.family == "linear" and surrogate.features == FEATURE_SETS[3]
+    assert tuple(surrogate.weight.shape) == (30, 3, 775)
+    assert kvzap_scorer(surrogate).n_queries == 32
+    scores = surrogate.predict(5, torch.randn(2, 7, 387), lengths=torch.tensor([7, 900]))
     assert scores.shape == (2, 3, 7) and bool(torch.isfinite(scores).all())
 
 
