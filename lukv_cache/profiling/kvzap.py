@@ -24,14 +24,13 @@ from ..errors import ConfigurationError
 from ..scorers.kvzap import (
     FEATURE_SETS,
     FEATURES,
-    WINDOW_QUERIES,
     RidgeStats,
     Surrogate,
+    module_window_attention,
     reads_window,
     rope_inverse,
     surrogate_inputs,
     token_features,
-    window_attention,
 )
 from ..scorers.kvzip import RepeatPrompt
 from ..texts import news_articles, python_docs
@@ -95,10 +94,7 @@ def token_feature_maps(
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(t, device=key.device).expand(b, t)
-        attention = None
-        if window:
-            scaling = getattr(module, "scaling", None) or key.shape[-1] ** -0.5
-            attention = window_attention(key, query[:, :, -WINDOW_QUERIES:], scaling)
+        attention = module_window_attention(module, key, query) if window else None
         maps = token_features(rope_inverse(module)(key, positions), value, attention)
         features[module.layer_idx] = maps.flatten(2)
         return stock(module, query, key, value, attention_mask, **kwargs)
@@ -185,7 +181,7 @@ def _linear_surrogate(stats: dict[int, RidgeStats], num_layers: int, alpha: floa
 
 
 def _mlp_surrogate(
-    rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], num_layers: int, seed: int, hidden: int = 512
+    rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], num_layers: int, seed: int, hidden: int
 ):
     surrogate = None
     for layer, pairs in rows.items():

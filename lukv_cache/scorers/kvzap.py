@@ -195,6 +195,13 @@ def window_attention(keys: torch.Tensor, queries: torch.Tensor, scaling: float) 
     return logits.logsumexp(dim=2) - sees.sum(0).clamp_min(1).float().log()
 
 
+def module_window_attention(module: Any, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """:func:`window_attention` of the last :data:`WINDOW_QUERIES` of ``queries``, at the attention
+    ``module``'s own scaling (``1 / sqrt(D)`` where it declares none): what scoring and training both read."""
+    scaling = getattr(module, "scaling", None) or keys.shape[-1] ** -0.5
+    return window_attention(keys, queries[:, :, -WINDOW_QUERIES:], scaling)
+
+
 _INVERSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -387,8 +394,7 @@ def _kvzap(keys, values, queries, *, surrogate, layer_idx, module, heads, positi
                 "This kvzap surrogate reads the window attention of the context's last queries, and none were "
                 "kept for these tokens. Score them in the forward that brings them (generate, cache.prefill)."
             )
-        scaling = getattr(module, "scaling", None) or keys.shape[-1] ** -0.5
-        attention = window_attention(keys, queries, scaling)
+        attention = module_window_attention(module, keys, queries)
     features = token_features(rope_inverse(module)(keys, positions), values, attention)  # [B, T, H_kv, F_h]
     if gather_heads is not None:  # tensor parallelism: every rank's heads make the features
         features = gather_heads(features, dim=2)

@@ -253,11 +253,11 @@ def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
             "16",
         ]
         + ["--kvzap-corpus", "news", "python_docs", "--kvzap-family", "mlp", "--kvzap-length", "log"]
-        + ["--no-kvzap-window-attention"]
+        + ["--no-kvzap-window-attention", "--kvzap-hidden", "128"]
     )
     assert args.kvzap_documents == [(48, 1024), (8, 4096), (16, 1024)]
     assert args.kvzap_corpus == ["news", "python_docs"] and args.kvzap_family == "mlp"
-    assert args.kvzap_length == "log" and args.kvzap_window_attention is False
+    assert args.kvzap_length == "log" and args.kvzap_window_attention is False and args.kvzap_hidden == 128
     assert parser.parse_args(["build", "smollm2", "--out", "p/"]).kvzap_window_attention is True
     assert KVzapTraining(length="log", window_attention=False).features == "keys_prerope_values+log_length"
     with pytest.raises(ConfigurationError, match="needs length='interactions'"):
