@@ -12,10 +12,12 @@ profiles for other scorers or grids reuse the expensive decoding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -450,8 +452,13 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
     docs = training.corpus(tokenizer, seed, max_positions(model.config))
     targets = cached_kvzip_plus_targets(model, tokenizer, cache_dir)
 
+    # the MLP's rows wait on disk, next to the cached targets, one file per layer (memory: one layer's rows)
+    root = default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+    spill = tempfile.TemporaryDirectory(prefix="kvzap-rows-", dir=root) if training.family == "mlp" else None
     bar = tqdm(total=len(docs), desc="KVzap surrogate", unit="document", disable=not show_progress)
-    with bar:
+    with bar, spill or contextlib.nullcontext():
         surrogate = train_surrogate(
             model,
             tokenizer,
@@ -465,6 +472,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             progress=lambda done: bar.update(done - bar.n),
             targets_of=targets,
             meta={"corpus": f"{training.describe()} ({len(docs)} documents)"},
+            spill=None if spill is None else spill.name,
         )
     spread = docs[:: max(1, len(docs) // 8)][:8]  # 8 documents across the groups, lengths and corpora
     surrogate.meta["thresholds"] = score_thresholds(model, surrogate, spread, DEFAULT_GRID, KVZAP_WINDOW)

@@ -12,8 +12,10 @@ documents): real, varied prose that the benchmarks do not report on (they use Wi
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,6 +128,7 @@ def train_surrogate(
     progress: Callable[[int], None] | None = None,
     meta: dict | None = None,
     targets_of: Callable[[torch.Tensor], dict[int, torch.Tensor]] | None = None,
+    spill: str | os.PathLike | None = None,
 ) -> Surrogate:
     """A KVzap surrogate for ``model``: log KVzip+ regressed on token features, per layer and KV head, over
     ``documents`` (each ``[1, T]``). ``family``: ``"linear"`` (ridge regression with strength ``alpha``,
@@ -133,7 +136,9 @@ def train_surrogate(
     tokens of each document, drawn with ``seed``). ``features``: one of
     :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's length is an input). ``targets_of(ids)``: the log KVzip+ scores of a
     document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
-    build resumes without the repeat passes it already ran)."""
+    build resumes without the repeat passes it already ran). ``spill``: an empty folder where the MLP's
+    rows wait on disk until their layer is fitted (:class:`TrainingRows`), so memory holds one layer's rows
+    at a time instead of every layer's; ``None`` keeps them in memory. Both train the same surrogate."""
     if family not in FAMILIES:
         raise ConfigurationError(f"Unknown kvzap surrogate family {family!r}; use 'linear' or 'mlp'.")
     if features not in FEATURE_SETS:
@@ -141,7 +146,7 @@ def train_surrogate(
     targets_of = targets_of or (lambda ids: kvzip_plus_targets(model, tokenizer, ids))
     generator = torch.Generator().manual_seed(seed)
     stats: dict[int, RidgeStats] = {}
-    rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    rows = TrainingRows(spill)
     for i, ids in enumerate(documents):
         maps = token_feature_maps(model, ids, features)
         if family == "mlp":  # the rows it learns from: `samples` random positions per 1,024 tokens
@@ -153,10 +158,10 @@ def train_surrogate(
             if family == "linear":
                 stats.setdefault(layer, RidgeStats(x.shape[-1], y.shape[-1])).add(x, y)
             else:
-                rows.setdefault(layer, []).append((x[pick].clone(), y[pick].clone()))
+                rows.add(layer, x[pick], y[pick])
         if progress is not None:
             progress(i + 1)
-    if not stats and not rows:
+    if not stats and not rows.layers:
         raise ConfigurationError("No full-attention layer was scored: nothing to train a surrogate on.")
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     if family == "linear":
@@ -180,19 +185,74 @@ def _linear_surrogate(stats: dict[int, RidgeStats], num_layers: int, alpha: floa
     return surrogate
 
 
-def _mlp_surrogate(
-    rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], num_layers: int, seed: int, hidden: int
-):
+class TrainingRows:
+    """The MLP's training rows ``x [n, F]`` -> ``y [n, H]`` per layer, gathered document by document: kept
+    in memory (``folder=None``), or appended as raw float32 to ``<folder>/<layer>.x`` and ``.y`` and read
+    back one layer at a time (:meth:`take`), so a build holds one layer's rows instead of every layer's
+    (for a model with 8 KV heads of 128 dims, ~4,100 inputs per token: hundreds of MiB against tens of GiB).
+
+    >>> rows = TrainingRows()
+    >>> rows.add(3, torch.ones(2, 5), torch.zeros(2, 1)); rows.add(3, torch.ones(1, 5), torch.zeros(1, 1))
+    >>> [tuple(t.shape) for t in rows.take(3)], rows.layers
+    ([(3, 5), (3, 1)], [3])
+    """
+
+    def __init__(self, folder: str | os.PathLike | None = None):
+        self.folder = None if folder is None else Path(folder)
+        self._memory: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._shapes: dict[int, tuple[int, int, int]] = {}  # layer -> (rows, F, H)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._shapes)
+
+    def count(self, layer: int) -> int:
+        """Rows gathered for ``layer``."""
+        return self._shapes[layer][0]
+
+    def add(self, layer: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.float().contiguous(), y.float().contiguous()
+        n, f, h = self._shapes.get(layer, (0, x.shape[1], y.shape[1]))
+        if (x.shape[1], y.shape[1]) != (f, h) or x.shape[0] != y.shape[0]:
+            raise ValueError(
+                f"layer {layer}: rows {tuple(x.shape)} -> {tuple(y.shape)}, expected [*, {f}] -> [*, {h}]"
+            )
+        self._shapes[layer] = (n + x.shape[0], f, h)
+        if self.folder is None:
+            self._memory.setdefault(layer, []).append((x.clone(), y.clone()))
+            return
+        for suffix, t in (("x", x), ("y", y)):
+            with open(self.folder / f"{layer}.{suffix}", "ab") as f_out:
+                f_out.write(t.numpy().tobytes())
+
+    def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row of ``layer``, in the order added; a spilled layer's files are removed once read."""
+        n, f, h = self._shapes[layer]
+        if self.folder is None:
+            pairs = self._memory.pop(layer)
+            return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        out = []
+        for suffix, width in (("x", f), ("y", h)):
+            path = self.folder / f"{layer}.{suffix}"
+            out.append(
+                torch.from_file(str(path), shared=False, size=n * width, dtype=torch.float32).view(n, width)
+            )
+            path.unlink()
+        return out[0], out[1]
+
+
+def _mlp_surrogate(rows: TrainingRows, num_layers: int, seed: int, hidden: int):
     surrogate = None
-    for layer, pairs in rows.items():
-        x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+    for layer in rows.layers:
+        x, y = rows.take(layer)
         first, _, last = fit_mlp(x, y, hidden=hidden, seed=seed)
         if surrogate is None:
             surrogate = Surrogate.zeros(num_layers, y.shape[1], x.shape[1], hidden=first.out_features)
         surrogate.hidden_weight[layer], surrogate.hidden_bias[layer] = first.weight, first.bias
         surrogate.weight[layer], surrogate.bias[layer] = last.weight, last.bias
-    surrogate.layers = sorted(rows)
-    surrogate.meta = {"rows_per_layer": int(x.shape[0])}
+        del x, y
+    surrogate.layers = rows.layers
+    surrogate.meta = {"rows_per_layer": rows.count(rows.layers[0])}
     return surrogate
 
 

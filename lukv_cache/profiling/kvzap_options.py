@@ -28,8 +28,9 @@ class KVzapTraining:
     trained on 1,024-token documents only, SmolLM2-135M's surrogate ranks 4,096-token contexts much worse
     than 1,024-token ones (Spearman 0.52 against 0.71); on 1k + 2k + 4k documents reading ``log T`` and
     every feature times it, 0.68 at 4k and still 0.71 at 1k (``benchmarks/results/kvzap_lengths.md``).
-    ``family``: ``"linear"`` (ridge with strength ``alpha``) or ``"mlp"`` (``hidden`` units, trained on
-    ``samples`` rows per 1,024 tokens of each document). ``length``: whether the surrogate also reads the context's length:
+    ``family``: ``"mlp"`` (the default: ``hidden`` units, trained on ``samples`` rows per 1,024 tokens of
+    each document, which wait on disk until their layer is fitted) or ``"linear"`` (ridge with strength
+    ``alpha``, closed form; it ranks less well: ``docs/kvzap.md``). ``length``: whether the surrogate also reads the context's length:
     ``"none"``, ``"log"`` (``log T``) or ``"interactions"`` (``log T`` and every feature times it), which lets
     each head's scores move with the length when the documents have several lengths. ``window_attention``:
     whether the surrogate also reads how strongly the last 32 queries of the context read each token (one
@@ -49,12 +50,12 @@ class KVzapTraining:
     # benchmarks/kvzap_lengths.py measured (and reuses its cached targets)
     documents: tuple[tuple[int, int], ...] = ((48, 1024), (8, 4096), (8, 2048))
     corpora: tuple[str, ...] = ("news",)
-    family: str = "linear"
+    family: str = "mlp"
     length: str = "interactions"
     window_attention: bool = True
     alpha: float = 1.0
     samples: int = 512
-    hidden: int = 512
+    hidden: int = 128
 
     def __post_init__(self) -> None:
         def count(value: Any) -> bool:

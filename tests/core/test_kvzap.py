@@ -201,6 +201,27 @@ def test_an_mlp_surrogate_has_the_width_asked_for():
     assert surrogate.predict(0, token_feature_maps(model, docs[0])[0]).shape == (1, 2, 48)
 
 
+def test_mlp_rows_spilled_to_disk_train_the_same_surrogate_and_are_removed(tmp_path):
+    model = tiny_model("llama", "sdpa")
+    docs = [prompt(1, 48, seed=s) for s in range(3)]
+    kw = dict(family="mlp", samples=512, hidden=16, seed=3)
+    in_memory = train_surrogate(model, PROMPT, docs, **kw)
+    spilled = train_surrogate(model, PROMPT, docs, spill=tmp_path, **kw)
+    assert in_memory.meta["rows_per_layer"] == spilled.meta["rows_per_layer"] == 3 * 22  # 44 tokens each
+    for name, tensor in in_memory.tensors().items():
+        assert torch.equal(spilled.tensors()[name], tensor), name
+    assert list(tmp_path.iterdir()) == []  # each layer's files go once it is fitted
+
+
+def test_training_rows_refuse_rows_of_another_width():
+    from lukv_cache.profiling.kvzap import TrainingRows
+
+    rows = TrainingRows()
+    rows.add(0, torch.ones(2, 5), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="expected"):
+        rows.add(0, torch.ones(2, 4), torch.zeros(2, 3))
+
+
 def test_an_unknown_surrogate_family_is_refused():
     with pytest.raises(ConfigurationError, match="'linear' or 'mlp'"):
         _trained(tiny_model("llama", "sdpa"), family="forest")

@@ -218,7 +218,9 @@ def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
     )
     profile = build_profile(tiny_model, byte_tokenizer, kvzap=training, **kwargs)
     assert profile.scorer == "kvzap" and profile.window == 32 and profile.surrogate is not None
-    assert profile.surrogate.layers == [0, 1] and profile.surrogate.family == "linear"
+    assert profile.surrogate.layers == [0, 1] and profile.surrogate.family == "mlp"  # the default
+    assert profile.surrogate.hidden_weight.shape[1] == 128
+    assert not list((tmp_path / "c").glob("kvzap-rows-*"))  # the MLP's rows waited on disk, then went
     assert profile.surrogate.features == "keys_prerope_values+window_attention+log_length+interactions"
     assert profile.surrogate.meta["corpus"] == "news, python_docs: 2 x 64 + 1 x 96 tokens (3 documents)"
     path = profile.save(tmp_path / "kvzap.safetensors")
