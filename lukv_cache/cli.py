@@ -32,7 +32,7 @@ from .evaluation.methods import (
 )
 from .models import SMOLLM2_ALIAS, add_threads_argument
 from .profiles.location import DEFAULT_REPO_ID, DEFAULT_SCORER, LOCAL_DIR_ENV, REPO_ID_ENV
-from .profiling.kvzap_options import CORPORA, FAMILIES, LENGTH_INPUTS, KVzapTraining
+from .profiling.kvzap_options import CORPORA, FAMILIES, LENGTH_INPUTS, TARGETS, KVzapTraining
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -234,6 +234,13 @@ def _profiling_commands(subparsers: Any) -> None:
         default=KVzapTraining().window_attention,
         help="--scorer kvzap: whether the surrogate also reads how strongly the context's last 32 queries read "
         "each token (needs --kvzap-length interactions; default: %(default)s)",
+    )
+    build.add_argument(
+        "--kvzap-target",
+        choices=TARGETS,
+        default=KVzapTraining().target,
+        help="--scorer kvzap: the scores the surrogate learns (their log): KVzip+ (attention times ||v W_O||, "
+        "as KVzap) or KVzip's attention alone (default: %(default)s)",
     )
     build.add_argument("--min-keep", type=float, default=0.01, help="fraction every head keeps")
     build.add_argument(

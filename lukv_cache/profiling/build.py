@@ -415,11 +415,13 @@ def build_profiles(
     }
 
 
-def cached_kvzip_plus_targets(model, tokenizer, cache_dir=None) -> Callable[[torch.Tensor], dict]:
+def cached_kvzip_plus_targets(
+    model, tokenizer, cache_dir=None, target: str = "kvzip_plus"
+) -> Callable[[torch.Tensor], dict]:
     """``targets(ids)``: :func:`~lukv_cache.profiling.kvzap.kvzip_plus_targets` of a document ``[1, T]``
-    (``{layer: [1, T, H]}``), kept in ``cache_dir`` (default :func:`default_cache_dir`, ``False``: not kept)
-    under the model's fingerprint and the tokens, so a build that stops resumes without the repeat passes
-    it ran, and benchmarks share them."""
+    (``{layer: [1, T, H]}``; ``target``: ``"kvzip_plus"`` or ``"kvzip"``), kept in ``cache_dir`` (default
+    :func:`default_cache_dir`, ``False``: not kept) under the model's fingerprint, the target and the
+    tokens, so a build that stops resumes without the repeat passes it ran, and benchmarks share them."""
     from .kvzap import kvzip_plus_targets
 
     root = default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
@@ -427,10 +429,12 @@ def cached_kvzip_plus_targets(model, tokenizer, cache_dir=None) -> Callable[[tor
     fingerprint = model_fingerprint(model)
 
     def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        key = _sha("kvzip_plus_targets", fingerprint, ids.tolist())
+        key = _sha(f"{target}_targets", fingerprint, ids.tolist())
         saved = store.load(key)
         if saved is None:
-            computed = {layer: t.numpy() for layer, t in kvzip_plus_targets(model, tokenizer, ids).items()}
+            computed = {
+                layer: t.numpy() for layer, t in kvzip_plus_targets(model, tokenizer, ids, target).items()
+            }
             store.save(key, {str(layer): t for layer, t in computed.items()})
             return {layer: torch.from_numpy(t) for layer, t in computed.items()}
         return {int(layer): torch.from_numpy(t) for layer, t in saved.items()}
@@ -450,7 +454,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
     if not isinstance(training, KVzapTraining):
         raise ConfigurationError(f"kvzap must be a KVzapTraining, got {type(training).__name__}.")
     docs = training.corpus(tokenizer, seed, max_positions(model.config))
-    targets = cached_kvzip_plus_targets(model, tokenizer, cache_dir)
+    targets = cached_kvzip_plus_targets(model, tokenizer, cache_dir, training.target)
 
     # the MLP's rows wait on disk, next to the cached targets, one file per layer (memory: one layer's rows)
     root = default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
@@ -471,7 +475,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             seed=seed,
             progress=lambda done: bar.update(done - bar.n),
             targets_of=targets,
-            meta={"corpus": f"{training.describe()} ({len(docs)} documents)"},
+            meta={"corpus": f"{training.describe()} ({len(docs)} documents)", "target": training.target},
             spill=None if spill is None else spill.name,
         )
     spread = docs[:: max(1, len(docs) // 8)][:8]  # 8 documents across the groups, lengths and corpora

@@ -71,6 +71,7 @@ def _build(args: argparse.Namespace) -> int:
             hidden=args.kvzap_hidden,
             length=args.kvzap_length,
             window_attention=args.kvzap_window_attention,
+            target=args.kvzap_target,
         ),
     )
     for name, profile in profiles.items():

@@ -36,7 +36,7 @@ from ..scorers.kvzap import (
 )
 from ..scorers.kvzip import RepeatPrompt
 from ..texts import news_articles, python_docs
-from .kvzap_options import FAMILIES, SKIP_FIRST
+from .kvzap_options import FAMILIES, SKIP_FIRST, TARGETS
 from .scores import prefill_scores
 
 _FEATURES_IMPL = "lukv_kvzap_features"
@@ -106,11 +106,16 @@ def token_feature_maps(
     return features
 
 
-def kvzip_plus_targets(model: Any, tokenizer: Any, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-    """fp32 ``{layer: [B, T, H_kv]}``: log KVzip+ scores (full-attention layers only). ``tokenizer``
-    gives the repeat prompt (a :class:`~lukv_cache.scorers.kvzip.RepeatPrompt` works too)."""
+def kvzip_plus_targets(
+    model: Any, tokenizer: Any, input_ids: torch.Tensor, target: str = "kvzip_plus"
+) -> dict[int, torch.Tensor]:
+    """fp32 ``{layer: [B, T, H_kv]}``: log KVzip+ scores (full-attention layers only; ``target="kvzip"``:
+    KVzip's, without ``||v W_O||``). ``tokenizer`` gives the repeat prompt (a
+    :class:`~lukv_cache.scorers.kvzip.RepeatPrompt` works too)."""
+    if target not in TARGETS:
+        raise ConfigurationError(f"kvzap target must be one of {list(TARGETS)}, got {target!r}.")
     prompt = {"repeat_prompt": tokenizer} if isinstance(tokenizer, RepeatPrompt) else {"tokenizer": tokenizer}
-    scores = prefill_scores(model, input_ids, "kvzip_plus", **prompt)
+    scores = prefill_scores(model, input_ids, target, **prompt)
     return {i: s.clamp_min(1e-12).log().transpose(1, 2) for i, s in enumerate(scores) if s is not None}
 
 

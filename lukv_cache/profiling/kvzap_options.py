@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 CORPORA = ("news", "python_docs")  # lukv_cache.profiling.kvzap.CORPORA reads them
 FAMILIES = ("linear", "mlp")
+TARGETS = ("kvzip_plus", "kvzip")  # the reconstruction scores a surrogate learns (their log)
 LENGTH_INPUTS = ("none", "log", "interactions")  # -> lukv_cache.scorers.kvzap.FEATURE_SETS, in order
 SKIP_FIRST = 4  # attention sinks: always kept, and their scores are outliers a surrogate need not learn
 
@@ -30,7 +31,9 @@ class KVzapTraining:
     every feature times it, 0.68 at 4k and still 0.71 at 1k (``benchmarks/results/kvzap_lengths.md``).
     ``family``: ``"mlp"`` (the default: ``hidden`` units, trained on ``samples`` rows per 1,024 tokens of
     each document, which wait on disk until their layer is fitted) or ``"linear"`` (ridge with strength
-    ``alpha``, closed form; it ranks less well: ``docs/kvzap.md``). ``length``: whether the surrogate also reads the context's length:
+    ``alpha``, closed form; it ranks less well: ``docs/kvzap.md``). ``target``: the scores it learns, in log:
+    ``"kvzip_plus"`` (KVzip+, as KVzap: attention divided by the repeat query's norm, times ``||v W_O||``) or
+    ``"kvzip"`` (KVzip's attention alone). ``length``: whether the surrogate also reads the context's length:
     ``"none"``, ``"log"`` (``log T``) or ``"interactions"`` (``log T`` and every feature times it), which lets
     each head's scores move with the length when the documents have several lengths. ``window_attention``:
     whether the surrogate also reads how strongly the last 32 queries of the context read each token (one
@@ -56,6 +59,7 @@ class KVzapTraining:
     alpha: float = 1.0
     samples: int = 512
     hidden: int = 128
+    target: str = "kvzip_plus"
 
     def __post_init__(self) -> None:
         def count(value: Any) -> bool:
@@ -94,6 +98,8 @@ class KVzapTraining:
             raise ConfigurationError(
                 f"kvzap corpora must be distinct names among {sorted(CORPORA)}; got {list(self.corpora)!r}."
             )
+        if self.target not in TARGETS:
+            raise ConfigurationError(f"kvzap target must be one of {list(TARGETS)}, got {self.target!r}.")
         if not count(self.samples) or not count(self.hidden):
             raise ConfigurationError(
                 f"kvzap samples and hidden must be positive integers; got {self.samples!r}, {self.hidden!r}."

@@ -18,6 +18,7 @@ from lukv_cache.profiling.kvzap import (
     token_feature_maps,
     train_surrogate,
 )
+from lukv_cache.profiling.kvzap_options import KVzapTraining
 from lukv_cache.scorers.kvzap import (
     FEATURE_SETS,
     RidgeStats,
@@ -220,6 +221,21 @@ def test_training_rows_refuse_rows_of_another_width():
     rows.add(0, torch.ones(2, 5), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="expected"):
         rows.add(0, torch.ones(2, 4), torch.zeros(2, 3))
+
+
+def test_kvzip_targets_are_the_log_of_kvzips_own_scores_not_kvzip_plus():
+    from lukv_cache.profiling.scores import prefill_scores
+
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 40, seed=2)
+    plain = kvzip_plus_targets(model, PROMPT, ids, target="kvzip")
+    kvzip = prefill_scores(model, ids, "kvzip", repeat_prompt=PROMPT)
+    assert torch.allclose(plain[1], kvzip[1].clamp_min(1e-12).log().transpose(1, 2))
+    assert not torch.allclose(plain[1], kvzip_plus_targets(model, PROMPT, ids)[1])
+    with pytest.raises(ConfigurationError, match="kvzap target"):
+        kvzip_plus_targets(model, PROMPT, ids, target="snapkv")
+    with pytest.raises(ConfigurationError, match="kvzap target"):
+        KVzapTraining(target="h2o")
 
 
 def test_an_unknown_surrogate_family_is_refused():

@@ -1,5 +1,7 @@
 """End-to-end profile building on a tiny random model."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -235,6 +237,12 @@ def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
     monkeypatch.setattr(kvzap, "kvzip_plus_targets", no_repeat_pass)
     again = build_profile(tiny_model, byte_tokenizer, kvzap=training, **kwargs)
     assert torch.equal(again.surrogate.weight, profile.surrogate.weight)
+    assert again.surrogate.meta["target"] == "kvzip_plus"
+    # KVzip's own scores are another target: cached apart, so the cached KVzip+ ones are not reused
+    with pytest.raises(AssertionError, match="were cached"):
+        build_profile(
+            tiny_model, byte_tokenizer, kvzap=dataclasses.replace(training, target="kvzip"), **kwargs
+        )
 
 
 def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
@@ -255,11 +263,12 @@ def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
             "16",
         ]
         + ["--kvzap-corpus", "news", "python_docs", "--kvzap-family", "mlp", "--kvzap-length", "log"]
-        + ["--no-kvzap-window-attention", "--kvzap-hidden", "128"]
+        + ["--no-kvzap-window-attention", "--kvzap-hidden", "128", "--kvzap-target", "kvzip"]
     )
     assert args.kvzap_documents == [(48, 1024), (8, 4096), (16, 1024)]
     assert args.kvzap_corpus == ["news", "python_docs"] and args.kvzap_family == "mlp"
     assert args.kvzap_length == "log" and args.kvzap_window_attention is False and args.kvzap_hidden == 128
+    assert args.kvzap_target == "kvzip"
     assert parser.parse_args(["build", "smollm2", "--out", "p/"]).kvzap_window_attention is True
     assert KVzapTraining(length="log", window_attention=False).features == "keys_prerope_values+log_length"
     with pytest.raises(ConfigurationError, match="needs length='interactions'"):
