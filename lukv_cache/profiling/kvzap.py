@@ -1,7 +1,7 @@
 """Training a KVzap surrogate (:mod:`lukv_cache.scorers.kvzap`) for a model: corpus, features, targets.
 
-Targets are the library's own KVzip+ scores (``kvzip_plus``: repeat passes through the model, attention
-times ``||v W_O||``), in log; features are each token's pre-RoPE key and value, read from a plain forward
+Targets are the library's own KVzip scores (``kvzip``: repeat passes through the model; a build's default)
+or KVzip+ scores (``kvzip_plus``: that attention times ``||v W_O||``, the paper's), in log; features are each token's pre-RoPE key and value, read from a plain forward
 through the model's own attention. Ridge regression runs on sufficient statistics, so a corpus of any size
 trains in ``O(layers x F^2)`` memory.
 
@@ -135,7 +135,7 @@ def train_surrogate(
     targets_of: Callable[[torch.Tensor], dict[int, torch.Tensor]] | None = None,
     spill: str | os.PathLike | None = None,
 ) -> Surrogate:
-    """A KVzap surrogate for ``model``: log KVzip+ regressed on token features, per layer and KV head, over
+    """A KVzap surrogate for ``model``: log KVzip+ (or KVzip, through ``targets_of``) regressed on token features, per layer and KV head, over
     ``documents`` (each ``[1, T]``). ``family``: ``"linear"`` (ridge regression with strength ``alpha``,
     closed form on every token) or ``"mlp"`` (:func:`fit_mlp` with ``hidden`` units on ``samples`` random positions per 1,024
     tokens of each document, drawn with ``seed``). ``features``: one of

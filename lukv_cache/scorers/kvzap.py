@@ -1,14 +1,15 @@
-"""KVzap (Jegou & Jeblick, arXiv 2601.07891): a learned surrogate of KVzip+'s scores, a small map per layer.
+"""KVzap (Jegou & Jeblick, arXiv 2601.07891): a learned surrogate of KVzip's scores, a small map per layer.
 
-KVzip+ ranks a context token by the attention the model pays it while repeating the context, times
-``||v W_O||`` (:mod:`lukv_cache.scorers.kvzip`). That costs repeat passes through the model. KVzap
-learns, per layer, a map from features of the token to ``log`` of that score for every KV head, and
-scores in the ordinary prefill.
+KVzip ranks a context token by the attention the model pays it while repeating the context; KVzip+ (the
+paper's target) also multiplies by ``||v W_O||`` (:mod:`lukv_cache.scorers.kvzip`). That costs repeat
+passes through the model. KVzap learns, per layer, a map from features of the token to ``log`` of that
+score for every KV head, and scores in the ordinary prefill. Which score a surrogate learned is in its
+``meta["target"]`` (``lukv build --kvzap-target``; KVzip's by default, the better of the two here).
 
 The features here are the token's keys before RoPE and its values, of every KV head of the layer
 (``2 * H_kv * D`` numbers): what the cache holds anyway, so scoring needs no hook and works for every
 token the cache holds (chunked prefill, padded rows, decoded tokens). RoPE is undone with the model's own
-rotary embedding at the token's position. A token's KVzip+ score depends on the token only through its
+rotary embedding at the token's position. A token's KVzip score depends on the token only through its
 key (at its position) and its value; the position-free part of the key is what a surrogate can use
 (``benchmarks/kvzap_features.py`` measures this choice against the hidden states entering the layer).
 
@@ -218,7 +219,7 @@ def rope_inverse(module: Any) -> RopeInverse:
 @dataclass(eq=False)
 class Surrogate:
     """Per layer: a token's features ``x [F]`` (pre-RoPE keys and values of every KV head of the layer,
-    ``F = 2 * H_kv * D``) -> its predicted log KVzip+ score for each KV head, with ``z = (x - mean[l]) /
+    ``F = 2 * H_kv * D``) -> its predicted log KVzip (or KVzip+) score for each KV head, with ``z = (x - mean[l]) /
     std[l]`` (``mean``/``std [L, F]``):
 
     * ``linear`` (ridge regression): ``z . weight[l, h] + bias[l, h]``, ``weight [L, H_kv, F]``;
@@ -403,7 +404,7 @@ def _kvzap(keys, values, queries, *, surrogate, layer_idx, module, heads, positi
 
 
 def kvzap_scorer(surrogate: Surrogate, window: int = KVZAP_WINDOW) -> Scorer:
-    """The ``kvzap`` scorer with a trained ``surrogate``: predicted log KVzip+ scores, in the ordinary forward.
+    """The ``kvzap`` scorer with a trained ``surrogate``: predicted log KVzip scores, in the ordinary forward.
 
     >>> scorer = kvzap_scorer(Surrogate.zeros(2, 2, 32))
     >>> scorer.name, scorer.window, scorer.context

@@ -399,7 +399,7 @@ def test_the_shipped_smollm2_kvzap_profile_holds_a_valid_surrogate_and_threshold
     thresholds = surrogate.meta["thresholds"]
     assert thresholds["grid"] == [float(g) for g in profile.grid] or len(thresholds["grid"]) == 99
     assert thresholds["values"] == sorted(thresholds["values"])
-    assert "news" in surrogate.meta["corpus"]
+    assert "news" in surrogate.meta["corpus"] and surrogate.meta["target"] == "kvzip"
 
 
 def test_a_kvzap_profile_of_the_previous_release_still_loads_and_scores():

@@ -207,7 +207,7 @@ def test_stale_temporary_files_of_a_dead_build_are_removed_on_the_next_run(tmp_p
 def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
     tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch
 ):
-    """`lukv build --scorer kvzap` end to end on a tiny model: the surrogate is trained (KVzip+ targets
+    """`lukv build --scorer kvzap` end to end on a tiny model: the surrogate is trained (KVzip targets
     from the news corpus), stored in the profile, read back by from_pretrained; a second build reuses the
     cached targets (no repeat pass runs again)."""
     from lukv_cache import LUKVCache
@@ -232,16 +232,16 @@ def test_a_kvzap_build_learns_its_surrogate_stores_it_and_resumes(
     assert cache.is_compressed
 
     def no_repeat_pass(*args, **kwargs):
-        raise AssertionError("the KVzip+ targets were cached")
+        raise AssertionError("the targets were cached")
 
     monkeypatch.setattr(kvzap, "kvzip_plus_targets", no_repeat_pass)
     again = build_profile(tiny_model, byte_tokenizer, kvzap=training, **kwargs)
     assert torch.equal(again.surrogate.weight, profile.surrogate.weight)
-    assert again.surrogate.meta["target"] == "kvzip_plus"
-    # KVzip's own scores are another target: cached apart, so the cached KVzip+ ones are not reused
+    assert again.surrogate.meta["target"] == "kvzip"  # the default
+    # KVzip+'s scores are another target: cached apart, so the cached KVzip ones are not reused
     with pytest.raises(AssertionError, match="were cached"):
         build_profile(
-            tiny_model, byte_tokenizer, kvzap=dataclasses.replace(training, target="kvzip"), **kwargs
+            tiny_model, byte_tokenizer, kvzap=dataclasses.replace(training, target="kvzip_plus"), **kwargs
         )
 
 
@@ -263,12 +263,12 @@ def test_lukv_build_reads_kvzap_document_groups_corpora_and_family(capsys):
             "16",
         ]
         + ["--kvzap-corpus", "news", "python_docs", "--kvzap-family", "mlp", "--kvzap-length", "log"]
-        + ["--no-kvzap-window-attention", "--kvzap-hidden", "128", "--kvzap-target", "kvzip"]
+        + ["--no-kvzap-window-attention", "--kvzap-hidden", "128", "--kvzap-target", "kvzip_plus"]
     )
     assert args.kvzap_documents == [(48, 1024), (8, 4096), (16, 1024)]
     assert args.kvzap_corpus == ["news", "python_docs"] and args.kvzap_family == "mlp"
     assert args.kvzap_length == "log" and args.kvzap_window_attention is False and args.kvzap_hidden == 128
-    assert args.kvzap_target == "kvzip"
+    assert args.kvzap_target == "kvzip_plus"
     assert parser.parse_args(["build", "smollm2", "--out", "p/"]).kvzap_window_attention is True
     assert KVzapTraining(length="log", window_attention=False).features == "keys_prerope_values+log_length"
     with pytest.raises(ConfigurationError, match="needs length='interactions'"):
