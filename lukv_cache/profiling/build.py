@@ -415,6 +415,11 @@ def build_profiles(
     }
 
 
+def _targets_root(cache_dir) -> Path | None:
+    """Where a kvzap build keeps its targets and spills its MLP rows (``False``: nowhere)."""
+    return default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
+
+
 def cached_kvzip_plus_targets(
     model, tokenizer, cache_dir=None, target: str = "kvzip_plus"
 ) -> Callable[[torch.Tensor], dict]:
@@ -424,7 +429,7 @@ def cached_kvzip_plus_targets(
     tokens, so a build that stops resumes without the repeat passes it ran, and benchmarks share them."""
     from .kvzap import kvzip_plus_targets
 
-    root = default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
+    root = _targets_root(cache_dir)
     store = _ResultStore(None if root is None else root / "kvzap")
     fingerprint = model_fingerprint(model)
 
@@ -457,7 +462,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
     targets = cached_kvzip_plus_targets(model, tokenizer, cache_dir, training.target)
 
     # the MLP's rows wait on disk, next to the cached targets, one file per layer (memory: one layer's rows)
-    root = default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
+    root = _targets_root(cache_dir)
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
     spill = tempfile.TemporaryDirectory(prefix="kvzap-rows-", dir=root) if training.family == "mlp" else None

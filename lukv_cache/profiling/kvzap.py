@@ -1,8 +1,9 @@
 """Training a KVzap surrogate (:mod:`lukv_cache.scorers.kvzap`) for a model: corpus, features, targets.
 
-Targets are the library's own KVzip scores (``kvzip``: repeat passes through the model; a build's default)
-or KVzip+ scores (``kvzip_plus``: that attention times ``||v W_O||``, the paper's), in log; features are each token's pre-RoPE key and value, read from a plain forward
-through the model's own attention. Ridge regression runs on sufficient statistics, so a corpus of any size
+Targets are the library's own KVzip scores (``kvzip``: repeat passes through the model; a build's
+default) or KVzip+ scores (``kvzip_plus``: that attention times ``||v W_O||``, the paper's), in log;
+features are each token's pre-RoPE key and value, read from a plain forward through the model's own
+attention. Ridge regression runs on sufficient statistics, so a corpus of any size
 trains in ``O(layers x F^2)`` memory.
 
 The default corpus is news (gensim's 300 Australian news articles, concatenated into ~1k-token
@@ -135,12 +136,12 @@ def train_surrogate(
     targets_of: Callable[[torch.Tensor], dict[int, torch.Tensor]] | None = None,
     spill: str | os.PathLike | None = None,
 ) -> Surrogate:
-    """A KVzap surrogate for ``model``: log KVzip+ (or KVzip, through ``targets_of``) regressed on token features, per layer and KV head, over
-    ``documents`` (each ``[1, T]``). ``family``: ``"linear"`` (ridge regression with strength ``alpha``,
-    closed form on every token) or ``"mlp"`` (:func:`fit_mlp` with ``hidden`` units on ``samples`` random positions per 1,024
-    tokens of each document, drawn with ``seed``). ``features``: one of
-    :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's length is an input). ``targets_of(ids)``: the log KVzip+ scores of a
-    document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
+    """A KVzap surrogate for ``model``: log KVzip+ (or KVzip, through ``targets_of``) regressed on token
+    features, per layer and KV head, over ``documents`` (each ``[1, T]``). ``family``: ``"linear"`` (ridge
+    regression with strength ``alpha``, closed form on every token) or ``"mlp"`` (:func:`fit_mlp` with
+    ``hidden`` units on ``samples`` random positions per 1,024 tokens of each document, drawn with
+    ``seed``). ``features``: one of :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's
+    length is an input). ``targets_of(ids)``: the log KVzip+ scores of a document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
     build resumes without the repeat passes it already ran). ``spill``: an empty folder where the MLP's
     rows wait on disk until their layer is fitted (:class:`TrainingRows`), so memory holds one layer's rows
     at a time instead of every layer's; ``None`` keeps them in memory. Both train the same surrogate."""
@@ -219,8 +220,10 @@ class TrainingRows:
         x, y = x.float().contiguous(), y.float().contiguous()
         n, f, h = self._shapes.get(layer, (0, x.shape[1], y.shape[1]))
         if (x.shape[1], y.shape[1]) != (f, h) or x.shape[0] != y.shape[0]:
-            raise ValueError(
-                f"layer {layer}: rows {tuple(x.shape)} -> {tuple(y.shape)}, expected [*, {f}] -> [*, {h}]"
+            raise ConfigurationError(
+                f"kvzap training rows of layer {layer}: {tuple(x.shape)} -> {tuple(y.shape)}, expected [n, {f}] -> "
+                f"[n, {h}] as before; every document's targets (targets_of) must give one score per KV head and "
+                "token, for the same layers."
             )
         self._shapes[layer] = (n + x.shape[0], f, h)
         if self.folder is None:

@@ -219,8 +219,10 @@ def test_training_rows_refuse_rows_of_another_width():
 
     rows = TrainingRows()
     rows.add(0, torch.ones(2, 5), torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="expected"):
+    with pytest.raises(ConfigurationError, match="expected"):
         rows.add(0, torch.ones(2, 4), torch.zeros(2, 3))
+    with pytest.raises(ConfigurationError, match="targets_of"):
+        rows.add(0, torch.ones(2, 5), torch.zeros(3, 3))  # fewer rows than targets
 
 
 def test_kvzip_targets_are_the_log_of_kvzips_own_scores_not_kvzip_plus():
