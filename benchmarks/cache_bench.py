@@ -16,13 +16,21 @@ uses. Decode then runs the real model forward, one token at a time: the median m
     python benchmarks/cache_bench.py --contexts 8192 32768 --batch 1 8 --threads 1 2 --out results/cache_bench.json
     python benchmarks/cache_bench.py --contexts 512 --decode-steps 3 --small   # seconds, for a smoke run
 
-``--interleave`` times the caches step by step in ONE process instead, alternating a decode step of each
-(LUKVCache uniform with eviction at fold time off, the same with ``decode_max_tokens`` = the tokens it kept
-per head, and the ``same`` DynamicCache): machine noise then hits all three alike, so the ratios are
-the figure to read. ``--layers`` keeps the model's first layers only (the model's other work shrinks with
+``--interleave`` times the caches step by step in ONE process instead, a decode step of each in turn,
+each step starting at the next cache (LUKVCache uniform with eviction at fold time off, the same with
+``decode_max_tokens`` = the tokens it kept per head, ``ragged``: the shipped SmolLM2 keydiff profile's
+per-head budgets at the ratio (the model's first layers), off and on, and the ``same`` DynamicCache):
+machine noise then hits them all alike, so the ratios are the figure to read. ``--layers`` keeps the model's first layers only (the model's other work shrinks with
 it, so the ratio gets stricter):
 
     python benchmarks/cache_bench.py --interleave --contexts 4096 --batch 1 4 --threads 2 --layers 8 --decode-steps 300
+
+``--layer`` times one layer's decode attention alone (SmolLM2's 3 KV heads, 9 query heads, head_dim 64, a
+128-token suffix): the masked product, the windows and stock sdpa over a DynamicCache of the same tokens,
+for each context and batch, with budgets equal per head and ragged (uniform in 0.2-1.8x the mean). It is
+where :data:`lukv_cache.attention.masked.LIMIT` (segments x stored rows) comes from:
+
+    python benchmarks/cache_bench.py --layer --contexts 1024 2048 4096 8192 16384 --batch 1 2 4 8 --threads 2
 
 ``--prefill`` instead times a real prefill at each context (batch 1; DynamicCache vs LUKVCache): prefill
 seconds and peak RSS, the figures of the first version of this benchmark.
@@ -165,6 +173,23 @@ def child(
     return result
 
 
+def _profile_table(ratio: float, config):
+    """``[layers, kv_heads]``: the shipped SmolLM2 keydiff profile's evict ratios at ``ratio`` for the
+    model's first layers (the tiny ``--small`` model: a seeded random table of mean ~ratio instead)."""
+    import torch
+
+    from lukv_cache.profiles import Profile
+    from lukv_cache.profiles.location import BUNDLED_DIR
+
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    path = BUNDLED_DIR / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "keydiff.safetensors"
+    table = torch.as_tensor(Profile.load(path).at(ratio))
+    if table.shape[1] != heads or table.shape[0] < layers:
+        gen = torch.Generator().manual_seed(3)
+        return torch.rand(layers, heads, generator=gen) * 0.2 + ratio - 0.1
+    return table[:layers]
+
+
 def interleave_child(
     tokens: int, batch: int, threads: int, ratio: float, steps: int, small: bool, layers: int
 ):
@@ -191,19 +216,30 @@ def interleave_child(
             ratio=ratio, scorer="keydiff", allocator="uniform", config=model.config, decode_max_tokens=keep
         )
         _fill(model, caches["on"], batch, tokens, gen)
+        table = _profile_table(ratio, model.config)
+        caches["ragged"] = lukv_cache.LUKVCache(allocator="profile", evict_ratio=table, scorer="keydiff")
+        _fill(model, caches["ragged"], batch, tokens, gen)
+        caches["ragged_on"] = lukv_cache.LUKVCache(
+            allocator="profile", evict_ratio=table, scorer="keydiff", decode_max_tokens=keep
+        )
+        _fill(model, caches["ragged_on"], batch, tokens, gen)
         caches["same"] = DynamicCache(config=model.config)
         _fill(model, caches["same"], batch, keep, gen)
     token = torch.zeros((batch, 1), dtype=torch.long)
     times = {name: [] for name in caches}
     with torch.no_grad():
-        for _ in range(steps + 3):
-            for name, cache in caches.items():
+        order = list(caches.items())
+        for step in range(steps + 3):  # each step starts at another cache: no cache always goes first
+            for name, cache in order[step % len(order) :] + order[: step % len(order)]:
                 t0 = time.perf_counter()
                 model(input_ids=token, past_key_values=cache, use_cache=True)
                 times[name].append(time.perf_counter() - t0)
     result = {"tokens": tokens, "batch": batch, "threads": threads, "layers": model.config.num_hidden_layers}
     result["kept_per_head"] = keep
     result["on_kept_per_head_after"] = float(caches["on"].stored_tokens().double().mean())
+    ragged = caches["ragged"].stored_tokens()[: model.config.num_hidden_layers].double()
+    result["ragged_kept_per_head"] = float(ragged.mean())
+    result["ragged_kept_min_max"] = [int(ragged.min()), int(ragged.max())]
     for name, series in times.items():
         series = series[3:]  # warm-up
         result[name] = {
@@ -229,20 +265,30 @@ def _interleave_rows(args) -> list[dict]:
                 )
                 row = _run(args, "interleave", *child_args)
                 rows.append(row)
-                off, on, same = row["off"], row["on"], row["same"]
+                names = ("off", "on", "ragged", "ragged_on")
+                same = row["same"]
                 if len(rows) == 1:
                     print(
                         f"\nDecode ms/token, one process, steps alternated ({args.decode_steps} each), ratio {args.ratio}, "
-                        "keydiff/uniform; off/on = eviction at fold time; same = DynamicCache of the kept size"
+                        "keydiff; off/on = uniform budgets, eviction at fold time off/on; ragged(_on) = the "
+                        "SmolLM2 profile's budgets; same = DynamicCache of the kept size"
                     )
                     print(
-                        "context | batch | threads | layers | kept/head | off | on | same | off/same | on/same (median; mean)"
+                        "context | batch | threads | layers | kept/head | "
+                        + " | ".join(names)
+                        + " | same | "
+                        + " | ".join(f"{n}/same" for n in names)
+                        + " (median; mean)"
                     )
                 print(
                     f"{tokens} | {batch} | {threads} | {row['layers']} | {row['kept_per_head']} | "
-                    f"{off['median_ms']:.2f} | {on['median_ms']:.2f} | {same['median_ms']:.2f} | "
-                    f"{off['median_ms'] / same['median_ms']:.3f}; {off['mean_ms'] / same['mean_ms']:.3f} | "
-                    f"{on['median_ms'] / same['median_ms']:.3f}; {on['mean_ms'] / same['mean_ms']:.3f}",
+                    + " | ".join(f"{row[n]['median_ms']:.2f}" for n in names)
+                    + f" | {same['median_ms']:.2f} | "
+                    + " | ".join(
+                        f"{row[n]['median_ms'] / same['median_ms']:.3f}; "
+                        f"{row[n]['mean_ms'] / same['mean_ms']:.3f}"
+                        for n in names
+                    ),
                     flush=True,
                 )
     return rows
@@ -277,6 +323,85 @@ def prefill_child(method: str, tokens: int, ratio: float, small: bool) -> dict:
         "prefill_peak_rss_delta_mib": _rss_mib() - rss_before,
         "kv_bytes": kv_cache_bytes(cache),
     }
+
+
+def _time_layer_paths(store, query, suffix, dense, module, steps: int) -> dict[str, float]:
+    """Median ms of one decode attention call per path, the paths timed in turn step by step."""
+    import statistics
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lukv_cache.attention import masked
+    from lukv_cache.attention.compressed import compressed_attention
+
+    def ours(limit):  # the limits pick the path: the masked product for every layer, or none
+        def call():
+            masked.LIMIT = masked.EQUAL_LIMIT = limit
+            return compressed_attention(store, query, *suffix, None, 0.125)
+
+        return call
+
+    paths = {
+        "masked": ours(1 << 62),
+        "windows": ours(0),
+        "sdpa": lambda: sdpa_attention_forward(module, query, *dense, None, scaling=0.125),
+    }
+    times = {name: [] for name in paths}
+    for step in range(steps + 10):
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            if step >= 10:  # warm-up
+                times[name].append(time.perf_counter() - t0)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
+def layer_rows(args) -> list[dict]:
+    """``--layer``: one layer's decode attention per path (see the module docstring)."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from lukv_cache.attention import masked
+    from lukv_cache.cache.ragged import RaggedStore
+
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(args.threads[0])
+    h, hq, d, suffix = 3, 9, 64, 128
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, hq // h
+    gen = torch.Generator().manual_seed(0)
+    limits, rows = (masked.LIMIT, masked.EQUAL_LIMIT), []
+    print(
+        f"\nOne layer's decode attention, ms (median of {args.decode_steps}), {args.threads[0]} thread(s), "
+        f"ratio {args.ratio}; sdpa = stock sdpa over a DynamicCache of the same tokens per head"
+    )
+    print(
+        "context | batch | budgets | segments x rows | masked | windows | sdpa | masked/sdpa | windows/sdpa"
+    )
+    for tokens in args.contexts:
+        for batch in args.batch:
+            for budgets in ("equal", "ragged"):
+                keep = round(tokens * (1 - args.ratio))
+                counts = torch.full((batch * h,), keep)
+                if budgets == "ragged":
+                    counts = (keep * (0.2 + 1.6 * torch.rand(batch * h, generator=gen))).long()
+                n = int(counts.sum())
+                keys, values = (torch.randn(n, d, generator=gen) for _ in range(2))
+                store = RaggedStore.build(keys, values, torch.arange(n), counts, num_heads=h)
+                query = torch.randn(batch, hq, 1, d, generator=gen)
+                sfx = tuple(torch.randn(batch, h, suffix, d, generator=gen) for _ in range(2))
+                dense = tuple(torch.randn(batch, h, keep + suffix, d, generator=gen) for _ in range(2))
+                row = {"tokens": tokens, "batch": batch, "budgets": budgets, "segments_x_rows": batch * h * n}
+                row.update(_time_layer_paths(store, query, sfx, dense, module, args.decode_steps))
+                masked.LIMIT, masked.EQUAL_LIMIT = limits
+                rows.append(row)
+                print(
+                    f"{tokens} | {batch} | {budgets} | {row['segments_x_rows']} | {row['masked']:.3f} | "
+                    f"{row['windows']:.3f} | {row['sdpa']:.3f} | {row['masked'] / row['sdpa']:.2f} | "
+                    f"{row['windows'] / row['sdpa']:.2f}",
+                    flush=True,
+                )
+    return rows
 
 
 def _run(args, *child_args) -> dict:
@@ -351,6 +476,7 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="tiny model (for CI / smoke runs)")
     p.add_argument("--interleave", action="store_true", help="alternate the caches' steps in one process")
     p.add_argument("--layers", type=int, default=None, help="keep the model's first LAYERS layers")
+    p.add_argument("--layer", action="store_true", help="time one layer's decode attention paths")
     p.add_argument("--out", default=None, help="write the raw numbers as JSON here")
     p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -398,6 +524,8 @@ def main(argv=None) -> int:
                 flush=True,
             )
         result = {"mode": "prefill", "ratio": args.ratio, "rows": rows}
+    elif args.layer:
+        result = {"mode": "layer", "ratio": args.ratio, "threads": args.threads[0], "rows": layer_rows(args)}
     elif args.interleave:
         result = {"mode": "interleave", "ratio": args.ratio, "decode_steps": args.decode_steps}
         result["rows"] = _interleave_rows(args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, windows
+from . import kernels, masked, windows
 from .calls import StoreView
 from .partial import merge_partials, partial_attention, ragged_attention
 
@@ -69,11 +69,12 @@ def compressed_attention(
         suffix_bias = None  # decode without padding in the suffix: take the fused CPU path
     if key_bias is not None and not bool((key_bias < 0).any()):
         key_bias = None  # the usual case: stored tokens are real and precede every query
-    if (
-        suffix_bias is None
-        and key_bias is None
-        and windows.serves(grouped, store.keys, store.values, softcap)
-    ):
+    nothing_hidden = suffix_bias is None and key_bias is None
+    if nothing_hidden and masked.serves(grouped, store, suffix_keys):  # a small layer: one masked product
+        out = masked.masked_ragged_attention(
+            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap
+        )
+    elif nothing_hidden and windows.serves(grouped, store.keys, store.values, softcap):
         out, _ = windows.windowed_ragged_attention(  # store and suffix: three fused calls, one merge
             grouped,
             store.keys,
@@ -82,20 +83,21 @@ def compressed_attention(
             scaling=scaling,
             suffix_keys=suffix_keys,
             suffix_values=suffix_values,
+            with_lse=False,
         )
-        return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
-    out, lse = partial_attention(
-        grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
-    )
-    out_r, lse_r = ragged_attention(
-        grouped,
-        store.keys,
-        store.values,
-        store.offsets,
-        scaling=scaling,
-        softcap=softcap,
-        key_bias=key_bias,
-        offsets_list=list(store.offsets_list),
-    )
-    out, _ = merge_partials(out_r, lse_r, out, lse)
+    else:  # a mask that hides something, or a softcap on a large layer: the two parts and their merge
+        out_s, lse_s = partial_attention(
+            grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
+        )
+        out_r, lse_r = ragged_attention(
+            grouped,
+            store.keys,
+            store.values,
+            store.offsets,
+            scaling=scaling,
+            softcap=softcap,
+            key_bias=key_bias,
+            offsets_list=list(store.offsets_list),
+        )
+        out, _ = merge_partials(out_r, lse_r, out_s, lse_s)
     return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)

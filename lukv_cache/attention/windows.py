@@ -139,12 +139,14 @@ def windowed_ragged_attention(
     scaling: float,
     suffix_keys: torch.Tensor | None = None,
     suffix_values: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``ragged_attention_reference`` (no softcap, no key bias) in at most three fused calls.
 
     ``query [B, H_kv, M, D]`` over each segment of ``keys/values [N, D]`` and, when given, its rows of
     the dense ``suffix_keys/values [B, H_kv, S, D]`` (all attended, no bias); fp32 ``out [B, H_kv, M, D]``
-    and ``lse [B, H_kv, M]``, a segment with nothing to attend giving ``out = 0`` and ``lse = -inf``.
+    and ``lse [B, H_kv, M]`` (``None`` without ``with_lse``, one op less), a segment with nothing to
+    attend giving ``out = 0`` and ``lse = -inf``.
 
     >>> from lukv_cache.attention.partial import ragged_attention_reference
     >>> q, k = torch.randn(1, 2, 3, 8), torch.randn(700, 8)
@@ -191,8 +193,10 @@ def windowed_ragged_attention(
     part_lse = torch.cat(lses).index_select(0, flat).view(segments, -1, m)
     part_lse.masked_fill_(plan.suffix_padding if with_suffix else plan.padding, float("-inf"))
     part_out = torch.cat(outs).float().index_select(0, flat).view(segments, -1, m, dv)
-    # the flash-decoding merge in three calls; a segment with nothing to attend (every part -inf) gets
-    # NaN weights from the softmax, hence zeros
-    weight = torch.softmax(part_lse, dim=1).nan_to_num_(0.0)
-    out = (weight.unsqueeze(-1) * part_out).sum(1)
-    return out.view(b, h, m, dv), torch.logsumexp(part_lse, dim=1).view(b, h, m)
+    # the flash-decoding merge; a segment with nothing to attend (every part -inf, never with a suffix)
+    # gets NaN weights from the softmax, hence zeros
+    weight = torch.softmax(part_lse, dim=1)
+    if not with_suffix:
+        weight.nan_to_num_(0.0)
+    out = (weight.unsqueeze(-1) * part_out).sum(1).view(b, h, m, dv)
+    return out, torch.logsumexp(part_lse, dim=1).view(b, h, m) if with_lse else None

@@ -99,6 +99,22 @@ def prompt(batch: int = 1, length: int = 24, seed: int = 0, vocab: int = VOCAB) 
     return torch.randint(3, vocab, (batch, length), generator=gen)
 
 
+def greedy_with_logits(
+    model, ids: torch.Tensor, cache, new_tokens: int = 6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ``generate`` over ``cache``: the sequences and the stacked logits of every new token."""
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
 def left_padded(lengths: tuple[int, ...] = (24, 17, 11), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A left-padded batch: ``input_ids`` and ``attention_mask`` with rows of the given real lengths."""
     width = max(lengths)
