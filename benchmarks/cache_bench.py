@@ -17,11 +17,13 @@ uses. Decode then runs the real model forward, one token at a time: the median m
     python benchmarks/cache_bench.py --contexts 512 --decode-steps 3 --small   # seconds, for a smoke run
 
 ``--interleave`` times the caches step by step in ONE process instead, a decode step of each in turn,
-each step starting at the next cache (LUKVCache uniform with eviction at fold time off, the same with
-``decode_max_tokens`` = the tokens it kept per head, ``ragged``: the shipped SmolLM2 keydiff profile's
-per-head budgets at the ratio (the model's first layers), off and on, and the ``same`` DynamicCache):
-machine noise then hits them all alike, so the ratios are the figure to read. ``--layers`` keeps the model's first layers only (the model's other work shrinks with
-it, so the ratio gets stricter):
+each step starting at the next cache: LUKVCache uniform with eviction at fold time off (``off``), the same
+with ``decode_max_tokens`` = the tokens it kept per head (``on``), ``equal``: ``max_tokens`` = that many
+(every head exactly as many, where uniform's ratio gives or takes one token), ``ragged(_on)``: the shipped
+SmolLM2 keydiff profile's per-head budgets at the ratio (the model's first layers), off and on, and the
+``same`` DynamicCache. Machine noise then hits them all alike, so the ratios are the figure to read.
+``--layers`` keeps the model's first layers only (the model's other work shrinks with it, so the ratio
+gets stricter):
 
     python benchmarks/cache_bench.py --interleave --contexts 4096 --batch 1 4 --threads 2 --layers 8 --decode-steps 300
 
@@ -216,6 +218,12 @@ def interleave_child(
             ratio=ratio, scorer="keydiff", allocator="uniform", config=model.config, decode_max_tokens=keep
         )
         _fill(model, caches["on"], batch, tokens, gen)
+        caches["equal"] = (
+            lukv_cache.LUKVCache(  # every head exactly `keep` tokens (uniform: give or take one)
+                max_tokens=keep, scorer="keydiff", allocator="uniform", config=model.config
+            )
+        )
+        _fill(model, caches["equal"], batch, tokens, gen)
         table = _profile_table(ratio, model.config)
         caches["ragged"] = lukv_cache.LUKVCache(allocator="profile", evict_ratio=table, scorer="keydiff")
         _fill(model, caches["ragged"], batch, tokens, gen)
@@ -265,13 +273,14 @@ def _interleave_rows(args) -> list[dict]:
                 )
                 row = _run(args, "interleave", *child_args)
                 rows.append(row)
-                names = ("off", "on", "ragged", "ragged_on")
+                names = ("off", "on", "equal", "ragged", "ragged_on")
                 same = row["same"]
                 if len(rows) == 1:
                     print(
                         f"\nDecode ms/token, one process, steps alternated ({args.decode_steps} each), ratio {args.ratio}, "
-                        "keydiff; off/on = uniform budgets, eviction at fold time off/on; ragged(_on) = the "
-                        "SmolLM2 profile's budgets; same = DynamicCache of the kept size"
+                        "keydiff; off/on = uniform budgets, eviction at fold time off/on; equal = max_tokens "
+                        "(every head the same count), off; ragged(_on) = the SmolLM2 profile's budgets; "
+                        "same = DynamicCache of the kept size"
                     )
                     print(
                         "context | batch | threads | layers | kept/head | "
