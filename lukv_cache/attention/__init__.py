@@ -3,7 +3,7 @@
 * :mod:`.calls`: the contract with the cache (:class:`AttentionCall`, :func:`claim_attention`) and the
   guard for implementations that cannot read it (:func:`lukv_aware` marks your own wrappers);
 * :mod:`.routing`: the wrapped ``sdpa`` / ``eager`` / ``lukv`` functions;
-* :mod:`.compressed`: store + dense suffix, exact;
+* :mod:`.compressed`: store + dense suffix, exact (on CPU through :mod:`.masked` or :mod:`.windows`);
 * :mod:`.partial`: the torch math (partial attentions and their log-sum-exp merge);
 * :mod:`.kernels`: which kernel serves a call (flash-attn, Triton, torch).
 """

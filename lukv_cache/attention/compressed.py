@@ -2,6 +2,10 @@
 
 The mask transformers builds covers logical positions (every token seen), so it is read at each stored
 token's original position for the store and at the last ``S`` positions for the suffix.
+
+Which implementation serves a call: CUDA, the fused kernels of :mod:`.kernels`; CPU with a mask that hides
+nothing (decode), the masked product of :mod:`.masked` for a small fp32 layer, else the windows of
+:mod:`.windows`; otherwise the two parts (:mod:`.partial`) and their log-sum-exp merge.
 """
 
 from __future__ import annotations
