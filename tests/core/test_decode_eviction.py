@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from core_models import PAD, VOCAB, left_padded, prompt, scorer_for, tiny_model
+from core_models import PAD, VOCAB, greedy_with_logits, left_padded, prompt, scorer_for, tiny_model
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from lukv_cache import LUKVCache
@@ -128,26 +128,15 @@ def test_the_bound_holds_with_queries_or_scores_kept(scorer, allocator):
 
 
 # ------------------------------------------------------------------ a bound above the length: DynamicCache
-def _greedy(model, cache, ids, steps):
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            past_key_values=cache,
-            max_new_tokens=steps,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences, torch.stack(out.logits, 1)
 
 
 @pytest.mark.parametrize(("scorer", "ratio"), [("keydiff", None), ("kvzap", 0.0)])
 def test_a_bound_above_the_length_reproduces_dynamic_cache(scorer, ratio):
     model = _model()
     ids = prompt(1, 40, seed=4)
-    want_tokens, want_logits = _greedy(model, DynamicCache(), ids, 100)
+    want_tokens, want_logits = greedy_with_logits(model, ids, DynamicCache(), 100)
     cache = _cache(model, scorer, ratio=ratio, decode_max_tokens=1000, fold_interval=32)
-    tokens, logits = _greedy(model, cache, ids, 100)
+    tokens, logits = greedy_with_logits(model, ids, cache, 100)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=0)
     assert int(cache.stored_tokens().min()) == 139  # nothing evicted
@@ -158,7 +147,7 @@ def test_off_by_default_nothing_generated_is_evicted():
     model = _model()
     assert LUKVCache(0.5).decode_max_tokens is None and LUKVCache(0.5).fold_interval == 256
     cache = LUKVCache(0.5, fold_interval=32)
-    _greedy(model, cache, prompt(1, 40, seed=4), 100)
+    greedy_with_logits(model, prompt(1, 40, seed=4), cache, 100)
     stored = cache.stored_tokens()
     assert (stored >= 99 + 18).all()  # the prompt's evictable half went, every generated token stays
     assert all(layer.store.scores is None and layer.suffix_length < 34 for layer in cache.layers)
