@@ -19,11 +19,11 @@ uses. Decode then runs the real model forward, one token at a time: the median m
 ``--interleave`` times the caches step by step in ONE process instead, a decode step of each in turn,
 each step starting at the next cache: LUKVCache uniform with eviction at fold time off (``off``), the same
 with ``decode_max_tokens`` = the tokens it kept per head (``on``), ``equal``: ``max_tokens`` = that many
-(every head exactly as many, where uniform's ratio gives or takes one token), ``ragged(_on)``: the shipped
-SmolLM2 keydiff profile's per-head budgets at the ratio (the model's first layers), off and on, and the
-``same`` DynamicCache. Machine noise then hits them all alike, so the ratios are the figure to read.
-``--layers`` keeps the model's first layers only (the model's other work shrinks with it, so the ratio
-gets stricter):
+(every head exactly as many: the same budgets as ``off`` now, kept from when uniform's heads differed by
+one token), ``ragged(_on)``: the shipped SmolLM2 keydiff profile's per-head budgets at the ratio (the
+model's first layers), off and on, and the ``same`` DynamicCache. Machine noise then hits them all alike,
+so the ratios are the figure to read. ``--layers`` keeps the model's first layers only (the model's other
+work shrinks with it, so the ratio gets stricter):
 
     python benchmarks/cache_bench.py --interleave --contexts 4096 --batch 1 4 --threads 2 --layers 8 --decode-steps 300
 

@@ -12,11 +12,15 @@ from . import AllocationRequest, largest_remainder, register_allocator
 
 @register_allocator("uniform")
 def uniform():
-    """Every head of every layer keeps the same share: round((1 - ratio) * n) tokens, give or take one."""
+    """Every head of every layer keeps the same share: round((1 - ratio) * n) tokens (within the per-head
+    minimum and n). Exactly the same count for every head of a row, so a layer's total can differ from
+    ``round((1 - ratio) * n * H)`` by up to half a token per head; equal heads decode through an exact
+    batched product (``lukv_cache.attention.masked``)."""
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
-        counts = largest_remainder(torch.ones(1, req.num_heads), req.layer_total(), req)
-        return counts.unsqueeze(0).expand(len(req.layers), -1, -1)
+        share = torch.round((1.0 - req.ratio) * req.n_evictable.double()).long()
+        share = torch.minimum(torch.maximum(share, req.min_counts()), req.n_evictable)  # [B]
+        return share.view(1, -1, 1).expand(len(req.layers), -1, req.num_heads)
 
     return allocate
 
