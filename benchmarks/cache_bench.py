@@ -356,12 +356,16 @@ def _time_layer_paths(store, query, suffix, dense, module, steps: int) -> dict[s
         "sdpa": lambda: sdpa_attention_forward(module, query, *dense, None, scaling=0.125),
     }
     times = {name: [] for name in paths}
-    for step in range(steps + 10):
-        for name, fn in paths.items():
-            t0 = time.perf_counter()
-            fn()
-            if step >= 10:  # warm-up
-                times[name].append(time.perf_counter() - t0)
+    limits = masked.LIMIT, masked.EQUAL_LIMIT
+    try:
+        for step in range(steps + 10):
+            for name, fn in paths.items():
+                t0 = time.perf_counter()
+                fn()
+                if step >= 10:  # warm-up
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        masked.LIMIT, masked.EQUAL_LIMIT = limits
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
@@ -370,7 +374,6 @@ def layer_rows(args) -> list[dict]:
     import torch
 
     sys.path.insert(0, ROOT)
-    from lukv_cache.attention import masked
     from lukv_cache.cache.ragged import RaggedStore
 
     torch.set_grad_enabled(False)
@@ -379,7 +382,7 @@ def layer_rows(args) -> list[dict]:
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, hq // h
     gen = torch.Generator().manual_seed(0)
-    limits, rows = (masked.LIMIT, masked.EQUAL_LIMIT), []
+    rows = []
     print(
         f"\nOne layer's decode attention, ms (median of {args.decode_steps}), {args.threads[0]} thread(s), "
         f"ratio {args.ratio}; sdpa = stock sdpa over a DynamicCache of the same tokens per head"
@@ -402,7 +405,6 @@ def layer_rows(args) -> list[dict]:
                 dense = tuple(torch.randn(batch, h, keep + suffix, d, generator=gen) for _ in range(2))
                 row = {"tokens": tokens, "batch": batch, "budgets": budgets, "segments_x_rows": batch * h * n}
                 row.update(_time_layer_paths(store, query, sfx, dense, module, args.decode_steps))
-                masked.LIMIT, masked.EQUAL_LIMIT = limits
                 rows.append(row)
                 print(
                     f"{tokens} | {batch} | {budgets} | {row['segments_x_rows']} | {row['masked']:.3f} | "
