@@ -11,8 +11,8 @@ product with no mask and no extra arithmetic.
 
 With ragged segments the product does ``S`` times the arithmetic of the exact attention, so this serves a
 layer only while ``segments x stored rows`` stays at most :data:`LIMIT` (equal segments: while the rows
-stay at most :data:`EQUAL_LIMIT`; both measured with ``benchmarks/cache_bench.py --layer``), and only in fp32 (in bf16/fp16 the product would round the logits; those take the windows, which
-accumulate in fp32).
+stay at most :data:`EQUAL_LIMIT`; both measured with ``benchmarks/cache_bench.py --layer``), and only in
+fp32 (in bf16/fp16 the product would round the logits; those take the windows, which accumulate in fp32).
 """
 
 from __future__ import annotations

@@ -295,8 +295,8 @@ def build_profiles(
 
     Same arguments as :func:`build_profile`, with ``scorers`` a list. The full-cache decoding of each
     question (the expensive part) is shared by all scorers. ``kvzap`` first learns its surrogate as
-    ``kvzap`` says (:class:`~lukv_cache.profiling.kvzap_options.KVzapTraining`: KVzip targets on real text, then an
-    MLP or ridge regression) and stores it in its profile.
+    ``kvzap`` says (:class:`~lukv_cache.profiling.kvzap_options.KVzapTraining`: KVzip targets on real
+    text, then an MLP or ridge regression) and stores it in its profile.
 
     >>> profiles = build_profiles(model, tokenizer, scorers=["keydiff", "snapkv"])  # doctest: +SKIP
     >>> profiles["snapkv"].window  # doctest: +SKIP

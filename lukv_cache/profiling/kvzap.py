@@ -141,8 +141,9 @@ def train_surrogate(
     regression with strength ``alpha``, closed form on every token) or ``"mlp"`` (:func:`fit_mlp` with
     ``hidden`` units on ``samples`` random positions per 1,024 tokens of each document, drawn with
     ``seed``). ``features``: one of :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's
-    length is an input). ``targets_of(ids)``: the log KVzip+ scores of a document (default :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted
-    build resumes without the repeat passes it already ran). ``spill``: an empty folder where the MLP's
+    length is an input). ``targets_of(ids)``: the log KVzip+ scores of a document (default
+    :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted build resumes
+    without the repeat passes it already ran). ``spill``: an empty folder where the MLP's
     rows wait on disk until their layer is fitted (:class:`TrainingRows`), so memory holds one layer's rows
     at a time instead of every layer's; ``None`` keeps them in memory. Both train the same surrogate."""
     if family not in FAMILIES:

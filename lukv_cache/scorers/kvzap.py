@@ -219,8 +219,8 @@ def rope_inverse(module: Any) -> RopeInverse:
 @dataclass(eq=False)
 class Surrogate:
     """Per layer: a token's features ``x [F]`` (pre-RoPE keys and values of every KV head of the layer,
-    ``F = 2 * H_kv * D``) -> its predicted log KVzip (or KVzip+) score for each KV head, with ``z = (x - mean[l]) /
-    std[l]`` (``mean``/``std [L, F]``):
+    ``F = 2 * H_kv * D``) -> its predicted log KVzip (or KVzip+) score for each KV head, with
+    ``z = (x - mean[l]) / std[l]`` (``mean``/``std [L, F]``):
 
     * ``linear`` (ridge regression): ``z . weight[l, h] + bias[l, h]``, ``weight [L, H_kv, F]``;
     * ``mlp``: ``gelu(hidden_weight[l] z + hidden_bias[l]) . weight[l, h] + bias[l, h]``, with
