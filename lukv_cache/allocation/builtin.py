@@ -246,6 +246,20 @@ def hybrid_global(evict_ratio=None, floor: float = 0.5, profile=None):
     return allocate
 
 
+def _plain_number(value) -> float:
+    """A threshold given as a Python, numpy or 0-d torch number, as a float; bools, NaN and anything else
+    are a ConfigurationError (infinities are allowed: -inf keeps every token, +inf each head's minimum)."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype != torch.bool:
+        value = value.item()
+    elif isinstance(value, np.generic) and not isinstance(value, np.bool_):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigurationError(
+            f"threshold: value must be a number (a score threshold on the scorer's scale, not NaN), got {value!r}."
+        )
+    return float(value)
+
+
 @register_allocator("threshold", adaptive=True)
 def threshold(value: float | None = None, profile=None):
     """KVzap / DMS: keep every evictable token whose score clears a threshold, so the budget follows the
@@ -266,10 +280,14 @@ def threshold(value: float | None = None, profile=None):
                 "threshold: this profile records no score thresholds (a kvzap profile built by lukv build "
                 "--scorer kvzap does); pass value= instead."
             )
-        grid = torch.tensor(table["grid"], dtype=torch.float64)
-        values = torch.tensor(table["values"], dtype=torch.float64)
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigurationError(f"threshold: value must be a number, got {value!r}.")
+        from ..profiles.surrogate import check_thresholds  # a table edited after the profile was read
+
+        where = getattr(profile, "source", None) or "threshold: the profile's surrogate"
+        table_grid, table_values = check_thresholds(table, where, getattr(profile, "source", None))
+        grid = torch.tensor(table_grid, dtype=torch.float64)
+        values = torch.tensor(table_values, dtype=torch.float64)
+    else:
+        value = _plain_number(value)
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
         if values is None:

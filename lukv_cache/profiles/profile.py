@@ -96,7 +96,9 @@ class Profile:
         self.evict_ratio = _as_float32(self.evict_ratio, "evict_ratio", where)
         _check_values(self, where)
         if self.surrogate is not None:
-            surrogate_format.check(self.surrogate, self.num_layers, self.num_kv_heads, self.head_dim, where)
+            surrogate_format.check(
+                self.surrogate, self.num_layers, self.num_kv_heads, self.head_dim, where, self.source
+            )
 
     def __repr__(self) -> str:  # the arrays are large: summarise them
         return (

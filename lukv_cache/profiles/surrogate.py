@@ -5,6 +5,7 @@ dtype, finite values, bounded sizes)."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,9 @@ def from_file(tensors: dict[str, np.ndarray], metadata: str, source: str) -> Sur
     )
 
 
-def check(surrogate: Any, layers: int, heads: int, head_dim: int | None, where: str) -> None:
+def check(
+    surrogate: Any, layers: int, heads: int, head_dim: int | None, where: str, source: str | None = None
+) -> None:
     """Raise :class:`ProfileFormatError` unless ``surrogate`` fits a profile of ``layers`` x ``heads``."""
     if not isinstance(surrogate, Surrogate):
         raise ProfileFormatError(
@@ -110,3 +113,67 @@ def check(surrogate: Any, layers: int, heads: int, head_dim: int | None, where: 
         raise ProfileFormatError(
             f"{where}: invalid kvzap surrogate: {'; '.join(problems)}. Rebuild it: lukv build <model> --scorer kvzap."
         )
+    meta = surrogate.meta
+    if not isinstance(meta, dict):
+        raise ProfileFormatError(
+            f"{where}: invalid kvzap surrogate: meta must be a dict, got {type(meta).__name__}. "
+            "Rebuild it: lukv build <model> --scorer kvzap.",
+            source=source,
+            field="kvzap.meta",
+        )
+    if "thresholds" in meta:
+        check_thresholds(meta["thresholds"], where, source)
+
+
+def _numbers(value: Any) -> list[float] | None:
+    """``value`` as a list of floats if it is a list (or tuple) of plain numbers (no bools, no strings, no
+    nulls, no nesting), else ``None``."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return None
+    return [float(v) for v in value]
+
+
+def check_thresholds(table: Any, where: str, source: str | None = None) -> tuple[list[float], list[float]]:
+    """The score thresholds of a kvzap surrogate (``meta["thresholds"]``, which the ``threshold`` allocator
+    reads): ``{"grid": [G], "values": [G]}``, ``grid`` strictly increasing inside (0, 1) (the global
+    ratios), ``values`` finite and non-decreasing with the ratio (a higher ratio removes more tokens, so
+    its threshold is no lower; :func:`lukv_cache.profiling.kvzap.score_thresholds` records quantiles,
+    which are). Returns ``(grid, values)``; anything else raises :class:`ProfileFormatError` naming the
+    field ``kvzap.thresholds``.
+
+    >>> check_thresholds({"grid": [0.5, 0.9], "values": [-2.0, -1.0]}, "x.safetensors")
+    ([0.5, 0.9], [-2.0, -1.0])
+    """
+    problem = None
+    grid = values = None
+    if not isinstance(table, dict) or not {"grid", "values"} <= set(table):
+        problem = f"must be an object with 'grid' and 'values', got {str(table)[:80]!r}"
+    else:
+        grid, values = _numbers(table["grid"]), _numbers(table["values"])
+        if grid is None or values is None:
+            problem = (
+                "'grid' and 'values' must be lists of numbers (no bools, strings, nulls or nested lists)"
+            )
+        elif not grid or len(grid) != len(values):
+            problem = (
+                f"'grid' and 'values' must be non-empty and of one length, got {len(grid)} and {len(values)}"
+            )
+        elif not all(math.isfinite(g) for g in grid + values):
+            problem = "'grid' and 'values' must be finite (no NaN or infinity)"
+        elif not (all(0.0 < g < 1.0 for g in grid) and all(a < b for a, b in zip(grid, grid[1:]))):
+            problem = f"'grid' must be strictly increasing inside (0, 1), got {grid[:8]}"
+        elif not all(a <= b for a, b in zip(values, values[1:])):
+            problem = (
+                "'values' must not decrease as the ratio grows (a higher ratio keeps fewer tokens, so its "
+                f"score threshold is no lower), got {values[:8]}"
+            )
+    if problem is not None:
+        raise ProfileFormatError(
+            f"{where}: invalid kvzap score thresholds (kvzap.thresholds): {problem}. "
+            "Rebuild it: lukv build <model> --scorer kvzap.",
+            source=source,
+            field="kvzap.thresholds",
+        )
+    return grid, values

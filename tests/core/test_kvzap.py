@@ -514,3 +514,85 @@ def test_a_window_attention_surrogate_without_queries_is_a_typed_error():
             heads=slice(None),
             positions=torch.arange(6)[None],
         )
+
+
+def _with_thresholds(table) -> Surrogate:
+    surrogate = Surrogate.zeros(2, 2, input_size(FEATURE_SETS[0], 64))
+    surrogate.layers = [0, 1]
+    surrogate.meta["thresholds"] = table
+    return surrogate
+
+
+_GOOD_TABLE = {"grid": [0.25, 0.5, 0.75], "values": [-3.0, -2.0, -1.0]}
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        {"grid": [0.25, 0.5, 0.75], "values": [-3.0, float("nan"), -1.0]},  # NaN
+        {"grid": [0.75, 0.5, 0.25], "values": [-3.0, -2.0, -1.0]},  # decreasing grid
+        {"grid": [0.25, 0.5, 0.75], "values": [-3.0, float("inf"), -1.0]},
+        {"grid": [0.0, 0.5, 1.0], "values": [-3.0, -2.0, -1.0]},  # the grid outside (0, 1)
+        {"grid": [0.25, 0.5, 1.5], "values": [-3.0, -2.0, -1.0]},
+        {"grid": [0.25, 0.5, 0.75], "values": [True, False, True]},  # bools
+        {"grid": [True, 0.5, 0.75], "values": [-3.0, -2.0, -1.0]},
+        {"grid": [0.25, 0.5, 0.75], "values": [-1.0, -2.0, -3.0]},  # decreasing with the ratio
+        {"grid": [0.25, 0.5, 0.75], "values": [-3.0, -2.0]},  # lengths differ
+        {"grid": [0.25, 0.5, 0.75], "values": [-3.0, None, -1.0]},  # nulls
+        {"grid": [0.25, 0.5, 0.75], "values": ["-3", "-2", "-1"]},  # strings
+        {"grid": [0.25, 0.5, 0.75], "values": [[-3.0], [-2.0], [-1.0]]},  # nested lists
+        {"grid": [0.25, 0.5, 0.75]},  # no values
+        {"grid": [], "values": []},
+        {"grid": "0.5", "values": "-1"},
+        [0.25, 0.5],  # not a table
+    ],
+)
+def test_a_kvzap_profiles_thresholds_table_is_validated_on_load(table):
+    data = _profile(_with_thresholds(_GOOD_TABLE)).to_bytes()
+    assert Profile.from_bytes(data).surrogate.meta["thresholds"] == _GOOD_TABLE
+    with pytest.raises(ProfileFormatError, match="thresholds") as err:
+        _profile(_with_thresholds(table))
+    assert err.value.field == "kvzap.thresholds"
+    from safetensors.numpy import load, save
+
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    metadata = header["__metadata__"]
+    meta = json.loads(metadata["kvzap"])
+    meta["meta"]["thresholds"] = table
+    metadata["kvzap"] = json.dumps(meta)  # NaN and Infinity as json writes them
+    with pytest.raises(ProfileFormatError, match="thresholds"):
+        Profile.from_bytes(save(load(data), metadata=metadata))
+
+
+def test_the_threshold_allocator_reads_thresholds_that_grow_with_the_ratio():
+    """A higher ratio keeps fewer tokens, so its threshold is higher: the allocator interpolates the table
+    and a row at a higher ratio keeps no more than one at a lower ratio."""
+    from lukv_cache.allocation import AllocationRequest
+    from lukv_cache.allocation.builtin import threshold
+
+    profile = _profile(_with_thresholds({"grid": [0.25, 0.5, 0.75], "values": [-1.0, 0.0, 1.0]}))
+    allocate = threshold(profile=profile)
+    scores = torch.linspace(-2, 2, 200).view(1, 1, 1, 200).expand(1, 2, 2, 200).contiguous()
+    req = AllocationRequest(
+        scores, torch.tensor([200, 200]), torch.tensor([0.25, 0.75], dtype=torch.float64), (0,), 1, 0.0
+    )
+    counts = allocate(req)[0]  # [B, H]
+    assert (counts[0] > counts[1]).all()
+    assert counts[0, 0] == int((torch.linspace(-2, 2, 200) >= -1.0).sum())
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.float64(0.5), torch.tensor(0.5), np.int64(0)])
+def test_the_threshold_allocators_value_takes_numpy_and_0d_torch_numbers(value):
+    from lukv_cache.allocation.builtin import threshold
+
+    threshold(value=value)
+
+
+@pytest.mark.parametrize(
+    "value", [True, np.bool_(True), float("nan"), np.float32("nan"), torch.tensor(True), torch.ones(2), "1"]
+)
+def test_the_threshold_allocators_value_refuses_bools_nan_and_non_numbers(value):
+    from lukv_cache.allocation.builtin import threshold
+
+    with pytest.raises(ConfigurationError, match="value must be a number"):
+        threshold(value=value)
