@@ -229,6 +229,10 @@ class Surrogate:
     ``bias`` is ``[L, H_kv]``. ``layers``: the layers it was trained for (sliding-window layers are never
     evicted and keep zeros). ``meta``: what it was trained on and how well it fits.
 
+    Read-only once a cache scores with it: ``copy.deepcopy`` returns the surrogate itself, so every copy of
+    a cache (the copy-per-question recipe) shares one surrogate instead of duplicating it (11.6 MiB for
+    SmolLM2's); to change a copy's weights, build a new ``Surrogate``.
+
     >>> s = Surrogate.zeros(num_layers=2, heads=2, features=8)
     >>> s.predict(0, torch.ones(1, 3, 8)).shape
     torch.Size([1, 2, 3])
@@ -262,6 +266,9 @@ class Surrogate:
             torch.ones(num_layers, features),
             **mlp,
         )
+
+    def __deepcopy__(self, memo: dict) -> Surrogate:
+        return self  # read-only: shared by every deep copy of a cache (see the class docstring)
 
     @property
     def family(self) -> str:
@@ -400,7 +407,40 @@ def _kvzap(keys, values, queries, *, surrogate, layer_idx, module, heads, positi
     if gather_heads is not None:  # tensor parallelism: every rank's heads make the features
         features = gather_heads(features, dim=2)
     lengths = positions.amax(dim=-1) + 1  # each row's context so far (padding sits at lower positions)
-    return surrogate.predict(layer_idx, features.flatten(2), heads, lengths)
+    features = features.flatten(2)
+    _check_fits(surrogate, layer_idx, features.shape[-1], keys.shape[1], heads)
+    scores = surrogate.predict(layer_idx, features, heads, lengths)
+    if not bool(torch.isfinite(scores).all()):
+        bad = int((~torch.isfinite(scores)).sum())
+        raise ConfigurationError(
+            f"The kvzap surrogate of layer {layer_idx} produced non-finite scores ({bad} of {scores.numel()}): "
+            "its weights overflow (or the model's keys and values are not finite). Rebuild the surrogate "
+            "(lukv build <model> --scorer kvzap), or use another scorer (e.g. 'keydiff')."
+        )
+    return scores
+
+
+def _check_fits(surrogate: Surrogate, layer: int, features: int, kv_heads: int, heads: slice) -> None:
+    """A ConfigurationError naming the layer unless ``surrogate`` has a map for ``layer`` that reads
+    ``features`` token features and predicts ``kv_heads`` heads (``heads`` of its own)."""
+    problem = None
+    expected = input_size(surrogate.features, features)
+    if not 0 <= layer < surrogate.num_layers:
+        problem = f"the surrogate has {surrogate.num_layers} layer(s), none for this one"
+    elif expected != surrogate.num_features:
+        problem = (
+            f"the surrogate reads {surrogate.num_features} inputs per token but the model gives {expected} "
+            f"({features} features of its keys and values for {surrogate.features!r})"
+        )
+    else:
+        predicted = len(range(*heads.indices(surrogate.num_heads)))
+        if predicted != kv_heads:
+            problem = f"the surrogate predicts {predicted} KV head(s) here but the layer has {kv_heads}"
+    if problem is not None:
+        raise ConfigurationError(
+            f"This kvzap surrogate does not fit the model at layer {layer}: {problem}. Use the surrogate "
+            f"built for this model (its kvzap profile), or build one: lukv build <model> --scorer kvzap."
+        )
 
 
 def kvzap_scorer(surrogate: Surrogate, window: int = KVZAP_WINDOW) -> Scorer:

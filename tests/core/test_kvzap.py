@@ -596,3 +596,89 @@ def test_the_threshold_allocators_value_refuses_bools_nan_and_non_numbers(value)
 
     with pytest.raises(ConfigurationError, match="value must be a number"):
         threshold(value=value)
+
+
+def test_a_deep_copied_cache_shares_its_read_only_kvzap_surrogate():
+    """The copy-per-question recipe deep-copies a filled cache for every question: the surrogate (12 MiB
+    for SmolLM2) is read-only and shared by every copy, not duplicated."""
+    import copy
+
+    model = tiny_model("llama", "sdpa")
+    scorer = scorer_for("kvzap", model)
+    cache = LUKVCache(0.5, scorer, sink=4, window=1)
+    with torch.no_grad():
+        model(prompt(1, 80, seed=6), past_key_values=cache)
+    clone = copy.deepcopy(cache)
+    original, copied = scorer.params["surrogate"], clone.scorer.params["surrogate"]
+    for name, tensor in original.tensors().items():
+        assert copied.tensors()[name].data_ptr() == tensor.data_ptr(), name
+    assert copy.deepcopy(original) is original
+    with torch.no_grad():  # the copy still works on its own
+        model(prompt(1, 3, seed=7), past_key_values=clone)
+
+
+def _scorer_call(scorer, model, keys, values, layer_idx=0, heads=slice(None)):
+    t = keys.shape[2]
+    return scorer(
+        keys,
+        values,
+        torch.randn(1, 4, min(t, 32), keys.shape[-1]),
+        layer_idx=layer_idx,
+        module=model.model.layers[min(layer_idx, 1)].self_attn,
+        heads=heads,
+        positions=torch.arange(t)[None],
+    )
+
+
+def test_a_surrogate_whose_width_does_not_fit_the_model_is_a_typed_error_at_the_first_forward():
+    """A surrogate built for another head dim (or a profile with head_dim null, which skips the check on
+    load) names the layer, the inputs it expects and the ones the model gives."""
+    model = tiny_model("llama", "sdpa")  # 2 KV heads x head dim 16
+    features = FEATURE_SETS[3]
+    wrong = Surrogate.zeros(2, 2, input_size(features, base_features(features, 2, 32)))
+    wrong.features, wrong.layers = features, [0, 1]
+    scorer = kvzap_scorer(wrong)
+    keys, values = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    with pytest.raises(ConfigurationError, match=r"layer 0.*261 inputs.*133"):
+        _scorer_call(scorer, model, keys, values)
+    cache = LUKVCache(0.5, scorer, sink=4, window=1)
+    with pytest.raises(ConfigurationError, match="layer 0"), torch.no_grad():
+        model(prompt(1, 60, seed=1), past_key_values=cache)
+    profile = Profile(
+        np.array([0.5], np.float32),
+        np.full((1, 2, 2), 0.5, np.float32),
+        model_id="org/tiny",
+        scorer="kvzap",
+        head_dim=None,
+        window=1,
+        surrogate=wrong,
+    )  # head_dim null: no width check on load
+    cache = LUKVCache(0.5, kvzap_scorer(profile.surrogate), sink=4, window=1)
+    with pytest.raises(ConfigurationError, match="layer 0"), torch.no_grad():
+        model(prompt(1, 60, seed=1), past_key_values=cache)
+
+
+def test_a_surrogate_with_too_few_layers_or_heads_is_a_typed_error():
+    model = tiny_model("llama", "sdpa")
+    features = FEATURE_SETS[3]
+    width = input_size(features, base_features(features, 2, 16))
+    keys, values = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    one_layer = Surrogate.zeros(1, 2, width)
+    one_layer.features, one_layer.layers = features, [0]
+    with pytest.raises(ConfigurationError, match="layer 1.*1 layer"):
+        _scorer_call(kvzap_scorer(one_layer), model, keys, values, layer_idx=1)
+    one_head = Surrogate.zeros(2, 1, width)
+    one_head.features, one_head.layers = features, [0, 1]
+    with pytest.raises(ConfigurationError, match="layer 0.*KV head"):
+        _scorer_call(kvzap_scorer(one_head), model, keys, values)
+
+
+def test_a_surrogate_that_predicts_non_finite_scores_says_which_layer():
+    model = tiny_model("llama", "sdpa")
+    scorer = scorer_for("kvzap", model)
+    surrogate = scorer.params["surrogate"]
+    surrogate.weight[1].fill_(3e38)  # finite, but its products overflow
+    keys, values = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    assert bool(torch.isfinite(_scorer_call(scorer, model, keys, values, layer_idx=0)).all())
+    with pytest.raises(ConfigurationError, match="layer 1.*non-finite"):
+        _scorer_call(scorer, model, keys, values, layer_idx=1)
