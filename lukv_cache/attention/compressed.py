@@ -6,6 +6,12 @@ token's original position for the store and at the last ``S`` positions for the 
 Which implementation serves a call: CUDA, the fused kernels of :mod:`.kernels`; CPU with a mask that hides
 nothing (decode), the masked product of :mod:`.masked` for a small fp32 layer, else the windows of
 :mod:`.windows`; otherwise the two parts (:mod:`.partial`) and their log-sum-exp merge.
+
+Learned attention sinks (``s_aux [Hq]``, GPT-OSS and its kin: one logit per query head in the softmax's
+denominator, with no value) are honoured on every path. The masked product puts the sink in its softmax;
+every other path (the fused Triton kernel, the windows, the parts and merge, the flash-attn kernel inside
+the merge) returns its log-sum-exp ``lse``, and the sink is applied after the fact in fp32:
+``out * sigmoid(lse - s)``, which is ``out * e^lse / (e^lse + e^s)``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,17 @@ def _as_bias(mask: torch.Tensor) -> torch.Tensor:
     return mask.float().clamp_min(torch.finfo(torch.float32).min)
 
 
+def _sink_rows(s_aux: torch.Tensor, h: int, q_len: int) -> torch.Tensor:
+    """fp32 ``[H_kv, M]``: the sink of each grouped query row (row ``m = g * Q + i`` of KV head ``k`` is
+    query head ``k * G + g``)."""
+    return s_aux.float().view(h, -1, 1).expand(-1, -1, q_len).reshape(h, -1)
+
+
+def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """fp32 ``out [B, H_kv, M, D]`` normalised over the keys, renormalised with the sink in the denominator."""
+    return out * torch.sigmoid(lse - sink).unsqueeze(-1)
+
+
 def compressed_attention(
     store: StoreView,
     query: torch.Tensor,
@@ -34,9 +51,13 @@ def compressed_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     softcap: float | None = None,
+    *,
+    s_aux: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [B, Hq, Q, D]`` over ``store`` and the dense suffix ``[B, H_kv, S, D]``.
 
+    ``s_aux``: the learned sink logits ``[Hq]`` (the kwarg GPT-OSS-style models pass to the attention
+    function), one per query head, added to the softmax's denominator with no value (not soft-capped).
     Returns ``[B, Q, Hq, D]`` in the query's dtype, like transformers' stock attention functions.
 
     >>> out = compressed_attention(call.store, query, key, value, mask, scaling=0.125)  # doctest: +SKIP
@@ -46,6 +67,7 @@ def compressed_attention(
     g = hq // h
     grouped = query.reshape(b, h, g * q_len, d)  # row m = g * Q + i
     s = suffix_keys.shape[-2]
+    sink = None if s_aux is None else _sink_rows(s_aux, h, q_len)
 
     key_bias = None
     suffix_bias = None
@@ -56,7 +78,7 @@ def compressed_attention(
         key_bias = bias[store.segment_ids() // h, :, store.positions.long()]  # [N, Q]
     fused = kernels.get_ragged_suffix_kernel(grouped)
     if fused is not None:  # store + suffix in one kernel pass, no host sync
-        out, _ = fused(
+        out, lse = fused(
             grouped,
             store.keys,
             store.values,
@@ -68,6 +90,8 @@ def compressed_attention(
             key_bias=key_bias,
             suffix_bias=suffix_bias,
         )
+        if sink is not None:
+            out = _with_sink(out, lse, sink)
         return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     if suffix_bias is not None and not bool((suffix_bias < 0).any()):
         suffix_bias = None  # decode without padding in the suffix: take the fused CPU path
@@ -76,10 +100,10 @@ def compressed_attention(
     nothing_hidden = suffix_bias is None and key_bias is None
     if nothing_hidden and masked.serves(grouped, store, suffix_keys):  # a small layer: one masked product
         out = masked.masked_ragged_attention(
-            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap
+            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, sink=sink
         )
     elif nothing_hidden and windows.serves(grouped, store.keys, store.values, softcap):
-        out, _ = windows.windowed_ragged_attention(  # store and suffix: three fused calls, one merge
+        out, lse = windows.windowed_ragged_attention(  # store and suffix: three fused calls, one merge
             grouped,
             store.keys,
             store.values,
@@ -87,8 +111,10 @@ def compressed_attention(
             scaling=scaling,
             suffix_keys=suffix_keys,
             suffix_values=suffix_values,
-            with_lse=False,
+            with_lse=sink is not None,
         )
+        if sink is not None:
+            out = _with_sink(out, lse, sink)
     else:  # a mask that hides something, or a softcap on a large layer: the two parts and their merge
         out_s, lse_s = partial_attention(
             grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
@@ -103,5 +129,7 @@ def compressed_attention(
             key_bias=key_bias,
             offsets_list=list(store.offsets_list),
         )
-        out, _ = merge_partials(out_r, lse_r, out_s, lse_s)
+        out, lse = merge_partials(out_r, lse_r, out_s, lse_s)
+        if sink is not None:
+            out = _with_sink(out, lse, sink)
     return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)

@@ -16,6 +16,10 @@ usable exactly when tier 2 is, and tier 2 needs no block mask rebuilt at every f
 :func:`get_ragged_suffix_kernel` is the fused variant for the cache's decode step: store *and* dense
 suffix in one Triton call, the log-sum-exp merge included (Triton only; ``None`` otherwise).
 
+Every tier returns its log-sum-exp with its output: learned attention sinks (``s_aux``) are applied from
+it afterwards by :func:`lukv_cache.attention.compressed.compressed_attention` (``out * sigmoid(lse - s)``),
+so no kernel takes the sink itself.
+
 ``LUKV_RAGGED_KERNEL=flash_attn|triton|torch`` forces one tier (``auto``, the default, picks as above);
 a forced tier that cannot serve a call falls back to the torch reference.
 

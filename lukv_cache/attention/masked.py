@@ -72,9 +72,13 @@ def masked_ragged_attention(
     *,
     scaling: float,
     softcap: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``out [B, H_kv, M, D]``: grouped ``query [B, H_kv, M, D]`` over each segment of ``store`` and
     its rows of the dense suffix ``[B, H_kv, S, D]`` (all attended), the logits soft-capped if asked.
+
+    ``sink``: fp32 sink logits broadcastable to ``[B, H_kv, M]`` (learned attention sinks), one more
+    column of the softmax with no value (not soft-capped).
 
     >>> from lukv_cache.attention.kernels import ragged_with_suffix_reference
     >>> class Store:  # what the cache hands attention (a RaggedStore)
@@ -103,7 +107,10 @@ def masked_ragged_attention(
         logits = torch.tanh(logits.div_(softcap)).mul_(softcap)
     if hidden is not None:
         logits[..., :n].masked_fill_(hidden, float("-inf"))
+    if sink is not None:  # the sink's column joins the softmax, then is dropped
+        sinks = sink.expand(b, h, m).reshape(segments, m, 1)
+        logits = torch.cat([logits, sinks], dim=-1)
     weights = torch.softmax(logits, dim=-1)
     out = weights[..., :n] @ values
-    out.baddbmm_(weights[..., n:], suffix_values.flatten(0, 1))
+    out.baddbmm_(weights[..., n : n + suffix_k.shape[-2]], suffix_values.flatten(0, 1))
     return out.view(b, h, m, -1)

@@ -48,7 +48,14 @@ def route(stock: Callable | None) -> Callable:
             output = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:
             out = compressed_attention(
-                call.store, query, key, value, attention_mask, scale, kwargs.get("softcap")
+                call.store,
+                query,
+                key,
+                value,
+                attention_mask,
+                scale,
+                kwargs.get("softcap"),
+                s_aux=kwargs.get("s_aux"),
             )
             output = (out, None)
         if call is not None:
