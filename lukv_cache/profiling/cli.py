@@ -41,6 +41,17 @@ def _build(args: argparse.Namespace) -> int:
         )
     if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
         raise ConfigurationError(f"--cache-dir {args.cache_dir!r} is a file; give a folder.")
+    kvzap = KVzapTraining(  # every --kvzap-* option and their combinations, before the model loads
+        documents=tuple(args.kvzap_documents or KVzapTraining().documents),
+        corpora=tuple(args.kvzap_corpus or KVzapTraining().corpora),
+        family=args.kvzap_family,
+        hidden=args.kvzap_hidden,
+        length=args.kvzap_length,
+        window_attention=args.kvzap_window_attention,
+        target=args.kvzap_target,
+    )
+    if "kvzap" in scorers:
+        _check_kvzap(kvzap, args)
     start = time.perf_counter()
     if args.threads:
         import torch
@@ -64,15 +75,7 @@ def _build(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
         model_id=args.model_id,
         extra=extra,
-        kvzap=KVzapTraining(
-            documents=tuple(args.kvzap_documents or KVzapTraining().documents),
-            corpora=tuple(args.kvzap_corpus or KVzapTraining().corpora),
-            family=args.kvzap_family,
-            hidden=args.kvzap_hidden,
-            length=args.kvzap_length,
-            window_attention=args.kvzap_window_attention,
-            target=args.kvzap_target,
-        ),
+        kvzap=kvzap,
     )
     for name, profile in profiles.items():
         path = profile.save(args.out if single_file else args.out / f"{name}.safetensors")
@@ -85,6 +88,25 @@ def _build(args: argparse.Namespace) -> int:
         f"built {len(profiles)} profile(s) in {time.perf_counter() - start:.1f} s, peak RSS {peak_mib:.0f} MiB"
     )
     return 0
+
+
+def _check_kvzap(training: KVzapTraining, args: argparse.Namespace) -> None:
+    """What a kvzap build needs of this model, from its config and tokenizer (not its weights): documents
+    its positions do not cut below the minimum, memory for the surrogate, disk for the MLP's spilled rows,
+    and a corpus holding the documents asked for."""
+    import shutil
+
+    from ..models import load_config, load_tokenizer, max_positions
+    from .build import _targets_root
+
+    config = load_config(args.model)
+    free = None
+    root = _targets_root(args.cache_dir)
+    if root is not None:
+        existing = next((p for p in (root, *root.parents) if p.is_dir()), None)
+        free = shutil.disk_usage(existing).free if existing is not None else None
+    training.check_for(config, free_disk=free)
+    training.corpus(load_tokenizer(args.model), args.seed, max_positions(config))
 
 
 def _show(args: argparse.Namespace) -> int:

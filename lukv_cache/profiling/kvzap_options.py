@@ -16,6 +16,11 @@ FAMILIES = ("linear", "mlp")
 TARGETS = ("kvzip_plus", "kvzip")  # the reconstruction scores a surrogate learns (their log)
 LENGTH_INPUTS = ("none", "log", "interactions")  # -> lukv_cache.scorers.kvzap.FEATURE_SETS, in order
 SKIP_FIRST = 4  # attention sinks: always kept, and their scores are outliers a surrogate need not learn
+# the recent window kvzap protects (lukv_cache.scorers.kvzap.KVZAP_WINDOW; a test checks they agree): the
+# score thresholds are read past the sinks and before it, so a document needs more than both
+THRESHOLD_WINDOW = 32
+MIN_TOKENS = SKIP_FIRST + THRESHOLD_WINDOW + 1
+MAX_HIDDEN = 1 << 16  # the widest MLP a profile holds (lukv_cache.profiles.surrogate; a test checks)
 
 
 @dataclass(frozen=True)
@@ -87,13 +92,14 @@ class KVzapTraining:
             not isinstance(groups, tuple)
             or not groups
             or not all(
-                isinstance(g, tuple) and len(g) == 2 and count(g[0]) and count(g[1]) and g[1] > SKIP_FIRST
+                isinstance(g, tuple) and len(g) == 2 and count(g[0]) and count(g[1]) and g[1] >= MIN_TOKENS
                 for g in groups
             )
         ):
             raise ConfigurationError(
-                f"kvzap documents must be (count, tokens) pairs of positive integers (tokens > {SKIP_FIRST}), "
-                f"e.g. ((48, 1024), (8, 4096)); got {groups!r}."
+                f"kvzap documents must be (count, tokens) pairs of positive integers, tokens at least "
+                f"{MIN_TOKENS} (the {SKIP_FIRST} sinks and the {THRESHOLD_WINDOW}-token window are not "
+                f"scored), e.g. ((48, 1024), (8, 4096)) (--kvzap-documents 48x1024 8x4096); got {groups!r}."
             )
         unknown = [c for c in self.corpora if c not in CORPORA]
         if not self.corpora or unknown or len(set(self.corpora)) != len(self.corpora):
@@ -106,8 +112,76 @@ class KVzapTraining:
             raise ConfigurationError(
                 f"kvzap samples and hidden must be positive integers; got {self.samples!r}, {self.hidden!r}."
             )
+        if self.hidden > MAX_HIDDEN:
+            raise ConfigurationError(
+                f"kvzap hidden is the MLP's width and a profile holds at most {MAX_HIDDEN}; got {self.hidden}. "
+                "Pass a smaller --kvzap-hidden (default 128; kvpress uses 512)."
+            )
         if not (isinstance(self.alpha, int | float) and not isinstance(self.alpha, bool) and self.alpha >= 0):
             raise ConfigurationError(f"kvzap alpha must be a number >= 0; got {self.alpha!r}.")
+
+    def rows_per_layer(self, max_tokens: int | None = None) -> int:
+        """The MLP's training rows per layer: ``samples`` random tokens per 1,024 of each document past its
+        sinks, at least one per document (``max_tokens``: the model's positions, which cut documents)."""
+        rows = 0
+        for count, tokens in self.documents:
+            scored = min(tokens, max_tokens or tokens) - SKIP_FIRST
+            rows += count * max(1, self.samples * scored // 1024)
+        return rows
+
+    def footprint(self, config: Any) -> dict[str, int]:
+        """Bytes a build of this surrogate needs for a model of ``config`` (an upper bound: every layer
+        counted as full-attention): ``"surrogate"`` (its float32 weights, in memory and in the profile),
+        ``"training"`` (the ridge's float64 statistics of every layer, or the MLP's rows of one layer and
+        its training copy) and ``"disk"`` (the MLP's spilled rows of every layer, float32: ``layers x
+        rows x (inputs + KV heads) x 4``; 0 for the ridge).
+
+        >>> from transformers import LlamaConfig
+        >>> smollm2 = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+        ...                       num_key_value_heads=3, max_position_embeddings=8192)
+        >>> KVzapTraining().footprint(smollm2)["disk"] / 2**30  # 30 x 49,024 rows x 778 x 4 bytes
+        4.262...
+        """
+        layers, heads, f = _shape(config, self.features)
+        rows = self.rows_per_layer(_positions(config))
+        if self.family == "linear":
+            return {
+                "surrogate": 4 * layers * (heads * f + heads + 2 * f),
+                "training": 8 * layers * (f * f + f * heads + f + 2 * heads),
+                "disk": 0,
+            }
+        m = self.hidden
+        return {
+            "surrogate": 4 * layers * (m * f + m + heads * m + heads + 2 * f),
+            "training": 2 * 4 * rows * (f + heads),
+            "disk": 4 * layers * rows * (f + heads),
+        }
+
+    def check_for(self, config: Any, free_disk: int | None = None, memory: int | None = None) -> None:
+        """Refuse, before the model's weights load, a training this model cannot run: documents its positions
+        cut below :data:`MIN_TOKENS`, a surrogate and its training data larger than ``memory`` (bytes;
+        default the machine's), spilled rows larger than ``free_disk`` (bytes; ``None``: not checked).
+        Raises :class:`ConfigurationError` saying which option to change."""
+        limit = _positions(config)
+        if limit is not None and limit < MIN_TOKENS:  # every document is cut to the model's positions
+            raise ConfigurationError(
+                f"The model has {limit} positions: kvzap's training documents need at least {MIN_TOKENS}."
+            )
+        need = self.footprint(config)
+        memory = _physical_memory() if memory is None else memory
+        if memory and need["surrogate"] + need["training"] > memory:
+            raise ConfigurationError(
+                f"A kvzap {self.family} surrogate of this shape needs about "
+                f"{(need['surrogate'] + need['training']) / 2**30:.1f} GiB of memory to train (its weights "
+                f"{need['surrogate'] / 2**30:.1f} GiB), more than this machine's {memory / 2**30:.1f} GiB. "
+                "Pass a smaller --kvzap-hidden, or fewer or shorter --kvzap-documents."
+            )
+        if free_disk is not None and need["disk"] > free_disk:
+            raise ConfigurationError(
+                f"A kvzap MLP build spills {need['disk'] / 2**30:.1f} GiB of training rows to its cache folder, "
+                f"which has {free_disk / 2**30:.1f} GiB free. Free some space, pass another --cache-dir, or "
+                "pass fewer or shorter --kvzap-documents."
+            )
 
     def corpus(self, tokenizer: Any, seed: int = 0, max_tokens: int | None = None) -> list[torch.Tensor]:
         """The training documents ``[1, tokens]`` (each cut to ``max_tokens``, the model's positions)."""
@@ -133,3 +207,32 @@ class KVzapTraining:
     def describe(self) -> str:
         groups = " + ".join(f"{count} x {tokens:,}" for count, tokens in self.documents)
         return f"{', '.join(self.corpora)}: {groups} tokens"
+
+
+def _positions(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def _shape(config: Any, feature_set: str) -> tuple[int, int, int]:
+    """(layers, KV heads, a surrogate's inputs) for a model of ``config`` and ``feature_set``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    base = heads * (2 * head_dim + (1 if "+window_attention" in feature_set else 0))
+    inputs = (
+        base
+        if feature_set.endswith("values")
+        else (base + 1 if feature_set.endswith("+log_length") else 2 * base + 1)
+    )
+    return int(text.num_hidden_layers), int(heads), int(inputs)
+
+
+def _physical_memory() -> int | None:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
