@@ -19,7 +19,7 @@ and the cache raises on its next ``update`` if a call went unclaimed.
 
 from __future__ import annotations
 
-import contextvars
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +57,9 @@ class AttentionCall:
     values: torch.Tensor
     store: StoreView | None
     on_finish: Callable[..., None]
+    # the attention module that read this layer last time (a weak reference), once known: only that module
+    # receiving other keys is a model changing them between update() and attention
+    module: weakref.ref | None = None
 
     def finish(
         self,
@@ -76,17 +79,34 @@ class AttentionCall:
         self.on_finish(self, module, query, attention_mask, sliding_window, scaling, softcap)
 
 
-_PENDING: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("lukv_pending", default=None)
+# This thread's pending call. A threading.local rather than a ContextVar: torch.compile traces reads and
+# writes of it (a ContextVar breaks fullgraph tracing of every model once lukv_cache is imported), and a
+# forward never interleaves with another one in the same thread.
+_PENDING = threading.local()
+
+
+def _pending() -> AttentionCall | None:
+    return getattr(_PENDING, "call", None)
+
+
+def any_pending() -> bool:
+    """Whether a LUKVCache call waits for its attention in this thread (cheap; torch.compile traces it)."""
+    return _pending() is not None
 
 
 def announce_attention(call: AttentionCall) -> None:
     """Called by the cache in ``update()``: ``call`` awaits this forward's attention function."""
-    _PENDING.set(call)
+    _PENDING.call = call
+
+
+def discard_attention() -> None:
+    """Forget this thread's pending call, if any (a cache that is reset, or starts a new forward)."""
+    _PENDING.call = None
 
 
 def peek_attention(key: torch.Tensor) -> AttentionCall | None:
     """The pending call whose keys are ``key`` (without claiming it), else ``None``."""
-    call = _PENDING.get()
+    call = _pending()
     return call if call is not None and call.keys is key else None
 
 
@@ -94,23 +114,27 @@ def claim_attention(module: Any, key: torch.Tensor) -> AttentionCall | None:
     """The pending call for ``key`` (the tensor ``update()`` returned), claimed; ``None`` for keys that no
     LUKVCache announced (another cache, a sliding layer): those go to the stock attention.
 
-    Raises :class:`~lukv_cache.errors.IncompatibleAttentionError` when the call for this very layer is
-    pending but the attention received other keys (the model changed them between ``update`` and
+    Every attention call consumes the pending call, claimed or not, so nothing a cache announced outlives
+    the next attention call of its thread: a call left unclaimed (a forward that raised, ``update()`` called
+    by hand) cannot touch a later forward of any cache. Raises
+    :class:`~lukv_cache.errors.IncompatibleAttentionError` only when the very module that read this layer
+    before receives other keys than the cache returned (the model changed them between ``update`` and
     attention, so the store could not be merged exactly).
     """
-    call = _PENDING.get()
+    call = _pending()
     if call is None:
         return None
-    if call.keys is not key:
-        if call.layer_idx == getattr(module, "layer_idx", None):
-            raise IncompatibleAttentionError(
-                f"Layer {call.layer_idx}: the attention function received other keys than the LUKVCache returned "
-                f"({type(module).__name__} changes them between update() and attention). This model cannot use "
-                "LUKVCache; use transformers' DynamicCache."
-            )
-        return None
-    _PENDING.set(None)
-    return call
+    _PENDING.call = None
+    if call.keys is key:
+        return call
+    if call.module is not None and call.module() is module:
+        raise IncompatibleAttentionError(
+            f"Layer {call.layer_idx}: the attention function received other keys than the LUKVCache returned "
+            f"({type(module).__name__} changes them between update() and attention), so the compressed tokens "
+            "cannot be attended to exactly. This model family cannot use LUKVCache; use transformers' "
+            "DynamicCache."
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------- the guard
@@ -144,6 +168,7 @@ def _guard(name: str, fn: Callable) -> Callable:
 
     def guarded(module, query, key, *args, **kwargs):
         if peek_attention(key) is not None:
+            discard_attention()  # the forward ends here: nothing may wait for an attention that never comes
             raise IncompatibleAttentionError(
                 f"attn_implementation={name!r} cannot read a LUKVCache (its compressed tokens live in a ragged "
                 "store). Use attn_implementation='sdpa' or 'eager' for this model, e.g. "

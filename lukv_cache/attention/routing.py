@@ -17,18 +17,24 @@ from collections.abc import Callable
 import torch
 
 from ..errors import IncompatibleAttentionError
-from .calls import claim_attention, guard_attention, lukv_aware
+from .calls import any_pending, claim_attention, guard_attention, lukv_aware
 from .compressed import compressed_attention
+
+_EAGER: dict[type, Callable] = {}  # attention module class -> its modeling file's eager function
 
 
 def _model_eager(module: torch.nn.Module) -> Callable:
     """The ``eager_attention_forward`` of the module's own modeling file (softcap, sinks... included)."""
+    fn = _EAGER.get(type(module))
+    if fn is not None:
+        return fn
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
         raise IncompatibleAttentionError(
             f"{type(module).__name__} has no eager_attention_forward in its modeling file; "
             "use attn_implementation='sdpa' with LUKVCache."
         )
+    _EAGER[type(module)] = fn
     return fn
 
 
@@ -42,6 +48,9 @@ def route(stock: Callable | None) -> Callable:
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         fn = stock if stock is not None else _model_eager(module)
+        # no LUKVCache call waits in this thread: the stock function alone (what torch.compile traces)
+        if not any_pending():
+            return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         call = claim_attention(module, key)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if call is None or call.store is None:
@@ -57,7 +66,27 @@ def route(stock: Callable | None) -> Callable:
                 kwargs.get("softcap"),
                 s_aux=kwargs.get("s_aux"),
             )
-            output = (out, None)
+            weights = None
+            # The eager function returns its weights (sdpa returns None): so do we, over the logical
+            # positions, when this forward asks for them as transformers' output recorder reads it (the
+            # kwarg, else the config), so that a plain decode step computes nothing more.
+            if stock is None and (
+                kwargs["output_attentions"]
+                if "output_attentions" in kwargs
+                else getattr(getattr(module, "config", None), "output_attentions", False)
+            ):
+                from .compressed import attention_weights
+
+                weights = attention_weights(
+                    call.store,
+                    query,
+                    key,
+                    attention_mask,
+                    scale,
+                    kwargs.get("softcap"),
+                    s_aux=kwargs.get("s_aux"),
+                )
+            output = (out, weights)
         if call is not None:
             call.finish(
                 module,

@@ -8,6 +8,7 @@ import math
 import numbers
 import os
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 
 from ..allocation import AllocationRequest, get_allocator
-from ..attention.calls import AttentionCall, announce_attention, guard_attention
+from ..attention.calls import AttentionCall, announce_attention, discard_attention, guard_attention
 from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
 from ..scorers import Scorer, get_scorer
 from ..scorers.kvzap import kvzap_scorer
@@ -325,6 +326,9 @@ class LUKVCache(DynamicCache):
         self._config_checked = False
         self._record_past = False
         self._awaiting: int | None = None  # layer whose announced attention has not run yet
+        # layer -> the attention module that read it (weak): a call announced for it names its reader
+        self._readers: dict[int, weakref.ref] = {}
+        self._unrouted = False  # the model attends in its own code, never through the attention interface
         self._deferred: dict[int, tuple[Region, torch.Tensor | None]] = {}
         # decode_max_tokens: layers whose fold is due in this forward -> (attention module, mask)
         self._folding: dict[int, tuple[Any, torch.Tensor | None]] = {}
@@ -479,6 +483,9 @@ class LUKVCache(DynamicCache):
         if layer_idx == 0:
             guard_attention()  # implementations registered since import must not read this cache silently
             self._cap_ratio = None
+            if self._awaiting is not None:  # a previous forward raised between update() and attention
+                self._awaiting = None
+                discard_attention()
             if self._deferred:  # a forward ended before its last full-attention layer compressed
                 self._evict_deferred()
             if self._folding:  # likewise for a fold
@@ -495,19 +502,30 @@ class LUKVCache(DynamicCache):
                 "context's token ids: fill the cache with cache.prefill(model, input_ids, tokenizer=tokenizer) "
                 "(then generate from it), or pick a scorer that ranks from the prefill alone (e.g. 'keydiff')."
             )
-        if self._awaiting is not None and (self.evicts or self.is_compressed):
-            raise IncompatibleAttentionError(
-                f"LUKVCache layer {self._awaiting}: the previous attention call did not go through lukv_cache's "
-                "attention (the model's attn_implementation cannot read a compressed cache). "
-                "Load the model with attn_implementation='sdpa' or 'eager' (import lukv_cache first)."
-            )
+        if self._awaiting is not None:
+            awaiting, self._awaiting = self._awaiting, None
+            discard_attention()
+            if self.evicts or self.is_compressed:
+                raise IncompatibleAttentionError(
+                    f"LUKVCache layer {awaiting}: the model attended without going through transformers' "
+                    "attention interface, so no lukv_cache attention function read the layer. This model family "
+                    "computes attention in its own code (as Bloom, Falcon, GPT-J, GPT-Neo, MPT, CodeGen, XGLM and "
+                    "CPM-Ant do), which cannot read a compressed cache whatever attn_implementation is set: only "
+                    "ratio=0 works with it, so use transformers' DynamicCache for this model."
+                )
+            # ratio 0, nothing compressed: the model's own attention code reads the dense layers exactly;
+            # announce nothing more (no call may wait for an attention function that never comes)
+            self._unrouted = True
         self._check_batch(key_states)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
-        if isinstance(layer, LUKVLayer):
+        if isinstance(layer, LUKVLayer) and not self._unrouted:
             self._set_fold(layer)
             self._awaiting = layer_idx
-            announce_attention(AttentionCall(layer_idx, keys, values, layer.store, self._after_attention))
+            reader = self._readers.get(layer_idx)
+            announce_attention(
+                AttentionCall(layer_idx, keys, values, layer.store, self._after_attention, module=reader)
+            )
         return keys, values
 
     def _check_batch(self, key_states: torch.Tensor) -> None:
@@ -544,6 +562,8 @@ class LUKVCache(DynamicCache):
         self._awaiting = None
         idx = call.layer_idx
         layer = self.layers[idx]
+        if idx not in self._readers:
+            self._readers[idx] = weakref.ref(module)
         if self._phase == "reconstruct":
             self._score_round(idx, module, query, scaling, softcap)
             return
@@ -1043,7 +1063,10 @@ class LUKVCache(DynamicCache):
         """Empty the cache for a new prompt, also after a forward that was interrupted (Ctrl-C, out of
         memory) inside a layer: nothing of that forward is left pending."""
         super().reset()
+        if self._awaiting is not None:
+            discard_attention()
         self._awaiting = None
+        self._readers, self._unrouted = {}, False
         self._deferred, self._held, self._folding = {}, {}, {}
         self._phase, self._round, self._cap_ratio = None, None, None
         if self.prefill_scores is not None:
