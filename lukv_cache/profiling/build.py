@@ -17,7 +17,10 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +77,71 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+_SPILL_PREFIX = "kvzap-rows-"  # + the owning build's pid + "-" + a random suffix
+
+
+def _spill_owner(name: str) -> int | None:
+    """The pid in a spill folder's name (``kvzap-rows-<pid>-<random>``); ``None`` for a folder of the
+    release before, which put no pid in it."""
+    pid, sep, _ = name.removeprefix(_SPILL_PREFIX).partition("-")
+    return int(pid) if sep and pid.isdigit() else None
+
+
+def _sweep_spills(root: Path) -> None:
+    """Remove the row folders of builds that no longer run (killed, or stopped before they could clean):
+    those whose pid is not a live process, and those of the release before (no pid in the name). Another
+    build running now keeps its own."""
+    for folder in root.glob(f"{_SPILL_PREFIX}*"):
+        pid = _spill_owner(folder.name)
+        if folder.is_dir() and (pid is None or not _running(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _on_sigterm(cleanup: Callable[[], None]):
+    """While inside: a SIGTERM first runs ``cleanup``, then does what it did before (the default: the
+    process dies of the signal). Only the main thread can install handlers; elsewhere, and where SIGTERM
+    was ignored, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+
+    def handler(signum, frame):
+        cleanup()
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:  # SIG_DFL (or set outside Python): die of the signal, as without this handler
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _spill_folder(root: Path | None):
+    """A fresh folder ``<root>/kvzap-rows-<pid>-<random>`` (``root=None``: the system's temporary folder)
+    for the MLP's training rows, removed on the way out, on SIGTERM too; the stale folders of earlier
+    builds are swept first (:func:`_sweep_spills`). A SIGKILL leaves it for the next build to sweep."""
+    base = Path(tempfile.gettempdir()) if root is None else root
+    base.mkdir(parents=True, exist_ok=True)
+    _sweep_spills(base)
+    folder = Path(tempfile.mkdtemp(prefix=f"{_SPILL_PREFIX}{os.getpid()}-", dir=base))
+    try:
+        with _on_sigterm(lambda: shutil.rmtree(folder, ignore_errors=True)):
+            yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class _ResultStore:
@@ -461,13 +529,14 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
     docs = training.corpus(tokenizer, seed, max_positions(model.config))
     targets = cached_kvzip_plus_targets(model, tokenizer, cache_dir, training.target)
 
-    # the MLP's rows wait on disk, next to the cached targets, one file per layer (memory: one layer's rows)
+    # the MLP's rows wait on disk, next to the cached targets, one file per layer (memory: one layer's rows);
+    # the folder goes when training ends, fails or is stopped by SIGTERM, and a killed build's at the next
     root = _targets_root(cache_dir)
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
-    spill = tempfile.TemporaryDirectory(prefix="kvzap-rows-", dir=root) if training.family == "mlp" else None
+    spill = _spill_folder(root) if training.family == "mlp" else contextlib.nullcontext()
     bar = tqdm(total=len(docs), desc="KVzap surrogate", unit="document", disable=not show_progress)
-    with bar, spill or contextlib.nullcontext():
+    with bar, spill as folder:
         surrogate = train_surrogate(
             model,
             tokenizer,
@@ -481,7 +550,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             progress=lambda done: bar.update(done - bar.n),
             targets_of=targets,
             meta={"corpus": f"{training.describe()} ({len(docs)} documents)", "target": training.target},
-            spill=None if spill is None else spill.name,
+            spill=folder,
         )
     spread = docs[:: max(1, len(docs) // 8)][:8]  # 8 documents across the groups, lengths and corpora
     surrogate.meta["thresholds"] = score_thresholds(model, surrogate, spread, DEFAULT_GRID, KVZAP_WINDOW)

@@ -293,3 +293,57 @@ def test_a_kvzap_build_refuses_training_options_of_another_type(tiny_model, byte
             show_progress=False,
             kvzap=48,
         )
+
+
+def test_a_kvzap_build_sweeps_spill_folders_no_live_build_owns():
+    """An interrupted build's row folders (<cache-dir>/kvzap-rows-*) go at the next build, unless the
+    build named in them still runs; folders of the release before (no pid in the name) count as stale."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from lukv_cache.profiling.build import _spill_folder
+
+    root = Path(tempfile.mkdtemp())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [root / "kvzap-rows-ab12cd_e", root / f"kvzap-rows-{dead.pid}-x1y2z3"]
+    live = root / f"kvzap-rows-{os.getpid()}-q9w8e7"
+    for folder in (*stale, live):
+        folder.mkdir()
+        (folder / "0.x").write_bytes(b"\0" * 64)
+    with _spill_folder(root) as folder:
+        assert folder.parent == root and folder.name.startswith(f"kvzap-rows-{os.getpid()}-")
+        assert not any(p.exists() for p in stale) and live.exists()
+    assert not folder.exists() and live.exists()
+
+
+def test_a_kvzap_build_stopped_by_sigterm_removes_its_spill_folder(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from lukv_cache.profiling.build import _spill_folder\n"
+        "with _spill_folder(Path(sys.argv[1])) as folder:\n"
+        "    (folder / '0.x').write_bytes(b'rows')\n"
+        "    print(folder, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        folder = Path(child.stdout.readline().strip())
+        assert folder.is_dir()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) == -signal.SIGTERM  # still dies of the signal
+    finally:
+        child.kill()
+    assert not folder.exists() and not list(tmp_path.glob("kvzap-rows-*"))
