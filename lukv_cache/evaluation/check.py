@@ -93,7 +93,13 @@ def read_contexts(
         if not qs:
             raise ConfigurationError(f"{questions}: no questions (one per line).")
         for path in texts:
-            contexts.append((_read_text(path, "The text file"), qs))
+            text = _read_text(path, "The text file")
+            if not text.strip():
+                raise ConfigurationError(
+                    f"The text file {str(path)!r} is empty (or only whitespace): there is no context to "
+                    "compress. Put the context's text in it, or drop it from --text."
+                )
+            contexts.append((text, qs))
     if not contexts:
         raise ConfigurationError(
             "Nothing to check: pass calibration JSONL files, or text files and --questions."
@@ -150,8 +156,8 @@ def _max_token_chars(tokenizer: Any) -> int | None:
 def encode_contexts(
     tokenizer: Any, contexts: Sequence[Context], config: Any, max_new_tokens: int
 ) -> list[Encoded]:
-    """Each context's ids and its questions' prompt ids, refusing (:class:`ConfigurationError`) a context
-    whose ids, longest question and answer do not fit the model's positions (``config``).
+    """Each context's ids and its questions' prompt ids, refusing (:class:`ConfigurationError`) an empty
+    context and one whose ids, longest question and answer do not fit the model's positions (``config``).
 
     A text far too long is refused from its length in characters, before it is tokenised: tokenising
     megabytes costs gigabytes, and prefilling millions of tokens far more."""
@@ -169,7 +175,12 @@ def encode_contexts(
                 f"question) + max_new_tokens={max_new_tokens}",
                 _SHORTEN,
             )
-        ids = _encode(tokenizer, context)
+        ids = _encode(tokenizer, context) if isinstance(context, str) and context.strip() else None
+        if ids is None or ids.shape[1] == 0:
+            raise ConfigurationError(
+                f"Context {number} is empty (or only whitespace): there is no context to compress. "
+                "Give each context some text."
+            )
         prompts = [_encode(tokenizer, text) for text in texts]
         needed = ids.shape[1] + max((p.shape[1] for p in prompts), default=0) + max_new_tokens
         what = (

@@ -135,3 +135,16 @@ def test_a_bad_thread_count_is_an_argparse_error(command, threads, capsys):
         main([*command, "--threads", threads])
     assert info.value.code == 2
     assert "argument --threads: must be a positive number of CPU threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "   \n\t\n"])
+def test_an_empty_context_is_refused_before_the_weights_load(model_dir, tmp_path, no_weights, capsys, text):
+    assert _check(model_dir, tmp_path, text=text) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert "context.txt" in err and "empty" in err
+
+
+def test_check_refuses_an_empty_context_before_any_prefill(model, tokenizer):
+    with pytest.raises(ConfigurationError, match="empty"):
+        check(model, tokenizer, [("", ["When?"])], ratios=[0.5], allocators=["uniform"], show_progress=False)
