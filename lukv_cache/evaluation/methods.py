@@ -66,9 +66,10 @@ def build_methods(
 def make_cache(
     method: Method, model: Any, profiles_dir: str | os.PathLike[str] | None = None, *, hub: bool = False
 ) -> Any:
-    """A fresh, empty cache for ``method``. ``profile`` and ``hybrid`` read the model's profile for the
-    scorer (``profiles_dir`` first, the Hub only when ``hub=True``, then the profiles shipped with
-    lukv_cache); a missing profile raises a ``ProfileError``.
+    """A fresh, empty cache for ``method``. The allocators of :data:`PROFILE_ALLOCATORS`, and every
+    allocator with scorer ``kvzap``, read the model's profile for the scorer (``profiles_dir`` first, the Hub
+    only when ``hub=True``, then the profiles shipped with lukv_cache; a model loaded from a folder: see
+    :func:`profile_source`); a missing profile, or one of another shape, raises a ``ProfileError``.
 
     >>> make_cache(Method("adakv", "keydiff", 0.8), model).allocator_name
     'adakv'
@@ -82,11 +83,76 @@ def make_cache(
     if method.allocator not in PROFILE_ALLOCATORS and method.scorer != "kvzap":
         return LUKVCache(method.ratio, method.scorer, method.allocator, config=model.config)
     # the model's profile: the budgets, or (kvzap) the surrogate whatever the allocator
-    return LUKVCache.from_pretrained(
-        model,
+    source = profile_source(model, method.scorer, profiles_dir)
+    cache = LUKVCache.from_pretrained(
+        source,
         method.ratio,
         method.scorer,
         allocator=method.allocator,
         local_dir=profiles_dir,
         local_files_only=not hub,
+        **({} if source is model else {"config": model.config}),
     )
+    if source is not model:  # a file or a model id: from_pretrained saw no model to check the shape against
+        cache.profile.validate_for(model.config)
+    return cache
+
+
+def profile_source(model: Any, scorer: str | None, profiles_dir: str | os.PathLike[str] | None = None) -> Any:
+    """What :func:`make_cache` reads ``model``'s profile from: the model itself when its name is a Hub id
+    (``from_pretrained`` looks it up in ``profiles_dir``, the Hub, the shipped profiles). A model loaded from
+    a folder has the folder as its name, which keys no shared profile: then ``<profiles_dir>/<scorer>.safetensors``
+    (what ``lukv build <folder> --scorer <scorer> --out <profiles_dir>`` writes), else the Hub id the folder's
+    ``config.json`` names (``_name_or_path``, which older transformers saved), else a
+    :class:`~lukv_cache.errors.ProfileNotFoundError` saying how to build one (``lukv check`` skips the
+    rows that need it, with that note)."""
+    from pathlib import Path
+
+    from ..errors import ConfigurationError, ProfileNotFoundError
+    from ..profiles.download import model_id_of
+    from ..profiles.location import PREFERRED_SCORERS, check_model_id
+
+    name = model_id_of(model)
+    try:
+        check_model_id(name)
+        hub_id = not Path(name).is_dir()
+    except ConfigurationError:
+        hub_id = False
+    if hub_id or not name:
+        return model  # from_pretrained says what is wrong with a nameless model
+    for candidate in [scorer] if scorer else PREFERRED_SCORERS:
+        if profiles_dir is not None and (Path(profiles_dir) / f"{candidate}.safetensors").is_file():
+            return Path(profiles_dir) / f"{candidate}.safetensors"
+    named = _config_model_id(Path(name))
+    if named is not None:
+        return named
+    try:
+        check_model_id(name)
+        return model  # a folder named like a Hub id: its shared profile, as for the Hub model
+    except ConfigurationError:
+        pass
+    wanted = scorer or PREFERRED_SCORERS[-1]
+    looked = (
+        f"{profiles_dir}/{wanted}.safetensors" if profiles_dir is not None else "no --profiles folder given"
+    )
+    raise ProfileNotFoundError(
+        f"no {wanted} profile for the model folder {name!r} (looked for {looked}; build one with "
+        f"`lukv build {name} --scorer {wanted} --out <folder>` and pass --profiles <folder>)",
+        model_id=name,
+        scorer=wanted,
+    )
+
+
+def _config_model_id(folder: Any) -> str | None:
+    """The Hub id a model folder's ``config.json`` names as its origin (``_name_or_path``), if any."""
+    import json
+
+    from ..errors import ConfigurationError
+    from ..profiles.location import check_model_id
+
+    try:
+        named = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
+        check_model_id(named)
+    except (OSError, ValueError, AttributeError, ConfigurationError):
+        return None
+    return named

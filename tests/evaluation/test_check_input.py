@@ -148,3 +148,116 @@ def test_an_empty_context_is_refused_before_the_weights_load(model_dir, tmp_path
 def test_check_refuses_an_empty_context_before_any_prefill(model, tokenizer):
     with pytest.raises(ConfigurationError, match="empty"):
         check(model, tokenizer, [("", ["When?"])], ratios=[0.5], allocators=["uniform"], show_progress=False)
+
+
+def _folder_profile(model_dir, scorer, out_dir, surrogate=None):
+    """A profile built for the model folder (model_id = the folder, as `lukv build <folder>` writes it)."""
+    import numpy as np
+
+    from lukv_cache.profiles import Profile
+
+    grid = np.array([0.25, 0.5, 0.75, 0.95], dtype=np.float32)
+    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
+    profile = Profile(
+        grid, ratios, model_id=str(model_dir), scorer=scorer, head_dim=16, window=1, surrogate=surrogate
+    )
+    return profile.save(out_dir / f"{scorer}.safetensors")
+
+
+def _kvzap_surrogate():
+    import torch
+
+    from lukv_cache.scorers.kvzap import FEATURE_SETS, Surrogate, base_features, input_size
+
+    features = FEATURE_SETS[3]
+    surrogate = Surrogate.zeros(2, 2, input_size(features, base_features(features, 2, 16)))
+    surrogate.features, surrogate.layers = features, [0, 1]
+    surrogate.weight.copy_(torch.randn(surrogate.weight.shape, generator=torch.Generator().manual_seed(0)))
+    surrogate.meta["thresholds"] = {"grid": [0.25, 0.5, 0.75], "values": [-1.0, 0.0, 1.0]}
+    return surrogate
+
+
+def _rows(out: str) -> dict[str, str]:
+    """allocator -> its first table line ('skipped: ...' or the figures)."""
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split(maxsplit=2)
+        if len(parts) == 3 and parts[1].replace(".", "").isdigit():
+            rows.setdefault(parts[0], parts[2])
+    return rows
+
+
+def test_docs_check_example_on_a_model_folder_skips_a_missing_profile_with_a_note(
+    model_dir, tmp_path, capsys
+):
+    """docs/check.md: `lukv check ./my-model --text ... --questions ... --scorer keydiff` (the default
+    allocators include profile): the profile rows are skipped with a note, the others measured."""
+    assert _check(model_dir, tmp_path, "--scorer", "keydiff", "--ratios", "0.5") == 0, capsys.readouterr().err
+    rows = _rows(capsys.readouterr().out)
+    assert (
+        rows["profile"].startswith("skipped:")
+        and "keydiff" in rows["profile"]
+        and "--profiles" in rows["profile"]
+    )
+    assert not rows["uniform"].startswith("skipped") and not rows["adakv"].startswith("skipped")
+
+
+def test_a_model_folder_reads_the_profiles_given(model_dir, tmp_path, capsys):
+    profiles = tmp_path / "profiles"
+    _folder_profile(model_dir, "keydiff", profiles)
+    assert _check(model_dir, tmp_path, "--ratios", "0.5", "--profiles", str(profiles)) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert not rows["profile"].startswith("skipped"), rows
+
+
+@pytest.mark.parametrize("allocators", [["threshold"], ["uniform", "global"]])
+def test_a_model_folder_reads_its_kvzap_profile_for_every_allocator(model_dir, tmp_path, capsys, allocators):
+    profiles = tmp_path / "profiles"
+    _folder_profile(model_dir, "kvzap", profiles, surrogate=_kvzap_surrogate())
+    args = ["--scorer", "kvzap", "--ratios", "0.5", "--allocators", *allocators, "--profiles", str(profiles)]
+    assert _check(model_dir, tmp_path, *args) == 0, capsys.readouterr().err
+    rows = _rows(capsys.readouterr().out)
+    assert all(not rows[a].startswith("skipped") for a in allocators), rows
+    assert (
+        _check(model_dir, tmp_path, "--scorer", "kvzap", "--ratios", "0.5", "--allocators", *allocators) == 0
+    )
+    rows = _rows(capsys.readouterr().out)
+    assert all(rows[a].startswith("skipped") for a in allocators), rows
+
+
+def test_a_model_folder_whose_config_names_a_hub_model_reads_that_models_profile(tmp_path, capsys):
+    """A folder saved by an older transformers keeps `_name_or_path` in its config.json: the model it names
+    is the profile's key (here a mirror of it in --profiles)."""
+    import json
+
+    from lukv_cache.profiles import save_to_local_dir
+
+    folder = tmp_path / "fine-tune"
+    tiny_llama().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny-base"}))
+    from lukv_cache.profiles import Profile
+
+    keydiff = Profile.load(_folder_profile(folder, "keydiff", tmp_path / "flat"))
+    keydiff.model_id = "org/tiny-base"
+    save_to_local_dir(keydiff, tmp_path / "mirror")
+    assert _check(folder, tmp_path, "--ratios", "0.5", "--profiles", str(tmp_path / "mirror")) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert not rows["profile"].startswith("skipped"), rows
+
+
+def test_a_profile_of_another_shape_in_the_profiles_given_is_skipped_with_the_reason(
+    model_dir, tmp_path, capsys
+):
+    import numpy as np
+
+    from lukv_cache.profiles import Profile
+
+    grid = np.array([0.5], dtype=np.float32)
+    Profile(grid, np.full((1, 5, 2), 0.5, np.float32), model_id="x", scorer="keydiff").save(
+        tmp_path / "p" / "keydiff.safetensors"
+    )
+    assert _check(model_dir, tmp_path, "--ratios", "0.5", "--profiles", str(tmp_path / "p")) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["profile"].startswith("skipped:") and "5 layers" in rows["profile"], rows
