@@ -12,6 +12,9 @@ denominator, with no value) are honoured on every path. The masked product puts 
 every other path (the fused Triton kernel, the windows, the parts and merge, the flash-attn kernel inside
 the merge) returns its log-sum-exp ``lse``, and the sink is applied after the fact in fp32:
 ``out * sigmoid(lse - s)``, which is ``out * e^lse / (e^lse + e^s)``.
+
+:func:`attention_weights` gives the weights of the same softmax over the logical key positions, what the
+routed eager attention returns when ``output_attentions`` asks for them (never on the plain decode path).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from . import kernels, masked, windows
 from .calls import StoreView
-from .partial import merge_partials, partial_attention, ragged_attention
+from .partial import _softcap, merge_partials, partial_attention, ragged_attention
 
 
 def _as_bias(mask: torch.Tensor) -> torch.Tensor:
@@ -133,3 +136,56 @@ def compressed_attention(
         if sink is not None:
             out = _with_sink(out, lse, sink)
     return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+
+
+def attention_weights(
+    store: StoreView,
+    query: torch.Tensor,
+    suffix_keys: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    *,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The softmax weights of :func:`compressed_attention` over the logical key positions, what an eager
+    attention function returns for ``output_attentions``: ``[B, Hq, Q, K]`` in the query's dtype.
+
+    ``K`` is the mask's last dimension (without a mask: the last stored position + 1 + ``S``). A stored
+    token's weight is in its original column (``store.positions``), the suffix fills the last ``S``
+    columns, and the evicted columns are 0. With ``s_aux`` the sinks' share is left out (rows sum to less
+    than 1), as in GPT-OSS's eager attention. fp32 logits of the result's size, one matmul per (row, KV
+    head) segment; the attention itself never calls this (the routed eager does, only when asked).
+
+    >>> w = attention_weights(call.store, query, key, mask, scaling=0.125)  # doctest: +SKIP
+    """
+    b, hq, q_len, d = query.shape
+    h, s = suffix_keys.shape[1], suffix_keys.shape[-2]
+    g = hq // h
+    if attention_mask is not None:
+        k_len = attention_mask.shape[-1]
+    else:
+        k_len = (int(store.positions.max()) + 1 if store.num_tokens else 0) + s
+    # Keys broadcast over the G query heads, as eager's repeat_kv: the same products, bit for bit.
+    grouped = query.float().reshape(b * h, g, q_len, d)
+    logits = grouped.new_full((b * h, g, q_len, k_len), float("-inf"))
+    suffix_t = suffix_keys.float().flatten(0, 1).mT.unsqueeze(1)  # [B * H_kv, 1, D, S]
+    suffix = torch.matmul(grouped, suffix_t.expand(-1, g, -1, -1)) * scaling
+    logits[..., k_len - s :] = _softcap(suffix, softcap)
+    columns = store.positions.long()
+    keys = store.keys
+    bounds = store.offsets_list
+    for seg in range(b * h):
+        lo, hi = bounds[seg], bounds[seg + 1]
+        if hi > lo:
+            part = torch.matmul(grouped[seg], keys[lo:hi].float().mT.expand(g, -1, -1)) * scaling
+            logits[seg, :, :, columns[lo:hi]] = _softcap(part, softcap)
+    logits = logits.view(b, h, g, q_len, k_len)
+    if attention_mask is not None:
+        bias = _as_bias(attention_mask[:, 0])  # [B or 1, Q, K]
+        logits += bias.expand(b, q_len, k_len)[:, None, None]
+    logits = logits.view(b, hq, q_len, k_len)
+    if s_aux is not None:  # the sink's column joins the softmax, then is dropped
+        sinks = s_aux.float().view(1, hq, 1, 1).expand(b, hq, q_len, 1)
+        logits = torch.cat([logits, sinks], dim=-1)
+    return torch.softmax(logits, dim=-1)[..., :k_len].to(query.dtype)
