@@ -7,6 +7,7 @@ import copy
 import math
 import numbers
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -145,6 +146,30 @@ def _decode_window(decode_window, decode_max_tokens: int | None, sink: int, wind
             f"lower decode_window to at most {decode_max_tokens - sink}, or raise decode_max_tokens."
         )
     return decode_window
+
+
+def generate_prefill_chunk() -> int | None:
+    """The chunk size when the running forward is a chunk of transformers' chunked prefill
+    (``model.generate(..., prefill_chunk_size=C)``), else ``None``.
+
+    The cache cannot tell such a chunk from a question sent after a context (both are a later multi-token
+    forward) by what it receives, so it looks for ``GenerationMixin._prefill``'s chunk loop on the call
+    stack (transformers 5.23, the pinned release): cheap, and only asked after a compressed multi-token
+    forward.
+
+    >>> generate_prefill_chunk() is None
+    True
+    """
+    frame = sys._getframe(1)
+    for _ in range(128):  # the model's forward, its layers and wrappers lie between _prefill and here
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_prefill" and frame.f_globals.get("__name__") == "transformers.generation.utils":
+            config = frame.f_locals.get("generation_config")
+            chunk = getattr(config, "prefill_chunk_size", None)
+            return int(chunk) if chunk is not None and "chunk_idx" in frame.f_locals else None
+        frame = frame.f_back
+    return None
 
 
 def _check_decodes(scorer: Scorer) -> None:
@@ -730,12 +755,13 @@ class LUKVCache(DynamicCache):
         return rescore(self.scorer, held, keys, values, layer.queries, layer.num_heads)
 
     def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
-        """Compress after a multi-token forward: always the first time, then whenever chunked prefill
-        (``prefill_chunk_size``) has piled up that many uncompressed tokens (every time under a
-        ``max_tokens`` cap)."""
+        """Compress after a multi-token forward: always the first time; every chunk of transformers'
+        chunked prefill (``generate(prefill_chunk_size=...)``, the last shorter chunk too); otherwise
+        whenever the cache's own ``prefill_chunk_size`` has piled up that many uncompressed tokens (every
+        time under a ``max_tokens`` cap). Other later forwards (a question after a context) are kept whole."""
         if query_length <= 1:
             return False
-        if not layer.compressed:
+        if not layer.compressed or generate_prefill_chunk() is not None:
             return True
         chunk = self.policy.prefill_chunk_size
         if chunk is not None and self.policy.max_tokens is not None:
