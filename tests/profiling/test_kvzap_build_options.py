@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from conftest import ByteTokenizer, tiny_llama
 from lukv_cache import models
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
@@ -21,15 +20,15 @@ from lukv_cache.profiling.kvzap_options import (
 
 
 @pytest.fixture
-def no_weights(monkeypatch):
+def no_weights(monkeypatch, tiny_model, byte_tokenizer):
     """The model's config and tokenizer are cheap and allowed; its weights are not."""
 
     def load_model(*args, **kwargs):
         raise AssertionError("the model's weights were loaded before the kvzap options were checked")
 
     monkeypatch.setattr(profiling_cli, "_load_model", load_model)
-    monkeypatch.setattr(models, "load_config", lambda name: tiny_llama().config)
-    monkeypatch.setattr(models, "load_tokenizer", lambda name: ByteTokenizer())
+    monkeypatch.setattr(models, "load_config", lambda name: tiny_model.config)
+    monkeypatch.setattr(models, "load_tokenizer", lambda name: byte_tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +51,7 @@ def test_bad_kvzap_options_are_refused_before_the_weights_load(
     assert err.startswith("error: ") and "\n" not in err and message in err, err
 
 
-def test_the_shortest_documents_allowed_give_score_thresholds():
+def test_the_shortest_documents_allowed_give_score_thresholds(tiny_model):
     """A document of MIN_TOKENS tokens still has one token between the sinks and the window for the
     thresholds' quantiles (one fewer and the build died after training: quantile of an empty tensor)."""
     import torch
@@ -60,7 +59,7 @@ def test_the_shortest_documents_allowed_give_score_thresholds():
     from lukv_cache.profiling.kvzap import score_thresholds, train_surrogate
     from lukv_cache.scorers.kvzip import RepeatPrompt
 
-    model = tiny_llama()
+    model = tiny_model
     docs = [
         torch.randint(2, 120, (1, MIN_TOKENS), generator=torch.Generator().manual_seed(s)) for s in range(2)
     ]
@@ -73,12 +72,12 @@ def test_the_shortest_documents_allowed_give_score_thresholds():
         KVzapTraining(documents=((2, MIN_TOKENS - 1),))
 
 
-def test_the_options_limits_agree_with_the_scorer_and_the_profile_format():
+def test_the_options_limits_agree_with_the_scorer_and_the_profile_format(tiny_model):
     from lukv_cache.profiles.surrogate import _MAX_HIDDEN
     from lukv_cache.scorers.kvzap import FEATURE_SETS, KVZAP_WINDOW, base_features, input_size
 
     assert THRESHOLD_WINDOW == KVZAP_WINDOW and MAX_HIDDEN == _MAX_HIDDEN
-    config = tiny_llama().config
+    config = tiny_model.config
     for features in FEATURE_SETS:
         assert _shape(config, features) == (2, 2, input_size(features, base_features(features, 2, 16)))
 
