@@ -1,0 +1,65 @@
+"""The model-family matrix (issue 30): every decoder-only text family of the installed transformers, one
+test each, all in this one process (a family's failure must not change the next family's result).
+
+Each test builds the family's tiny model and runs the case of ``families.run_family``; the outcome must be
+``families.expected(model_type)`` (``works`` for a family this table does not know yet), and a typed error
+or warning must contain ``EXPECTED_MESSAGE[model_type]``. Families that crash or are silently wrong today
+expect their fixed outcome and are ``xfail(strict=True)``: a fix makes them XPASS, which fails the run
+until ``XFAIL`` (and ``EXPECTED``) in families.py are updated. Select or exclude with ``-m families``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import families  # noqa: E402
+
+pytestmark = pytest.mark.families
+
+
+def _params():
+    params = []
+    for model_type in families.matrix_families():
+        marks = []
+        if model_type in families.XFAIL:
+            marks.append(pytest.mark.xfail(strict=True, reason=families.XFAIL[model_type]))
+        params.append(pytest.param(model_type, marks=marks, id=model_type))
+    return params
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_quiet():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # transformers' config chatter (token ids, rope) on every tiny config
+    yield
+    logging.disable(previous)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model_type", _params())
+def test_family(model_type):
+    result = families.run_family(model_type)
+    want = families.expected(model_type)
+    summary = f"{result.outcome}: {result.detail} {result.error_type} {result.frame}".strip()
+    assert result.outcome == want, f"{model_type}: expected {want}, got {summary}"
+    message = families.EXPECTED_MESSAGE.get(model_type)
+    if message is not None:
+        assert message in result.detail, f"{model_type}: expected a message with {message!r}, got {summary}"
+
+
+def test_expectations_are_acceptable():
+    """raw_crash and silently_wrong are never expected: such families expect their fix and are xfail."""
+    bad = {t: o for t, o in families.EXPECTED.items() if o in ("raw_crash", "silently_wrong")}
+    assert not bad, bad
+    assert set(families.EXPECTED.values()) <= set(families.OUTCOMES)
+    assert set(families.XFAIL) <= set(families.EXPECTED)
+    assert set(families.EXPECTED_MESSAGE) <= set(families.EXPECTED)
