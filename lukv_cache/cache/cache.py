@@ -164,7 +164,10 @@ def generate_prefill_chunk() -> int | None:
     for _ in range(128):  # the model's forward, its layers and wrappers lie between _prefill and here
         if frame is None:
             return None
-        if frame.f_code.co_name == "_prefill" and frame.f_globals.get("__name__") == "transformers.generation.utils":
+        if (
+            frame.f_code.co_name == "_prefill"
+            and frame.f_globals.get("__name__") == "transformers.generation.utils"
+        ):
             config = frame.f_locals.get("generation_config")
             chunk = getattr(config, "prefill_chunk_size", None)
             return int(chunk) if chunk is not None and "chunk_idx" in frame.f_locals else None
@@ -686,13 +689,18 @@ class LUKVCache(DynamicCache):
             held_tokens(layer, self._suffix_valid(folding[i][1], layer), policy.sink, policy.decode_window)
             for i, layer in zip(idxs, layers)
         ]
-        protected = frames[0].protected.sum(-1).view(b, h).amax(-1).cpu()  # the same for every head
-        room = policy.decode_max_tokens - protected  # evictable tokens a head keeps on average
         heads = h * (1 if shard is None else shard.size)
-        allowed = room * len(idxs) * heads
-        evictable = torch.stack([f.evictable.sum(-1).view(b, h) for f in frames]).cpu()  # [L, B, H]
+        # [L, B, H] protected (sinks, recent window) and evictable tokens: layers that hold different
+        # amounts protect different counts, and the bound counts every layer's and head's own
+        protected = torch.stack([f.protected.sum(-1).view(b, h) for f in frames]).cpu()
+        evictable = torch.stack([f.evictable.sum(-1).view(b, h) for f in frames]).cpu()
         if shard is not None:
-            evictable = shard.gather(evictable, dim=2)
+            protected, evictable = shard.gather(protected, dim=2), shard.gather(evictable, dim=2)
+        # [B] evictable tokens the folding layers may keep in all, so that each row holds at most
+        # decode_max_tokens per (layer, KV head) on average, protected tokens included
+        allowed = (policy.decode_max_tokens * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
+        room = allowed.double() / (len(idxs) * heads)  # evictable tokens a head keeps on average
+        protected = protected.double().mean((0, 2))  # [B], per head
         row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator
         fits = bool(row_fits.all())
         raw = None
@@ -712,7 +720,7 @@ class LUKVCache(DynamicCache):
             ).view(len(idxs), b, h, width)
             if shard is not None:
                 scores = shard.gather(scores, dim=2)
-            n = (real - protected).clamp_min(0)
+            n = (real - protected.round().long()).clamp_min(0)
             request = AllocationRequest(
                 scores=scores,
                 n_evictable=n,
