@@ -14,6 +14,7 @@ from __future__ import annotations
 from ._after_import import when_imported
 from ._lazy import lazy_names
 from .errors import (
+    BatchIndexError,
     BatchMismatchError,
     CalibrationFormatError,
     ConfigurationError,
@@ -26,9 +27,11 @@ from .errors import (
     ProfileMismatchError,
     ProfileNotFoundError,
     PublishError,
+    RaggedCacheError,
     TensorParallelError,
     TextUnavailableError,
     UnknownNameError,
+    UnsupportedOperationError,
 )
 
 __version__ = "0.1.0"
@@ -76,6 +79,7 @@ when_imported("transformers.modeling_utils", _install_attention)
 __all__ = [
     "AllocationRequest",
     "Allocator",
+    "BatchIndexError",
     "BatchMismatchError",
     "CalibrationFormatError",
     "ConfigurationError",
@@ -90,10 +94,12 @@ __all__ = [
     "ProfileMismatchError",
     "ProfileNotFoundError",
     "PublishError",
+    "RaggedCacheError",
     "Scorer",
     "TensorParallelError",
     "TextUnavailableError",
     "UnknownNameError",
+    "UnsupportedOperationError",
     "build_profile",
     "build_profiles",
     "get_allocator",

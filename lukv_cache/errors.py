@@ -60,6 +60,34 @@ class BatchMismatchError(ConfigurationError):
         self.expected, self.got = expected, got
 
 
+class BatchIndexError(LUKVError, IndexError):
+    """A batch row index out of range for the rows the cache holds (``batch_select_indices``); ``index``
+    and ``batch`` are attributes and the cache is unchanged. Prints e.g. ``batch_select_indices: row 3 is
+    out of range for a batch of 2 rows ...``."""
+
+    def __init__(self, message: str, *, index: int, batch: int):
+        super().__init__(message)
+        self.index, self.batch = index, batch
+
+
+class RaggedCacheError(LUKVError, RuntimeError):
+    """A dense ``[B, H, T, D]`` read (``layer.keys`` / ``layer.values``, iterating the cache) of a LUKVCache
+    layer that has none: its KV heads hold different tokens, or a row lost tokens to eviction. The message
+    names the ragged reads: ``layer.head_tokens(row, head)``, ``layer.store`` with ``layer.suffix_keys`` /
+    ``layer.suffix_values``, ``cache.stored_tokens()``.
+
+    Prints e.g. ``This LUKVCache layer has no dense [batch, kv_heads, tokens, head_dim] keys/values: KV heads
+    hold different numbers of tokens (row 0: [9, 13] per head). ... Read a compressed layer as it is stored:
+    ...``.
+    """
+
+
+class UnsupportedOperationError(LUKVError, NotImplementedError):
+    """Something LUKVCache does not support: ``torch.export`` of a model with a LUKVCache, or assigning a
+    layer's ``keys`` / ``values`` (they are computed from the layer's store and suffix). The message says
+    what to use instead."""
+
+
 class TensorParallelError(ConfigurationError):
     """The cache cannot map its KV heads onto a tensor-parallel model: the KV heads do not split evenly over
     the tensor-parallel ranks, this rank holds another number of them than that split gives, or the

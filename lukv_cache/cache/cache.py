@@ -613,7 +613,9 @@ class LUKVCache(DynamicCache):
         # ratio 0 keeps every token: no scoring needed (a reconstruction scorer could not score here anyway)
         wanted = (evictable and self.evicts) or self.prefill_scores is not None
         if wanted and self.scorer.reconstruction is None:
-            valid = valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.keys.device)
+            valid = valid_from_mask(
+                attention_mask, layer.batch_size, layer.suffix_length, layer.suffix_keys.device
+            )
             context = self._score_context(idx, module, layer, attention_mask)
             raw = score_suffix(self.policy.scorer, layer, query, valid, context)
             if self.prefill_scores is not None:
@@ -683,7 +685,7 @@ class LUKVCache(DynamicCache):
         idxs = sorted(folding)
         layers = [self.layers[i] for i in idxs]
         first = layers[0]
-        b, h, device = first.batch_size, first.num_heads, first.keys.device
+        b, h, device = first.batch_size, first.num_heads, first.suffix_keys.device
         real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
         frames = [
             held_tokens(layer, self._suffix_valid(folding[i][1], layer), policy.sink, policy.decode_window)
@@ -744,7 +746,9 @@ class LUKVCache(DynamicCache):
 
     @staticmethod
     def _suffix_valid(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch.Tensor:
-        return valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.keys.device)
+        return valid_from_mask(
+            attention_mask, layer.batch_size, layer.suffix_length, layer.suffix_keys.device
+        )
 
     def _held_scores(
         self, idx: int, layer: LUKVLayer, held: Held, module: Any, attention_mask: torch.Tensor | None
@@ -758,8 +762,8 @@ class LUKVCache(DynamicCache):
             suffix = score_suffix(self.scorer, layer, layer.queries, valid, context)
             stored = None if store is None or store.scores is None else store.scores.unsqueeze(-1)
             return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
-        keys = gather_held(held, None if store is None else store.keys, layer.keys)
-        values = gather_held(held, None if store is None else store.values, layer.values)
+        keys = gather_held(held, None if store is None else store.keys, layer.suffix_keys)
+        values = gather_held(held, None if store is None else store.values, layer.suffix_values)
         return rescore(self.scorer, held, keys, values, layer.queries, layer.num_heads)
 
     def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
@@ -913,7 +917,7 @@ class LUKVCache(DynamicCache):
                 raise ConfigurationError(
                     f"Scores for layer {idx} must have shape {list(expected)}, got {got}."
                 )
-            raw = raw.float().to(layer.keys.device)
+            raw = raw.float().to(layer.suffix_keys.device)
             if self.prefill_scores is not None:
                 self.prefill_scores[idx] = raw
             evictable = region.length and bool(region.n_evictable.any())
@@ -970,10 +974,10 @@ class LUKVCache(DynamicCache):
             if bounds is None:
                 continue
             start, end = bounds
-            weight = value_norms(module, layer.values[row, :, start:end]) if weighted else None
+            weight = value_norms(module, layer.suffix_values[row, :, start:end]) if weighted else None
             round_.scores[idx][row, :, start:end] = chunk_scores(
                 query[row],
-                layer.keys[row],
+                layer.suffix_keys[row],
                 bounds,
                 round_.sinks[row],
                 round_.mask[row],

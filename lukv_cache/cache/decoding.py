@@ -59,7 +59,7 @@ def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -
     The first ``sink`` held tokens of a segment are its row's first real tokens (sinks are never evicted and
     every held token is real), so a row of a padded batch protects what it protects alone.
     """
-    b, h, s, device = layer.batch_size, layer.num_heads, layer.suffix_length, layer.keys.device
+    b, h, s, device = layer.batch_size, layer.num_heads, layer.suffix_length, layer.suffix_keys.device
     store = layer.store
     n_store = 0 if store is None else store.num_tokens
     in_store = torch.zeros(b * h, dtype=torch.long, device=device) if store is None else store.counts()

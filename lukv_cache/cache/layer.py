@@ -9,6 +9,14 @@
 The layer owns its tensors and knows nothing of eviction policy: the cache decides what to keep and calls
 :meth:`LUKVLayer.evict`. Lengths reported to transformers are *logical* (tokens seen), never the stored
 count: transformers builds one mask per forward from them and indexes padding by absolute position.
+
+``suffix_keys`` / ``suffix_values`` are the dense suffix (what :meth:`LUKVLayer.update` returns, and what
+attention reads beside the store). ``keys`` / ``values`` are what a ``DynamicLayer`` holds, the *logical*
+content ``[B, H, T, D]`` (T = ``cumulative_length``, column = absolute position), built on each read (never
+on the forward path), when the layer has one: every KV head of a row holds the same tokens and a row's held
+tokens run unbroken up to T. Columns before a row's first held token are left padding, never stored, and
+read as zeros (the attention mask hides them). Otherwise reading them raises
+:class:`~lukv_cache.errors.RaggedCacheError`; :meth:`LUKVLayer.head_tokens` reads one (row, KV head).
 """
 
 from __future__ import annotations
@@ -16,7 +24,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from ..errors import BatchMismatchError
+from ..errors import (
+    BatchIndexError,
+    BatchMismatchError,
+    ConfigurationError,
+    RaggedCacheError,
+    UnsupportedOperationError,
+)
 from .ragged import RaggedStore, flat_index_from_mask, gather_ragged
 
 _MIN_SUFFIX_CAPACITY = 16  # room to decode after compression before the buffer first grows
@@ -33,9 +47,13 @@ class LUKVLayer(DynamicLayer):
     >>> keys, values = layer.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
     >>> layer.get_seq_length(), layer.store is None
     (5, True)
+    >>> layer.keys.shape, layer.suffix_keys.shape  # logical content; the dense suffix
+    (torch.Size([1, 2, 5, 4]), torch.Size([1, 2, 5, 4]))
     """
 
     def __init__(self) -> None:
+        self.suffix_keys: torch.Tensor | None = None
+        self.suffix_values: torch.Tensor | None = None
         super().__init__()
         self.cumulative_length = 0
         self.store: RaggedStore | None = None
@@ -75,8 +93,118 @@ class LUKVLayer(DynamicLayer):
         self.is_initialized = True
 
     def _sync_views(self) -> None:
-        self.keys = self._kbuf[:, :, : self._suffix_len]
-        self.values = self._vbuf[:, :, : self._suffix_len]
+        self.suffix_keys = self._kbuf[:, :, : self._suffix_len]
+        self.suffix_values = self._vbuf[:, :, : self._suffix_len]
+
+    # ------------------------------------------------------------------ reading the layer
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """``[B, H, T, D]``: the logical keys (see the module docstring), ``None`` before the first update;
+        :class:`~lukv_cache.errors.RaggedCacheError` when the heads of a row hold different tokens."""
+        return self._logical(values=False)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._assign("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """``[B, H, T, D]``: the logical values, as :attr:`keys`."""
+        return self._logical(values=True)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._assign("values", value)
+
+    def _assign(self, name: str, value) -> None:
+        # transformers' CacheLayerMixin.__init__ (and DynamicLayer.reset) set keys/values to None
+        if value is None and not getattr(self, "is_initialized", False):
+            return
+        raise UnsupportedOperationError(
+            f"LUKVLayer.{name} cannot be assigned: it is computed from the layer's ragged store and dense suffix. "
+            "Change a LUKVCache through its own methods (update, crop, reset, reorder_cache, "
+            "batch_select_indices, batch_repeat_interleave), or copy its content into a DynamicCache."
+        )
+
+    def head_tokens(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What KV head ``head`` of batch row ``row`` holds, oldest first: int64 positions ``[n]`` (the
+        absolute column of each token), keys ``[n, D]`` and values ``[n, D]`` (store, then suffix).
+
+        >>> layer = LUKVLayer()
+        >>> _ = layer.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+        >>> positions, keys, values = layer.head_tokens(0, 1)
+        >>> positions.tolist(), keys.shape
+        ([0, 1, 2], torch.Size([3, 4]))
+        """
+        if not self.is_initialized:
+            raise IndexError("head_tokens: the layer holds nothing yet")
+        if not (0 <= row < self.batch_size and 0 <= head < self.num_heads):
+            raise IndexError(
+                f"head_tokens({row}, {head}): the layer holds {self.batch_size} rows x {self.num_heads} KV heads"
+            )
+        s, t = self._suffix_len, self.cumulative_length
+        device = self._kbuf.device
+        suffix_pos = torch.arange(t - s, t, device=device)
+        if self.store is None:
+            return suffix_pos, self.suffix_keys[row, head], self.suffix_values[row, head]
+        seg = row * self.num_heads + head
+        a, b = self.store.offsets_list[seg], self.store.offsets_list[seg + 1]
+        positions = torch.cat([self.store.positions[a:b].long().to(device), suffix_pos])
+        keys = torch.cat([self.store.keys[a:b].to(device), self.suffix_keys[row, head]])
+        values = torch.cat([self.store.values[a:b].to(device), self.suffix_values[row, head]])
+        return positions, keys, values
+
+    def _logical(self, *, values: bool) -> torch.Tensor | None:
+        """The logical ``[B, H, T, D]`` keys (or values): store tokens at their positions, the suffix in
+        the last S columns, zeros before each row's first held token (left padding)."""
+        if not self.is_initialized:
+            return None
+        suffix = self.suffix_values if values else self.suffix_keys
+        b, h, s, d = suffix.shape
+        t = self.cumulative_length
+        if self.store is None and s == t:
+            return suffix
+        out = suffix.new_zeros((b, h, t, d))
+        out[:, :, t - s :] = suffix
+        if self.store is None or self.store.num_tokens == 0:
+            return out
+        store = self.store
+        counts = store.counts().view(b, h).cpu()
+        flat = (store.values if values else store.keys).to(out.device)
+        for row in range(b):
+            held = counts[row]
+            a, n = store.offsets_list[row * h], int(held[0])
+            if bool((held != n).any()):
+                self._ragged(
+                    f"KV heads hold different numbers of tokens (row {row}: {held.tolist()} per head)"
+                )
+            if n == 0:
+                continue
+            pos = store.positions[a : a + n * h].view(h, n).long()
+            if not bool((pos == pos[:1]).all()):
+                self._ragged(f"KV heads hold different tokens (row {row})")
+            first = int(pos[0, 0])
+            if first + n != t - s or int(pos[0, -1]) != t - s - 1:
+                self._ragged(
+                    f"row {row} holds {n + s} of its tokens from position {first} on, out of {t - first}: the "
+                    "others were evicted"
+                )
+            out[row, :, first : t - s] = flat[a : a + n * h].view(h, n, d)
+        return out
+
+    def _ragged(self, why: str) -> None:
+        raise RaggedCacheError(
+            f"This LUKVCache layer has no dense [batch, kv_heads, tokens, head_dim] keys/values: {why}. "
+            "layer.keys / layer.values and iterating the cache (what DynamicCache readers do) give the logical "
+            "content only while every KV head of a row holds the same tokens, with none missing after the "
+            "row's first (e.g. at ratio 0). Read a compressed layer as it is stored: "
+            "layer.head_tokens(row, head) gives one (row, KV head)'s positions, keys and values; layer.store is "
+            "the ragged store (store.keys / store.values [N, head_dim], every kept token of every (row, KV head) "
+            "back to back, segment row * kv_heads + head at store.offsets[s]:store.offsets[s + 1], "
+            "store.positions their original positions) and layer.suffix_keys / layer.suffix_values "
+            "[batch, kv_heads, S, head_dim] the dense suffix, the layer's last S positions in every head; "
+            "cache.stored_tokens() counts the tokens per (layer, row, KV head)."
+        )
 
     def _set_suffix(self, keys: torch.Tensor, values: torch.Tensor, capacity: int | None = None) -> None:
         """Replace the dense suffix by fresh buffers (never views of a larger tensor: that would pin it)."""
@@ -100,7 +228,7 @@ class LUKVLayer(DynamicLayer):
                 grow = max(2 * (s + n), _MIN_SUFFIX_CAPACITY) if (self.compressed or n == 1) else 0
                 if self.compressed and n == 1 or self.bounded:
                     grow = min(grow, self.fold_at + 1)
-                self._set_suffix(self.keys, self.values, capacity=max(s + n, grow))
+                self._set_suffix(self.suffix_keys, self.suffix_values, capacity=max(s + n, grow))
         self._kbuf[:, :, s : s + n] = key_states
         self._vbuf[:, :, s : s + n] = value_states
         self._suffix_len = s + n
@@ -110,6 +238,14 @@ class LUKVLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens; returns the dense suffix (``suffix_keys``, ``suffix_values``): the very
+        tensors lukv's attention matches the layer's announced call by."""
+        if torch.compiler.is_exporting():
+            raise UnsupportedOperationError(
+                "torch.export does not support LUKVCache: its layers change shape and layout (eviction, a ragged "
+                "store) in Python at every forward, which an exported graph cannot replay. Export the model "
+                "with transformers' StaticCache (or without a cache), and use LUKVCache in eager PyTorch."
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
@@ -123,7 +259,7 @@ class LUKVLayer(DynamicLayer):
             )
         self._append(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        return self.keys, self.values
+        return self.suffix_keys, self.suffix_values
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -135,7 +271,7 @@ class LUKVLayer(DynamicLayer):
         self.store = None
         self._kbuf = self._vbuf = None
         self._suffix_len = 0
-        self.keys = self.values = None
+        self.suffix_keys = self.suffix_values = None
         self.cumulative_length = 0
         self.compressed = False
         self.sinks_left = None
@@ -172,8 +308,8 @@ class LUKVLayer(DynamicLayer):
             return
         rows = rows.to(self._kbuf.device)
         self._set_suffix(
-            self.keys.index_select(0, rows),
-            self.values.index_select(0, rows),
+            self.suffix_keys.index_select(0, rows),
+            self.suffix_values.index_select(0, rows),
             capacity=self._kbuf.shape[-2] if self.compressed else None,
         )
         if self.sinks_left is not None:
@@ -190,12 +326,34 @@ class LUKVLayer(DynamicLayer):
         if self.is_initialized:
             self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def batch_select_indices(self, indices) -> None:
+        """Keep the batch rows ``indices`` selects, as ``DynamicCache`` does (``keys[indices, ...]``): a
+        tensor, tuple or list of row indices (negative ones count from the end) or a bool mask over the
+        rows; out of range is a :class:`~lukv_cache.errors.BatchIndexError` (the cache is unchanged)."""
         if self.is_initialized:
-            rows = torch.arange(self.batch_size)[
-                indices.cpu() if isinstance(indices, torch.Tensor) else indices
-            ]
-            self._select_rows(rows)
+            self._select_rows(select_rows(indices, self.batch_size))
+
+    # ------------------------------------------------------------------ offloading (transformers' layer API)
+    def offload(self) -> None:
+        """Move every tensor the layer holds to the CPU (transformers' ``Cache(offloading=True)``)."""
+        if self.is_initialized:
+            self._move("cpu")
+
+    def prefetch(self) -> None:
+        """Move an offloaded layer back to its device."""
+        if self.is_initialized and self._kbuf.device != self.device:
+            self._move(self.device)
+
+    def _move(self, device) -> None:
+        self._kbuf = self._kbuf.to(device, non_blocking=True)
+        self._vbuf = self._vbuf.to(device, non_blocking=True)
+        if self.sinks_left is not None:
+            self.sinks_left = self.sinks_left.to(device, non_blocking=True)
+        if self.queries is not None:
+            self.queries = self.queries.to(device, non_blocking=True)
+        if self.store is not None:
+            self.store = self.store.to(device)
+        self._sync_views()
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> int:
@@ -222,9 +380,11 @@ class LUKVLayer(DynamicLayer):
         ``scores [B, H, R]``: stored with the kept tokens (eviction at fold time reuses them)."""
         r = keep.shape[-1]
         start = self.cumulative_length - self._suffix_len
-        self._absorb(self.keys[:, :, :r], self.values[:, :, :r], keep, start, scores)
+        self._absorb(self.suffix_keys[:, :, :r], self.suffix_values[:, :, :r], keep, start, scores)
         kept = self._suffix_len - r
-        self._set_suffix(self.keys[:, :, r:], self.values[:, :, r:], capacity=kept + _MIN_SUFFIX_CAPACITY)
+        self._set_suffix(
+            self.suffix_keys[:, :, r:], self.suffix_values[:, :, r:], capacity=kept + _MIN_SUFFIX_CAPACITY
+        )
         self.compressed = True
         self.settled_length = self.cumulative_length
         self.queries = None
@@ -253,8 +413,8 @@ class LUKVLayer(DynamicLayer):
         if not s:
             return
         keep = torch.ones(self.batch_size, self.num_heads, s, dtype=torch.bool, device=self._kbuf.device)
-        self._absorb(self.keys, self.values, keep, self.cumulative_length - s)
-        self._set_suffix(self.keys[:, :, :0], self.values[:, :, :0], capacity=self.fold_at + 1)
+        self._absorb(self.suffix_keys, self.suffix_values, keep, self.cumulative_length - s)
+        self._set_suffix(self.suffix_keys[:, :, :0], self.suffix_values[:, :, :0], capacity=self.fold_at + 1)
 
     def refold(
         self, source: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor | None, capacity: int
@@ -279,13 +439,13 @@ class LUKVLayer(DynamicLayer):
             return out
 
         store = self.store if n else None
-        keys = pick(None if store is None else store.keys, gather_ragged(self.keys, in_suffix))
-        values = pick(None if store is None else store.values, gather_ragged(self.values, in_suffix))
+        keys = pick(None if store is None else store.keys, gather_ragged(self.suffix_keys, in_suffix))
+        values = pick(None if store is None else store.values, gather_ragged(self.suffix_values, in_suffix))
         positions = pick(None if store is None else store.positions, suffix_pos)
         self.store = RaggedStore.build(
             keys, values, positions, counts.to(keys.device), num_heads=self.num_heads, scores=scores
         )
-        self._set_suffix(self.keys[:, :, :0], self.values[:, :, :0], capacity=capacity)
+        self._set_suffix(self.suffix_keys[:, :, :0], self.suffix_values[:, :, :0], capacity=capacity)
         self.compressed = True
         self.settled_length = self.cumulative_length
         self.queries = None
@@ -304,5 +464,42 @@ class LUKVLayer(DynamicLayer):
         if record_past:
             layer.activate_past_recording()
         if self.is_initialized and self._suffix_len:
-            layer.update(self.keys.clone(), self.values.clone())
+            layer.update(self.suffix_keys.clone(), self.suffix_values.clone())
         return layer
+
+
+def select_rows(indices, batch: int) -> torch.Tensor:
+    """int64 row indices from what ``DynamicCache.batch_select_indices`` accepts (``keys[indices, ...]``):
+    a tensor, tuple, list or range of indices (negative from the end), a bool mask of ``batch`` rows, a
+    slice or an int. Out of range is a ``BatchIndexError``; a mask of another length, or float indices,
+    a ``ConfigurationError``.
+
+    >>> select_rows((0, 2), 3).tolist(), select_rows(torch.tensor([True, False, True]), 3).tolist()
+    ([0, 2], [0, 2])
+    """
+    if isinstance(indices, slice):
+        return torch.arange(batch)[indices]
+    index = indices.detach().cpu() if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
+    if index.dtype == torch.bool:
+        if index.shape != (batch,):
+            raise ConfigurationError(
+                f"batch_select_indices: a bool mask must have one entry per row ({batch}), got shape "
+                f"{list(index.shape)}."
+            )
+        return index.nonzero().flatten()
+    if index.is_floating_point() or index.is_complex() or index.dim() > 1:
+        raise ConfigurationError(
+            f"batch_select_indices takes row indices (ints) or a bool mask over the {batch} rows, got "
+            f"{index.dtype} of shape {list(index.shape)}."
+        )
+    index = index.long().reshape(-1)
+    bad = (index < -batch) | (index >= batch)
+    if bool(bad.any()):
+        row = int(index[bad][0])
+        raise BatchIndexError(
+            f"batch_select_indices: row {row} is out of range for a batch of {batch} rows "
+            f"(valid: {-batch}..{batch - 1}); the cache is unchanged.",
+            index=row,
+            batch=batch,
+        )
+    return index % batch if batch else index

@@ -121,6 +121,15 @@ class RaggedStore:
             merged_k, merged_v, merged_p, offsets, tuple(offsets.tolist()), self.num_heads, merged_s
         )
 
+    def to(self, device) -> RaggedStore:
+        """The same store on ``device`` (offloading); ``offsets_list`` is already on the host."""
+        moved = (None if t is None else t.to(device, non_blocking=True) for t in self._tensors())
+        keys, values, positions, offsets, scores = moved
+        return RaggedStore(keys, values, positions, offsets, self.offsets_list, self.num_heads, scores)
+
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.keys, self.values, self.positions, self.offsets, self.scores)
+
     def memory_bytes(self) -> int:
         tensors = (self.keys, self.values, self.positions, self.offsets, self.scores)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -49,15 +49,15 @@ def compressed(ratio=0.5, arch="llama", steps=3, seed=0):
 
 def rows_of(layer: LUKVLayer, rows: list[int]) -> tuple[list, torch.Tensor]:
     """What a layer holding only ``rows`` (in that order) must hold: its segments and its suffix keys."""
-    h = layer.keys.shape[1]
+    h = layer.suffix_keys.shape[1]
     segs = segments(layer)
-    return [segs[r * h + head] for r in rows for head in range(h)], layer.keys[rows]
+    return [segs[r * h + head] for r in rows for head in range(h)], layer.suffix_keys[rows]
 
 
 def assert_layer_holds_rows(after: LUKVLayer, before: LUKVLayer, rows: list[int]) -> None:
     expected_segments, expected_suffix = rows_of(before, rows)
     assert_same_segments(segments(after), expected_segments)
-    assert torch.equal(after.keys, expected_suffix)
+    assert torch.equal(after.suffix_keys, expected_suffix)
     assert after.cumulative_length == before.cumulative_length
 
 
@@ -95,7 +95,8 @@ def test_crop_into_the_suffix_equals_never_having_decoded_those_tokens():
     assert torch.equal(cache.stored_tokens(), earlier.stored_tokens())
     for layer, ref in zip(cache.layers, earlier.layers):
         assert_same_segments(segments(layer), segments(ref))
-        assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+        assert torch.equal(layer.suffix_keys, ref.suffix_keys)
+        assert torch.equal(layer.suffix_values, ref.suffix_values)
     nxt = prompt(B, 2, seed=302)
     torch.testing.assert_close(forward(model, cache, nxt), forward(model, earlier, nxt), atol=ATOL, rtol=0)
 
@@ -107,7 +108,7 @@ def test_crop_into_the_store_drops_exactly_the_tokens_past_the_new_length():
     cache.crop(-(cache.get_seq_length() - keep_len))
     assert cache.get_seq_length() == keep_len
     for layer, ref in zip(cache.layers, before.layers):
-        assert layer.keys.shape[2] == 0  # the whole suffix was past the new length
+        assert layer.suffix_keys.shape[2] == 0  # the whole suffix was past the new length
         expected = []
         for pos, keys, values in segments(ref):
             kept = pos < keep_len

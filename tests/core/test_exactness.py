@@ -162,7 +162,7 @@ def test_ragged_store_holds_exact_copies_of_the_prefill_keys_at_their_positions(
                 assert torch.equal(layer.store.values[lo:hi], values[row, head, pos])
         # the dense suffix is the protected window: the last `window` prompt tokens
         window = cache.window
-        assert torch.equal(layer.keys, keys[:, :, keys.shape[2] - window :])
+        assert torch.equal(layer.suffix_keys, keys[:, :, keys.shape[2] - window :])
 
 
 def _reference_attention(mask2d_fn, cache):
@@ -263,7 +263,7 @@ def test_chunked_prefill_keeps_the_sinks_of_left_padded_rows():
     pad = (mask == 0).sum(-1).tolist()
     for layer in cache.layers:
         bounds = layer.store.offsets.tolist()
-        h = layer.keys.shape[1]
+        h = layer.suffix_keys.shape[1]
         for row in range(3):
             for head in range(h):
                 kept = layer.store.positions[bounds[row * h + head] : bounds[row * h + head + 1]].tolist()

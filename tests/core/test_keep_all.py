@@ -134,7 +134,7 @@ def test_assisted_decoding_with_eviction_never_keeps_rejected_draft_tokens(monke
     length = out.sequences.shape[1] - 1  # the last token was sampled but never fed
     for layer in cache.layers:
         assert layer.cumulative_length == length
-        assert int(layer.store.positions.max()) < length - layer.keys.shape[-2]
+        assert int(layer.store.positions.max()) < length - layer.suffix_keys.shape[-2]
 
 
 @pytest.mark.parametrize(("arch", "attn"), [("llama", "sdpa"), ("gemma3", "eager")])

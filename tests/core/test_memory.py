@@ -109,7 +109,7 @@ def test_store_tensors_are_compact_and_not_views_of_the_prefill():
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{name} is a view of more"
         assert layer.store.positions.dtype == torch.int32
         # the suffix is its own small buffer (protected window + room to decode), not the prefill tensor
-        for buf, view in ((layer._kbuf, layer.keys), (layer._vbuf, layer.values)):
+        for buf, view in ((layer._kbuf, layer.suffix_keys), (layer._vbuf, layer.suffix_values)):
             assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
             assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
             assert buf.shape[-2] < PROMPT // 4

@@ -138,7 +138,7 @@ def test_streaming_cache_keeps_sinks_and_the_most_recent_tokens():
         bounds = layer.store.offsets.tolist()
         for head in range(2):
             assert layer.store.positions[bounds[head] : bounds[head + 1]].tolist() == expected
-        assert layer.keys.shape[2] == 1  # the protected window: the last prompt token
+        assert layer.suffix_keys.shape[2] == 1  # the protected window: the last prompt token
 
 
 def _record_queries(monkeypatch) -> dict[int, torch.Tensor]:
@@ -184,7 +184,7 @@ def test_register_scorer_makes_a_name_usable_by_the_cache(monkeypatch):
     cache = LUKVCache(0.5, "test_vnorm")
     with torch.no_grad():
         model(prompt(1, 30), past_key_values=cache)
-    assert all(isinstance(layer, LUKVLayer) and layer.keys.shape[2] == 2 for layer in cache.layers)
+    assert all(isinstance(layer, LUKVLayer) and layer.suffix_keys.shape[2] == 2 for layer in cache.layers)
     with pytest.raises(ConfigurationError, match="already registered"):
         register_scorer("test_vnorm", value_norm)
     register_scorer("test_vnorm", value_norm, window=3, overwrite=True)
