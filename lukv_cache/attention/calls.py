@@ -60,6 +60,8 @@ class AttentionCall:
     # the attention module that read this layer last time (a weak reference), once known: only that module
     # receiving other keys is a model changing them between update() and attention
     module: weakref.ref | None = None
+    # told when the layer's attention received other keys than update() returned (the call is dropped)
+    on_other_keys: Callable[[], None] | None = None
 
     def finish(
         self,
@@ -99,6 +101,13 @@ def announce_attention(call: AttentionCall) -> None:
     _PENDING.call = call
 
 
+def claimed_again(key: torch.Tensor) -> bool:
+    """Whether ``key`` are the keys of the compressed call claimed last in this thread: a model attending
+    twice over one ``update()`` (DiffLlama), whose second call could not read the store."""
+    ref = getattr(_PENDING, "claimed", None)
+    return ref is not None and ref() is key
+
+
 def discard_attention() -> None:
     """Forget this thread's pending call, if any (a cache that is reset, or starts a new forward)."""
     _PENDING.call = None
@@ -126,6 +135,8 @@ def claim_attention(module: Any, key: torch.Tensor) -> AttentionCall | None:
         return None
     _PENDING.call = None
     if call.keys is key:
+        # weakly: a second attention over these keys is recognised, and nothing is kept alive by it
+        _PENDING.claimed = weakref.ref(key) if call.store is not None else None
         return call
     if call.module is not None and call.module() is module:
         raise IncompatibleAttentionError(
@@ -134,6 +145,8 @@ def claim_attention(module: Any, key: torch.Tensor) -> AttentionCall | None:
             "cannot be attended to exactly. This model family cannot use LUKVCache; use transformers' "
             "DynamicCache."
         )
+    if call.on_other_keys is not None and call.layer_idx == getattr(module, "layer_idx", None):
+        call.on_other_keys()
     return None
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import IncompatibleAttentionError
-from .calls import any_pending, claim_attention, guard_attention, lukv_aware
+from .calls import any_pending, claim_attention, claimed_again, guard_attention, lukv_aware
 from .compressed import compressed_attention
 
 _EAGER: dict[type, Callable] = {}  # attention module class -> its modeling file's eager function
@@ -38,6 +38,10 @@ def _model_eager(module: torch.nn.Module) -> Callable:
     return fn
 
 
+def _per_head_mask(mask: torch.Tensor | None) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1
+
+
 def route(stock: Callable | None) -> Callable:
     """A lukv-aware attention function around ``stock`` (``None``: the module's own eager function).
 
@@ -48,11 +52,42 @@ def route(stock: Callable | None) -> Callable:
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         fn = stock if stock is not None else _model_eager(module)
+        if stock is not None and kwargs.get("s_aux") is not None:
+            # torch's sdpa has no learned sinks: a model that passes them reads its own eager function,
+            # which adds the mask (sdpa's masks may be boolean: allowed -> 0, masked -> the dtype's min)
+            fn = _model_eager(module)
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+                blocked = torch.finfo(query.dtype).min
+                attention_mask = torch.where(attention_mask, 0.0, blocked).to(query.dtype)
         # no LUKVCache call waits in this thread: the stock function alone (what torch.compile traces)
         if not any_pending():
+            if claimed_again(key):
+                raise IncompatibleAttentionError(
+                    f"{type(module).__name__} attends twice over one cache update (as DiffLlama does, with values "
+                    "changed in between), which a compressed LUKVCache cannot serve exactly: use transformers' "
+                    "DynamicCache for this model."
+                )
             return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         call = claim_attention(module, key)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if call is not None and call.store is not None and value.shape != call.values.shape:
+            raise IncompatibleAttentionError(
+                f"{type(module).__name__} changes the values between update() and attention (shape "
+                f"{list(call.values.shape)} -> {list(value.shape)}, as DiffLlama's split does), so the compressed "
+                "store's values cannot be attended to: use transformers' DynamicCache for this model."
+            )
+        if call is not None and call.store is not None and kwargs.get("sinks") is not None:
+            raise IncompatibleAttentionError(
+                f"{type(module).__name__} passes attention sinks computed per token (sinks=, as Inkling-2 does), "
+                "which the compressed store's attention does not read (learned per-head sinks, s_aux=, it does): "
+                "use transformers' DynamicCache for this model."
+            )
+        if call is not None and call.store is not None and _per_head_mask(attention_mask):
+            raise IncompatibleAttentionError(
+                f"{type(module).__name__} passes an attention mask of its own per head (shape "
+                f"{list(attention_mask.shape)}: a dynamic mask such as Doge's), which the compressed store's "
+                "attention does not read: use transformers' DynamicCache for this model."
+            )
         if call is None or call.store is None:
             output = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:

@@ -282,3 +282,17 @@ def test_partial_merge_lse_is_what_the_sink_needs():
     torch.testing.assert_close(
         out[0, 0] * torch.sigmoid(lse[0, 0] - sink)[:, None], ref, atol=1e-6, rtol=1e-6
     )
+
+
+def test_the_lukv_route_honours_sinks_on_its_stock_path_too():
+    """Through ``attn_implementation='lukv'`` (sdpa-routed), a model with learned sinks reads its own eager
+    function wherever the store is not involved (prefill, a DynamicCache): torch's sdpa has no sinks."""
+    ids, mask = left_padded((20, 13))
+    layer_types = ("full_attention", "full_attention")
+    results = {}
+    for attn in ("eager", "lukv"):
+        model = copy.deepcopy(tiny_gpt_oss("eager", layer_types))
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            results[attn] = model(ids, attention_mask=mask, past_key_values=DynamicCache()).logits
+    torch.testing.assert_close(results["lukv"], results["eager"], atol=1e-5, rtol=1e-5)
