@@ -106,6 +106,27 @@ def markdown(results: list[dict], skipped: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+_MEANING = {
+    "works": "exact at ratio 0, evicts at 0.5 (a padded row equals the row alone)",
+    "typed_error": "a typed lukv error that names the model feature it cannot read (use DynamicCache)",
+    "warns_nothing_compressed": "exact; a warning names the layers left alone (sliding, indexed, KV-shared)",
+    "refused_by_transformers": "transformers' own cache refuses the case too (or the model takes no cache)",
+}
+
+
+def docs_table(results: dict[str, dict]) -> str:
+    """The table docs/usage.md and the README show: one row per outcome, its families."""
+    by_outcome = collections.defaultdict(list)
+    for name, r in sorted(results.items()):
+        by_outcome[r["outcome"]].append(name)
+    lines = ["| outcome | what it means | families |", "|---|---|---|"]
+    for outcome, names in sorted(by_outcome.items(), key=lambda kv: -len(kv[1])):
+        lines.append(
+            f"| {outcome} ({len(names)}) | {_MEANING.get(outcome, '')} | {', '.join(f'`{n}`' for n in names)} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("families", nargs="*", help="model types (default: every row of the matrix)")
@@ -116,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         help="with --json and families: update those rows of the existing file",
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per family")
+    parser.add_argument("--docs", type=Path, help="print the docs' table of a results file, run nothing")
     args = parser.parse_args(argv)
+    if args.docs:
+        print(docs_table(json.loads(args.docs.read_text())["results"]))
+        return 0
     _quiet()
     import families
     import transformers

@@ -15,7 +15,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
 
 from ..allocation import AllocationRequest, get_allocator
 from ..attention.calls import AttentionCall, announce_attention, discard_attention, guard_attention
@@ -35,6 +42,7 @@ from .compression import (
     valid_from_mask,
 )
 from .decoding import Held, fit_counts, gather_held, held_tokens, masked_held, rescore
+from .hybrid import LUKVHybridLayer
 from .layer import FOLD_AT, LUKVLayer
 from .parallel import HeadShard, head_shard, mesh_shard
 from .ragged import keep_mask_from_counts
@@ -101,21 +109,23 @@ def _check_table_alone(evict_ratio: Any, ratio: Any, max_tokens: Any) -> None:
 
 def kv_cache_bytes(cache: Any) -> int:
     """Bytes of every tensor a transformers cache holds: a LUKVCache's stores, positions, offsets and suffix
-    buffers, and the keys/values of stock layers (``DynamicCache`` and sliding layers).
+    buffers, the keys/values of stock layers (``DynamicCache``, sliding and indexed layers) and the
+    conv / recurrent states of linear-attention and SSM layers.
 
     >>> kv_cache_bytes(DynamicCache())
     0
     """
     total = 0
     for layer in getattr(cache, "layers", []):
-        if isinstance(layer, LUKVLayer):
+        if isinstance(layer, LUKVLayer):  # a LUKVHybridLayer counts its linear states itself
             total += layer.memory_bytes()
-        elif getattr(layer, "is_initialized", False):
-            total += sum(
-                t.numel() * t.element_size()
-                for t in (layer.keys, layer.values)
-                if isinstance(t, torch.Tensor)
-            )
+            continue
+        tensors = []
+        if getattr(layer, "is_initialized", False):
+            tensors += [getattr(layer, name, None) for name in ("keys", "values", "indexer_keys")]
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            tensors += [*layer.conv_states.values(), *layer.recurrent_states.values()]
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return total
 
 
@@ -146,6 +156,35 @@ def _decode_window(decode_window, decode_max_tokens: int | None, sink: int, wind
             f"lower decode_window to at most {decode_max_tokens - sink}, or raise decode_max_tokens."
         )
     return decode_window
+
+
+def _lukv_layer(layer: Any) -> Any:
+    """The layer the cache keeps in place of transformers' ``layer``: a compressed one for full attention
+    (alone, or beside a linear-attention state), transformers' own for everything else."""
+    if type(layer) is DynamicLayer:
+        return LUKVLayer()
+    if type(layer) is LinearAttentionAndFullAttentionLayer:
+        return LUKVHybridLayer(number_of_states=layer.number_of_states)
+    return layer
+
+
+_WINDOWED = ("sliding_attention", "chunked_attention", "hybrid_sliding")  # stock layers bounded by a window
+_HELD_WHOLE = ("indexed_attention",)  # stock attention layers that keep every token
+
+
+def _calling_model_config() -> Any:
+    """The config of the nearest ``nn.Module`` on the call stack that has one (the model, or the layer, that
+    called into the cache), or ``None`` (the cache used outside a model)."""
+    frame = sys._getframe(2)
+    for _ in range(64):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        config = getattr(owner, "config", None) if isinstance(owner, torch.nn.Module) else None
+        if config is not None and hasattr(config, "get_text_config"):
+            return config
+        frame = frame.f_back
+    return None
 
 
 def generate_prefill_chunk() -> int | None:
@@ -282,6 +321,10 @@ class LUKVCache(DynamicCache):
             kwargs["evict_ratio"] = evict_ratio
         _check_table_alone(kwargs.get("evict_ratio"), ratio, max_tokens)
         decode_max_tokens = _check_count("decode_max_tokens", decode_max_tokens, positive=True)
+        if fold_interval is None:
+            raise ConfigurationError(
+                f"fold_interval must be a positive integer (tokens between folds; default {FOLD_AT}), got None."
+            )
         fold_interval = _check_count("fold_interval", fold_interval, positive=True)
         if decode_max_tokens is not None:
             if decode_max_tokens > _MAX_TOKENS_LIMIT:
@@ -336,11 +379,8 @@ class LUKVCache(DynamicCache):
             fold_interval=fold_interval,
             decode_window=decode_window,
         )
-        super().__init__(config=config)  # DynamicCache's own layers: sliding ones from the config
-        if config is None:
-            self.layer_class_to_replicate = LUKVLayer
-        else:
-            self.layers = [LUKVLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+        super().__init__()
+        self.layer_class_to_replicate = LUKVLayer  # until the layout is known (config=, or the model's)
         self.profile = None  # the Profile the budgets come from (set by from_pretrained)
         self._mesh_shard = None if device_mesh is None else mesh_shard(device_mesh)
         self._kv_heads: int | None = None  # the model's KV heads per layer (from its config)
@@ -357,6 +397,7 @@ class LUKVCache(DynamicCache):
         # layer -> the attention module that read it (weak): a call announced for it names its reader
         self._readers: dict[int, weakref.ref] = {}
         self._unrouted = False  # the model attends in its own code, never through the attention interface
+        self._other_keys = False  # a layer's attention received other keys than update() returned
         self._deferred: dict[int, tuple[Region, torch.Tensor | None]] = {}
         # decode_max_tokens: layers whose fold is due in this forward -> (attention module, mask)
         self._folding: dict[int, tuple[Any, torch.Tensor | None]] = {}
@@ -366,7 +407,7 @@ class LUKVCache(DynamicCache):
         self._held: dict[int, Region] = {}
         self._round: ReconstructionRound | None = None
         if config is not None:
-            self._learn_model(config)
+            self._set_layout(config)
 
     # ------------------------------------------------------------------ the policy, read-only
     @property
@@ -506,8 +547,102 @@ class LUKVCache(DynamicCache):
         cache.profile = profile
         return cache
 
+    # ------------------------------------------------------------------ the model's layer layout
+    def _set_layout(self, config: Any) -> None:
+        """transformers' own layer for every layer the cache does not compress (sliding and chunked windows,
+        linear-attention / SSM states, KV-sharing placeholders, ...), a :class:`LUKVLayer` for every
+        full-attention one; then learn what the model's layers mean for eviction."""
+        text = config.get_text_config(decoder=True)
+        unknown = sorted(
+            {kind for kind in get_layer_types_and_kwargs(text)[0]} - set(DYNAMIC_LAYER_TYPE_MAPPING)
+        )
+        if unknown:
+            raise IncompatibleAttentionError(
+                f"{type(text).__name__} has layers of type {unknown}, which keep state of their own that a "
+                "LUKVCache cannot hold (transformers' DynamicCache cannot either); use the cache the model "
+                "creates itself (generate without past_key_values)."
+            )
+        stock = DynamicCache(config=config).layers
+        # KV sharing (Gemma-3n, Gemma-4 E-models): a layer whose KV later layers read keeps it whole, since
+        # they receive the tensors its update() returned, not what a compressed layer holds
+        modes = getattr(text, "kv_sharing_modes", None) or ()
+        self._kv_producers = [i for i, mode in enumerate(modes) if mode == "store"]
+        self.layers = [
+            layer if i in self._kv_producers else _lukv_layer(layer) for i, layer in enumerate(stock)
+        ]
+        self.layer_class_to_replicate = None
+        if getattr(self, "_record_past", False):  # assisted decoding asked before the layers existed
+            for layer in self.layers:
+                if hasattr(layer, "activate_past_recording"):
+                    layer.activate_past_recording()
+        self._learn_model(config)
+
+    def _adopt_layout(self) -> None:
+        """Built without ``config=``: when the model first reaches the cache, learn the layout from the
+        model itself (the config of the module calling in), so that hybrid models' linear-attention / SSM
+        layers, chunked and KV-sharing layers get their own layers from the start, as with ``config=``."""
+        if self.layer_class_to_replicate is None or self.layers:
+            return
+        config = _calling_model_config()
+        if config is not None:
+            self._set_layout(config)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._adopt_layout()
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        self._adopt_layout()
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        self._adopt_layout()
+        return super().has_previous_state(layer_idx, state_idx)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        self._adopt_layout()
+        return super().get_conv_state(self._linear(layer_idx), state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self._adopt_layout()
+        return super().update_conv_state(conv_states, self._linear(layer_idx), state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        self._adopt_layout()
+        return super().get_recurrent_state(self._linear(layer_idx), state_idx)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ):
+        self._adopt_layout()
+        return super().update_recurrent_state(recurrent_states, self._linear(layer_idx), state_idx, **kwargs)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self._adopt_layout()
+        if layer_idx >= len(self.layers) or not hasattr(self.layers[layer_idx], "update_indexer"):
+            raise IncompatibleAttentionError(
+                f"Layer {layer_idx} attends through a sparse-attention indexer (DeepSeek-V3.2's DSA and kin), whose "
+                "indexer keys this LUKVCache has no layer for. Build the cache with config=model.config "
+                "(LUKVCache(..., config=model.config), or LUKVCache.from_pretrained(model, ...)): the indexed "
+                "layers then keep transformers' own layer, uncompressed."
+            )
+        return super().update_indexer(indexer_key_states, layer_idx)
+
+    def _linear(self, layer_idx: int) -> int:
+        """``layer_idx``, once it is known to be a linear-attention / SSM layer; else a typed error."""
+        if layer_idx < len(self.layers) and isinstance(
+            self.layers[layer_idx], LinearAttentionCacheLayerMixin
+        ):
+            return layer_idx
+        raise ConfigurationError(
+            f"Layer {layer_idx} of this model is a linear-attention or state-space layer, and this LUKVCache does "
+            "not know the model's layer layout. Build it with config=model.config (LUKVCache(..., "
+            "config=model.config), or LUKVCache.from_pretrained(model, ...))."
+        )
+
     # ------------------------------------------------------------------ the forward
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self._adopt_layout()
         if layer_idx == 0:
             guard_attention()  # implementations registered since import must not read this cache silently
             self._cap_ratio = None
@@ -533,6 +668,15 @@ class LUKVCache(DynamicCache):
         if self._awaiting is not None:
             awaiting, self._awaiting = self._awaiting, None
             discard_attention()
+            if (self.evicts or self.is_compressed) and self._other_keys:
+                raise IncompatibleAttentionError(
+                    f"LUKVCache layer {awaiting}: the attention received other keys than the cache's update() "
+                    "returned, so the cache does not hold what attention reads. Multi-head latent attention "
+                    "(DeepSeek-V2/V3/R1, Kimi-K2, MiniCPM3, GLM-4-MoE-Lite, LongCat, ...) does this: it caches one "
+                    "compressed latent per token and expands it into keys and values only after update() "
+                    "(docs/usage.md, 'Model families'). Only ratio=0 works: use transformers' DynamicCache for this "
+                    "model."
+                )
             if self.evicts or self.is_compressed:
                 raise IncompatibleAttentionError(
                     f"LUKVCache layer {awaiting}: the model attended without going through transformers' "
@@ -552,16 +696,28 @@ class LUKVCache(DynamicCache):
             self._awaiting = layer_idx
             reader = self._readers.get(layer_idx)
             announce_attention(
-                AttentionCall(layer_idx, keys, values, layer.store, self._after_attention, module=reader)
+                AttentionCall(
+                    layer_idx,
+                    keys,
+                    values,
+                    layer.store,
+                    self._after_attention,
+                    module=reader,
+                    on_other_keys=self._keys_changed,
+                )
             )
         return keys, values
+
+    def _keys_changed(self) -> None:
+        self._other_keys = True
 
     def _check_batch(self, key_states: torch.Tensor) -> None:
         for layer in self.layers:
             if isinstance(layer, LUKVLayer):
                 held = layer.batch_size if layer.is_initialized else None
-            else:
-                held = layer.keys.shape[0] if getattr(layer, "is_initialized", False) else None
+            else:  # stock layers; linear-attention and placeholder layers may hold no keys
+                keys = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
+                held = keys.shape[0] if isinstance(keys, torch.Tensor) and keys.ndim == 4 else None
             if held is not None:
                 if key_states.shape[0] != held:
                     raise BatchMismatchError(
@@ -771,6 +927,8 @@ class LUKVCache(DynamicCache):
         chunked prefill (``generate(prefill_chunk_size=...)``, the last shorter chunk too); otherwise
         whenever the cache's own ``prefill_chunk_size`` has piled up that many uncompressed tokens (every
         time under a ``max_tokens`` cap). Other later forwards (a question after a context) are kept whole."""
+        if not layer.compressed and layer.cumulative_length == query_length:
+            return True  # the prompt, even of one token: what comes after it is decoding, as in a batch
         if query_length <= 1:
             return False
         if not layer.compressed or generate_prefill_chunk() is not None:
@@ -804,6 +962,14 @@ class LUKVCache(DynamicCache):
                 min_keep=self.policy.min_keep,
             )
             allocated = self.policy.allocator(request)
+            # a row at ratio 0 (a prompt that fits its bound) keeps every token, whatever the allocator
+            # (a threshold read at a ratio below its table's smallest would still cut)
+            fits = request.ratio <= 0
+            if bool(fits.any()):
+                allocated = allocated.clone()
+                allocated[:, fits.to(allocated.device)] = (
+                    request.n_evictable[fits].to(allocated).view(1, -1, 1)
+                )
             if cap is not None:  # a hard bound: whatever the allocator or profile asked for
                 allocated = trim_counts(allocated, cap)
             if shard is not None:
@@ -1037,23 +1203,47 @@ class LUKVCache(DynamicCache):
         text = config.get_text_config(decoder=True)
         self.num_layers = text.num_hidden_layers
         layer_types = get_layer_types_and_kwargs(text)[0]
-        full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+        producers = getattr(self, "_kv_producers", [])
+        full = [
+            i
+            for i, kind in enumerate(layer_types)
+            if kind in ("full_attention", "hybrid") and i not in producers
+        ]
         self._full_layers = full
         self._last_full_layer = full[-1] if full else None
         heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
         self._kv_heads = heads if isinstance(heads, int) else None
-        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-        if sliding and self.evicts:
-            which = "every layer" if not full else f"layers {sliding}"
+        # layers without per-token KV (linear attention, SSM, conv, KV-sharing placeholders) hold nothing to evict
+        windowed = [i for i, kind in enumerate(layer_types) if kind in _WINDOWED]
+        whole = [i for i, kind in enumerate(layer_types) if kind in _HELD_WHOLE]
+        if self.evicts and (windowed or whole or producers or not full):
+            parts = []
+            if windowed:
+                kinds = sorted({layer_types[i] for i in windowed})
+                parts.append(
+                    f"layers {windowed} ({', '.join(kinds)}) keep transformers' stock layers, bounded by their window"
+                )
+            if whole:
+                kinds = sorted({layer_types[i] for i in whole})
+                parts.append(
+                    f"layers {whole} ({', '.join(kinds)}: sparse attention whose indexer keys are kept beside the KV) "
+                    "keep transformers' stock layers, which hold every token: their memory is not bounded"
+                )
+            if producers:
+                parts.append(
+                    f"layers {producers} are read again by later layers (KV sharing) and keep every token, uncompressed"
+                )
+            if not parts:
+                kinds = sorted(set(layer_types))
+                parts.append(f"no layer is a full-attention one it can compress (layer types {kinds})")
+            tail = (
+                "this cache compresses nothing and max_tokens bounds nothing here."
+                if not full
+                else f"eviction, ratio and max_tokens apply to the full-attention layers {full}."
+            )
+            which = "every layer" if not full else "some layers"
             warnings.warn(
-                f"LUKVCache leaves {which} of this model alone: they are {layer_types[sliding[0]]} layers, kept as "
-                "transformers' stock layers (bounded by their window) and never evicted"
-                + (
-                    "; this cache compresses nothing and max_tokens bounds nothing here."
-                    if not full
-                    else f"; eviction, ratio and max_tokens apply to the full-attention layers {full}."
-                ),
-                stacklevel=3,
+                f"LUKVCache leaves {which} of this model alone: {'; '.join(parts)}; {tail}", stacklevel=3
             )
         if self.profile is not None:
             self.profile.validate_for(config)
@@ -1122,15 +1312,23 @@ class LUKVCache(DynamicCache):
         return kv_cache_bytes(self)
 
     def stored_tokens(self) -> torch.Tensor:
-        """int64 ``[layers, batch, kv_heads]``: tokens stored per (layer, row, KV head)."""
+        """int64 ``[layers, batch, kv_heads]``: tokens stored per (layer, row, KV head), one row per layer that
+        holds keys (layers without per-token KV, such as linear-attention or SSM layers, have none); when
+        layers have different KV-head counts, a layer's missing heads count 0."""
         rows = []
         for layer in self.layers:
             if isinstance(layer, LUKVLayer):
-                rows.append(layer.stored_counts())
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
-                b, h, s, _ = layer.keys.shape
+                if layer.is_initialized:
+                    rows.append(layer.stored_counts())
+                continue
+            keys = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
+            if isinstance(keys, torch.Tensor) and keys.ndim == 4:
+                b, h, s, _ = keys.shape
                 rows.append(torch.full((b, h), s, dtype=torch.long))
-        return torch.stack(rows) if rows else torch.zeros(0, 0, 0, dtype=torch.long)
+        if not rows:
+            return torch.zeros(0, 0, 0, dtype=torch.long)
+        heads = max(row.shape[1] for row in rows)
+        return torch.stack([torch.nn.functional.pad(row, (0, heads - row.shape[1])) for row in rows])
 
     def __repr__(self) -> str:
         return (

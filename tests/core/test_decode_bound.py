@@ -76,3 +76,35 @@ def test_the_bound_holds_right_after_every_fold(case, decode_window, fold_interv
     assert len(watch.after_fold) >= 3
     worst = torch.stack(watch.after_fold).max()
     assert float(worst) <= BOUND + 1e-9, float(worst)
+
+
+@pytest.mark.parametrize("scorer", ["keydiff", "snapkv"])
+def test_a_one_token_row_of_a_padded_batch_decodes_as_it_does_alone(scorer):
+    """Alone, a 1-token prompt is the prompt too: its folds come at the same steps as in the batch."""
+    model = tiny_model("llama", "sdpa", max_position_embeddings=4096)
+    lengths = (30, 1)
+    ids, mask = left_padded(lengths, seed=7)
+    settings = dict(scorer=scorer, decode_max_tokens=24, fold_interval=16, sink=2, window=3)
+    steps = 50
+    with torch.no_grad():
+        batch = model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=LUKVCache(**settings),
+            max_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        for row, n in enumerate(lengths):
+            alone = model.generate(
+                ids[row : row + 1, -n:],
+                past_key_values=LUKVCache(**settings),
+                max_new_tokens=steps,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            got = torch.stack(batch.logits)[:, row]
+            want = torch.stack(alone.logits)[:, 0]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
