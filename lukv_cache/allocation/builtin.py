@@ -280,12 +280,24 @@ def threshold(value: float | None = None, profile=None):
                 "threshold: this profile records no score thresholds (a kvzap profile built by lukv build "
                 "--scorer kvzap does); pass value= instead."
             )
-        from ..profiles.surrogate import check_thresholds  # a table edited after the profile was read
-
-        where = getattr(profile, "source", None) or "threshold: the profile's surrogate"
-        table_grid, table_values = check_thresholds(table, where, getattr(profile, "source", None))
-        grid = torch.tensor(table_grid, dtype=torch.float64)
-        values = torch.tensor(table_values, dtype=torch.float64)
+        # validated when the profile was read (ProfileFormatError); a table edited since is re-checked here
+        try:
+            grid = torch.tensor(table["grid"], dtype=torch.float64)
+            values = torch.tensor(table["values"], dtype=torch.float64)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise ConfigurationError(
+                f"threshold: the profile's score thresholds are not two lists of numbers ({err})."
+            ) from None
+        ordered = grid.ndim == 1 and grid.shape == values.shape and bool((grid[1:] > grid[:-1]).all())
+        if (
+            not ordered
+            or not bool(torch.isfinite(torch.cat([grid, values])).all())
+            or bool((values[1:] < values[:-1]).any())
+        ):
+            raise ConfigurationError(
+                "threshold: the profile's score thresholds must be finite, of one length, the grid increasing and "
+                "the values non-decreasing with it; rebuild the profile (lukv build <model> --scorer kvzap)."
+            )
     else:
         value = _plain_number(value)
 

@@ -54,9 +54,11 @@ class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):
 
     def offload(self) -> None:
         LinearAttentionLayer.offload(self)
+        LUKVLayer.offload(self)
 
     def prefetch(self) -> None:
         LinearAttentionLayer.prefetch(self)
+        LUKVLayer.prefetch(self)
 
     def memory_bytes(self) -> int:
         states = [*self.conv_states.values(), *self.recurrent_states.values()]

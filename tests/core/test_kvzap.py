@@ -682,3 +682,12 @@ def test_a_surrogate_that_predicts_non_finite_scores_says_which_layer():
     assert bool(torch.isfinite(_scorer_call(scorer, model, keys, values, layer_idx=0)).all())
     with pytest.raises(ConfigurationError, match="layer 1.*non-finite"):
         _scorer_call(scorer, model, keys, values, layer_idx=1)
+
+
+def test_a_thresholds_table_edited_after_loading_is_refused_by_the_allocator():
+    from lukv_cache.allocation.builtin import threshold
+
+    profile = _profile(_with_thresholds({"grid": [0.25, 0.5, 0.75], "values": [-1.0, 0.0, 1.0]}))
+    profile.surrogate.meta["thresholds"] = {"grid": [0.25, 0.5, 0.75], "values": [1.0, 0.0, float("nan")]}
+    with pytest.raises(ConfigurationError, match="score thresholds must be finite"):
+        threshold(profile=profile)
