@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import numbers
 import os
@@ -19,6 +20,7 @@ from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     DynamicCache,
     DynamicLayer,
+    DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionCacheLayerMixin,
     get_layer_types_and_kwargs,
@@ -172,9 +174,9 @@ _WINDOWED = ("sliding_attention", "chunked_attention", "hybrid_sliding")  # stoc
 _HELD_WHOLE = ("indexed_attention",)  # stock attention layers that keep every token
 
 
-def _calling_model_config() -> Any:
-    """The config of the nearest ``nn.Module`` on the call stack that has one (the model, or the layer, that
-    called into the cache), or ``None`` (the cache used outside a model)."""
+def _calling_model() -> torch.nn.Module | None:
+    """The nearest ``nn.Module`` with a config on the call stack (the model, or the layer, that called into
+    the cache), or ``None`` (the cache used outside a model)."""
     frame = sys._getframe(2)
     for _ in range(64):
         if frame is None:
@@ -182,7 +184,7 @@ def _calling_model_config() -> Any:
         owner = frame.f_locals.get("self")
         config = getattr(owner, "config", None) if isinstance(owner, torch.nn.Module) else None
         if config is not None and hasattr(config, "get_text_config"):
-            return config
+            return owner
         frame = frame.f_back
     return None
 
@@ -390,6 +392,13 @@ class LUKVCache(DynamicCache):
         self.num_layers: int | None = None
         self._last_full_layer: int | None = None
         self._full_layers: list[int] = []
+        # sliding layers laid out as LUKVLayers until the first forward decides (its length vs the window):
+        # layer -> window; whether that forward is still to come; the layout's own full-attention layers
+        self._windows: dict[int, int] = {}
+        self._undecided = False
+        self._attention_layers: list[int] = []
+        self._layout_warning: tuple | None = None  # what the warning, deferred to that decision, names
+        self._warned: tuple | None = None
         self._cap_ratio: torch.Tensor | None = None  # max_tokens: each row's ratio in this forward
         self._config_checked = False
         self._record_past = False
@@ -570,6 +579,17 @@ class LUKVCache(DynamicCache):
         self.layers = [
             layer if i in self._kv_producers else _lukv_layer(layer) for i, layer in enumerate(stock)
         ]
+        # sliding-window layers: compressed like full ones when the prompt fits their window (decided at the
+        # first forward, _decide_windows); chunked layers share the stock class but not the mask: stock
+        kinds = get_layer_types_and_kwargs(text)[0]
+        self._windows = {
+            i: layer.sliding_window
+            for i, (layer, kind) in enumerate(zip(stock, kinds))
+            if type(layer) is DynamicSlidingWindowLayer
+            and kind == "sliding_attention"
+            and i not in self._kv_producers
+        }
+        self._pend_windows()
         self.layer_class_to_replicate = None
         if getattr(self, "_record_past", False):  # assisted decoding asked before the layers existed
             for layer in self.layers:
@@ -583,9 +603,19 @@ class LUKVCache(DynamicCache):
         layers, chunked and KV-sharing layers get their own layers from the start, as with ``config=``."""
         if self.layer_class_to_replicate is None or self.layers:
             return
-        config = _calling_model_config()
-        if config is not None:
-            self._set_layout(config)
+        model = _calling_model()
+        if model is None:
+            return
+        from transformers import PreTrainedModel
+
+        accepts = inspect.signature(type(model).forward).parameters
+        if isinstance(model, PreTrainedModel) and not {"past_key_values", "past_key_value"} & set(accepts):
+            warnings.warn(
+                f"{type(model).__name__} takes no past_key_values (it keeps a state of its own, as RWKV and Mamba "
+                "do): this LUKVCache stays empty and compresses nothing.",
+                stacklevel=4,
+            )
+        self._set_layout(model.config)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         self._adopt_layout()
@@ -640,9 +670,35 @@ class LUKVCache(DynamicCache):
             "config=model.config), or LUKVCache.from_pretrained(model, ...))."
         )
 
+    def _pend_windows(self) -> None:
+        """Sliding layers become LUKVLayers that know their window, until the next first forward decides."""
+        for i, window in self._windows.items():
+            self.layers[i] = LUKVLayer(sliding_window=window)
+        self._undecided = bool(self._windows)
+
+    def _decide_windows(self, length: int) -> None:
+        """The first forward (``length`` tokens, padding included) reached the cache: a sliding layer whose
+        window holds it stays a compressed LUKVLayer (exact: transformers' sliding mask, built over the
+        logical positions, hides what falls out of the window, and folds drop it); a longer prompt gives
+        the layer to transformers' stock sliding layer, as a DynamicCache holds it."""
+        self._undecided = False
+        kept = [i for i, window in self._windows.items() if length <= window]
+        for i, window in self._windows.items():
+            if i not in kept:
+                layer = DynamicSlidingWindowLayer(sliding_window=window)
+                if self._record_past:
+                    layer.activate_past_recording()
+                self.layers[i] = layer
+        self._full_layers = sorted({*self._attention_layers, *kept})
+        self._last_full_layer = self._full_layers[-1] if self._full_layers else None
+        if self._layout_warning is not None:
+            self._warn_layout(*self._layout_warning, kept=kept, length=length)
+
     # ------------------------------------------------------------------ the forward
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self._adopt_layout()
+        if self._undecided:
+            self._decide_windows(key_states.shape[-2])
         if layer_idx == 0:
             guard_attention()  # implementations registered since import must not read this cache silently
             self._cap_ratio = None
@@ -752,7 +808,7 @@ class LUKVCache(DynamicCache):
             self._score_round(idx, module, query, scaling, softcap)
             return
         self._learn_model(getattr(module, "config", None))
-        if sliding_window is not None and not layer.compressed:
+        if sliding_window is not None and layer.sliding_window is None and not layer.compressed:
             self.layers[idx] = layer.to_sliding(sliding_window, record_past=self._record_past)
             return
         self._learn_heads(layer, module)
@@ -840,6 +896,8 @@ class LUKVCache(DynamicCache):
         policy, shard = self.policy, self._head_shard
         idxs = sorted(folding)
         layers = [self.layers[i] for i in idxs]
+        for layer in layers:  # a sliding layer's tokens older than its window are not held (nor counted)
+            layer.slide()
         first = layers[0]
         b, h, device = first.batch_size, first.num_heads, first.suffix_keys.device
         real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
@@ -1209,6 +1267,7 @@ class LUKVCache(DynamicCache):
             for i, kind in enumerate(layer_types)
             if kind in ("full_attention", "hybrid") and i not in producers
         ]
+        self._attention_layers = full
         self._full_layers = full
         self._last_full_layer = full[-1] if full else None
         heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
@@ -1216,12 +1275,46 @@ class LUKVCache(DynamicCache):
         # layers without per-token KV (linear attention, SSM, conv, KV-sharing placeholders) hold nothing to evict
         windowed = [i for i, kind in enumerate(layer_types) if kind in _WINDOWED]
         whole = [i for i, kind in enumerate(layer_types) if kind in _HELD_WHOLE]
-        if self.evicts and (windowed or whole or producers or not full):
+        if self._undecided:  # what the sliding layers become is known at the first forward: warn then
+            self._layout_warning = (layer_types, full, windowed, whole, producers)
+        else:
+            self._warn_layout(layer_types, full, windowed, whole, producers)
+        if self.profile is not None:
+            self.profile.validate_for(config)
+        self._config_checked = True
+
+    def _warn_layout(
+        self,
+        layer_types: list[str],
+        full: list[int],
+        windowed: list[int],
+        whole: list[int],
+        producers: list[int],
+        *,
+        kept: list[int] = (),
+        length: int | None = None,
+    ) -> None:
+        """Warn which layers this cache leaves alone (once per outcome), naming those it compresses."""
+        stock = [i for i in windowed if i not in kept]
+        full = sorted({*full, *kept})
+        if (stock, whole, producers, full) == self._warned:
+            return
+        self._warned = (stock, whole, producers, full)
+        if self.evicts and (stock or whole or producers or not full):
             parts = []
-            if windowed:
-                kinds = sorted({layer_types[i] for i in windowed})
+            if stock:
+                kinds = sorted({layer_types[i] for i in stock})
+                why = ""
+                if length is not None:
+                    windows = sorted({self._windows[i] for i in stock if i in self._windows})
+                    if windows:
+                        why = (
+                            f" (the prompt, {length} tokens with padding, is longer than their window of "
+                            f"{', '.join(map(str, windows))}; a prompt that fits is compressed in them)"
+                        )
                 parts.append(
-                    f"layers {windowed} ({', '.join(kinds)}) keep transformers' stock layers, bounded by their window"
+                    f"layers {stock} ({', '.join(kinds)}) keep transformers' stock layers, bounded by their "
+                    f"window{why}"
                 )
             if whole:
                 kinds = sorted({layer_types[i] for i in whole})
@@ -1236,18 +1329,20 @@ class LUKVCache(DynamicCache):
             if not parts:
                 kinds = sorted(set(layer_types))
                 parts.append(f"no layer is a full-attention one it can compress (layer types {kinds})")
+            named = (
+                "full-attention layers"
+                if not kept
+                else "layers (full attention, and sliding ones compressed)"
+            )
             tail = (
                 "this cache compresses nothing and max_tokens bounds nothing here."
                 if not full
-                else f"eviction, ratio and max_tokens apply to the full-attention layers {full}."
+                else f"eviction, ratio and max_tokens apply to the {named} {full}."
             )
             which = "every layer" if not full else "some layers"
             warnings.warn(
-                f"LUKVCache leaves {which} of this model alone: {'; '.join(parts)}; {tail}", stacklevel=3
+                f"LUKVCache leaves {which} of this model alone: {'; '.join(parts)}; {tail}", stacklevel=4
             )
-        if self.profile is not None:
-            self.profile.validate_for(config)
-        self._config_checked = True
 
     def _learn_heads(self, layer: LUKVLayer, module: Any) -> None:
         """Once per cache, at the first full-attention layer: does this rank hold every KV head, or (tensor
@@ -1299,6 +1394,13 @@ class LUKVCache(DynamicCache):
         self._phase, self._round, self._cap_ratio = None, None, None
         if self.prefill_scores is not None:
             self.prefill_scores = {}
+        if self._windows:  # a new prompt: its length decides again what the sliding layers become
+            self._pend_windows()
+            if self._record_past:
+                for i in self._windows:
+                    self.layers[i].activate_past_recording()
+            self._full_layers = list(self._attention_layers)
+            self._last_full_layer = self._full_layers[-1] if self._full_layers else None
 
     # ------------------------------------------------------------------ reporting
     @property

@@ -51,10 +51,17 @@ class LUKVLayer(DynamicLayer):
     (torch.Size([1, 2, 5, 4]), torch.Size([1, 2, 5, 4]))
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sliding_window: int | None = None) -> None:
         self.suffix_keys: torch.Tensor | None = None
         self.suffix_values: torch.Tensor | None = None
         super().__init__()
+        # a sliding-window layer compressed like a full one (its prompt fit the window): the mask hides what
+        # is older than the window by position, and folds drop those tokens (:meth:`slide`)
+        self.sliding_window = sliding_window
+        self.keeps_past = False  # assisted decoding may crop back into the window: drop nothing
+        if sliding_window is not None:
+            self.is_sliding = True
+            self._sliding_window_tensor = torch.tensor(sliding_window, dtype=torch.long)
         self.cumulative_length = 0
         self.store: RaggedStore | None = None
         self._kbuf = self._vbuf = None
@@ -90,6 +97,8 @@ class LUKVLayer(DynamicLayer):
         self._vbuf = value_states.new_empty((b, h, 0, value_states.shape[-1]))
         self._suffix_len = 0
         self._sync_views()
+        if self.sliding_window is not None:
+            self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
         self.is_initialized = True
 
     def _sync_views(self) -> None:
@@ -156,7 +165,15 @@ class LUKVLayer(DynamicLayer):
 
     def _logical(self, *, values: bool) -> torch.Tensor | None:
         """The logical ``[B, H, T, D]`` keys (or values): store tokens at their positions, the suffix in
-        the last S columns, zeros before each row's first held token (left padding)."""
+        the last S columns, zeros before each row's first held token (left padding). A sliding layer gives
+        its last ``sliding_window - 1`` columns, what ``DynamicSlidingWindowLayer`` holds."""
+        full = self._logical_full(values=values)
+        w = self.sliding_window
+        if full is None or w is None or full.shape[-2] <= w - 1:
+            return full
+        return full[:, :, full.shape[-2] - (w - 1) :]
+
+    def _logical_full(self, *, values: bool) -> torch.Tensor | None:
         if not self.is_initialized:
             return None
         suffix = self.suffix_values if values else self.suffix_keys
@@ -388,6 +405,7 @@ class LUKVLayer(DynamicLayer):
         self.compressed = True
         self.settled_length = self.cumulative_length
         self.queries = None
+        self.slide()
 
     def _absorb(
         self, keys, values, keep: torch.Tensor, start: int, scores: torch.Tensor | None = None
@@ -415,6 +433,21 @@ class LUKVLayer(DynamicLayer):
         keep = torch.ones(self.batch_size, self.num_heads, s, dtype=torch.bool, device=self._kbuf.device)
         self._absorb(self.suffix_keys, self.suffix_values, keep, self.cumulative_length - s)
         self._set_suffix(self.suffix_keys[:, :, :0], self.suffix_values[:, :, :0], capacity=self.fold_at + 1)
+        self.slide()
+
+    def activate_past_recording(self) -> None:
+        """Assisted decoding crops rejected drafts: a sliding layer then keeps the tokens it could drop."""
+        self.keeps_past = True
+
+    def slide(self) -> None:
+        """A sliding layer: drop the stored tokens no later query can attend (the next token, at column
+        ``cumulative_length``, reads columns after ``cumulative_length - sliding_window``, as transformers'
+        sliding mask and ``DynamicSlidingWindowLayer``, which keeps the last ``sliding_window - 1``)."""
+        if self.sliding_window is None or self.keeps_past or self.store is None or not self.store.num_tokens:
+            return
+        oldest = self.cumulative_length - self.sliding_window + 1
+        if oldest > 0 and int(self.store.positions.min()) < oldest:
+            self.store = self.store.select(self.store.positions >= oldest)
 
     def refold(
         self, source: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor | None, capacity: int
@@ -449,6 +482,7 @@ class LUKVLayer(DynamicLayer):
         self.compressed = True
         self.settled_length = self.cumulative_length
         self.queries = None
+        self.slide()
 
     def record_queries(self, query: torch.Tensor, count: int) -> None:
         """Keep this forward's post-RoPE ``query [B, H_q, q, D]`` after the ones kept before, the last
