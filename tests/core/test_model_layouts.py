@@ -71,3 +71,17 @@ def test_a_cache_used_outside_a_model_still_grows_lazily():
     cache = LUKVCache(0.0)
     cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 1)
     assert len(cache.layers) == 2 and cache.get_seq_length(1) == 3
+
+
+def test_a_model_that_takes_no_cache_warns_that_the_cache_stays_empty():
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    torch.manual_seed(0)
+    config = RwkvConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64
+    )
+    model = RwkvForCausalLM(config).eval()
+    cache = LUKVCache(0.5)
+    with pytest.warns(UserWarning, match="takes no past_key_values"), torch.no_grad():
+        model.generate(torch.randint(3, 60, (1, 8)), past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert cache.memory_bytes() == 0
