@@ -171,8 +171,8 @@ def _profiling_commands(subparsers: Any) -> None:
     build.add_argument(
         "--out",
         type=Path,
-        required=True,
-        help="a .safetensors file (one scorer) or a folder (writes <folder>/<scorer>.safetensors)",
+        help="a .safetensors file (one scorer) or a folder (writes <folder>/<scorer>.safetensors); default: "
+        f"the local profile folder ${LOCAL_DIR_ENV} (else ~/.cache/lukv_cache/profiles) at <model id>/<scorer>",
     )
     build.add_argument("--push", action="store_true", help="also publish to the shared profile repository")
     build.add_argument(

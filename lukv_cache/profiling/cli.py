@@ -27,11 +27,12 @@ def _load_model(name: str):
 def _build(args: argparse.Namespace) -> int:
     from ..errors import ConfigurationError
     from ..scorers import get_scorer
-    from . import build_profiles
 
     scorers = args.scorer or ["keydiff"]
     for name in scorers:  # unknown names fail before the model loads
         get_scorer(name)
+    if args.out is None:
+        return _build_into(args, scorers, _default_profile_dir())
     single_file = args.out.suffix == ".safetensors"
     if single_file and len(scorers) > 1:
         raise ConfigurationError("Several scorers need --out to be a folder (one <scorer>.safetensors each).")
@@ -39,6 +40,35 @@ def _build(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             f"--out {str(args.out)!r} is a file; give a folder or a .safetensors file name."
         )
+    return _build_into(args, scorers, None)
+
+
+def _default_profile_dir() -> Path:
+    """Where ``lukv build`` without ``--out`` writes: the local profile folder ``from_pretrained`` searches
+    first (``$LUKV_PROFILE_DIR``), else ``<lukv cache>/profiles`` (read once ``$LUKV_PROFILE_DIR`` names it).
+
+    >>> _default_profile_dir().is_absolute() or "LUKV_PROFILE_DIR" in __import__("os").environ
+    True
+    """
+    import os
+
+    from .._paths import cache_root
+    from ..profiles.location import LOCAL_DIR_ENV
+
+    env = os.environ.get(LOCAL_DIR_ENV)
+    return Path(env).expanduser() if env else cache_root() / "profiles"
+
+
+def _build_into(args: argparse.Namespace, scorers: list[str], mirror: Path | None) -> int:
+    """Build ``scorers``' profiles and write them to ``args.out``, or with ``mirror`` into that local
+    profile folder (``<mirror>/<model id>/<scorer>.safetensors`` and its ``index.json``)."""
+    import os
+
+    from ..errors import ConfigurationError
+    from ..profiles.location import LOCAL_DIR_ENV
+    from . import build_profiles
+
+    single_file = mirror is None and args.out.suffix == ".safetensors"
     if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
         raise ConfigurationError(f"--cache-dir {args.cache_dir!r} is a file; give a folder.")
     kvzap = KVzapTraining(  # every --kvzap-* option and their combinations, before the model loads
@@ -78,11 +108,24 @@ def _build(args: argparse.Namespace) -> int:
         kvzap=kvzap,
     )
     for name, profile in profiles.items():
-        path = profile.save(args.out if single_file else args.out / f"{name}.safetensors")
+        if mirror is not None:
+            from ..profiles.index import save_to_local_dir
+
+            path = save_to_local_dir(profile, mirror)
+        else:
+            path = profile.save(args.out if single_file else args.out / f"{name}.safetensors")
         print(f"wrote {path}")
         if args.push:
             sha = profile.push_to_hub(repo_id=args.repo_id)
             print(f"pushed {profile.model_id}/{name}.safetensors (commit {sha})")
+    if mirror is not None:  # say how from_pretrained finds it
+        current = os.environ.get(LOCAL_DIR_ENV)
+        if current and Path(current).expanduser() == mirror:
+            print(f"LUKVCache.from_pretrained reads it from ${LOCAL_DIR_ENV} ({mirror})")
+        else:
+            print(
+                f"LUKVCache.from_pretrained reads it with {LOCAL_DIR_ENV}={mirror} (or local_dir={str(mirror)!r})"
+            )
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(
         f"built {len(profiles)} profile(s) in {time.perf_counter() - start:.1f} s, peak RSS {peak_mib:.0f} MiB"
