@@ -357,7 +357,10 @@ def _evaluation_commands(subparsers: Any) -> None:
         "For each context, the full cache answers every question; each allocator at each ratio then answers "
         "through its compressed cache (one shared prefill and one scoring per context). Prints how often the "
         "answers agree, the excess NLL of the full cache's answers, and the ratio it recommends: the highest "
-        "that keeps agreement at or above --tolerance.",
+        "that keeps agreement at or above --tolerance. With reference answers (--answers, or question<TAB>"
+        "answer lines), it also prints the accuracy of the full and the compressed caches (an answer is right "
+        "when it contains the reference, case and punctuation ignored) and recommends on accuracy: the "
+        "highest ratio that keeps --tolerance times the full cache's.",
     )
     check.add_argument(
         "model", metavar="MODEL", help="'smollm2' (packaged), a local model folder or a Hub id"
@@ -372,13 +375,28 @@ def _evaluation_commands(subparsers: Any) -> None:
         nargs="+",
         help="plain text files, each a context for every --questions line (default: none)",
     )
-    check.add_argument("--questions", help="a file with one question per line (with --text; default: none)")
+    check.add_argument(
+        "--questions",
+        help="a file with one question per line (with --text), or question<TAB>answer lines to measure "
+        "accuracy too (default: none)",
+    )
+    check.add_argument(
+        "--answers",
+        metavar="FILE",
+        help="reference answers, one per --questions line in the same order (an empty line: none for that "
+        "question): accuracy is reported and ratios are recommended on it (default: none; agreement only)",
+    )
     check.add_argument(
         "--ratios", type=float, nargs="+", default=list(CHECK_RATIOS), help="fractions evicted"
     )
     check.add_argument("--allocators", nargs="+", default=list(CHECK_ALLOCATORS), help="allocators compared")
     check.add_argument("--scorer", default=CHECK_SCORER, help="token scorer of every allocator")
-    check.add_argument("--tolerance", type=float, default=0.9, help="agreement a ratio must keep")
+    check.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.9,
+        help="agreement a ratio must keep (with answers: the share of the full cache's accuracy)",
+    )
     check.add_argument("--max-new-tokens", type=int, default=24, help="answer tokens decoded per question")
     check.add_argument(
         "--show-answers", action="store_true", help="print the full and compressed answers side by side"

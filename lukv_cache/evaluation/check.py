@@ -6,7 +6,12 @@ with the same context (question-agnostic, as in deployment) and is measured agai
 
 * **agreement**: how often its greedy answer equals the full cache's, token for token;
 * **excess NLL**: the mean negative log-likelihood (nats/token) of the full cache's answer under the
-  compressed cache, minus the same under the full cache.
+  compressed cache, minus the same under the full cache;
+* **accuracy** (only with reference answers): how often the answer, the full cache's and each compressed
+  cache's, contains the reference answer (:func:`is_correct`: both normalised, the answer as whole words).
+
+Agreement measures sameness, not correctness: a full cache that answers wrongly makes every compressed
+cache that answers rightly "disagree". With reference answers, ratios are recommended on accuracy.
 
 What is shared, so that a check is worth waiting for: each context is prefilled once
 (:class:`~lukv_cache.evaluation.prefill.SharedPrefill`); each allocator scores it once, and its other
@@ -17,9 +22,11 @@ where it stops), which that one forward shows, with the answer's NLL. Only ``sho
 compressed answers themselves.
 
 The recommended ratio is the highest one whose agreement stays at or above ``tolerance`` (at every lower
-ratio too) for some allocator; ties go to the lower excess NLL.
+ratio too) for some allocator; ties go to the lower excess NLL. With reference answers (and a full cache
+that answered at least one of them rightly), accuracy replaces agreement: a ratio is safe while its accuracy
+stays at or above ``tolerance`` times the full cache's.
 
-    >>> report = check(model, tokenizer, [("text ...", ["question?"])])  # doctest: +SKIP
+    >>> report = check(model, tokenizer, [("text ...", ["question?"], ["answer"])])  # doctest: +SKIP
     >>> print(format_check(report))  # doctest: +SKIP
 """
 
@@ -29,6 +36,7 @@ import copy
 import math
 import os
 import time
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +63,7 @@ from .methods import (
 from .prefill import SharedPrefill
 from .tasks import greedy_decode, stop_ids
 
-Context = tuple[str, Sequence[str]]
+Context = tuple[str, Sequence[str]] | tuple[str, Sequence[str], Sequence[str | None]]
 Encoded = tuple[torch.Tensor, list[torch.Tensor]]  # context ids [1, T], one [1, Q] prompt per question
 _SHORTEN = "split the text into shorter contexts, or pass a smaller --max-new-tokens"
 
@@ -71,27 +79,78 @@ def _read_text(path: str | os.PathLike, what: str) -> str:
         ) from None
 
 
+def _normalise(text: str) -> str:
+    """Lower case, accents and punctuation dropped, whitespace collapsed: ``"Nine o'clock."`` ->
+    ``"nine o clock"``."""
+    text = unicodedata.normalize("NFKD", unicodedata.normalize("NFKC", text).casefold())
+    kept = "".join(c if c.isalnum() else " " for c in text if not unicodedata.combining(c))
+    return " ".join(kept.split())
+
+
+def is_correct(generated: str, answer: str) -> bool:
+    """Whether ``generated`` answers ``answer``: some alternative of ``answer`` (split on ``|``),
+    normalised (:func:`_normalise`: case, accents, punctuation and spacing ignored), occurs in the
+    normalised ``generated`` as whole words.
+
+    >>> is_correct("The ferry leaves at nine o'clock.", "Nine")
+    True
+    >>> is_correct("It leaves at ninety.", "nine")
+    False
+    >>> is_correct("Ada Lovelace", "Ada|the harbour master")
+    True
+    """
+    said = f" {_normalise(generated)} "
+    return any(f" {alt} " in said for alt in map(_normalise, answer.split("|")) if alt)
+
+
+def _answer_lines(path: str | os.PathLike, count: int) -> list[str | None]:
+    """The answers file: one line per question, in order (an empty line: that question has none)."""
+    lines = _read_text(path, "The answers file").splitlines()
+    while len(lines) > count and not lines[-1].strip():  # trailing blank lines beyond the questions
+        lines.pop()
+    if len(lines) != count:
+        raise ConfigurationError(
+            f"The answers file {str(path)!r} has {len(lines)} line(s) but there are {count} question(s): give "
+            "one answer per question line, in the same order (an empty line for a question without one)."
+        )
+    return [line.strip() or None for line in lines]
+
+
 def read_contexts(
     calibration: Sequence[str | os.PathLike] = (),
     texts: Sequence[str | os.PathLike] = (),
     questions: str | os.PathLike | None = None,
+    answers: str | os.PathLike | None = None,
 ) -> list[Context]:
     """Contexts and their questions: calibration JSONL files (or shipped set names), and/or plain text
-    files that all share the questions of ``questions`` (one per line)."""
+    files that all share the questions of ``questions`` (one per line).
+
+    Reference answers, for the text files' questions: a ``question<TAB>answer`` line in ``questions``, or
+    ``answers``, a file with one answer per question line (an empty line: none for that question). A
+    context with answers is ``(text, questions, answers)``."""
     contexts: list[Context] = []
     for item in calibration:
         context, qs, _ = load_calibration(item)
         contexts.append((context, qs))
+    if answers is not None and not texts:
+        raise ConfigurationError("--answers goes with --text and --questions (one answer per question line).")
     if texts:
         if questions is None:
             raise ConfigurationError(
                 "Plain text files need a questions file (--questions, one question per line)."
             )
-        qs = [
-            line.strip() for line in _read_text(questions, "The questions file").splitlines() if line.strip()
-        ]
+        lines = [line for line in _read_text(questions, "The questions file").splitlines() if line.strip()]
+        qs = [line.partition("\t")[0].strip() for line in lines]
+        inline = [line.partition("\t")[2].strip() or None for line in lines]
         if not qs:
             raise ConfigurationError(f"{questions}: no questions (one per line).")
+        if not all(qs):
+            raise ConfigurationError(f"{questions}: a line has an answer but no question before its TAB.")
+        refs = _answer_lines(answers, len(qs)) if answers is not None else inline
+        if answers is not None and any(inline):
+            raise ConfigurationError(
+                f"{questions} has question<TAB>answer lines and --answers was given too: use one or the other."
+            )
         for path in texts:
             text = _read_text(path, "The text file")
             if not text.strip():
@@ -99,7 +158,7 @@ def read_contexts(
                     f"The text file {str(path)!r} is empty (or only whitespace): there is no context to "
                     "compress. Put the context's text in it, or drop it from --text."
                 )
-            contexts.append((text, qs))
+            contexts.append((text, qs, refs) if any(refs) else (text, qs))
     if not contexts:
         raise ConfigurationError(
             "Nothing to check: pass calibration JSONL files, or text files and --questions."
@@ -163,7 +222,7 @@ def encode_contexts(
     megabytes costs gigabytes, and prefilling millions of tokens far more."""
     chars_per_token = _max_token_chars(tokenizer)
     encoded = []
-    for number, (context, questions) in enumerate(contexts, start=1):
+    for number, (context, questions, *_) in enumerate(contexts, start=1):
         texts = [QUESTION_TEMPLATE.format(question=q) for q in questions]
         limit = max_positions(config)
         if chars_per_token and limit is not None:
@@ -205,6 +264,8 @@ class CheckRow:
     asked: int = 0
     excess_nll: list[float] = field(default_factory=list)
     skipped: str | None = None
+    correct: int = 0  # of the ``graded`` questions (those with a reference answer), answered rightly
+    graded: int = 0
 
     @property
     def name(self) -> str:
@@ -213,6 +274,10 @@ class CheckRow:
     @property
     def agreement(self) -> float:
         return self.agree / self.asked if self.asked else float("nan")
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.graded if self.graded else float("nan")
 
     @property
     def mean_excess(self) -> float:
@@ -228,6 +293,7 @@ class Answers:
     question: str
     full: str
     compressed: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    expected: str | None = None  # the reference answer, if one was given
 
 
 @dataclass
@@ -239,30 +305,53 @@ class CheckReport:
     tolerance: float
     answers: list[Answers] = field(default_factory=list)
     seconds: float = 0.0
+    full_correct: int = 0  # of the ``graded`` questions, those the full cache answered rightly
+    graded: int = 0
+
+    @property
+    def full_accuracy(self) -> float:
+        return self.full_correct / self.graded if self.graded else float("nan")
+
+    @property
+    def by_accuracy(self) -> bool:
+        """Whether ratios are judged on accuracy: reference answers were given and the full cache got at
+        least one right (with none right, accuracy cannot tell a ratio that loses nothing from one that
+        loses everything, so agreement decides)."""
+        return self.graded > 0 and self.full_correct > 0
+
+    def passes(self, row: CheckRow) -> bool:
+        """Whether ``row`` meets the tolerance: its accuracy at least ``tolerance`` times the full cache's
+        (:attr:`by_accuracy`), else its agreement at least ``tolerance``."""
+        if self.by_accuracy:
+            return row.accuracy >= self.tolerance * self.full_accuracy - 1e-9
+        return row.agreement >= self.tolerance
 
     def safe_ratio(self, allocator: str) -> float | None:
-        """The highest ratio whose agreement is at least ``tolerance`` (and every lower ratio's too)."""
+        """The highest ratio that meets the tolerance (:meth:`passes`), every lower ratio meeting it too."""
         safe = None
         for row in sorted(
             (r for r in self.rows if r.allocator == allocator and not r.skipped), key=lambda r: r.ratio
         ):
-            if not row.agreement >= self.tolerance:
+            if not self.passes(row):
                 break
             safe = row.ratio
         return safe
 
     def recommended(self) -> CheckRow | None:
         """The row to deploy: the highest safe ratio above 0 (0 evicts nothing) of any allocator; ties go to
-        the lower excess NLL."""
+        the higher accuracy (with answers), then the lower excess NLL."""
         best = None
         for allocator in dict.fromkeys(r.allocator for r in self.rows):
             safe = self.safe_ratio(allocator)
             if not safe:
                 continue
             row = next(r for r in self.rows if r.allocator == allocator and r.ratio == safe and not r.skipped)
-            if best is None or (row.ratio, -row.mean_excess) > (best.ratio, -best.mean_excess):
+            if best is None or self._rank(row) > self._rank(best):
                 best = row
         return best
+
+    def _rank(self, row: CheckRow) -> tuple[float, float, float]:
+        return (row.ratio, row.accuracy if self.by_accuracy else 0.0, -row.mean_excess)
 
 
 _STOP = -1  # every stop token predicts the same thing: the answer ends
@@ -313,12 +402,18 @@ def check(
     hub: bool = False,
     show_progress: bool = True,
     show_answers: bool = False,
+    answers: Sequence[Sequence[str | None] | None] | None = None,
 ) -> CheckReport:
     """Compare each allocator at each ratio with the full cache on ``contexts`` (see the module docstring).
 
     Bad settings and contexts that do not fit the model's positions raise before anything is prefilled; an
     allocator whose profile cannot be found is skipped (with the reason) before any prefill too.
-    ``show_answers``: also decode every compressed cache's answers (:attr:`CheckReport.answers`)."""
+    ``show_answers``: also decode every compressed cache's answers (:attr:`CheckReport.answers`).
+
+    Reference answers (to measure accuracy, and recommend on it): a context ``(text, questions, answers)``,
+    or ``answers``, one list per context aligned with its questions (``None`` for a question, or a context,
+    without one). An answer is right when :func:`is_correct`; a compressed cache's answer is decoded only
+    where it differs from the full cache's."""
     started = time.perf_counter()
     ratios = check_options(
         allocators=allocators,
@@ -327,6 +422,7 @@ def check(
         tolerance=tolerance,
         ratios=ratios,
     )
+    references = _references(contexts, answers)
     encoded = encode_contexts(tokenizer, contexts, model.config, max_new_tokens)  # before any prefill
     rows = [CheckRow(a, r) for a in dict.fromkeys(allocators) for r in dict.fromkeys(ratios)]
     for row in rows:  # a profile that is not there: said once, before any work
@@ -339,7 +435,7 @@ def check(
     device = next(model.parameters()).device
     stops = stop_ids(tokenizer)
     n_queries = max(2, get_scorer(scorer).n_queries)
-    report = CheckReport(scorer, rows, len(contexts), sum(len(qs) for _, qs in contexts), tolerance)
+    report = CheckReport(scorer, rows, len(contexts), sum(len(item[1]) for item in contexts), tolerance)
 
     # progress in units of about one forward of one token: a prefill ~ its tokens / 64, the full answers
     # max_new_tokens each, a compression 1, a compressed answer 1 (+ max_new_tokens with show_answers)
@@ -370,9 +466,14 @@ def check(
                 reference.append(predicted)
                 base_nll.append(nll)
                 progress.update(max_new_tokens)
+            refs = references[number - 1]
+            full_texts = [_text(tokenizer, a) for a in answers]
+            full_right = [ref is not None and is_correct(t, ref) for t, ref in zip(full_texts, refs)]
+            report.graded += sum(ref is not None for ref in refs)
+            report.full_correct += sum(full_right)
             if show_answers:
                 questions = contexts[number - 1][1]
-                shown = [Answers(number, q, _text(tokenizer, a)) for q, a in zip(questions, answers)]
+                shown = [Answers(number, q, t, expected=r) for q, t, r in zip(questions, full_texts, refs)]
                 report.answers.extend(shown)
             scores: dict[str, Any] = {}  # allocator -> its scored prefill of this context
             for row in active:
@@ -390,13 +491,55 @@ def check(
                     row.agree += int(agrees)
                     row.asked += 1
                     row.excess_nll.append(nll - base_nll[i])
+                    got = full_texts[i]
+                    if not agrees and (show_answers or refs[i] is not None):
+                        ids = greedy_decode(model, copy.deepcopy(cache), prompt, max_new_tokens, stops)[0]
+                        got = _text(tokenizer, ids)
+                    if refs[i] is not None:
+                        row.graded += 1
+                        row.correct += int(full_right[i] if agrees else is_correct(got, refs[i]))
                     if show_answers:
-                        got = greedy_decode(model, copy.deepcopy(cache), prompt, max_new_tokens, stops)[0]
-                        shown[i].compressed[row.name] = (_text(tokenizer, got), agrees)
+                        shown[i].compressed[row.name] = (got, agrees)
                     progress.update(per_answer)
         progress.set_postfix_str("done", refresh=True)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _references(
+    contexts: Sequence[Context], answers: Sequence[Sequence[str | None] | None] | None
+) -> list[list[str | None]]:
+    """Each context's reference answers, aligned with its questions (``None``: none given); refuses
+    (:class:`ConfigurationError`) lists that do not line up and answers given twice."""
+    if answers is not None and len(answers) != len(contexts):
+        raise ConfigurationError(
+            f"answers has {len(answers)} list(s) but there are {len(contexts)} context(s): give one per context "
+            "(None for a context without answers)."
+        )
+    out = []
+    for number, item in enumerate(contexts, start=1):
+        questions = item[1]
+        inline = item[2] if len(item) > 2 else None
+        given = answers[number - 1] if answers is not None else None
+        if inline is not None and given is not None:
+            raise ConfigurationError(f"Context {number} has answers in its tuple and in answers=: give one.")
+        refs = inline if inline is not None else given
+        if refs is None:
+            out.append([None] * len(questions))
+            continue
+        if isinstance(refs, str) or len(refs) != len(questions):
+            raise ConfigurationError(
+                f"Context {number}: {len(questions)} question(s) but "
+                f"{'a string' if isinstance(refs, str) else f'{len(refs)} answer(s)'} as its answers; give a "
+                "list with one answer (or None) per question."
+            )
+        for ref in refs:
+            if ref is not None and (not isinstance(ref, str) or not _normalise(ref)):
+                raise ConfigurationError(
+                    f"Context {number}: the answer {ref!r} is not a string with a letter or digit in it."
+                )
+        out.append([ref if ref is None else str(ref) for ref in refs])
+    return out
 
 
 def _text(tokenizer: Any, ids: list[int]) -> str:
@@ -412,29 +555,52 @@ LEGEND = (
     "  distractions and sharpen a prediction, and over a few questions noise goes both ways, so read\n"
     "  small values either side of 0 as 0."
 )
+ACCURACY_LEGEND = (
+    "accuracy: share of the questions with a reference answer whose answer contains it (case, accents,\n"
+    "  punctuation and spacing ignored; whole words; '|' separates alternatives). Agreement says whether\n"
+    "  an answer changed, accuracy whether it is right: a compressed cache can fix the full cache's mistakes."
+)
+
+
+def _pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.0f}%"
 
 
 def format_check(report: CheckReport) -> str:
-    """The table (agreement with the full cache and excess NLL per allocator and ratio), a legend, each
-    allocator's highest safe ratio and, last, the recommendation; with answers, those first."""
+    """The table (agreement with the full cache, accuracy with reference answers, and excess NLL per
+    allocator and ratio), a legend, each allocator's highest safe ratio and, last, the recommendation; with
+    answers, those first."""
     lines = []
     if report.answers:
         lines += format_answers(report)
+    graded = report.graded > 0
+    accuracy_head = f"  {'accuracy':>8}" if graded else ""
     lines += [
         f"lukv check: scorer {report.scorer}, {report.contexts} context(s), {report.questions} question(s)"
+        + (f" ({report.graded} with a reference answer)" if graded else "")
         + (f", {report.seconds:.0f} s" if report.seconds else ""),
         "",
-        f"{'allocator':<14} {'ratio':>5}  {'agreement':>9}  {'excess NLL':>10}",
+        f"{'allocator':<14} {'ratio':>5}  {'agreement':>9}{accuracy_head}  {'excess NLL':>10}",
     ]
+    if graded:
+        lines.append(f"{'full cache':<14} {'':>5}  {'':>9}  {_pct(report.full_accuracy):>8}  {'':>10}")
     for row in report.rows:
         if row.skipped:
             lines.append(f"{row.allocator:<14} {row.ratio:>5g}  skipped: {row.skipped}")
             continue
+        accuracy = f"  {_pct(row.accuracy):>8}" if graded else ""
         lines.append(
-            f"{row.allocator:<14} {row.ratio:>5g}  {100 * row.agreement:>8.0f}%  {row.mean_excess:>+10.3f}"
+            f"{row.allocator:<14} {row.ratio:>5g}  {_pct(row.agreement):>9}{accuracy}  {row.mean_excess:>+10.3f}"
         )
-    lines += ["", LEGEND, ""]
-    tolerance = f"{100 * report.tolerance:.0f}%"
+    lines += ["", LEGEND] + ([ACCURACY_LEGEND] if graded else []) + [""]
+    if graded and not report.by_accuracy:
+        lines += [
+            "The full cache answered none of the graded questions rightly, so accuracy cannot tell the "
+            "ratios apart:",
+            "the verdicts below use agreement. Check the reference answers (and --max-new-tokens).",
+            "",
+        ]
+    what, bar = _criterion(report)
     for allocator in dict.fromkeys(r.allocator for r in report.rows):
         measured = [r for r in report.rows if r.allocator == allocator and not r.skipped]
         if not measured:
@@ -442,18 +608,31 @@ def format_check(report: CheckReport) -> str:
             continue
         safe = report.safe_ratio(allocator)
         if safe:
-            lines.append(f"{allocator}: agreement >= {tolerance} up to ratio {safe:g}.")
+            lines.append(f"{allocator}: {what} >= {bar} up to ratio {safe:g}.")
         elif safe == 0:
-            lines.append(f"{allocator}: agreement >= {tolerance} only at ratio 0 (nothing evicted).")
+            lines.append(f"{allocator}: {what} >= {bar} only at ratio 0 (nothing evicted).")
         else:
-            best = max(measured, key=lambda r: (r.agreement, -r.ratio))
+            best = max(measured, key=lambda r: (_metric(report, r), -r.ratio))
             lines.append(
-                f"{allocator}: no ratio checked keeps agreement >= {tolerance} "
-                f"(best {100 * best.agreement:.0f}% at {best.ratio:g})."
+                f"{allocator}: no ratio checked keeps {what} >= {bar} "
+                f"(best {_pct(_metric(report, best))} at {best.ratio:g})."
             )
     lines.append("")
     lines.append(recommendation(report))
     return "\n".join(lines)
+
+
+def _metric(report: CheckReport, row: CheckRow) -> float:
+    return row.accuracy if report.by_accuracy else row.agreement
+
+
+def _criterion(report: CheckReport) -> tuple[str, str]:
+    """What a ratio must keep, in words: ``("accuracy", "90% of the full cache's 67%")`` or
+    ``("agreement", "90%")``."""
+    tolerance = f"{100 * report.tolerance:.0f}%"
+    if report.by_accuracy:
+        return "accuracy", f"{tolerance} of the full cache's {_pct(report.full_accuracy)}"
+    return "agreement", tolerance
 
 
 def recommendation(report: CheckReport) -> str:
@@ -461,9 +640,16 @@ def recommendation(report: CheckReport) -> str:
     tolerance = f"{100 * report.tolerance:.0f}%"
     best = report.recommended()
     if best is not None:
+        if report.by_accuracy:
+            return (
+                f"Recommended: ratio {best.ratio:g} with allocator {best.allocator} (scorer {report.scorer}): "
+                f"accuracy {_pct(best.accuracy)} against the full cache's {_pct(report.full_accuracy)} "
+                f"(tolerance {tolerance} of it), {_pct(best.agreement)} of the answers unchanged, excess NLL "
+                f"{best.mean_excess:+.3f}."
+            )
         return (
             f"Recommended: ratio {best.ratio:g} with allocator {best.allocator} (scorer {report.scorer}): "
-            f"{100 * best.agreement:.0f}% of the answers unchanged (tolerance {tolerance}), excess NLL "
+            f"{_pct(best.agreement)} of the answers unchanged (tolerance {tolerance}), excess NLL "
             f"{best.mean_excess:+.3f}."
         )
     measured = [r for r in report.rows if not r.skipped and r.ratio > 0]
@@ -472,10 +658,17 @@ def recommendation(report: CheckReport) -> str:
     lowest = min(r.ratio for r in measured)
     lower = math.floor(lowest / 2 * 20) / 20  # half the lowest ratio checked, on a 0.05 step
     try_ratio = f" (--ratios {lower:g})" if lower > 0 else ""
+    if report.by_accuracy:
+        kept = f"keeps {tolerance} of the full cache's accuracy ({_pct(report.full_accuracy)})"
+        closer = "or a lower --tolerance."
+    else:
+        kept = f"keeps {tolerance} of the answers unchanged"
+        closer = (
+            "or a lower --tolerance if close answers are good enough (or give reference answers: --answers)."
+        )
     return (
-        f"Recommended: none. No ratio checked keeps {tolerance} of the answers unchanged with any allocator; "
-        f"try lower ratios{try_ratio}, another --scorer (e.g. kvzip), shorter answers (--max-new-tokens 8), "
-        f"or a lower --tolerance if close answers are good enough."
+        f"Recommended: none. No ratio checked {kept} with any allocator; try lower ratios{try_ratio}, "
+        f"another --scorer (e.g. kvzip), shorter answers (--max-new-tokens 8), {closer}"
     )
 
 
@@ -489,6 +682,8 @@ def format_answers(report: CheckReport) -> list[str]:
     lines = []
     for answers in report.answers:
         lines.append(f"Context {answers.context}: {answers.question}")
+        if answers.expected is not None:
+            lines.append(f"  {'expected':<{width}}    {answers.expected}")
         lines.append(f"  {'full cache':<{width}}    {answers.full or _EMPTY}")
         for name, (text, agrees) in answers.compressed.items():
             lines.append(f"  {name:<{width}}  {'=' if agrees else 'x'} {text or _EMPTY}")

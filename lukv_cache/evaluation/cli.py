@@ -67,7 +67,7 @@ def _check(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         ratios=args.ratios,
     )
-    contexts = read_contexts(args.calibration or (), args.text or (), args.questions)
+    contexts = read_contexts(args.calibration or (), args.text or (), args.questions, args.answers)
     encode_contexts(load_tokenizer(args.model), contexts, load_config(args.model), args.max_new_tokens)
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     report = check(
