@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, HubUnavailableError, ProfileFormatError, ProfileNotFoundError
-from .hub_errors import LOCAL_OPTION, connection_errors, hub_answers, translated_hub_errors
+from .hub_errors import (
+    LOCAL_OPTION,
+    connection_errors,
+    hub_answers,
+    hub_file,
+    shipped_fallback,
+    translated_hub_errors,
+)
 from .location import (
     BUNDLED_DIR,
     DEFAULT_SCORER,
@@ -118,8 +125,10 @@ def download_profile(
     Resolution order: ``local_dir`` (else ``$LUKV_PROFILE_DIR``); then the shared Hub repository through
     huggingface_hub (its cache, revision, offline mode; a Hub that does not answer within ``hub.timeout``
     seconds counts as unreachable); then, when the Hub has no such file or cannot be reached and no
-    revision is pinned, the copy shipped inside this package (with a warning when the Hub was unreachable,
-    an INFO log when ``local_files_only`` or ``HF_HUB_OFFLINE`` asked for no network).
+    revision is pinned, the copy shipped inside this package. The shipped copies are the default
+    repository's (``lukv-cache/profiles``): using one in its place is logged at INFO level; a short
+    UserWarning (once per process) says so only when another repository was asked for. A Hub still
+    silent after a second is announced on stderr (a WARNING log, once per process).
 
     >>> download_profile("meta-llama/Llama-3.1-8B-Instruct")  # doctest: +SKIP
     PosixPath('~/.cache/huggingface/hub/models--lukv-cache--profiles/snapshots/<sha>/meta-llama/...')
@@ -137,44 +146,23 @@ def download_profile(
         bundled = BUNDLED_DIR / filename
         if hub.revision is not None or not bundled.is_file():
             raise
-        if _offline_by_intent(hub):  # the user asked for no network: that is not news
-            logger.info(
-                "lukv_cache: offline (local_files_only / HF_HUB_OFFLINE): using the shipped %s", bundled
-            )
-        elif isinstance(err, HubUnavailableError):
-            warnings.warn(
-                f"The Hub could not serve {filename!r} ({str(err).split('. ')[0]}); using the copy shipped with "
-                f"lukv_cache: {bundled}",
-                stacklevel=3,
-            )
+        shipped_fallback(f"{scorer} profile of {model_id}", bundled, hub, err)
         return bundled
 
 
-def _offline_by_intent(hub: HubLocation) -> bool:
-    from huggingface_hub import constants
-
-    return bool(hub.local_files_only or constants.is_offline_mode())
-
-
 def _from_hub(model_id: str, scorer: str, filename: str, hub: HubLocation, searched: str) -> Path:
-    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
     subject = f"{filename!r} (profile of {model_id!r})"
     reachable = hub_answers(filename, hub)
     with translated_hub_errors(subject, hub, model_id=model_id, searched=searched):
         try:
+            # unreachable: the cache only
             return Path(
-                hf_hub_download(
-                    hub.repo,
+                hub_file(
                     filename,
-                    repo_type="model",
-                    revision=hub.revision,
-                    token=hub.token,
-                    cache_dir=hub.cache_dir,
-                    endpoint=hub.endpoint,
-                    local_files_only=hub.local_files_only or not reachable,  # unreachable: the cache only
-                    etag_timeout=hub.timeout,
+                    hub,
+                    reachable=reachable,
                     library_name="lukv_cache",
                     library_version=library_version(),
                 )

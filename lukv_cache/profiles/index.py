@@ -12,10 +12,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError, ProfileFormatError
-from .hub_errors import hub_answers, translated_hub_errors
+from ..errors import ConfigurationError, HubUnavailableError, ProfileFormatError, ProfileNotFoundError
+from .hub_errors import hub_answers, hub_file, shipped_fallback, translated_hub_errors
 from .jsonfile import parse_json
-from .location import INDEX_FILENAME, HubLocation, check_model_id, profile_filename
+from .location import (
+    BUNDLED_DIR,
+    INDEX_FILENAME,
+    LOCAL_DIR_ENV,
+    HubLocation,
+    check_model_id,
+    profile_filename,
+)
 from .profile import Profile, atomic_write
 
 INDEX_FORMAT_VERSION = 1
@@ -77,42 +84,55 @@ def list_profiles(
     """The entries of the shared repository's ``index.json`` (or of ``<local_dir>/index.json``).
 
     Each entry has ``model_id``, ``scorer``, ``path``, ``num_layers``, ``num_kv_heads``, ``head_dim``,
-    ``grid`` (size/min/max), ``calibration``, ``created``, ``library_version``.
+    ``grid`` (size/min/max), ``calibration``, ``created``, ``library_version``. When the Hub cannot serve
+    the index (offline, unreachable, no cached copy) and no revision is pinned, the profiles
+    ``from_pretrained`` would use are listed instead: those of ``$LUKV_PROFILE_DIR`` and those shipped with
+    the package (an INFO log says so; a warning only when another repository than the default was asked).
 
     >>> [e["scorer"] for e in list_profiles(model_id="meta-llama/Llama-3.1-8B-Instruct")]  # doctest: +SKIP
     ['expected_attention', 'keydiff']
     """
-    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
     if local_dir is not None:
-        if not Path(local_dir).is_dir():
-            raise ConfigurationError(
-                f"{str(local_dir)!r} is not a folder of profiles (a local mirror like profiles_hub/)."
-            )
-        path = Path(local_dir) / INDEX_FILENAME
-        index = parse_index(path.read_bytes(), str(path)) if path.is_file() else empty_index()
+        index = _folder_index(local_dir)
     else:
         hub = hub or HubLocation()
         reachable = hub_answers(INDEX_FILENAME, hub)  # one probe, as from_pretrained: no retries offline
-        with translated_hub_errors(f"the profile index {INDEX_FILENAME!r}", hub):
-            try:
-                path = hf_hub_download(
-                    hub.repo,
-                    INDEX_FILENAME,
-                    repo_type="model",
-                    revision=hub.revision,
-                    token=hub.token,
-                    cache_dir=hub.cache_dir,
-                    endpoint=hub.endpoint,
-                    local_files_only=hub.local_files_only or not reachable,
-                    etag_timeout=hub.timeout,
-                )
-            except RemoteEntryNotFoundError:
-                return []  # a repository without an index holds no profiles yet
-        index = parse_index(Path(path).read_bytes(), f"{INDEX_FILENAME} of {hub.repo!r}")
+        try:
+            with translated_hub_errors(f"the profile index {INDEX_FILENAME!r}", hub):
+                try:
+                    path = hub_file(INDEX_FILENAME, hub, reachable=reachable)
+                except RemoteEntryNotFoundError:
+                    return []  # a repository without an index holds no profiles yet
+            index = parse_index(Path(path).read_bytes(), f"{INDEX_FILENAME} of {hub.repo!r}")
+        except (HubUnavailableError, ProfileNotFoundError) as err:
+            if hub.revision is not None or not (BUNDLED_DIR / INDEX_FILENAME).is_file():
+                raise
+            index = _offline_index(hub, err)
     entries = [dict(e) for e in index["profiles"] if model_id is None or e["model_id"] == model_id]
     return [e for e in entries if _readable_entry(e)]
+
+
+def _folder_index(local_dir: str | os.PathLike) -> dict[str, Any]:
+    if not Path(local_dir).is_dir():
+        raise ConfigurationError(
+            f"{str(local_dir)!r} is not a folder of profiles (a local mirror like profiles_hub/)."
+        )
+    path = Path(local_dir) / INDEX_FILENAME
+    return parse_index(path.read_bytes(), str(path)) if path.is_file() else empty_index()
+
+
+def _offline_index(hub: HubLocation, err: BaseException) -> dict[str, Any]:
+    """The shipped index merged with ``$LUKV_PROFILE_DIR``'s (whose entries win, as in download_profile)."""
+    shipped = BUNDLED_DIR / INDEX_FILENAME
+    shipped_fallback("profile index", shipped, hub, err)
+    index = parse_index(shipped.read_bytes(), str(shipped))
+    local = os.environ.get(LOCAL_DIR_ENV)
+    if local and Path(local).is_dir():
+        for entry in _folder_index(local)["profiles"]:
+            index = with_entry(index, entry)
+    return index
 
 
 def _readable_entry(entry: dict[str, Any]) -> bool:

@@ -24,7 +24,7 @@ DEFAULT_SCORER = "keydiff"  # what `lukv pull` fetches by default
 # keydiff on SmolLM2-135M on retrieval and continuation loss (docs/kvzap.md).
 PREFERRED_SCORERS = ("kvzap", DEFAULT_SCORER)
 TIMEOUT_ENV = "LUKV_HUB_TIMEOUT"
-DEFAULT_TIMEOUT = 10.0
+DEFAULT_TIMEOUT = 5.0  # a HEAD to the Hub answers in well under a second; a hung Hub costs this once per command
 MAX_TIMEOUT = 86_400.0  # one day: any longer wait is a typo
 # the profiles this package ships (a copy of the shared repository's, for offline use): the repository's
 # top-level profiles_hub/, which the wheel carries as lukv_cache/profiles_hub/ (setup.py); a source checkout or
@@ -44,7 +44,7 @@ class HubLocation:
     or commit sha; default the main branch), ``token``, ``cache_dir`` (huggingface_hub's cache) and
     ``endpoint`` (default ``$HF_ENDPOINT``) go to huggingface_hub unchanged; ``None`` means its default.
     ``local_files_only``: read huggingface_hub's cache only, never the network. ``timeout``: seconds to wait
-    for the Hub before giving up on it (default ``$LUKV_HUB_TIMEOUT``, else 10), passed to huggingface_hub.
+    for the Hub before giving up on it (default ``$LUKV_HUB_TIMEOUT``, else 5) in all, probe included.
 
     >>> HubLocation(repo_id="me/my-profiles").repo
     'me/my-profiles'

@@ -412,8 +412,15 @@ def test_the_timeout_comes_from_the_environment(monkeypatch):
         HubLocation()
 
 
-def test_an_unreachable_hub_falls_back_to_the_bundled_profile_with_a_warning(silent_endpoint, hf_cache):
-    location = HubLocation(endpoint=silent_endpoint, cache_dir=hf_cache, timeout=1.0)
+def test_an_unreachable_hub_falls_back_to_the_bundled_profile_with_a_warning(
+    silent_endpoint, hf_cache, monkeypatch
+):
+    """Warned when another repository than the shipped copies' was asked (quiet for the default one:
+    tests/profiles/test_offline_quiet.py)."""
+    from lukv_cache.profiles import hub_errors
+
+    monkeypatch.setattr(hub_errors, "_said", set())  # the warning is given once per process
+    location = HubLocation(repo_id=REPO, endpoint=silent_endpoint, cache_dir=hf_cache, timeout=1.0)
     with pytest.warns(UserWarning, match="shipped with lukv_cache"):
         profile = resolve_profile("HuggingFaceTB/SmolLM2-135M-Instruct", hub=location)
     assert "profiles_hub" in profile.source and profile.num_layers == 30
@@ -446,11 +453,15 @@ def test_offline_by_intent_uses_the_shipped_profile_quietly(hf_cache, caplog):
 
 
 def test_listing_an_unreachable_hub_gives_up_after_one_probe(silent_endpoint, hf_cache):
-    """`lukv list` offline retried the Hub five times (37 s); it now probes once, like from_pretrained."""
+    """`lukv list` offline retried the Hub five times (37 s); it now probes once, like from_pretrained, and
+    lists the shipped profiles (a pinned revision still fails)."""
     from lukv_cache.profiles import list_profiles
 
     location = HubLocation(endpoint=silent_endpoint, cache_dir=hf_cache, timeout=1.0)
     start = time.perf_counter()
+    assert any(e["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" for e in list_profiles(hub=location))
     with pytest.raises(HubUnavailableError):
-        list_profiles(hub=location)
+        list_profiles(
+            hub=HubLocation(endpoint=silent_endpoint, cache_dir=hf_cache, timeout=1.0, revision="v1")
+        )
     assert time.perf_counter() - start < 8
