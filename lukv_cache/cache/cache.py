@@ -1408,6 +1408,31 @@ class LUKVCache(DynamicCache):
         """Whether any layer holds a compressed store."""
         return any(isinstance(layer, LUKVLayer) and layer.compressed for layer in self.layers)
 
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """bool ``[batch, kv_heads, T]``: which logical positions (absolute columns of the input, ``T`` so
+        far, padding included) each (row, KV head) of layer ``layer_idx`` still holds, in its ragged store
+        or its dense suffix. Padding is never held by a compressed layer; transformers' own layers (e.g. a
+        sliding window shorter than the prompt) report their last columns, as they hold them.
+
+        >>> cache = LUKVCache(ratio=0.0)
+        >>> _ = cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+        >>> cache.kept_positions(0).int().tolist()
+        [[[1, 1, 1], [1, 1, 1]]]
+        """
+        layer = self.layers[layer_idx]
+        if not getattr(layer, "is_initialized", False):
+            return torch.zeros(0, 0, 0, dtype=torch.bool)
+        if isinstance(layer, LUKVLayer):
+            kept = torch.zeros(layer.batch_size, layer.num_heads, layer.cumulative_length, dtype=torch.bool)
+            for row in range(layer.batch_size):
+                for head in range(layer.num_heads):
+                    kept[row, head, layer.head_tokens(row, head)[0].cpu()] = True
+            return kept
+        b, h, s, _ = layer.keys.shape
+        kept = torch.zeros(b, h, max(s, layer.get_seq_length()), dtype=torch.bool)
+        kept[:, :, kept.shape[-1] - s :] = True
+        return kept
+
     def memory_bytes(self) -> int:
         """Bytes held by every tensor of the cache (ragged stores, positions, offsets, suffix buffers,
         stock sliding layers)."""
