@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import LUKVError
+from . import __version__
+from ._paths import cache_root
+from .errors import ConfigurationError, LUKVError
 from .evaluation.methods import (
     ALLOCATORS,
     CHECK_ALLOCATORS,
@@ -56,10 +60,15 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _command(module: str, function: str) -> Callable[[argparse.Namespace], int]:
-    """The command ``module.function``, imported when it runs (the heavy imports live there)."""
+def _command(
+    module: str, function: str, precheck: Callable[[argparse.Namespace], None] | None = None
+) -> Callable[[argparse.Namespace], int]:
+    """The command ``module.function``, imported when it runs (the heavy imports live there); ``precheck``
+    refuses bad arguments first, without torch or transformers, so a mistake costs no import."""
 
     def run(args: argparse.Namespace) -> int:
+        if precheck is not None:
+            precheck(args)
         return getattr(importlib.import_module(module), function)(args)
 
     run.__qualname__ = run.__name__ = f"{module}.{function}"
@@ -117,7 +126,12 @@ def _profiles_commands(subparsers: Any) -> None:
     listing.set_defaults(func=_command(run, "_list"))
 
     convert = _add(subparsers, "convert", "turn a LU-KV / kvpress curve (.npy [99, L, H_kv]) into a profile")
-    convert.add_argument("curve", metavar="CURVE.npy", type=Path)
+    convert.add_argument(
+        "curve",
+        metavar="CURVE.npy",
+        type=Path,
+        help="a numpy array [99, layers, kv heads]: each head's eviction ratio at global ratios 0.01 ... 0.99",
+    )
     convert.add_argument(
         "--model", required=True, metavar="MODEL_ID", help="the model id the curve was built for"
     )
@@ -178,7 +192,7 @@ def _profiling_commands(subparsers: Any) -> None:
     build.add_argument(
         "--repo-id", help=f"shared repository for --push (default: ${REPO_ID_ENV} or {DEFAULT_REPO_ID})"
     )
-    build.add_argument("--calibration", default="planted", help="shipped set name or JSONL file")
+    build.add_argument("--calibration", default=DEFAULT_CALIBRATION, help="shipped set name or JSONL file")
     build.add_argument("--k-max", type=int, default=64, help="answer tokens decoded per question")
     build.add_argument(
         "--aggregate",
@@ -254,7 +268,7 @@ def _profiling_commands(subparsers: Any) -> None:
     )
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     add_threads_argument(build)
-    build.set_defaults(func=_command(run, "_build"))
+    build.set_defaults(func=_command(run, "_build", lambda args: _model_exists(args.model)))
 
     show = _add(subparsers, "show", "summarise a profile; optionally plot it")
     show.add_argument("profile", metavar="PROFILE", type=Path, help="a profile (.safetensors)")
@@ -277,10 +291,14 @@ def _profiling_commands(subparsers: Any) -> None:
         help="also decompose the eviction loss (LU-KV vs uniform, pyramid, AdaKV, global, hybrid) on a "
         "calibration set (default: no decomposition)",
     )
-    show.add_argument("--calibration", default="default", help="calibration set for --model")
+    show.add_argument(
+        "--calibration",
+        default=DEFAULT_CALIBRATION,
+        help="calibration set for --model (the same default as `lukv build`'s)",
+    )
     show.add_argument("--max-questions", type=int, help="questions used by --model (default: all)")
     show.add_argument("--cache-dir", help="per-question results shared with `lukv build` (same default)")
-    show.set_defaults(func=_command(run, "_show"))
+    show.set_defaults(func=_show)
 
 
 # -------------------------------------------------------------------------------- evaluation: demo bench check
@@ -309,7 +327,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
     add_threads_argument(parser)
-    parser.add_argument("--out", default="benchmarks/results", help="output folder")
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="output folder, created if needed; the files written are printed (`lukv bench`: under the lukv "
+        "cache, $LUKV_CACHE_DIR or $XDG_CACHE_HOME/lukv_cache or ~/.cache/lukv_cache)",
+    )
     parser.add_argument("--name", help="output file stem (default: from tasks, context and samples)")
 
 
@@ -338,7 +361,7 @@ def _evaluation_commands(subparsers: Any) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the texts and facts")
     add_threads_argument(demo)
-    demo.set_defaults(func=_command(run, "_demo"))
+    demo.set_defaults(func=_command(run, "_demo", _precheck_demo))
 
     bench = _add(
         subparsers,
@@ -348,7 +371,8 @@ def _evaluation_commands(subparsers: Any) -> None:
         "Wikipedia text; writes markdown, JSON and a plot under --out.",
     )
     add_bench_arguments(bench)
-    bench.set_defaults(func=_command(run, "run_bench"))
+    bench.set_defaults(out=str(cache_root() / "bench"))  # not the current folder: the paths are printed
+    bench.set_defaults(func=_command(run, "run_bench", _precheck_bench))
 
     check = _add(
         subparsers,
@@ -405,7 +429,132 @@ def _evaluation_commands(subparsers: Any) -> None:
     check.add_argument("--hub", action="store_true", help="look profiles up in the shared Hub repository too")
     add_threads_argument(check)
     check.add_argument("--quiet", action="store_true", help="no progress bar")
-    check.set_defaults(func=_command(run, "_check"))
+    check.set_defaults(func=_command(run, "_check", _precheck_check))
+
+
+# ------------------------------------------------------------- arguments refused before torch is imported
+DEFAULT_CALIBRATION = "planted"  # `lukv build`'s set, and so `lukv show --model`'s
+
+
+def _path_like(value: str) -> bool:
+    """Whether a model argument names a local folder rather than a Hub id (``org/name``): it starts with
+    ``.``, ``/`` or ``~``, ends with a separator, or has more separators than a Hub id's one."""
+    separators = value.count(os.sep) + (value.count(os.altsep) if os.altsep else 0)
+    return value.startswith((".", "/", "~")) or value.endswith(os.sep) or separators > 1
+
+
+def _model_exists(model: str | None, option: str = "") -> None:
+    """A path-like model argument that is not a folder is one ``error:`` line, not huggingface_hub's
+    complaint about repo ids."""
+    if not model or not _path_like(model):
+        return
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return
+    what = f"{option} {model}" if option else model
+    if path.exists():
+        raise ConfigurationError(f"{what}: is a file, not a model folder (one with config.json).")
+    raise ConfigurationError(
+        f"{what}: no such folder. Give a local model folder, a Hub id (org/name) or '{SMOLLM2_ALIAS}'."
+    )
+
+
+def _ratio(value: Any) -> float:
+    """The check :func:`lukv_cache.cache.check_ratio` makes, without importing torch."""
+    try:
+        ratio = float(value)
+    except (TypeError, ValueError):
+        ratio = math.nan
+    if math.isnan(ratio) or not 0.0 <= ratio < 1.0:
+        raise ConfigurationError(
+            f"ratio is the fraction of the prompt's KV entries to remove and must be in [0, 1); got {value!r}. "
+            "ratio=0.8 keeps 20% of the tokens."
+        )
+    return ratio
+
+
+def _file_exists(option: str, path: str | None) -> None:
+    if path is not None and not Path(path).expanduser().is_file():
+        why = "is a folder, not a file" if Path(path).expanduser().is_dir() else "no such file"
+        raise ConfigurationError(f"{option} {path}: {why}.")
+
+
+def _precheck_check(args: argparse.Namespace) -> None:
+    _model_exists(args.model)
+    for ratio in args.ratios:
+        _ratio(ratio)
+    if not args.ratios or not args.allocators:
+        raise ConfigurationError(
+            "Give at least one ratio and one allocator, e.g. --ratios 0.5 --allocators uniform."
+        )
+    if not 0.0 < args.tolerance <= 1.0:
+        raise ConfigurationError(
+            f"tolerance is the agreement a ratio must keep and must be in (0, 1], got {args.tolerance!r}; e.g. 0.9."
+        )
+    if args.max_new_tokens < 1:
+        raise ConfigurationError(
+            f"max_new_tokens must be at least 1 (the answers compared are decoded), got {args.max_new_tokens!r}; "
+            "e.g. 24."
+        )
+    if not args.calibration and not args.text:
+        raise ConfigurationError(
+            "Nothing to check: pass calibration JSONL files, or text files and --questions."
+        )
+    if args.text and args.questions is None:
+        raise ConfigurationError(
+            "Plain text files need a questions file (--questions, one question per line)."
+        )
+    for path in args.text or ():
+        _file_exists("--text", path)
+    _file_exists("--questions", args.questions)
+    _file_exists("--answers", args.answers)
+    from .profiling.calibration import calibration_path  # light: json and paths
+
+    for item in args.calibration or ():
+        calibration_path(item)
+
+
+def _precheck_demo(args: argparse.Namespace) -> None:
+    _model_exists(args.model, "--model")
+    for ratio in args.ratios:
+        _ratio(ratio)
+    if args.contexts < 1 or args.facts < 1:
+        raise ConfigurationError("--contexts and --facts must be at least 1.")
+
+
+def _precheck_bench(args: argparse.Namespace) -> None:
+    _model_exists(args.model, "--model")
+    for value in args.ratios or ():
+        for part in str(value).split(","):
+            if part:
+                _ratio(part)
+
+
+SHOW_LEGEND = (
+    "loss: the oracle importance each method evicts, summed over heads and averaged over the questions\n"
+    "  (lower is better); floor: the part even the oracle's own top tokens lose at that budget (what the\n"
+    "  budget split alone decides); gap: what the scorer adds, the importance of the tokens it misses minus\n"
+    "  that of those it keeps wrongly; loss = floor + gap. lukv: the profile's per-head budgets; uniform,\n"
+    "  pyramid, adakv, global, hybrid, hybrid_global: the other allocators, with the same scorer."
+)
+
+
+def _show(args: argparse.Namespace) -> int:
+    """``lukv show``; with ``--model``, a progress line on stderr first and a legend under the tables."""
+    _model_exists(args.model, "--model")
+    if args.model:
+        ratios = " ".join(f"{r:g}" for r in (args.ratio or [0.5, 0.8, 0.9]))
+        print(
+            f"lukv show: loading {args.model} and decomposing the eviction loss on the calibration set "
+            f"{args.calibration!r} at ratio(s) {ratios} (about a minute on SmolLM2-135M; the per-question "
+            "results are cached for the next run)...",
+            file=sys.stderr,
+            flush=True,
+        )
+    code = _command("lukv_cache.profiling.cli", "_show")(args)
+    if args.model and not args.json:
+        print("\n" + SHOW_LEGEND)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -415,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="LU-KV per-head KV-cache eviction: profiles, profiling, evaluation.",
         formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"lukv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _profiles_commands(subparsers)
     _profiling_commands(subparsers)

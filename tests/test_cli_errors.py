@@ -56,7 +56,33 @@ CASES = {
     "demo-ratio-out-of-range": lambda t: ["demo", "--ratios", "1.5"],
     "demo-model-missing": lambda t: ["demo", "--model", str(t / "nonexistent")],
     "list-local-dir-is-a-file": lambda t: ["list", "--local-dir", _profile(t)],
+    "check-model-folder-missing": lambda t: ["check", "./no-such-model", "--ratios", "0.5"],
+    "check-model-absolute-folder-missing": lambda t: ["check", str(t / "no-such-model")],
+    "check-model-is-a-file": lambda t: ["check", _profile(t)],
+    "build-model-folder-missing": lambda t: ["build", "~/no-such-model-lukv", "--out", str(t / "o")],
+    "show-model-folder-missing": lambda t: ["show", _profile(t), "--model", "./no-such-model"],
+    "bench-model-folder-missing": lambda t: ["bench", "--model", "../no-such-model"],
+    "check-ratio-out-of-range": lambda t: ["check", "smollm2", "--ratios", "2"],
+    "check-text-missing": lambda t: ["check", "smollm2", "--text", str(t / "none.txt"), "--questions", "q"],
+    "bench-ratio-out-of-range": lambda t: ["bench", "--ratios", "0.5,1.5"],
 }
+
+
+@pytest.mark.parametrize("model", ["./no-such-model", "../x/no-such-model", "~/no-such-model", "a/b/c"])
+def test_a_path_like_model_that_does_not_exist_says_no_such_folder(model, capsys):
+    assert main(["check", model, "--ratios", "0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == f"error: {model}: no such folder. Give a local model folder, a Hub id (org/name) or 'smollm2'."
+    )
+    assert "Repo id" not in err
+
+
+def test_a_hub_id_is_not_taken_for_a_folder():
+    from lukv_cache.cli import _path_like
+
+    assert not _path_like("org/model") and not _path_like("smollm2")
+    assert _path_like("./model") and _path_like("/abs/model") and _path_like("~/m") and _path_like("org/m/")
 
 
 def _mirror(tmp_path):

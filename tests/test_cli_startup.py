@@ -102,3 +102,84 @@ print(json.dumps({{n: ALL_ATTENTION_FUNCTIONS[n].__name__ for n in ("sdpa", "eag
         "eager": "lukv_eager",
         "lukv": "lukv_sdpa_attention_forward",
     }
+
+
+def test_lukv_version_answers_without_importing_torch():
+    code = f"""
+import contextlib, io, json, sys
+from lukv_cache.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        main(["--version"])
+    except SystemExit as exit:
+        code = exit.code
+print(json.dumps({{"out": out.getvalue(), "code": code, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+    import lukv_cache
+
+    assert _fresh(code) == {"out": f"lukv {lukv_cache.__version__}\n", "code": 0, "heavy": []}
+
+
+MISTAKES = [
+    ["check", "smollm2", "--ratios", "2", "--calibration", "planted"],
+    ["check", "smollm2", "--tolerance", "0", "--calibration", "planted"],
+    ["check", "smollm2", "--max-new-tokens", "0", "--calibration", "planted"],
+    ["check", "smollm2"],  # nothing to check
+    ["check", "smollm2", "--text", "no-such-file.txt", "--questions", "q.txt"],
+    ["check", "smollm2", "--calibration", "no-such-set"],
+    ["check", "./no-such-model", "--calibration", "planted"],
+    ["demo", "--ratios", "1.5"],
+    ["demo", "--model", "./no-such-model"],
+    ["bench", "--ratios", "1.5"],
+    ["build", "./no-such-model", "--out", "o"],
+    ["show", "no-such-profile.safetensors", "--model", "./no-such-model"],
+]
+
+
+def test_argument_mistakes_are_refused_before_torch_is_imported():
+    code = f"""
+import contextlib, io, json, sys, time
+from lukv_cache.cli import main
+results = []
+for argv in {MISTAKES!r}:
+    err = io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, err.getvalue(), time.perf_counter() - started])
+print(json.dumps({{"results": results, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+    result = _fresh(code)
+    for argv, (code, err, seconds) in zip(MISTAKES, result["results"]):
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+        assert seconds < 1.0, (argv, seconds)
+    assert result["heavy"] == [], f"an argument mistake imported {result['heavy']}"
+
+
+def test_every_positional_argument_has_help():
+    for command, parser in _subcommands(build_parser()).items():
+        for action in parser._actions:
+            if not action.option_strings:
+                assert action.help, f"lukv {command} {action.metavar or action.dest}: no help"
+
+
+def test_bench_writes_under_the_lukv_cache_by_default_and_show_decomposes_on_builds_set(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("LUKV_CACHE_DIR", str(tmp_path))
+    commands = _subcommands(build_parser())
+    assert commands["bench"].parse_args([]).out == str(tmp_path / "bench")
+    build = commands["build"].parse_args(["smollm2"])
+    assert commands["show"].parse_args(["p.safetensors"]).calibration == build.calibration == "planted"
+
+
+def test_show_model_says_what_it_is_doing_on_stderr_and_explains_its_table(monkeypatch, capsys):
+    import lukv_cache.profiling.cli as profiling_cli
+    from lukv_cache.cli import main
+
+    monkeypatch.setattr(profiling_cli, "_show", lambda args: print("eviction loss at ratio 0.80") or 0)
+    assert main(["show", "p.safetensors", "--model", "tiny", "--ratio", "0.8"]) == 0
+    out, err = capsys.readouterr()
+    assert "decomposing the eviction loss" in err and "'planted'" in err and "0.8" in err
+    assert "floor:" in out and "gap:" in out and "loss = floor + gap" in out
