@@ -2,6 +2,7 @@
 
     python examples/check_ratio.py                                   # SmolLM2 on two Wikipedia excerpts
     python examples/check_ratio.py --text a.txt b.txt --questions questions.txt
+    python examples/check_ratio.py --text a.txt --questions questions.txt --answers answers.txt  # + accuracy
     python examples/check_ratio.py --smoke                           # a tiny random model: checks the code runs
 
 For each text the full cache answers every question; each allocator at each ratio then answers through
@@ -11,6 +12,10 @@ ratio that keeps agreement at or above ``--tolerance``, or says that none does a
 SmolLM2-135M even 0.25 changes some 12-token answers: a small model's greedy answers are fragile, which is
 what the check is for). The same from the shell:
 ``lukv check smollm2 --text a.txt b.txt --questions questions.txt --ratios 0.5 0.8 0.9`` (docs/check.md).
+
+Agreement is not correctness: a full cache that answers wrongly makes a compressed cache that answers
+rightly "disagree". With reference answers (``--answers``, one per question line, or ``question<TAB>answer``
+lines) the table also gives the accuracy of the full and compressed caches and recommends on it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and synthetic texts")
     parser.add_argument("--text", nargs="+", help="your text files, each a context (default: two articles)")
     parser.add_argument("--questions", help="your questions, one per line (with --text)")
+    parser.add_argument("--answers", help="their reference answers, one per line: accuracy too")
     parser.add_argument("--ratios", nargs="+", default=["0.25", "0.5", "0.8"], help="fractions evicted")
     parser.add_argument("--max-new-tokens", default="12", help="answer tokens compared per question")
     args = parser.parse_args(argv)
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.text[-1]).write_text(text, encoding="utf-8")
         args.questions = str(work / "questions.txt")
         Path(args.questions).write_text("\n".join(QUESTIONS) + "\n", encoding="utf-8")
+    if args.answers:
+        options += ["--answers", args.answers]
     return lukv(["check", model, "--text", *args.text, "--questions", args.questions, *options])
 
 

@@ -183,3 +183,31 @@ def test_show_model_says_what_it_is_doing_on_stderr_and_explains_its_table(monke
     out, err = capsys.readouterr()
     assert "decomposing the eviction loss" in err and "'planted'" in err and "0.8" in err
     assert "floor:" in out and "gap:" in out and "loss = floor + gap" in out
+
+
+def test_bench_prints_the_files_it_wrote(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent / "evaluation"))
+    from demo_helpers import byte_tokenizer, tiny_llama
+
+    from lukv_cache.cli import main
+    from lukv_cache.evaluation import cli as evaluation_cli
+
+    monkeypatch.setattr(evaluation_cli, "load_model", lambda *a, **k: (tiny_llama(), byte_tokenizer()))
+    monkeypatch.setenv("LUKV_CACHE_DIR", str(tmp_path))
+    argv = ["bench", "--model", "tiny", "--tasks", "continuation", "--samples", "1", "--context-tokens", "64"]
+    argv += [
+        "--continuation-tokens",
+        "8",
+        "--ratios",
+        "0.5",
+        "--scorers",
+        "keydiff",
+        "--allocators",
+        "uniform",
+    ]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    written = sorted((tmp_path / "bench").iterdir())
+    assert (
+        written and last.startswith("wrote ") and all(str(p) in last for p in written if p.suffix != ".png")
+    )

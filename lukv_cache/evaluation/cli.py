@@ -131,4 +131,5 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     results.command, results.model_info = command, info
     paths = write_results(results, args.out, args.name)
     print(paths["md"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())}", flush=True)
     return 0
