@@ -186,3 +186,7 @@ class ModelUnavailableError(ConfigurationError):
 class TextUnavailableError(ConfigurationError):
     """The package that ships the evaluation's real text (``gensim``) is not installed; the message has
     the ``pip`` command."""
+
+
+class PlotUnavailableError(ConfigurationError, ImportError):
+    """matplotlib is not installed (:mod:`lukv_cache.plot` needs it); the message has the ``pip`` command."""

@@ -13,13 +13,9 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, PlotUnavailableError
 
 PIP_PLOTS = 'pip install "lukv-cache[plots]"'
-
-
-class PlotUnavailableError(ConfigurationError, ImportError):
-    """matplotlib is not installed; the message has the ``pip`` command."""
 
 
 def _pyplot():

@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "models": {"errors", "_paths"},
     "texts": {"errors"},
+    "plot": {"errors"},
     "evaluation": {
         "cache",
         "attention",

@@ -515,7 +515,7 @@ class LUKVCache(DynamicCache):
         ``scorer``: by default the model's ``kvzap`` profile when it has one (its surrogate scores), else
         ``keydiff``. ``revision``,
         ``repo_id``, ``token``, ``cache_dir``, ``endpoint``, ``local_files_only`` and ``timeout`` (seconds before the Hub counts as
-        unreachable; default ``$LUKV_HUB_TIMEOUT`` or 10) go to huggingface_hub.
+        unreachable; default ``$LUKV_HUB_TIMEOUT`` or 5) go to huggingface_hub.
 
         >>> cache = LUKVCache.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct", ratio=0.8)  # doctest: +SKIP
         """

@@ -24,7 +24,9 @@ DEFAULT_SCORER = "keydiff"  # what `lukv pull` fetches by default
 # keydiff on SmolLM2-135M on retrieval and continuation loss (docs/kvzap.md).
 PREFERRED_SCORERS = ("kvzap", DEFAULT_SCORER)
 TIMEOUT_ENV = "LUKV_HUB_TIMEOUT"
-DEFAULT_TIMEOUT = 5.0  # a HEAD to the Hub answers in well under a second; a hung Hub costs this once per command
+DEFAULT_TIMEOUT = (
+    5.0  # a HEAD to the Hub answers in well under a second; a hung Hub costs this once per command
+)
 MAX_TIMEOUT = 86_400.0  # one day: any longer wait is a typo
 # the profiles this package ships (a copy of the shared repository's, for offline use): the repository's
 # top-level profiles_hub/, which the wheel carries as lukv_cache/profiles_hub/ (setup.py); a source checkout or
