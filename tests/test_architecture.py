@@ -51,7 +51,8 @@ ALLOWED: dict[str, set[str]] = {
         "models",
         "texts",
     },
-    "cli": {"errors", "models", "profiles", "profiling", "evaluation"},
+    # __init__: only __version__ (the package root imports nothing heavy)
+    "cli": {"errors", "models", "profiles", "profiling", "evaluation", "_paths", "__init__"},
     "__init__": {
         "_after_import",
         "_lazy",
@@ -71,6 +72,10 @@ def _area(path: Path) -> str:
     return parts[0].removesuffix(".py")
 
 
+def _is_area(name: str) -> bool:
+    return (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").exists()
+
+
 def _imported_areas(path: Path) -> set[str]:
     """The package areas a module imports (absolute ``lukv_cache.x`` or relative ``..x`` imports)."""
     tree = ast.parse(path.read_text())
@@ -86,8 +91,8 @@ def _imported_areas(path: Path) -> set[str]:
             elif node.level > depth:  # climbs to the package root, then into an area
                 if node.module:
                     areas.add(node.module.split(".")[0])
-                else:
-                    areas.update(alias.name for alias in node.names)
+                else:  # ``from . import x``: the area x, or a name of the package's __init__
+                    areas.update(alias.name if _is_area(alias.name) else "__init__" for alias in node.names)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("lukv_cache."):
