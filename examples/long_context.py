@@ -5,14 +5,14 @@
 
 KVzip scores each context token by how much the model reads it while repeating the context, so the cache
 is filled with ``cache.prefill`` (the context, the repeat passes, then eviction). Only that first forward is
-compressed: a question and its answer are appended whole, so each question gets its own copy of the
-compressed context (``copy.deepcopy``) and the questions never see each other. docs/kvzip.md has the details.
+compressed: a question and its answer are appended whole, so each question gets its own view of the
+compressed context (``cache.fork()``: the compressed stores shared, what the question appends its own) and
+the questions never see each other. docs/kvzip.md has the details.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import torch
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         out = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            past_key_values=copy.deepcopy(cache),  # a copy per question
+            past_key_values=cache.fork(),  # a view per question: the stores shared
             max_new_tokens=new_tokens,
             do_sample=False,
         )

@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"errors", "_paths"},
     "texts": {"errors"},
     "plot": {"errors"},
+    "pipeline": {"cache", "errors"},
     "evaluation": {
         "cache",
         "attention",

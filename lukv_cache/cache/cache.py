@@ -1433,6 +1433,19 @@ class LUKVCache(DynamicCache):
         kept[:, :, kept.shape[-1] - s :] = True
         return kept
 
+    def fork(self) -> LUKVCache:
+        """A copy for one question that shares this cache's compressed stores: they are read-only (every
+        eviction, fold, crop or row selection builds a new store), so a copy holds only what it appends
+        (the dense suffix and what a question adds) and its own bookkeeping. ``copy.deepcopy`` copies the
+        stores too. Each fork's :meth:`memory_bytes` counts the shared stores as its own.
+
+        >>> question_cache = cache.fork()  # doctest: +SKIP
+        """
+        memo = {
+            id(layer.store): layer.store for layer in self.layers if getattr(layer, "store", None) is not None
+        }
+        return copy.deepcopy(self, memo)
+
     def memory_bytes(self) -> int:
         """Bytes held by every tensor of the cache (ragged stores, positions, offsets, suffix buffers,
         stock sliding layers)."""

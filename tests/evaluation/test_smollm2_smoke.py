@@ -56,3 +56,19 @@ def test_smoke_benchmark_two_samples_one_ratio_one_scorer(smollm2, tmp_path):
     assert uniform["kv_bytes_mean"] < full["kv_bytes_mean"]  # short context: the suffix buffer weighs in
     excess = rows[("continuation", "uniform/keydiff@0.5")]["excess_nll"]["mean"]
     assert 0 <= excess < 1.0
+
+
+def test_transformers_text_generation_pipeline_takes_a_lukv_cache(smollm2):
+    """docs: ``pipeline("text-generation")(..., past_key_values=LUKVCache(...))`` compresses the prompt."""
+    from transformers import pipeline
+
+    from lukv_cache import LUKVCache
+
+    model, tokenizer = smollm2
+    cache = LUKVCache(0.8)
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    out = pipeline("text-generation", model=model, tokenizer=tokenizer)(
+        text, past_key_values=cache, max_new_tokens=4, do_sample=False, return_full_text=False
+    )
+    assert isinstance(out[0]["generated_text"], str)
+    assert cache.is_compressed and int(cache.stored_tokens()[:, 0].max()) < cache.get_seq_length() // 2
