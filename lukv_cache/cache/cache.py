@@ -498,8 +498,9 @@ class LUKVCache(DynamicCache):
     ) -> LUKVCache:
         """A cache whose per-head budgets come from the LU-KV profile of a model.
 
-        ``ratio``: the fraction of the prompt removed; or ``max_tokens``: at most that many tokens per
-        (layer, KV head) whatever the prompt's length, the profile read at each prompt's own ratio; or
+        ``ratio``: the fraction of the prompt removed (default 0.5, as in ``LUKVCache()``); or
+        ``max_tokens``: at most that many tokens per (layer, KV head) whatever the prompt's length, the
+        profile read at each prompt's own ratio; or
         ``decode_max_tokens``: that bound kept for the whole generation (see :class:`LUKVCache`).
 
         ``model_or_profile``: a model id (looked up in ``local_dir`` / ``$LUKV_PROFILE_DIR`` first, then
@@ -524,7 +525,7 @@ class LUKVCache(DynamicCache):
         if max_tokens is None and ratio is None and kwargs.get("decode_max_tokens") is not None:
             max_tokens = kwargs["decode_max_tokens"]  # the prompt is bounded too, as in LUKVCache()
         if max_tokens is None:
-            ratio = check_ratio(ratio)
+            ratio = check_ratio(0.5 if ratio is None else ratio)  # LUKVCache()'s default too
         hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)
         profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
         config = getattr(model_or_profile, "config", None)

@@ -29,3 +29,15 @@ def test_a_bound_above_the_prompts_length_keeps_every_token(allocator, bound):
 def test_fold_interval_none_is_a_typed_error():
     with pytest.raises(ConfigurationError, match="fold_interval must be a positive integer"):
         LUKVCache(0.5, fold_interval=None)
+
+
+def test_from_pretrained_without_a_ratio_means_what_lukv_cache_without_one_means(tmp_path):
+    import numpy as np
+
+    from lukv_cache.profiles import Profile
+
+    grid = np.linspace(0.1, 0.9, 9, dtype=np.float32)
+    curve = Profile(grid, np.repeat(grid, 4).reshape(-1, 2, 2), "org/tiny", "keydiff")
+    path = tmp_path / "keydiff.safetensors"
+    curve.save(path)
+    assert LUKVCache.from_pretrained(path).ratio == LUKVCache().ratio == 0.5
