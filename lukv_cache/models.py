@@ -150,7 +150,7 @@ def smollm2_path(cache_dir: str | os.PathLike[str] | None = None, *, verbose: bo
     """The directory of the converted safetensors copy, converting from the GGUF first if needed.
 
     >>> smollm2_path()  # doctest: +SKIP
-    PosixPath('/root/.cache/lukv_cache/smollm2-135m-instruct')
+    PosixPath('.../.cache/lukv_cache/smollm2-135m-instruct')
     """
     gguf = _find_gguf()
     target = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()

@@ -27,6 +27,7 @@ import math
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -400,8 +401,11 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_ROOT = str(Path(__file__).resolve().parents[2])  # the repository (frames of lukv_cache print from it)
+
+
 def _short(path: str) -> str:
-    for marker in ("site-packages/", "/work/main/"):
+    for marker in ("site-packages/", f"{_ROOT}/"):
         if marker in path:
             return path.split(marker, 1)[1]
     return path

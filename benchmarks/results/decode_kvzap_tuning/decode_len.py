@@ -1,6 +1,6 @@
 """Tuning (docs skip=3): kvzap kept scores at fold time, with the surrogate's length input varied."""
 import sys, time, torch
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))  # benchmarks/
 torch.set_grad_enabled(False)
 import lukv_cache.scorers.kvzap as kz
 from decode_nll import documents, full_nll, cached_nll, METHODS

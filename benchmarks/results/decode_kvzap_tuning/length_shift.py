@@ -1,5 +1,5 @@
 import torch, sys
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))  # benchmarks/
 torch.set_grad_enabled(False); torch.set_num_threads(2)
 from decode_nll import documents
 from lukv_cache import LUKVCache

@@ -1,6 +1,6 @@
 #!/bin/sh
 while ! grep -q "Exit status" /tmp/s26/rebuild.log; do sleep 5; done
-cd /work/main
+cd "$(dirname "$0")/../../.."  # the repository root
 python /tmp/s26/decode_prof.py 1 > /tmp/s26/prof_b1.log 2>&1
 python benchmarks/decode_nll.py --continuation 4096 --budgets 512 --documents 3 --skip 3 --methods "kvzap / global" "kvzap / profile" "keydiff / profile" --threads 2 --out /tmp/s26/dtune --name kvzap_profile_tune > /tmp/s26/dtune.log 2>&1
 for c in default expository; do

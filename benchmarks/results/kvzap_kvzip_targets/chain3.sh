@@ -1,6 +1,6 @@
 #!/bin/sh
 while ! grep -q ALLDONE /tmp/s26/chain2.log; do sleep 5; done
-cd /work/main
+cd "$(dirname "$0")/../../.."  # the repository root
 python /tmp/s26/kvzip_target_surrogate.py /tmp/s26/kvzipt > /tmp/s26/kvzipt.log 2>&1
 for p in shipped kvzipt; do
   if [ $p = shipped ]; then P=""; else P="--profiles /tmp/s26/$p"; fi

@@ -18,7 +18,8 @@ out = sys.argv[1]
 model, tok = load_model("smollm2", threads=2)
 training = KVzapTraining()
 docs = training.corpus(tok, 0, max_positions(model.config))
-cache = Path("/tmp/s26/kvzip_targets"); cache.mkdir(exist_ok=True)
+work = Path(tempfile.gettempdir()) / "s26"; work.mkdir(exist_ok=True)  # scratch space for the run
+cache = work / "kvzip_targets"; cache.mkdir(exist_ok=True)
 t0 = time.time()
 
 def targets_of(ids):
@@ -31,11 +32,11 @@ def targets_of(ids):
     print(f"targets {ids.shape[1]} tokens at {time.time() - t0:.0f}s", flush=True)
     return t
 
-with tempfile.TemporaryDirectory(dir="/tmp/s26") as spill:
+with tempfile.TemporaryDirectory(dir=work) as spill:
     sur = train_surrogate(model, tok, docs, family="mlp", features=training.features, samples=512, hidden=128,
                           seed=0, targets_of=targets_of, spill=spill,
                           meta={"corpus": f"{training.describe()} ({len(docs)} documents); KVzip targets, not KVzip+"})
 spread = docs[:: max(1, len(docs) // 8)][:8]
 sur.meta["thresholds"] = score_thresholds(model, sur, spread, DEFAULT_GRID, KVZAP_WINDOW)
-shipped = Profile.load("/work/main/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors")
+shipped = Profile.load(Path(__file__).resolve().parents[3] / "profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors")
 print(save_to_local_dir(dataclasses.replace(shipped, surrogate=sur, source=None), out), f"{time.time() - t0:.0f}s")

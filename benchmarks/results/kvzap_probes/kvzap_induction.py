@@ -6,7 +6,7 @@ import time
 
 import torch
 
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))  # benchmarks/
 from kvzap_lengths import WINDOW, kept_share, mean_spearman, smollm2_with_targets  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 

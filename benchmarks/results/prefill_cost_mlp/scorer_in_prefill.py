@@ -1,5 +1,5 @@
 import time, torch, sys
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))  # benchmarks/
 from prefill_cost import text_ids
 from lukv_cache import LUKVCache
 from lukv_cache.models import load_model
@@ -15,7 +15,7 @@ orig = kz._kvzap
 def wrapped(*a, **k):
     t = time.perf_counter(); r = orig(*a, **k); acc["scorer"] += time.perf_counter() - t; return r
 kz._kvzap = wrapped
-srcs = {"mlp": "/work/main/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors", "linear": "/tmp/kvzap_linear_window.safetensors"}
+srcs = {"mlp": str(__import__("pathlib").Path(__file__).resolve().parents[3]) + "/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors", "linear": "/tmp/kvzap_linear_window.safetensors"}
 with torch.no_grad():
     for r in range(2):
         for k, src in srcs.items():
