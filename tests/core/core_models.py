@@ -100,12 +100,13 @@ def prompt(batch: int = 1, length: int = 24, seed: int = 0, vocab: int = VOCAB) 
 
 
 def greedy_with_logits(
-    model, ids: torch.Tensor, cache, new_tokens: int = 6
+    model, ids: torch.Tensor, cache, new_tokens: int = 6, attention_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy ``generate`` over ``cache``: the sequences and the stacked logits of every new token."""
     with torch.no_grad():
         out = model.generate(
             ids,
+            attention_mask=attention_mask,
             past_key_values=cache,
             max_new_tokens=new_tokens,
             do_sample=False,

@@ -9,6 +9,8 @@ import torch
 from core_models import PAD, VOCAB
 from transformers import GptOssConfig, GptOssForCausalLM
 
+from lukv_cache.cache.ragged import RaggedStore
+
 # GPT-OSS alternates sliding and full layers; its sliding layers slide over 8 tokens (shorter than the
 # prompts the tests use, so the window really slides)
 SLIDING = 8
@@ -92,3 +94,27 @@ def dense_reference(store, query, suffix_keys, suffix_values, mask, scaling, s_a
                 weights = torch.softmax(logits, dim=-1)[:, : keys.shape[0]]
                 out[row, head] = weights @ values
     return out.transpose(1, 2)
+
+
+def sink_case(counts, *, heads, q_len=1, g=2, d=16, suffix=5, dtype=torch.float32, seed=0):
+    """A store of ``counts`` tokens per segment at increasing positions, a suffix after them, queries
+    ``[B, Hq, Q, D]`` and sinks ``[Hq]`` spread from weightless to dominant."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(counts)
+    positions = torch.cat(
+        [torch.sort(torch.randperm(max(counts + [1]) + 8, generator=gen)[:c])[0] for c in counts]
+    )
+    store = RaggedStore.build(
+        (3 * torch.randn(n, d, generator=gen)).to(dtype),
+        torch.randn(n, d, generator=gen).to(dtype),
+        positions,
+        torch.tensor(counts),
+        num_heads=heads,
+    )
+    b = len(counts) // heads
+    query = torch.randn(b, heads * g, q_len, d, generator=gen).to(dtype)
+    sk = torch.randn(b, heads, suffix + 4, d, generator=gen).to(dtype)[:, :, :suffix]
+    sv = torch.randn(b, heads, suffix + 4, d, generator=gen).to(dtype)[:, :, :suffix]
+    s_aux = torch.linspace(-3.0, 6.0, heads * g).to(dtype)
+    length = max(counts + [1]) + 8 + suffix  # logical length: the store's positions, then the suffix
+    return store, query, sk, sv, s_aux, length

@@ -11,13 +11,12 @@ import copy
 
 import pytest
 import torch
-from core_models import left_padded, prompt
-from sink_models import dense_reference, tiny_gpt_oss
+from core_models import greedy_with_logits, left_padded, prompt
+from sink_models import dense_reference, sink_case, tiny_gpt_oss
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
 from lukv_cache.attention import compressed, masked, partial, routing, windows
-from lukv_cache.cache.ragged import RaggedStore
 
 
 def _spy_compressed(monkeypatch):
@@ -32,20 +31,6 @@ def _spy_compressed(monkeypatch):
 
     monkeypatch.setattr(routing, "compressed_attention", spy)
     return calls
-
-
-def _generate(model, ids, mask, cache, new_tokens=12):
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences, torch.stack(out.logits)
 
 
 def test_the_tiny_model_sinks_matter():
@@ -71,10 +56,12 @@ def test_ratio_zero_decodes_like_dynamic_cache(monkeypatch):
     the compressed store, with the sinks)."""
     model = tiny_gpt_oss("eager")
     ids, mask = left_padded((20, 13))
-    ref_seq, ref_logits = _generate(model, ids, mask, DynamicCache(config=model.config))
+    ref_seq, ref_logits = greedy_with_logits(
+        model, ids, DynamicCache(config=model.config), 12, attention_mask=mask
+    )
     calls = _spy_compressed(monkeypatch)
     cache = LUKVCache(0.0)
-    seq, logits = _generate(model, ids, mask, cache)
+    seq, logits = greedy_with_logits(model, ids, cache, 12, attention_mask=mask)
     assert cache.is_compressed
     assert len(calls) == 11  # the full layer, every decode step after the prefill
     assert all(call[7] is model.model.layers[1].self_attn.sinks for call in calls)
@@ -144,7 +131,7 @@ def test_ratio_half_equals_a_float64_reference_with_the_sink(monkeypatch, path):
         )
     calls = _spy_compressed(monkeypatch)
     cache = LUKVCache(0.5)
-    _generate(model, ids, mask, cache, new_tokens=8)
+    greedy_with_logits(model, ids, cache, 8, attention_mask=mask)
     assert len(calls) == 7
     assert used[path.removesuffix("_padded")] == 7, used
     kept = cache.layers[1].store.num_tokens
@@ -158,30 +145,6 @@ def test_ratio_half_equals_a_float64_reference_with_the_sink(monkeypatch, path):
 
 
 # ------------------------------------------------------------------------------------ unit tests
-
-
-def _case(counts, *, heads, q_len=1, g=2, d=16, suffix=5, dtype=torch.float32, seed=0):
-    """A store of ``counts`` tokens per segment at increasing positions, a suffix after them, queries
-    ``[B, Hq, Q, D]`` and sinks ``[Hq]`` spread from weightless to dominant."""
-    gen = torch.Generator().manual_seed(seed)
-    n = sum(counts)
-    positions = torch.cat(
-        [torch.sort(torch.randperm(max(counts + [1]) + 8, generator=gen)[:c])[0] for c in counts]
-    )
-    store = RaggedStore.build(
-        (3 * torch.randn(n, d, generator=gen)).to(dtype),
-        torch.randn(n, d, generator=gen).to(dtype),
-        positions,
-        torch.tensor(counts),
-        num_heads=heads,
-    )
-    b = len(counts) // heads
-    query = torch.randn(b, heads * g, q_len, d, generator=gen).to(dtype)
-    sk = torch.randn(b, heads, suffix + 4, d, generator=gen).to(dtype)[:, :, :suffix]
-    sv = torch.randn(b, heads, suffix + 4, d, generator=gen).to(dtype)[:, :, :suffix]
-    s_aux = torch.linspace(-3.0, 6.0, heads * g).to(dtype)
-    length = max(counts + [1]) + 8 + suffix  # logical length: the store's positions, then the suffix
-    return store, query, sk, sv, s_aux, length
 
 
 def _causal_mask(b, q_len, length, hidden=()):
@@ -209,7 +172,7 @@ def _causal_mask(b, q_len, length, hidden=()):
     [("masked", None), ("masked", 5.0), ("windows", None), ("merge", None), ("merge", 5.0)],
 )
 def test_compressed_attention_with_sinks_equals_the_reference(monkeypatch, counts, heads, path, softcap):
-    store, query, sk, sv, s_aux, _ = _case(counts, heads=heads)
+    store, query, sk, sv, s_aux, _ = sink_case(counts, heads=heads)
     taken = []
     for module, fn, key in (
         (masked, "masked_ragged_attention", "masked"),
@@ -237,7 +200,7 @@ def test_compressed_attention_with_sinks_equals_the_reference(monkeypatch, count
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_sinks_with_a_mask_that_hides_stored_and_suffix_tokens(softcap):
     """Several query tokens (causal in the suffix) and masked stored tokens: the parts and their merge."""
-    store, query, sk, sv, s_aux, length = _case([30, 7, 0, 12], heads=2, q_len=3, seed=3)
+    store, query, sk, sv, s_aux, length = sink_case([30, 7, 0, 12], heads=2, q_len=3, seed=3)
     hidden = [(0, int(store.positions[2])), (1, int(store.positions[40]))]
     mask = _causal_mask(2, 3, length, hidden)
     out = compressed.compressed_attention(store, query, sk, sv, mask, 0.25, softcap, s_aux=s_aux)
@@ -250,7 +213,7 @@ def test_sinks_with_a_mask_that_hides_stored_and_suffix_tokens(softcap):
 
 def test_bf16_sinks_through_the_windows():
     """A bf16 layer (and bf16 sinks, the model's dtype) on CPU takes the windows; the sink is applied in fp32."""
-    store, query, sk, sv, s_aux, _ = _case([300, 40, 90, 0], heads=2, dtype=torch.bfloat16, seed=4)
+    store, query, sk, sv, s_aux, _ = sink_case([300, 40, 90, 0], heads=2, dtype=torch.bfloat16, seed=4)
     assert not masked.serves(query, store, sk) and windows.serves(query, store.keys, store.values, None)
     out = compressed.compressed_attention(store, query, sk, sv, None, 0.25, s_aux=s_aux)
     assert out.dtype == torch.bfloat16
@@ -259,7 +222,7 @@ def test_bf16_sinks_through_the_windows():
 
 
 def test_a_minus_infinite_sink_is_no_sink():
-    store, query, sk, sv, s_aux, _ = _case([30, 7, 0, 12], heads=2)
+    store, query, sk, sv, s_aux, _ = sink_case([30, 7, 0, 12], heads=2)
     none = compressed.compressed_attention(store, query, sk, sv, None, 0.25)
     off = compressed.compressed_attention(
         store, query, sk, sv, None, 0.25, s_aux=torch.full_like(s_aux, float("-inf"))

@@ -17,33 +17,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "core")]
 
-from sink_models import dense_reference  # noqa: E402
+from sink_models import dense_reference, sink_case  # noqa: E402
 
 from lukv_cache.attention import _triton_ragged, kernels  # noqa: E402
 from lukv_cache.attention.compressed import compressed_attention  # noqa: E402
-from lukv_cache.cache.ragged import RaggedStore  # noqa: E402
 
 NEG = torch.finfo(torch.float32).min
 
 
 def run_case(name, counts, heads, *, g=2, q_len=1, d=16, suffix=5, dtype=torch.float32, softcap=None,
              masked_cols=(), seed=0):  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    n, top = sum(counts), max(counts + [1]) + 8
-    positions = torch.cat([torch.sort(torch.randperm(top, generator=gen)[:c])[0] for c in counts])
-    store = RaggedStore.build(
-        (3 * torch.randn(n, d, generator=gen)).to(dtype),
-        torch.randn(n, d, generator=gen).to(dtype),
-        positions,
-        torch.tensor(counts),
-        num_heads=heads,
+    store, query, sk, sv, s_aux, length = sink_case(
+        counts, heads=heads, q_len=q_len, g=g, d=d, suffix=suffix, dtype=dtype, seed=seed
     )
-    b = len(counts) // heads
-    query = torch.randn(b, heads * g, q_len, d, generator=gen).to(dtype)
-    sk = torch.randn(b, heads, suffix + 4, d, generator=gen).to(dtype)[:, :, :suffix]
-    sv = torch.randn(b, heads, suffix + 4, d, generator=gen).to(dtype)[:, :, :suffix]
-    s_aux = torch.linspace(-3.0, 6.0, heads * g).to(dtype)
-    length = top + suffix
+    b = query.shape[0]
     mask = torch.zeros(b, 1, q_len, length)
     for i in range(q_len):
         mask[:, :, i, length - q_len + i + 1 :] = NEG
