@@ -160,6 +160,13 @@ def _decode_window(decode_window, decode_max_tokens: int | None, sink: int, wind
     return decode_window
 
 
+def _stock_keys(layer: Any) -> torch.Tensor | None:
+    """``[B, H, S, D]``: the keys a stock transformers layer holds, or ``None`` (not filled yet, or a layer
+    without per-token keys: linear-attention, SSM and placeholder layers)."""
+    keys = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
+    return keys if isinstance(keys, torch.Tensor) and keys.ndim == 4 else None
+
+
 def _lukv_layer(layer: Any) -> Any:
     """The layer the cache keeps in place of transformers' ``layer``: a compressed one for full attention
     (alone, or beside a linear-attention state), transformers' own for everything else."""
@@ -174,18 +181,24 @@ _WINDOWED = ("sliding_attention", "chunked_attention", "hybrid_sliding")  # stoc
 _HELD_WHOLE = ("indexed_attention",)  # stock attention layers that keep every token
 
 
+def _callers(skip: int, limit: int) -> Iterator[Any]:
+    """The frames calling the function that calls this one, innermost first, after ``skip`` of them."""
+    frame = sys._getframe(skip + 2)
+    for _ in range(limit):
+        if frame is None:
+            return
+        yield frame
+        frame = frame.f_back
+
+
 def _calling_model() -> torch.nn.Module | None:
     """The nearest ``nn.Module`` with a config on the call stack (the model, or the layer, that called into
     the cache), or ``None`` (the cache used outside a model)."""
-    frame = sys._getframe(2)
-    for _ in range(64):
-        if frame is None:
-            return None
+    for frame in _callers(1, 64):
         owner = frame.f_locals.get("self")
         config = getattr(owner, "config", None) if isinstance(owner, torch.nn.Module) else None
         if config is not None and hasattr(config, "get_text_config"):
             return owner
-        frame = frame.f_back
     return None
 
 
@@ -201,10 +214,8 @@ def generate_prefill_chunk() -> int | None:
     >>> generate_prefill_chunk() is None
     True
     """
-    frame = sys._getframe(1)
-    for _ in range(128):  # the model's forward, its layers and wrappers lie between _prefill and here
-        if frame is None:
-            return None
+    # the model's forward, its layers and wrappers lie between _prefill and here
+    for frame in _callers(0, 128):
         if (
             frame.f_code.co_name == "_prefill"
             and frame.f_globals.get("__name__") == "transformers.generation.utils"
@@ -212,7 +223,6 @@ def generate_prefill_chunk() -> int | None:
             config = frame.f_locals.get("generation_config")
             chunk = getattr(config, "prefill_chunk_size", None)
             return int(chunk) if chunk is not None and "chunk_idx" in frame.f_locals else None
-        frame = frame.f_back
     return None
 
 
@@ -563,9 +573,8 @@ class LUKVCache(DynamicCache):
         linear-attention / SSM states, KV-sharing placeholders, ...), a :class:`LUKVLayer` for every
         full-attention one; then learn what the model's layers mean for eviction."""
         text = config.get_text_config(decoder=True)
-        unknown = sorted(
-            {kind for kind in get_layer_types_and_kwargs(text)[0]} - set(DYNAMIC_LAYER_TYPE_MAPPING)
-        )
+        kinds = get_layer_types_and_kwargs(text)[0]
+        unknown = sorted(set(kinds) - set(DYNAMIC_LAYER_TYPE_MAPPING))
         if unknown:
             raise IncompatibleAttentionError(
                 f"{type(text).__name__} has layers of type {unknown}, which keep state of their own that a "
@@ -582,7 +591,6 @@ class LUKVCache(DynamicCache):
         ]
         # sliding-window layers: compressed like full ones when the prompt fits their window (decided at the
         # first forward, _decide_windows); chunked layers share the stock class but not the mask: stock
-        kinds = get_layer_types_and_kwargs(text)[0]
         self._windows = {
             i: layer.sliding_window
             for i, (layer, kind) in enumerate(zip(stock, kinds))
@@ -593,9 +601,7 @@ class LUKVCache(DynamicCache):
         self._pend_windows()
         self.layer_class_to_replicate = None
         if getattr(self, "_record_past", False):  # assisted decoding asked before the layers existed
-            for layer in self.layers:
-                if hasattr(layer, "activate_past_recording"):
-                    layer.activate_past_recording()
+            self._record_in(self.layers)
         self._learn_model(config)
 
     def _adopt_layout(self) -> None:
@@ -670,6 +676,14 @@ class LUKVCache(DynamicCache):
             "not know the model's layer layout. Build it with config=model.config (LUKVCache(..., "
             "config=model.config), or LUKVCache.from_pretrained(model, ...))."
         )
+
+    @staticmethod
+    def _record_in(layers: list[Any]) -> None:
+        """Let ``layers`` roll back (assisted decoding crops rejected drafts), as ``activate_past_recording``
+        does for the layers that exist when it is called."""
+        for layer in layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
 
     def _pend_windows(self) -> None:
         """Sliding layers become LUKVLayers that know their window, until the next first forward decides."""
@@ -772,9 +786,9 @@ class LUKVCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, LUKVLayer):
                 held = layer.batch_size if layer.is_initialized else None
-            else:  # stock layers; linear-attention and placeholder layers may hold no keys
-                keys = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
-                held = keys.shape[0] if isinstance(keys, torch.Tensor) and keys.ndim == 4 else None
+            else:
+                keys = _stock_keys(layer)
+                held = None if keys is None else keys.shape[0]
             if held is not None:
                 if key_states.shape[0] != held:
                     raise BatchMismatchError(
@@ -1398,8 +1412,7 @@ class LUKVCache(DynamicCache):
         if self._windows:  # a new prompt: its length decides again what the sliding layers become
             self._pend_windows()
             if self._record_past:
-                for i in self._windows:
-                    self.layers[i].activate_past_recording()
+                self._record_in([self.layers[i] for i in self._windows])
             self._full_layers = list(self._attention_layers)
             self._last_full_layer = self._full_layers[-1] if self._full_layers else None
 
@@ -1462,8 +1475,8 @@ class LUKVCache(DynamicCache):
                 if layer.is_initialized:
                     rows.append(layer.stored_counts())
                 continue
-            keys = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
-            if isinstance(keys, torch.Tensor) and keys.ndim == 4:
+            keys = _stock_keys(layer)
+            if keys is not None:
                 b, h, s, _ = keys.shape
                 rows.append(torch.full((b, h), s, dtype=torch.long))
         if not rows:
