@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import IncompatibleAttentionError
+from . import compressed
 from .calls import any_pending, claim_attention, claimed_again, guard_attention, lukv_aware
 from .compressed import compressed_attention
 
@@ -38,8 +39,28 @@ def _model_eager(module: torch.nn.Module) -> Callable:
     return fn
 
 
-def _per_head_mask(mask: torch.Tensor | None) -> bool:
-    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1
+def _refuse_what_the_store_cannot_serve(module, call, value, attention_mask, kwargs) -> None:
+    """Raise :class:`IncompatibleAttentionError` for what a model passes that the compressed store's
+    attention cannot read exactly; return for everything else."""
+    name = type(module).__name__
+    if value.shape != call.values.shape:
+        raise IncompatibleAttentionError(
+            f"{name} changes the values between update() and attention (shape {list(call.values.shape)} -> "
+            f"{list(value.shape)}, as DiffLlama's split does), so the compressed store's values cannot be attended "
+            "to: use transformers' DynamicCache for this model."
+        )
+    if kwargs.get("sinks") is not None:
+        raise IncompatibleAttentionError(
+            f"{name} passes attention sinks computed per token (sinks=, as Inkling-2 does), which the compressed "
+            "store's attention does not read (learned per-head sinks, s_aux=, it does): use transformers' "
+            "DynamicCache for this model."
+        )
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[1] > 1:
+        raise IncompatibleAttentionError(
+            f"{name} passes an attention mask of its own per head (shape {list(attention_mask.shape)}: a dynamic mask such "
+            "as Doge's), which the compressed store's attention does not read: use transformers' DynamicCache "
+            "for this model."
+        )
 
 
 def route(stock: Callable | None) -> Callable:
@@ -51,11 +72,10 @@ def route(stock: Callable | None) -> Callable:
     """
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        fn = stock if stock is not None else _model_eager(module)
-        if stock is not None and kwargs.get("s_aux") is not None:
-            # torch's sdpa has no learned sinks: a model that passes them reads its own eager function,
-            # which adds the mask (sdpa's masks may be boolean: allowed -> 0, masked -> the dtype's min)
-            fn = _model_eager(module)
+        # torch's sdpa has no learned sinks (s_aux): a model that passes them reads its own eager function
+        fn = stock if stock is not None and kwargs.get("s_aux") is None else _model_eager(module)
+        if fn is not stock and stock is not None:
+            # the eager function adds the mask (sdpa's may be boolean: allowed -> 0, masked -> the dtype's min)
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
                 blocked = torch.finfo(query.dtype).min
                 attention_mask = torch.where(attention_mask, 0.0, blocked).to(query.dtype)
@@ -70,24 +90,8 @@ def route(stock: Callable | None) -> Callable:
             return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         call = claim_attention(module, key)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if call is not None and call.store is not None and value.shape != call.values.shape:
-            raise IncompatibleAttentionError(
-                f"{type(module).__name__} changes the values between update() and attention (shape "
-                f"{list(call.values.shape)} -> {list(value.shape)}, as DiffLlama's split does), so the compressed "
-                "store's values cannot be attended to: use transformers' DynamicCache for this model."
-            )
-        if call is not None and call.store is not None and kwargs.get("sinks") is not None:
-            raise IncompatibleAttentionError(
-                f"{type(module).__name__} passes attention sinks computed per token (sinks=, as Inkling-2 does), "
-                "which the compressed store's attention does not read (learned per-head sinks, s_aux=, it does): "
-                "use transformers' DynamicCache for this model."
-            )
-        if call is not None and call.store is not None and _per_head_mask(attention_mask):
-            raise IncompatibleAttentionError(
-                f"{type(module).__name__} passes an attention mask of its own per head (shape "
-                f"{list(attention_mask.shape)}: a dynamic mask such as Doge's), which the compressed store's "
-                "attention does not read: use transformers' DynamicCache for this model."
-            )
+        if call is not None and call.store is not None:
+            _refuse_what_the_store_cannot_serve(module, call, value, attention_mask, kwargs)
         if call is None or call.store is None:
             output = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:
@@ -110,9 +114,7 @@ def route(stock: Callable | None) -> Callable:
                 if "output_attentions" in kwargs
                 else getattr(getattr(module, "config", None), "output_attentions", False)
             ):
-                from .compressed import attention_weights
-
-                weights = attention_weights(
+                weights = compressed.attention_weights(  # looked up here: tests spy on it
                     call.store,
                     query,
                     key,

@@ -176,11 +176,12 @@ def test_prompt_lookup_decoding_with_output_attentions(ratio):
 def test_weights_times_values_is_the_compressed_attention(softcap, sinks, q_len):
     """Unit check: the weights, applied to the values laid out at their logical columns, give what
     compressed_attention gives (sinks, softcap, a mask hiding stored tokens, causal query tokens)."""
-    from test_attention_sinks import _case, _causal_mask
+    from sink_models import sink_case
+    from test_attention_sinks import _causal_mask
 
     from lukv_cache.attention.compressed import attention_weights, compressed_attention
 
-    store, query, sk, sv, s_aux, length = _case([30, 7, 0, 12], heads=2, q_len=q_len, seed=5)
+    store, query, sk, sv, s_aux, length = sink_case([30, 7, 0, 12], heads=2, q_len=q_len, seed=5)
     s_aux = s_aux if sinks else None
     mask = _causal_mask(2, q_len, length, [(0, int(store.positions[2])), (1, int(store.positions[40]))])
     weights = attention_weights(store, query, sk, mask, 0.25, softcap, s_aux=s_aux)
