@@ -146,10 +146,16 @@ class LUKVLayer(DynamicLayer):
         ([0, 1, 2], torch.Size([3, 4]))
         """
         if not self.is_initialized:
-            raise IndexError("head_tokens: the layer holds nothing yet")
+            raise BatchIndexError(
+                "head_tokens: the layer holds nothing yet; run a forward with the cache first.",
+                index=row,
+                batch=0,
+            )
         if not (0 <= row < self.batch_size and 0 <= head < self.num_heads):
-            raise IndexError(
-                f"head_tokens({row}, {head}): the layer holds {self.batch_size} rows x {self.num_heads} KV heads"
+            raise BatchIndexError(
+                f"head_tokens({row}, {head}): the layer holds {self.batch_size} rows x {self.num_heads} KV heads",
+                index=row,
+                batch=self.batch_size,
             )
         s, t = self._suffix_len, self.cumulative_length
         device = self._kbuf.device

@@ -218,3 +218,15 @@ def test_torch_export_with_a_lukv_cache_says_it_is_not_supported():
     out = forward(model, cache, ids)
     mapped = torch.utils._pytree.tree_map(lambda t: t, out)
     assert mapped.past_key_values is cache
+
+
+def test_head_tokens_out_of_range_is_the_typed_index_error():
+    from lukv_cache.cache.layer import LUKVLayer
+    from lukv_cache.errors import BatchIndexError
+
+    layer = LUKVLayer()
+    with pytest.raises(BatchIndexError, match="holds nothing yet"):
+        layer.head_tokens(0, 0)
+    layer.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    with pytest.raises(BatchIndexError, match="1 rows x 2 KV heads"):
+        layer.head_tokens(0, 2)
