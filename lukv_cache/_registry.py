@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
 from .errors import ConfigurationError, UnknownNameError
@@ -39,13 +39,7 @@ class Registry(Generic[T]):
         try:
             return self._items[name]
         except (KeyError, TypeError):
-            raise UnknownNameError(
-                f"Unknown {self.kind} {name!r}. Known {self.kind}s: {', '.join(self.names())}. "
-                f"Register your own with register_{self.kind}().",
-                kind=self.kind,
-                name=name,
-                known=self.names(),
-            ) from None
+            raise unknown_name(self.kind, name, self.names()) from None
 
     def names(self) -> list[str]:
         return sorted(self._items)
@@ -55,3 +49,20 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def unknown_name(kind: str, name: object, known: Iterable[str]) -> UnknownNameError:
+    """The error for a ``kind`` named ``name`` that is not among ``known``: one line naming the known
+    names and saying how to add one (a registry's :meth:`Registry.get`, and the ``lukv`` command line
+    before torch is imported, :mod:`lukv_cache._names`).
+
+    >>> print(unknown_name("widget", "b", ["a"]))
+    Unknown widget 'b'. Known widgets: a. Register your own with register_widget().
+    """
+    known = sorted(known)
+    return UnknownNameError(
+        f"Unknown {kind} {name!r}. Known {kind}s: {', '.join(known)}. Register your own with register_{kind}().",
+        kind=kind,
+        name=name,
+        known=known,
+    )

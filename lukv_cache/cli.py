@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from ._names import refuse_unknown
 from ._paths import cache_root
 from .errors import ConfigurationError, LUKVError
 from .evaluation.methods import (
@@ -268,7 +269,7 @@ def _profiling_commands(subparsers: Any) -> None:
     )
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     add_threads_argument(build)
-    build.set_defaults(func=_command(run, "_build", lambda args: _model_exists(args.model)))
+    build.set_defaults(func=_command(run, "_build", _precheck_build))
 
     show = _add(subparsers, "show", "summarise a profile; optionally plot it")
     show.add_argument("profile", metavar="PROFILE", type=Path, help="a profile (.safetensors)")
@@ -433,6 +434,9 @@ def _evaluation_commands(subparsers: Any) -> None:
 
 
 # ------------------------------------------------------------- arguments refused before torch is imported
+# Scorer and allocator names are checked against the built-in ones (lukv_cache._names, no torch): a `lukv`
+# run loads no plugins (no entry points, no user modules), so the registries hold only those names and a
+# name that is not built in would be refused by them too, after the torch import.
 DEFAULT_CALIBRATION = "planted"  # `lukv build`'s set, and so `lukv show --model`'s
 
 
@@ -487,6 +491,8 @@ def _precheck_check(args: argparse.Namespace) -> None:
         raise ConfigurationError(
             "Give at least one ratio and one allocator, e.g. --ratios 0.5 --allocators uniform."
         )
+    refuse_unknown("scorer", [args.scorer])
+    refuse_unknown("allocator", args.allocators)
     if not 0.0 < args.tolerance <= 1.0:
         raise ConfigurationError(
             f"tolerance is the agreement a ratio must keep and must be in (0, 1], got {args.tolerance!r}; e.g. 0.9."
@@ -522,12 +528,22 @@ def _precheck_demo(args: argparse.Namespace) -> None:
         raise ConfigurationError("--contexts and --facts must be at least 1.")
 
 
+def _parts(values: list[str] | None) -> list[str]:
+    """``--scorers a b`` and ``--scorers a,b`` both work (as ``lukv bench`` reads them)."""
+    return [part for value in values or () for part in str(value).split(",") if part]
+
+
 def _precheck_bench(args: argparse.Namespace) -> None:
     _model_exists(args.model, "--model")
-    for value in args.ratios or ():
-        for part in str(value).split(","):
-            if part:
-                _ratio(part)
+    for part in _parts(args.ratios):
+        _ratio(part)
+    refuse_unknown("scorer", _parts(args.scorers))
+    refuse_unknown("allocator", _parts(args.allocators))
+
+
+def _precheck_build(args: argparse.Namespace) -> None:
+    _model_exists(args.model)
+    refuse_unknown("scorer", args.scorer or ())
 
 
 SHOW_LEGEND = (

@@ -157,6 +157,65 @@ print(json.dumps({{"results": results, "heavy": [m for m in {HEAVY!r} if m in sy
     assert result["heavy"] == [], f"an argument mistake imported {result['heavy']}"
 
 
+NAME_MISTAKES = [  # argv, the kind and the name refused
+    (["check", "smollm2", "--scorer", "nope", "--calibration", "planted"], "scorer", "nope"),
+    (
+        ["check", "smollm2", "--allocators", "uniform", "nope", "--calibration", "planted"],
+        "allocator",
+        "nope",
+    ),
+    (["bench", "--scorers", "keydiff,nope"], "scorer", "nope"),
+    (["bench", "--scorers", "keydiff", "--allocators", "adakv", "nope"], "allocator", "nope"),
+    (["build", "smollm2", "--scorer", "keydiff", "--scorer", "nope"], "scorer", "nope"),
+]
+
+
+def test_unknown_scorer_and_allocator_names_are_refused_before_torch_with_the_registrys_message():
+    code = f"""
+import contextlib, io, json, sys
+from lukv_cache.cli import main
+results = []
+for argv, kind, name in {NAME_MISTAKES!r}:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, err.getvalue()])
+heavy = [m for m in {HEAVY!r} if m in sys.modules]
+# what the registries say, as the commands did after the torch import
+from lukv_cache.allocation import ALLOCATORS
+from lukv_cache.scorers import SCORERS
+expected = []
+for argv, kind, name in {NAME_MISTAKES!r}:
+    try:
+        {{"scorer": SCORERS, "allocator": ALLOCATORS}}[kind].get(name)
+    except KeyError as error:
+        expected.append(f"error: {{error}}\\n")
+print(json.dumps({{"results": results, "heavy": heavy, "expected": expected}}))
+"""
+    result = _fresh(code)
+    assert result["heavy"] == [], f"an unknown name imported {result['heavy']}"
+    assert len(result["expected"]) == len(NAME_MISTAKES)
+    for (argv, kind, name), (code, err), expected in zip(
+        NAME_MISTAKES, result["results"], result["expected"]
+    ):
+        assert (code, err) == (2, expected), argv
+        assert (
+            err.startswith(f"error: Unknown {kind} {name!r}. Known {kind}s: ") and f"register_{kind}()" in err
+        )
+
+
+def test_built_in_names_pass_the_early_check():
+    from lukv_cache import cli
+
+    parser = build_parser()
+    check = parser.parse_args(
+        ["check", "smollm2", "--scorer", "kvzap", "--allocators", "global", "threshold"]
+    )
+    cli._precheck_check(argparse.Namespace(**{**vars(check), "calibration": ["planted"]}))
+    cli._precheck_bench(parser.parse_args(["bench", "--scorers", "kvzip,snapkv", "--allocators", "hybrid"]))
+    cli._precheck_build(parser.parse_args(["build", "smollm2", "--scorer", "kvzap", "--scorer", "tova"]))
+
+
 def test_every_positional_argument_has_help():
     for command, parser in _subcommands(build_parser()).items():
         for action in parser._actions:
