@@ -18,6 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "_after_import": set(),
     "_lazy": set(),
     "_registry": {"errors"},
+    "_names": {"_registry"},  # the built-in scorer and allocator names, for the CLI without torch
     "_paths": set(),
     "_ops": set(),
     "scorers": {"_registry", "_ops", "errors"},
@@ -53,7 +54,7 @@ ALLOWED: dict[str, set[str]] = {
         "texts",
     },
     # __init__: only __version__ (the package root imports nothing heavy)
-    "cli": {"errors", "models", "profiles", "profiling", "evaluation", "_paths", "__init__"},
+    "cli": {"errors", "models", "profiles", "profiling", "evaluation", "_paths", "_names", "__init__"},
     "__init__": {
         "_after_import",
         "_lazy",
