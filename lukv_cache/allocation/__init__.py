@@ -9,6 +9,11 @@ attention (only one layer's full KV alive at a time). An allocator registered wi
 (``global``) compares tokens across layers: the cache then keeps every layer's full KV until the whole
 prefill has run and asks once, for all layers.
 
+An allocator registered with ``reads_profile=True`` (``profile``, ``hybrid``, ``hybrid_global``,
+``threshold``) takes ``profile=`` (a :class:`~lukv_cache.Profile`): :meth:`lukv_cache.LUKVCache.from_pretrained`
+passes it the profile it loaded, and the evaluation reads the model's profile for it
+(:func:`allocators_reading_profile` lists them).
+
 Register your own with :func:`register_allocator`; look one up with :func:`get_allocator`.
 """
 
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -100,7 +105,18 @@ class Allocator:
 
 
 _Factory = Callable[..., AllocateFn]
-ALLOCATORS: Registry[tuple[_Factory, bool, bool]] = Registry("allocator")
+
+
+class Registration(NamedTuple):
+    """What :func:`register_allocator` records: the factory and the allocator's abilities (see there)."""
+
+    factory: _Factory
+    whole_model: bool = False
+    adaptive: bool = False
+    reads_profile: bool = False
+
+
+ALLOCATORS: Registry[Registration] = Registry("allocator")
 
 
 def register_allocator(
@@ -109,11 +125,15 @@ def register_allocator(
     *,
     whole_model: bool = False,
     adaptive: bool = False,
+    reads_profile: bool = False,
     overwrite: bool = False,
 ):
     """Register an allocator *factory* (called with the cache's allocator kwargs) under ``name``.
 
-    The factory returns ``allocate(request) -> [L, B, H_kv]`` keep counts. Usable as a decorator:
+    The factory returns ``allocate(request) -> [L, B, H_kv]`` keep counts. ``whole_model``: it compares
+    tokens across layers (see :class:`Allocator`); ``adaptive``: its total follows the scores;
+    ``reads_profile``: the factory takes ``profile=`` (a :class:`~lukv_cache.Profile`), which
+    ``LUKVCache.from_pretrained`` passes it. Usable as a decorator:
 
     >>> @register_allocator("first_head_first")
     ... def first_head_first():
@@ -124,7 +144,7 @@ def register_allocator(
     """
 
     def add(f: _Factory) -> _Factory:
-        ALLOCATORS.add(name, (f, whole_model, adaptive), overwrite=overwrite)
+        ALLOCATORS.add(name, Registration(f, whole_model, adaptive, reads_profile), overwrite=overwrite)
         return f
 
     return add(factory) if factory is not None else add
@@ -142,8 +162,17 @@ def get_allocator(name: str | Allocator | AllocateFn, **kwargs: Any) -> Allocato
         return name
     if callable(name) and not isinstance(name, str):
         return Allocator(getattr(name, "__name__", "custom"), name)
-    factory, whole_model, adaptive = ALLOCATORS.get(name)
-    return Allocator(name, factory(**kwargs), whole_model, dict(kwargs), adaptive)
+    entry = ALLOCATORS.get(name)
+    return Allocator(name, entry.factory(**kwargs), entry.whole_model, dict(kwargs), entry.adaptive)
+
+
+def allocators_reading_profile() -> tuple[str, ...]:
+    """The registered allocators that take ``profile=`` (registered with ``reads_profile=True``), sorted.
+
+    >>> allocators_reading_profile()
+    ('hybrid', 'hybrid_global', 'profile', 'threshold')
+    """
+    return tuple(name for name in ALLOCATORS.names() if ALLOCATORS.get(name).reads_profile)
 
 
 def largest_remainder(weights: torch.Tensor, totals: torch.Tensor, req: AllocationRequest) -> torch.Tensor:
@@ -181,6 +210,8 @@ __all__ = [
     "ALLOCATORS",
     "AllocationRequest",
     "Allocator",
+    "Registration",
+    "allocators_reading_profile",
     "get_allocator",
     "largest_remainder",
     "register_allocator",

@@ -184,7 +184,7 @@ def _profile_budgets(name: str, evict_ratio, profile=None):
     return budgets
 
 
-@register_allocator("profile")
+@register_allocator("profile", reads_profile=True)
 def profile(evict_ratio=None, profile=None):
     """LU-KV (arXiv 2602.08585): per-head evict ratios read from an offline profile, ``[L, H_kv]``.
 
@@ -194,7 +194,7 @@ def profile(evict_ratio=None, profile=None):
     return _profile_budgets("profile", evict_ratio, profile)
 
 
-@register_allocator("hybrid")
+@register_allocator("hybrid", reads_profile=True)
 def hybrid(evict_ratio=None, floor: float = 0.5, profile=None):
     """LU-KV's profile as the prior, AdaKV's adaptivity within it (this library's, beyond the paper).
 
@@ -221,7 +221,7 @@ def hybrid(evict_ratio=None, floor: float = 0.5, profile=None):
     return allocate
 
 
-@register_allocator("hybrid_global", whole_model=True)
+@register_allocator("hybrid_global", whole_model=True, reads_profile=True)
 def hybrid_global(evict_ratio=None, floor: float = 0.5, profile=None):
     """LU-KV's profile as a floor, KVzip's model-wide competition for the rest (this library's).
 
@@ -260,7 +260,7 @@ def _plain_number(value) -> float:
     return float(value)
 
 
-@register_allocator("threshold", adaptive=True)
+@register_allocator("threshold", adaptive=True, reads_profile=True)
 def threshold(value: float | None = None, profile=None):
     """KVzap / DMS: keep every evictable token whose score clears a threshold, so the budget follows the
     prompt (an easy prompt keeps less) instead of a fixed share.

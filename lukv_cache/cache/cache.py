@@ -26,7 +26,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..allocation import AllocationRequest, get_allocator
+from ..allocation import AllocationRequest, allocators_reading_profile, get_allocator
 from ..attention.calls import AttentionCall, announce_attention, discard_attention, guard_attention
 from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
 from ..scorers import Scorer, get_scorer
@@ -550,7 +550,7 @@ class LUKVCache(DynamicCache):
             )
         if allocator is None:
             allocator = "global" if profile.scorer == "kvzap" else "profile"
-        reads_profile = allocator in ("profile", "hybrid", "hybrid_global", "threshold")
+        reads_profile = allocator in allocators_reading_profile()
         allocator_kwargs = {"profile": profile} if reads_profile else {}
         cache = cls(
             ratio,

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..allocation import ALLOCATORS
+from ..allocation import ALLOCATORS, allocators_reading_profile
 from ..cache import check_ratio
 from ..errors import ConfigurationError, ProfileError
 from ..models import check_positions, max_positions
@@ -56,9 +56,9 @@ from .methods import (
     CHECK_RATIOS,
     CHECK_SCORER,
     FULL,
-    PROFILE_ALLOCATORS,
     Method,
     make_cache,
+    scorer_reads_profile,
 )
 from .prefill import SharedPrefill
 from .tasks import greedy_decode, stop_ids
@@ -425,8 +425,9 @@ def check(
     references = _references(contexts, answers)
     encoded = encode_contexts(tokenizer, contexts, model.config, max_new_tokens)  # before any prefill
     rows = [CheckRow(a, r) for a in dict.fromkeys(allocators) for r in dict.fromkeys(ratios)]
+    reads_profile = allocators_reading_profile()
     for row in rows:  # a profile that is not there: said once, before any work
-        if row.allocator in PROFILE_ALLOCATORS or scorer == "kvzap":
+        if row.allocator in reads_profile or scorer_reads_profile(scorer):
             try:
                 make_cache(Method(row.allocator, scorer, row.ratio), model, profiles_dir, hub=hub)
             except ProfileError as err:

@@ -20,12 +20,6 @@ CHECK_ALLOCATORS = ("uniform", "adakv", "profile")
 CHECK_RATIOS = (0.5, 0.8, 0.9)
 CHECK_SCORER = "keydiff"
 FULL = "full"
-PROFILE_ALLOCATORS = (
-    "profile",
-    "hybrid",
-    "hybrid_global",
-    "threshold",
-)  # allocators whose budgets come from the model's profile (threshold: a kvzap profile's thresholds)
 
 
 @dataclass(frozen=True)
@@ -63,13 +57,28 @@ def build_methods(
     return ([Method(FULL)] if full else []) + grid
 
 
+def scorer_reads_profile(scorer: Any) -> bool:
+    """Whether the registered scorer ``scorer`` takes its model-specific part from the model's profile: a
+    placeholder registered with :attr:`~lukv_cache.scorers.Scorer.missing` set (``kvzap``, whose surrogate
+    the profile holds). Anything else (an unregistered name, a :class:`~lukv_cache.scorers.Scorer`): no.
+
+    >>> scorer_reads_profile("kvzap"), scorer_reads_profile("keydiff")
+    (True, False)
+    """
+    from ..scorers import SCORERS
+
+    return scorer in SCORERS and SCORERS.get(scorer).missing is not None
+
+
 def make_cache(
     method: Method, model: Any, profiles_dir: str | os.PathLike[str] | None = None, *, hub: bool = False
 ) -> Any:
-    """A fresh, empty cache for ``method``. The allocators of :data:`PROFILE_ALLOCATORS`, and every
-    allocator with scorer ``kvzap``, read the model's profile for the scorer (``profiles_dir`` first, the Hub
-    only when ``hub=True``, then the profiles shipped with lukv_cache; a model loaded from a folder: see
-    :func:`profile_source`); a missing profile, or one of another shape, raises a ``ProfileError``.
+    """A fresh, empty cache for ``method``. The allocators registered with ``reads_profile=True``
+    (:func:`~lukv_cache.allocation.allocators_reading_profile`), and every allocator with a scorer whose
+    surrogate the profile holds (``kvzap``: :func:`scorer_reads_profile`), read the model's profile for the
+    scorer (``profiles_dir`` first, the Hub only when ``hub=True``, then the profiles shipped with
+    lukv_cache; a model loaded from a folder: see :func:`profile_source`); a missing profile, or one of
+    another shape, raises a ``ProfileError``.
 
     >>> make_cache(Method("adakv", "keydiff", 0.8), model).allocator_name
     'adakv'
@@ -78,9 +87,10 @@ def make_cache(
         from transformers import DynamicCache
 
         return DynamicCache()
+    from ..allocation import allocators_reading_profile
     from ..cache import LUKVCache
 
-    if method.allocator not in PROFILE_ALLOCATORS and method.scorer != "kvzap":
+    if method.allocator not in allocators_reading_profile() and not scorer_reads_profile(method.scorer):
         return LUKVCache(method.ratio, method.scorer, method.allocator, config=model.config)
     # the model's profile: the budgets, or (kvzap) the surrogate whatever the allocator
     source = profile_source(model, method.scorer, profiles_dir)

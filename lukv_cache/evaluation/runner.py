@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from ..allocation import allocators_reading_profile
 from ..cache import LUKVCache, kv_cache_bytes
 from ..errors import ConfigurationError, ProfileError
 from ..scorers import get_scorer
 from ..texts import Article
-from .methods import ALLOCATORS, PROFILE_ALLOCATORS, RATIOS, SCORERS, Method, build_methods, make_cache
+from .methods import ALLOCATORS, RATIOS, SCORERS, Method, build_methods, make_cache
 from .prefill import SharedPrefill, shareable
 from .tasks import TASKS, Sample, context_ids, make_samples, score_prefilled
 
@@ -117,8 +118,9 @@ def run_benchmark(
     started = time.perf_counter()
 
     # Methods whose cache cannot be built (no profile file) are skipped once, with the reason.
+    reads_profile = allocators_reading_profile()
     for method in methods:
-        if method.allocator in PROFILE_ALLOCATORS and method.name not in results.skipped:
+        if method.allocator in reads_profile and method.name not in results.skipped:
             try:
                 make_cache(method, model, settings.profiles_dir, hub=settings.hub)
             except ProfileError as err:

@@ -191,11 +191,11 @@ def _method_keep_counts(
     method: str, scores: np.ndarray, layers: list[int], n: int, ratio: float, profile, min_keep
 ):
     """Keep counts ``[L, H]`` over the evictable tokens, from the library's own allocators."""
-    from ..allocation import AllocationRequest, get_allocator
+    from ..allocation import AllocationRequest, allocators_reading_profile, get_allocator
 
     if method == "lukv":
         allocator = get_allocator("profile", evict_ratio=profile.at(ratio))
-    elif method in ("hybrid", "hybrid_global"):
+    elif method in allocators_reading_profile():  # hybrid, hybrid_global: the profile's table at the ratio
         allocator = get_allocator(method, evict_ratio=profile.at(ratio))
     else:
         allocator = get_allocator(method)

@@ -26,8 +26,13 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from lukv_cache.allocation import ALLOCATORS, allocators_reading_profile
+
 VOCAB = 128
 PAD = 0
+# the allocators that read a profile's curves (registered with reads_profile=True); the adaptive one
+# (threshold) reads a kvzap profile's score thresholds instead, and takes value= in the tests
+PROFILE_FAMILY = tuple(a for a in allocators_reading_profile() if not ALLOCATORS.get(a).adaptive)
 # Gemma's local layers slide over 8 tokens: shorter than the prompts below, so the window really slides.
 SLIDING = 8
 

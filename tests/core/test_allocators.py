@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from core_models import prompt, tiny_model
 
 from lukv_cache import AllocationRequest, LUKVCache, UnknownNameError, get_allocator, register_allocator
-from lukv_cache.allocation import ALLOCATORS, largest_remainder
+from lukv_cache.allocation import ALLOCATORS, allocators_reading_profile, largest_remainder
 from lukv_cache.errors import ConfigurationError
+from lukv_cache.profiles import Profile
 
 RATIOS = [0.0, 0.1, 0.5, 0.8, 0.95, 0.999]
 ROWS = [(1,), (7,), (100,), (1000,), (1000, 300, 37)]  # evictable tokens per batch row
@@ -195,6 +197,44 @@ def test_register_allocator_makes_a_name_usable_by_the_cache(monkeypatch):
     with torch.no_grad():
         model(prompt(1, 41), past_key_values=cache)
     assert cache.stored_tokens()[:, 0].tolist() == [[41, 2], [41, 2]]  # 40 evictable: min 1 + window 1
+
+
+def test_the_built_in_allocators_that_read_a_profile_are_flagged():
+    assert allocators_reading_profile() == ("hybrid", "hybrid_global", "profile", "threshold")
+    assert not any(ALLOCATORS.get(name).reads_profile for name in ("uniform", "pyramid", "adakv", "global"))
+
+
+@pytest.mark.parametrize("reads_profile", [True, False])
+def test_from_pretrained_gives_the_profile_to_an_allocator_registered_as_reading_it(
+    monkeypatch, tmp_path, reads_profile
+):
+    """CONTRIBUTING.md's recipe: ``reads_profile=True`` is all it takes to receive ``profile=``."""
+    monkeypatch.setattr(ALLOCATORS, "_items", dict(ALLOCATORS._items))  # the registration ends with the test
+    received = []
+
+    @register_allocator("test_reads_profile", reads_profile=reads_profile)
+    def reads(profile=None):
+        received.append(profile)
+
+        def allocate(req):
+            return req.per_layer(
+                lambda layer, s: largest_remainder(torch.ones(1, req.num_heads), req.layer_total(), req)
+            )
+
+        return allocate
+
+    assert ("test_reads_profile" in allocators_reading_profile()) is reads_profile
+    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
+    curves = Profile(
+        grid, np.repeat(grid, 4).reshape(3, 2, 2), model_id="org/tiny", scorer="keydiff", head_dim=16
+    )
+    cache = LUKVCache.from_pretrained(
+        curves.save(tmp_path / "p.safetensors"), 0.5, allocator="test_reads_profile"
+    )
+    assert received and all(p is (cache.profile if reads_profile else None) for p in received)
+    with torch.no_grad():
+        tiny_model("llama", "sdpa")(prompt(1, 40), past_key_values=cache)
+    assert cache.stored_tokens().shape == (2, 1, 2)
 
 
 def test_unknown_allocator_error_lists_the_known_names():

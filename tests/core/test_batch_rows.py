@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from core_models import PAD, left_padded, scorer_for, tiny_model
+from core_models import PAD, PROFILE_FAMILY, left_padded, scorer_for, tiny_model
 
 from lukv_cache import LUKVCache
 from lukv_cache.allocation import ALLOCATORS
@@ -23,7 +23,6 @@ PROMPT = RepeatPrompt(first=(5, 6, 7), next=(8, 9), suffix=(10,))
 LENGTHS = (70, 45, 23)  # shorter than snapkv's 32-query window and expected_attention's 64 queries too
 NEW_TOKENS = 4
 QUESTION = torch.tensor([[11, 12, 13]])
-PROFILE_FAMILY = ("profile", "hybrid", "hybrid_global")
 
 MODELS = {
     "llama": lambda: tiny_model("llama", "sdpa"),

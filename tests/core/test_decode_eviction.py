@@ -9,7 +9,16 @@ import copy
 import numpy as np
 import pytest
 import torch
-from core_models import PAD, VOCAB, greedy_with_logits, left_padded, prompt, scorer_for, tiny_model
+from core_models import (
+    PAD,
+    PROFILE_FAMILY,
+    VOCAB,
+    greedy_with_logits,
+    left_padded,
+    prompt,
+    scorer_for,
+    tiny_model,
+)
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from lukv_cache import LUKVCache
@@ -20,8 +29,6 @@ from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import Profile
 from lukv_cache.profiles.download import BUNDLED_DIR
 from lukv_cache.scorers import SCORERS, Scorer, get_scorer, register_scorer
-
-PROFILE_FAMILY = ("profile", "hybrid", "hybrid_global")
 
 
 def _model():

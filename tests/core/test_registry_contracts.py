@@ -1,7 +1,9 @@
 """Every registered scorer and allocator meets the contract the cache relies on.
 
 Parametrised from the registries: a new scorer or allocator is tested here without editing this file
-(CONTRIBUTING.md). An allocator whose factory needs arguments declares them in ``FACTORY_ARGS``.
+(CONTRIBUTING.md). An allocator whose factory needs arguments declares them in ``_factory_args`` (for
+the factory alone) and ``_cache_args`` (in a cache); one registered with ``reads_profile=True`` gets a
+profile's table and curve there without editing this file.
 """
 
 from __future__ import annotations
@@ -24,20 +26,21 @@ PROMPT = RepeatPrompt(first=(5, 6, 7), next=(8, 9), suffix=(10,))
 
 
 def _factory_args(name: str, ratio: float) -> dict:
-    # the profile-based allocators read a table; a constant one asks for exactly the uniform total
-    table = {"evict_ratio": torch.full((LAYERS, HEADS), ratio)}
-    # the request's scores are uniform in [0, 1): the ratio is the threshold that removes that share
-    threshold = {"value": ratio}
-    return {"profile": table, "hybrid": table, "hybrid_global": table, "threshold": threshold}.get(name, {})
+    if name == "threshold":
+        # the request's scores are uniform in [0, 1): the ratio is the threshold that removes that share
+        return {"value": ratio}
+    # the allocators that read a profile (reads_profile=True) read a table; a constant one asks for exactly
+    # the uniform total
+    return {"evict_ratio": torch.full((LAYERS, HEADS), ratio)} if ALLOCATORS.get(name).reads_profile else {}
 
 
 def _cache_args(name: str) -> dict:
-    # in a cache, the profile family reads a profile's curve at the cache's ratio: a flat one here
-    grid = np.linspace(0.1, 0.9, 9, dtype=np.float32)
-    curve = Profile(grid, np.repeat(grid, LAYERS * HEADS).reshape(-1, LAYERS, HEADS), "org/tiny", "keydiff")
     if name == "threshold":
         return {"value": -0.6}  # keydiff scores are -cos in [-1, 1]
-    return {"profile": curve} if name in ("profile", "hybrid", "hybrid_global") else {}
+    # in a cache, the allocators that read a profile read its curve at the cache's ratio: a flat one here
+    grid = np.linspace(0.1, 0.9, 9, dtype=np.float32)
+    curve = Profile(grid, np.repeat(grid, LAYERS * HEADS).reshape(-1, LAYERS, HEADS), "org/tiny", "keydiff")
+    return {"profile": curve} if ALLOCATORS.get(name).reads_profile else {}
 
 
 # ------------------------------------------------------------------------------------------ scorers

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from core_models import left_padded, prompt, tiny_model
+from core_models import PROFILE_FAMILY, left_padded, prompt, tiny_model
 
 from lukv_cache import LUKVCache
 from lukv_cache.allocation import ALLOCATORS
@@ -16,7 +16,6 @@ from lukv_cache.profiles import Profile
 from lukv_cache.profiles.download import BUNDLED_DIR
 
 LAYERS, HEADS = 2, 2
-PROFILE_FAMILY = ("profile", "hybrid", "hybrid_global")
 
 
 def _profile(grid, evict) -> Profile:
