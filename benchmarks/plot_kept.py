@@ -1,9 +1,11 @@
 """Makes docs/images/kept_smollm2.png: what LUKVCache keeps of a Wikipedia paragraph in SmolLM2-135M.
 
     OMP_NUM_THREADS=2 python benchmarks/plot_kept.py  [--out docs/images/kept_smollm2.png] [--ratio 0.8]
+                                                       [--threads 2]
 
 The packaged SmolLM2-135M-Instruct, its shipped profile (no network), the first paragraph of the first
-gensim Wikipedia article of at least 600 characters, cut to 160 tokens; prints the highlighted text.
+gensim Wikipedia article of at least 600 characters, cut to 160 tokens; prints the text with its most-kept
+tokens in [brackets] (as many as the cache holds on average: lukv_cache.plot.highlighted) and how many.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch  # noqa: E402
 
 from lukv_cache import LUKVCache  # noqa: E402
 from lukv_cache.models import load_model  # noqa: E402
-from lukv_cache.plot import plot_kept  # noqa: E402
+from lukv_cache.plot import highlighted, kept_map, plot_kept  # noqa: E402
 from lukv_cache.texts import wikipedia_articles  # noqa: E402
 
 
@@ -27,8 +29,9 @@ def main() -> None:
     parser.add_argument("--out", default="docs/images/kept_smollm2.png")
     parser.add_argument("--ratio", type=float, default=0.8)
     parser.add_argument("--tokens", type=int, default=160)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args()
-    model, tokenizer = load_model("smollm2", threads=2)
+    model, tokenizer = load_model("smollm2", threads=args.threads)
     article = wikipedia_articles(min_chars=600)[0]
     paragraph = next(p for p in article.text.split("\n") if len(p) >= 600)
     ids = tokenizer(paragraph, return_tensors="pt").input_ids[:, : args.tokens]
@@ -41,6 +44,9 @@ def main() -> None:
     )
     fig.savefig(args.out, dpi=80)
     print(text)
+    share = kept_map(cache, [i for i in range(len(cache.layers)) if cache.kept_positions(i).numel()]).mean(0)
+    marked, tokens = int(highlighted(share).sum()), share.numel()
+    print(f"\n{marked} of {tokens} tokens in [brackets] ({marked / tokens:.0%}); wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Seeing what a :class:`~lukv_cache.LUKVCache` kept: a layer x KV head x position map, and the prompt's
-text with each token's keep share. Needs matplotlib (``pip install "lukv-cache[plots]"``), imported only
+text with its most-kept tokens marked, as many as the cache keeps on average (:func:`highlighted_text`). Needs matplotlib (``pip install "lukv-cache[plots]"``), imported only
 when :func:`plot_kept` runs.
 
 >>> from lukv_cache.plot import plot_kept                               # doctest: +SKIP
@@ -38,15 +38,39 @@ def kept_map(cache: Any, layers: list[int], row: int = 0) -> torch.Tensor:
     return out
 
 
-def highlighted_text(share: torch.Tensor, tokens: list[str]) -> str:
-    """The tokens back to back, each kept by under half the heads in ``[brackets]``.
+def highlighted(share: torch.Tensor, fraction: float | None = None) -> torch.Tensor:
+    """bool ``[n]``: the ``round(fraction * n)`` positions with the highest keep ``share`` (ties at the cut go
+    to the earlier position). ``fraction`` defaults to the mean of ``share``: the fraction of (head, position)
+    pairs held, so the marked fraction follows what was kept (at ratio 0.8, about a fifth of the evictable
+    tokens plus the sinks and the window), where a fixed cut-off (say, kept by half the heads) would mark
+    nearly every token or almost none depending on the ratio.
+
+    >>> highlighted(torch.tensor([1.0, 0.2, 0.6])).tolist()     # mean 0.6: the top 2 of 3
+    [True, False, True]
+    """
+    share = share.flatten().float()
+    n = share.numel()
+    if fraction is None:
+        fraction = float(share.mean()) if n else 0.0
+    count = min(n, max(0, round(fraction * n)))
+    order = torch.sort(-share, stable=True).indices
+    marked = torch.zeros(n, dtype=torch.bool)
+    marked[order[:count]] = True
+    return marked
+
+
+def highlighted_text(share: torch.Tensor, tokens: list[str], fraction: float | None = None) -> str:
+    """The tokens back to back, the most-kept ones in ``[brackets]``: the ``round(fraction * n)`` tokens
+    with the highest keep share, ``fraction`` the mean share unless given (see :func:`highlighted`).
 
     >>> highlighted_text(torch.tensor([1.0, 0.2, 0.6]), ["The", " cat", " sat"])
-    'The[ cat] sat'
+    '[The] cat[ sat]'
     """
-    return "".join(
-        tok if float(s) >= 0.5 else f"[{tok}]" for tok, s in zip(tokens, share.tolist(), strict=False)
-    )
+    return _bracketed(tokens, highlighted(share[: len(tokens)], fraction))
+
+
+def _bracketed(tokens: list[str], marked: torch.Tensor) -> str:
+    return "".join(f"[{tok}]" if m else tok for tok, m in zip(tokens, marked.tolist(), strict=False))
 
 
 def plot_kept(
@@ -58,8 +82,10 @@ def plot_kept(
 ):
     """A figure of which positions every (layer, KV head) of ``cache`` holds for batch row ``row`` (one
     layer's heads with ``layer=``), with each position's keep share across those heads beneath. With
-    ``input_ids`` and a ``tokenizer``, returns ``(figure, text)``: the row's text with the tokens kept by
-    under half the heads in ``[brackets]`` (also the x labels of short prompts); else the figure alone.
+    ``input_ids`` and a ``tokenizer``, returns ``(figure, text)``: the row's text (also the x labels of short
+    prompts) with its most-kept tokens in ``[brackets]``, as many as the cache keeps on average: if it holds
+    a fraction ``f`` of the (head, position) pairs, the ``round(f * T)`` tokens of highest keep share
+    (:func:`highlighted`; their bars are blue, the others grey); else the figure alone.
     """
     plt = _pyplot()
     layers = (
@@ -83,7 +109,9 @@ def plot_kept(
     )
     top.set_ylabel(f"layer ({heads} KV heads each)")
     top.set_title(f"kept positions (black), row {row}: {kept.mean():.0%} of (head, position) pairs held")
-    bottom.bar(range(share.numel()), share.numpy(), width=1.0, color="tab:blue")
+    marked = highlighted(share)  # as many as the cache holds on average: kept.mean() of the positions
+    colors = ["tab:blue" if m else "lightgrey" for m in marked.tolist()]
+    bottom.bar(range(share.numel()), share.numpy(), width=1.0, color=colors)
     bottom.set_ylim(0, 1)
     bottom.set_ylabel("keep share")
     bottom.set_xlabel("position")
@@ -94,4 +122,4 @@ def plot_kept(
     tokens = [decode([i]) for i in ids] if decode else tokenizer.convert_ids_to_tokens(ids)
     if len(tokens) <= 80:
         bottom.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=7)
-    return fig, highlighted_text(share[-len(tokens) :], tokens)
+    return fig, _bracketed(tokens, marked[-len(tokens) :])

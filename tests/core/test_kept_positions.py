@@ -86,6 +86,40 @@ def test_plot_kept_returns_a_figure_and_highlights_text():
     assert fig.axes and text.count("t") == 24 and set(text) <= set("t0123456789 []")
 
 
+@pytest.mark.parametrize("ratio", [0.5, 0.8])
+def test_the_highlighted_fraction_tracks_the_ratio(ratio):
+    """plot_kept's text marks as many tokens as the cache keeps on average, so the marked fraction follows
+    the ratio: (1 - ratio) of the evictable tokens plus the sinks and the window (a fixed cut-off of half
+    the heads marked 67% at 0.5 and 21% at 0.8 here)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lukv_cache.plot import kept_map, plot_kept
+
+    class Tok:
+        def decode(self, ids):
+            return f"<{ids[0]}>"
+
+    model, n = tiny_model(), 96
+    ids = prompt(1, n)
+    cache = _prefill(model, ids, ratio=ratio)
+    _, text = plot_kept(cache, input_ids=ids, tokenizer=Tok())
+    marked = text.count("[")
+    assert text.count("<") == n and text.count("]") == marked
+    policy = cache.policy
+    protected = policy.sink + policy.window
+    expected = protected + (1 - ratio) * (n - protected)  # tokens held per (layer, KV head), on average
+    assert abs(marked - expected) <= 1.5, (marked, expected)
+    held = kept_map(cache, list(range(len(cache.layers))))
+    assert marked == round(float(held.mean()) * n)
+    # the marked tokens are the most kept: none outside is kept by more heads than one inside
+    share = held.mean(0).tolist()
+    brackets = [part.split(">")[1].startswith("]") for part in text.split("<")[1:]]  # "<7>]" is marked
+    assert sum(brackets) == marked
+    assert min(s for s, m in zip(share, brackets) if m) >= max(s for s, m in zip(share, brackets) if not m)
+
+
 def test_plot_kept_without_matplotlib_names_the_extra(monkeypatch):
     import sys
 
