@@ -8,16 +8,23 @@ is filled with ``cache.prefill`` (the context, the repeat passes, then eviction)
 compressed: a question and its answer are appended whole, so each question gets its own view of the
 compressed context (``cache.fork()``: the compressed stores shared, what the question appends its own) and
 the questions never see each other. docs/kvzip.md has the details.
+
+The compressed context is saved to one file (``save_cache``) and the questions are answered from the cache
+read back from it (``load_cache``), as a later process would: the KVzip passes are not run again.
+``--save PATH`` keeps the file (default: a temporary folder, removed at the end); docs/saved.md has the
+format.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from lukv_cache import LUKVCache
+from lukv_cache import LUKVCache, load_cache, save_cache
 
 QUESTIONS = [
     "What is the capital of the state?",
@@ -30,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and synthetic text")
     parser.add_argument("--ratio", type=float, default=0.8, help="fraction of the context's KV removed")
+    parser.add_argument(
+        "--save", type=Path, help="where to save the compressed context (default: a temp folder)"
+    )
     args = parser.parse_args(argv)
 
     if args.smoke:
@@ -56,6 +66,23 @@ def main(argv: list[str] | None = None) -> None:
         f"{cache.memory_bytes() / 1e6:.2f} MB, compressed in {time.perf_counter() - started:.1f} s"
     )
 
+    # Save it once; any later process loads it into the same model instead of compressing again.
+    with tempfile.TemporaryDirectory() as scratch:
+        path = args.save or Path(scratch) / "context.safetensors"
+        started = time.perf_counter()
+        save_cache(cache, path)
+        saved_in = time.perf_counter() - started
+        started = time.perf_counter()
+        loaded = load_cache(path, model)
+        print(
+            f"saved: {path.stat().st_size / 1e6:.2f} MB file in {saved_in:.2f} s, "
+            f"loaded in {time.perf_counter() - started:.2f} s"
+        )
+        answer_all(model, tokenizer, context_ids, loaded, new_tokens)
+
+
+def answer_all(model, tokenizer, context_ids: torch.Tensor, cache: LUKVCache, new_tokens: int) -> None:
+    """Each question from its own view of the compressed context."""
     for question in QUESTIONS:
         question_ids = tokenizer(
             f"\n\nQuestion: {question}\nAnswer:", return_tensors="pt", add_special_tokens=False

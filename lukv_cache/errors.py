@@ -110,6 +110,40 @@ class TensorParallelError(ConfigurationError):
         self.kv_heads, self.local_heads, self.tp_size = kv_heads, local_heads, tp_size
 
 
+class SavedContextError(LUKVError, ValueError):
+    """A saved compressed context (:func:`~lukv_cache.cache.saved.save_cache` /
+    :func:`~lukv_cache.cache.saved.load_cache`) that cannot be written or read: a cache that is empty,
+    mid-forward or holds a layer the format cannot store; a file that is not a safetensors file, is
+    truncated or altered (checksum), was written in another format version, or whose tensors do not fit
+    its metadata. ``path`` is the file and ``field`` the offending metadata entry or tensor, when one is to
+    blame. Prints e.g. ``ctx.safetensors: checksum mismatch: the file was altered or damaged after it was
+    written. Save the context again ...``.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.path, self.field = path, field
+
+
+class SavedContextMismatchError(SavedContextError):
+    """A saved context loaded into a model other than the one it was saved from: ``field`` names what
+    differs (``model_id``, ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``, ``layer_types``,
+    ``sliding_window``, ``dtype``, ...), ``saved`` and ``got`` its two values. Prints e.g. ``ctx.safetensors
+    was saved from a model with num_hidden_layers=2, this model has 3 ...``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        field: str | None = None,
+        saved: object = None,
+        got: object = None,
+    ):
+        super().__init__(message, path=path, field=field)
+        self.saved, self.got = saved, got
+
+
 class ProfileError(LUKVError):
     """Base class for everything that can go wrong with a profile file, its lookup or its upload."""
 
