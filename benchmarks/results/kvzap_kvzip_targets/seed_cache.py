@@ -1,7 +1,7 @@
 """Put the KVzip targets computed by kvzip_target_surrogate.py into the build's target cache (same values:
 prefill_scores(model, ids, "kvzip", tokenizer=tok).clamp_min(1e-12).log().transpose(1, 2)), after checking
 one document against the build's own function with no cache."""
-import hashlib, torch
+import hashlib, tempfile, torch
 torch.set_grad_enabled(False)
 from pathlib import Path
 from safetensors.torch import load_file
@@ -10,7 +10,7 @@ from lukv_cache.profiling.build import _ResultStore, _sha, cached_kvzip_plus_tar
 from lukv_cache.profiling.kvzap_options import KVzapTraining
 model, tok = load_model("smollm2", threads=2)
 docs = KVzapTraining().corpus(tok, 0, max_positions(model.config))
-mine = Path("/tmp/s26/kvzip_targets")
+mine = Path(tempfile.gettempdir()) / "s26" / "kvzip_targets"  # where kvzip_target_surrogate.py keeps them
 def file_of(ids):
     return mine / (hashlib.sha256(str(ids.tolist()).encode()).hexdigest()[:16] + ".safetensors")
 fresh = cached_kvzip_plus_targets(model, tok, False, "kvzip")(docs[0])

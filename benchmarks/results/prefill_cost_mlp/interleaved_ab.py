@@ -5,7 +5,7 @@ from lukv_cache import LUKVCache
 from lukv_cache.models import load_model
 model, tok = load_model("smollm2", threads=2)
 ids = text_ids(tok, 4096)
-srcs = {"mlp": "profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors", "linear": "/tmp/kvzap_linear_window.safetensors", "keydiff": None}
+srcs = {"mlp": "profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors", "linear": "tests/data/kvzap_smollm2_linear_window.safetensors", "keydiff": None}
 times = {k: [] for k in srcs}
 with torch.no_grad():
     for r in range(4):

@@ -15,7 +15,7 @@ orig = kz._kvzap
 def wrapped(*a, **k):
     t = time.perf_counter(); r = orig(*a, **k); acc["scorer"] += time.perf_counter() - t; return r
 kz._kvzap = wrapped
-srcs = {"mlp": str(__import__("pathlib").Path(__file__).resolve().parents[3]) + "/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors", "linear": "/tmp/kvzap_linear_window.safetensors"}
+srcs = {"mlp": str(__import__("pathlib").Path(__file__).resolve().parents[3]) + "/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors", "linear": str(__import__("pathlib").Path(__file__).resolve().parents[3]) + "/tests/data/kvzap_smollm2_linear_window.safetensors"}
 with torch.no_grad():
     for r in range(2):
         for k, src in srcs.items():
