@@ -173,7 +173,7 @@ def plot_results(
     """Accuracy (or excess NLL) vs ratio, one panel per (task, scorer), one line per allocator; the full
     cache as a dashed line. Returns the PNG path.
 
-    >>> plot_results(results, "benchmarks/results/bench.png")  # doctest: +SKIP
+    >>> plot_results(results, "bench.png")  # doctest: +SKIP
     """
     import matplotlib
 

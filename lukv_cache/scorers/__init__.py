@@ -226,7 +226,7 @@ def kvzip_scorer(
 from . import builtin as _builtin  # noqa: E402,F401  (registers the built-ins)
 
 # A 32-token recent window, as SnapKV protects: chosen on tuning texts (news articles, not the benchmark's
-# Wikipedia); it halved the excess NLL at ratio 0.9 and kept retrieval (benchmarks/results/README.md).
+# Wikipedia); it halved the excess NLL at ratio 0.9 and kept retrieval (benchmarks/results/tuning/README.md).
 SCORERS.add("kvzip", kvzip_scorer(window=32))
 SCORERS.add("kvzip_plus", kvzip_scorer(weighted=True, name="kvzip_plus", window=32))
 
