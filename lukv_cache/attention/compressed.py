@@ -7,6 +7,10 @@ Which implementation serves a call: CUDA, the fused kernels of :mod:`.kernels`; 
 nothing (decode), the masked product of :mod:`.masked` for a small fp32 layer, else the windows of
 :mod:`.windows`; otherwise the two parts (:mod:`.partial`) and their log-sum-exp merge.
 
+A quantized store (``LUKVCache(kv_bits=...)``) is read in blocks of at most :data:`BLOCK_ROWS` rows: each
+block is dequantized to the model's dtype and attended like a full-precision store (every path above),
+the blocks' log-sum-exps merged; a layer never holds more than one block at full precision.
+
 Learned attention sinks (``s_aux [Hq]``, GPT-OSS and its kin: one logit per query head in the softmax's
 denominator, with no value) are honoured on every path. The masked product puts the sink in its softmax;
 every other path (the fused Triton kernel, the windows, the parts and merge, the flash-attn kernel inside
@@ -19,11 +23,72 @@ routed eager attention returns when ``output_attentions`` asks for them (never o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels, masked, windows
 from .calls import StoreView
 from .partial import _softcap, merge_partials, partial_attention, ragged_attention
+
+BLOCK_ROWS = 4096  # rows of a quantized store dequantized at a time (1 MiB per tensor at fp32, head_dim 64)
+
+
+@dataclass(frozen=True, eq=False)
+class _Block:
+    """Rows ``start:stop`` of a store (its offsets clipped to them), at the model's precision."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    offsets: torch.Tensor
+    offsets_list: tuple[int, ...]
+    num_heads: int
+    start: int
+    stop: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
+
+    def segment_ids(self) -> torch.Tensor:
+        counts = self.offsets.diff()
+        ids = torch.arange(counts.numel(), device=self.offsets.device)
+        return torch.repeat_interleave(ids, counts, output_size=self.num_tokens)
+
+
+# Per live quantized store (keyed by its offsets, as the window plans): its blocks' bounds and offsets.
+_BLOCKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _block_bounds(store: StoreView) -> list[tuple[int, int, torch.Tensor, tuple[int, ...]]]:
+    bounds = _BLOCKS.get(store.offsets)
+    if bounds is None:
+        total = store.offsets_list[-1]
+        if total <= BLOCK_ROWS:  # one block: the store's own offsets (plans cached on them are reused)
+            bounds = [(0, total, store.offsets, store.offsets_list)]
+        else:
+            bounds = []
+            for start in range(0, total, BLOCK_ROWS):
+                stop = min(start + BLOCK_ROWS, total)
+                clipped = tuple(min(max(o, start), stop) - start for o in store.offsets_list)
+                offsets = torch.tensor(clipped, dtype=torch.long, device=store.offsets.device)
+                bounds.append((start, stop, offsets, clipped))
+        _BLOCKS[store.offsets] = bounds
+    return bounds
+
+
+def store_blocks(store: StoreView):
+    """The store at the model's precision, a block of rows at a time (a full-precision store: itself)."""
+    if getattr(store, "kv_bits", None) is None:
+        yield store
+        return
+    for start, stop, offsets, offsets_list in _block_bounds(store):
+        keys, values = store.dense(start, stop)
+        yield _Block(
+            keys, values, store.positions[start:stop], offsets, offsets_list, store.num_heads, start, stop
+        )
 
 
 def _as_bias(mask: torch.Tensor) -> torch.Tensor:
@@ -79,6 +144,21 @@ def compressed_attention(
         bias = bias.expand(b, q_len, bias.shape[-1])
         suffix_bias = bias[:, None, :, bias.shape[-1] - s :].repeat(1, 1, g, 1)  # [B, 1, M, S]
         key_bias = bias[store.segment_ids() // h, :, store.positions.long()]  # [N, Q]
+    if getattr(store, "kv_bits", None) is not None:
+        if len(_block_bounds(store)) > 1:
+            return _blockwise(
+                store,
+                grouped,
+                query,
+                suffix_keys,
+                suffix_values,
+                suffix_bias,
+                key_bias,
+                scaling,
+                softcap,
+                sink,
+            )
+        store = next(store_blocks(store))  # a small store: one block, every path below
     fused = kernels.get_ragged_suffix_kernel(grouped)
     if fused is not None:  # store + suffix in one kernel pass, no host sync
         out, lse = fused(
@@ -138,6 +218,34 @@ def compressed_attention(
     return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
 
 
+def _blockwise(
+    store, grouped, query, suffix_keys, suffix_values, suffix_bias, key_bias, scaling, softcap, sink
+):
+    """A quantized store of several blocks: the suffix, then each block, merged by log-sum-exp."""
+    b, hq, q_len, _ = query.shape
+    if suffix_bias is not None and not bool((suffix_bias < 0).any()):
+        suffix_bias = None
+    out, lse = partial_attention(
+        grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
+    )
+    for block in store_blocks(store):
+        bias = None if key_bias is None else key_bias[block.start : block.stop]
+        out_b, lse_b = ragged_attention(
+            grouped,
+            block.keys,
+            block.values,
+            block.offsets,
+            scaling=scaling,
+            softcap=softcap,
+            key_bias=bias,
+            offsets_list=list(block.offsets_list),
+        )
+        out, lse = merge_partials(out_b, lse_b, out, lse)
+    if sink is not None:
+        out = _with_sink(out, lse, sink)
+    return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+
+
 def attention_weights(
     store: StoreView,
     query: torch.Tensor,
@@ -173,12 +281,12 @@ def attention_weights(
     suffix = torch.matmul(grouped, suffix_t.expand(-1, g, -1, -1)) * scaling
     logits[..., k_len - s :] = _softcap(suffix, softcap)
     columns = store.positions.long()
-    keys = store.keys
     bounds = store.offsets_list
     for seg in range(b * h):
         lo, hi = bounds[seg], bounds[seg + 1]
         if hi > lo:
-            part = torch.matmul(grouped[seg], keys[lo:hi].float().mT.expand(g, -1, -1)) * scaling
+            keys = store.keys[lo:hi] if getattr(store, "kv_bits", None) is None else store.dense(lo, hi)[0]
+            part = torch.matmul(grouped[seg], keys.float().mT.expand(g, -1, -1)) * scaling
             logits[seg, :, :, columns[lo:hi]] = _softcap(part, softcap)
     logits = logits.view(b, h, g, q_len, k_len)
     if attention_mask is not None:

@@ -47,6 +47,7 @@ from .decoding import Held, fit_counts, gather_held, held_tokens, masked_held, r
 from .hybrid import LUKVHybridLayer
 from .layer import FOLD_AT, LUKVLayer
 from .parallel import HeadShard, head_shard, mesh_shard
+from .quant import check_kv_bits
 from .ragged import keep_mask_from_counts
 from .reconstruction import ReconstructionRound, check_prefill_inputs, plan_rounds
 
@@ -292,6 +293,10 @@ class LUKVCache(DynamicCache):
             (not ``kvzip``). Off by default.
         fold_interval: the dense suffix of decoded tokens is folded into the ragged store every this many
             tokens (default 256), and with ``decode_max_tokens`` evicted there.
+        kv_bits: store the kept keys and values in 8 or 4 bits (per token, groups of 32 channels with an
+            fp16 scale and zero each; :mod:`lukv_cache.cache.quant`) instead of the model's dtype; the dense
+            suffix (window, new tokens) stays at full precision until it folds. Scores are computed before
+            quantization, so the prompt's eviction is the same for every ``kv_bits``. Default ``None``.
         decode_window: with ``decode_max_tokens``, the most recent tokens each head keeps at every fold
             (part of the bound). Default: a quarter of ``decode_max_tokens`` (at least ``window``); recent
             tokens matter most to the next ones, and a quarter measured best for kvzap and keydiff
@@ -327,6 +332,7 @@ class LUKVCache(DynamicCache):
         decode_max_tokens: int | None = None,
         fold_interval: int = FOLD_AT,
         decode_window: int | None = None,
+        kv_bits: int | None = None,
     ):
         kwargs = dict(allocator_kwargs or {})
         if evict_ratio is not None:
@@ -338,6 +344,7 @@ class LUKVCache(DynamicCache):
                 f"fold_interval must be a positive integer (tokens between folds; default {FOLD_AT}), got None."
             )
         fold_interval = _check_count("fold_interval", fold_interval, positive=True)
+        kv_bits = check_kv_bits(kv_bits)
         if decode_max_tokens is not None:
             if decode_max_tokens > _MAX_TOKENS_LIMIT:
                 raise ConfigurationError(
@@ -390,6 +397,7 @@ class LUKVCache(DynamicCache):
             decode_max_tokens=decode_max_tokens,
             fold_interval=fold_interval,
             decode_window=decode_window,
+            kv_bits=kv_bits,
         )
         super().__init__()
         self.layer_class_to_replicate = LUKVLayer  # until the layout is known (config=, or the model's)
@@ -454,6 +462,11 @@ class LUKVCache(DynamicCache):
     @property
     def fold_interval(self) -> int:
         return self.policy.fold_interval
+
+    @property
+    def kv_bits(self) -> int | None:
+        """Bits per entry of the stored keys and values (8 or 4), ``None`` at the model's precision."""
+        return self.policy.kv_bits
 
     @property
     def decode_window(self) -> int:
@@ -877,6 +890,7 @@ class LUKVCache(DynamicCache):
 
     def _set_fold(self, layer: LUKVLayer) -> None:
         policy = self.policy
+        layer.kv_bits = policy.kv_bits
         if policy.decode_max_tokens is None:
             layer.fold_at = policy.fold_interval
         else:  # the protected window and fold_interval tokens, then the fold evicts (never a plain fold)

@@ -29,7 +29,8 @@ class CompressionPolicy:
     on average; each prompt (each row of a batch) gets the ratio that does. ``decode_max_tokens``: every
     ``fold_interval`` tokens after the prompt, re-apply the budgets to everything held so that each row
     keeps at most this many tokens per (layer, KV head) on average (:mod:`lukv_cache.cache.decoding`),
-    the last ``decode_window`` tokens of each head protected there.
+    the last ``decode_window`` tokens of each head protected there. ``kv_bits``: the stores' bits per key /
+    value entry (:mod:`lukv_cache.cache.quant`), ``None`` at the model's precision.
     """
 
     ratio: float
@@ -43,6 +44,7 @@ class CompressionPolicy:
     decode_max_tokens: int | None = None
     fold_interval: int = FOLD_AT
     decode_window: int = 0
+    kv_bits: int | None = None
 
     @property
     def defers(self) -> bool:

@@ -23,6 +23,7 @@ import torch
 
 from ..scorers import Scorer, check_scores
 from .layer import LUKVLayer
+from .quant import PackedRows
 from .ragged import gather_ragged
 
 
@@ -82,7 +83,7 @@ def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -
 
 
 def gather_held(held: Held, stored: torch.Tensor | None, suffix: torch.Tensor) -> torch.Tensor:
-    """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor) or of ``suffix
+    """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor, or its quantized rows) or of ``suffix
     [B, H, S, ...]`` (the suffix's; NaN for store rows when ``stored`` is None); slots past a segment's
     end hold an arbitrary row."""
     source = held.source.flatten()
@@ -90,7 +91,12 @@ def gather_held(held: Held, stored: torch.Tensor | None, suffix: torch.Tensor) -
     out = suffix.new_empty((source.shape[0], *suffix.shape[3:]))
     out[~from_store] = gather_ragged(suffix, source[~from_store] - held.n_store)
     if held.n_store:  # a store without this tensor (scores never kept): NaN, ranked lowest
-        out[from_store] = float("nan") if stored is None else stored[source[from_store]].to(out.dtype)
+        if stored is None:
+            out[from_store] = float("nan")
+        else:  # a quantized store's rows come back dequantized (PackedRows.rows)
+            index = source[from_store]
+            rows = stored.rows(index) if isinstance(stored, PackedRows) else stored[index]
+            out[from_store] = rows.to(out.dtype)
     return out.view(*held.source.shape, *suffix.shape[3:])
 
 

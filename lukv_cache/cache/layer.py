@@ -76,6 +76,7 @@ class LUKVLayer(DynamicLayer):
         self.settled_length = 0
         # [B, H_q, W, D]: the last post-RoPE queries, kept while they may score a fold (record_queries)
         self.queries: torch.Tensor | None = None
+        self.kv_bits: int | None = None  # the store's bits per key / value entry (None: the model's dtype)
 
     # ------------------------------------------------------------------ the dense suffix
     @property
@@ -165,8 +166,9 @@ class LUKVLayer(DynamicLayer):
         seg = row * self.num_heads + head
         a, b = self.store.offsets_list[seg], self.store.offsets_list[seg + 1]
         positions = torch.cat([self.store.positions[a:b].long().to(device), suffix_pos])
-        keys = torch.cat([self.store.keys[a:b].to(device), self.suffix_keys[row, head]])
-        values = torch.cat([self.store.values[a:b].to(device), self.suffix_values[row, head]])
+        stored_k, stored_v = self.store.dense(a, b)
+        keys = torch.cat([stored_k.to(device), self.suffix_keys[row, head]])
+        values = torch.cat([stored_v.to(device), self.suffix_values[row, head]])
         return positions, keys, values
 
     def _logical(self, *, values: bool) -> torch.Tensor | None:
@@ -193,7 +195,7 @@ class LUKVLayer(DynamicLayer):
             return out
         store = self.store
         counts = store.counts().view(b, h).cpu()
-        flat = (store.values if values else store.keys).to(out.device)
+        flat = store.dense()[1 if values else 0].to(out.device)
         for row in range(b):
             held = counts[row]
             a, n = store.offsets_list[row * h], int(held[0])
@@ -427,7 +429,9 @@ class LUKVLayer(DynamicLayer):
         new_pos = (flat % r + start).to(torch.int32)
         new_s = None if scores is None else scores.reshape(-1)[flat.to(scores.device)].to(new_k.device)
         if self.store is None:
-            self.store = RaggedStore.build(new_k, new_v, new_pos, counts, num_heads=h, scores=new_s)
+            self.store = RaggedStore.build(
+                new_k, new_v, new_pos, counts, num_heads=h, scores=new_s, kv_bits=self.kv_bits
+            )
         else:
             self.store = self.store.extend(new_k, new_v, new_pos, counts, new_s)
 
@@ -478,11 +482,30 @@ class LUKVLayer(DynamicLayer):
             return out
 
         store = self.store if n else None
-        keys = pick(None if store is None else store.keys, gather_ragged(self.suffix_keys, in_suffix))
-        values = pick(None if store is None else store.values, gather_ragged(self.suffix_values, in_suffix))
+        new_k, new_v = (
+            gather_ragged(self.suffix_keys, in_suffix),
+            gather_ragged(self.suffix_values, in_suffix),
+        )
+        if self.store is not None and self.store.kv_bits is not None:
+            # the suffix's kept tokens quantized as the store's (each row on its own): the stored rows'
+            # codes are moved, never quantized again
+            new_k, new_v = self.store.quantize_like(new_k, new_v)
+            stored_k = None if store is None else store.keys
+            stored_v = None if store is None else store.values
+            keys = new_k.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_k), new_k.tensors())))
+            values = new_v.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_v), new_v.tensors())))
+        else:
+            keys = pick(None if store is None else store.keys, new_k)
+            values = pick(None if store is None else store.values, new_v)
         positions = pick(None if store is None else store.positions, suffix_pos)
         self.store = RaggedStore.build(
-            keys, values, positions, counts.to(keys.device), num_heads=self.num_heads, scores=scores
+            keys,
+            values,
+            positions,
+            counts.to(positions.device),
+            num_heads=self.num_heads,
+            scores=scores,
+            kv_bits=self.kv_bits,
         )
         self._set_suffix(self.suffix_keys[:, :, :0], self.suffix_values[:, :, :0], capacity=capacity)
         self.compressed = True
@@ -506,6 +529,11 @@ class LUKVLayer(DynamicLayer):
         if self.is_initialized and self._suffix_len:
             layer.update(self.suffix_keys.clone(), self.suffix_values.clone())
         return layer
+
+
+def _parts(rows) -> tuple:
+    """A quantized store's codes, scales and zeros (three ``None`` without a store)."""
+    return (None, None, None) if rows is None else rows.tensors()
 
 
 def select_rows(indices, batch: int) -> torch.Tensor:

@@ -5,6 +5,9 @@
 * ``offsets``: int64 ``[B * H_kv + 1]``;
 * ``scores``: fp32 ``[N]`` or ``None``, each token's score from when it was first scored (kept only when
   eviction at fold time reuses scores: ``decode_max_tokens`` with a scorer that keeps them, e.g. ``kvzap``).
+* quantized (``LUKVCache(kv_bits=8 / 4)``): ``keys`` and ``values`` are
+  :class:`~lukv_cache.cache.quant.PackedRows` (codes, scales and zeros, row by row; :mod:`.quant`), and
+  :meth:`RaggedStore.dense` gives a block of rows back at the model's precision.
 
 :class:`RaggedStore` is the frozen view of one layer's store that attention reads; the functions below
 build and edit stores on any device with one gather and no host sync (sizes come from shapes).
@@ -15,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .quant import PackedRows
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,13 +51,45 @@ class RaggedStore:
         *,
         num_heads: int,
         scores: torch.Tensor | None = None,
+        kv_bits: int | None = None,
     ) -> RaggedStore:
-        """A store from its rows and per-segment ``counts [B * H_kv]`` (offsets are their cumulative sum)."""
+        """A store from its rows and per-segment ``counts [B * H_kv]`` (offsets are their cumulative sum).
+
+        ``kv_bits``: quantize full-precision ``keys``/``values``; rows already :class:`PackedRows` stay
+        as they are."""
         offsets = offsets_from_counts(counts.to(keys.device))
         if scores is not None:
             scores = scores.float()
         pos = positions.to(torch.int32)
+        if kv_bits is not None and not isinstance(keys, PackedRows):
+            keys, values = PackedRows.quantize(keys, kv_bits), PackedRows.quantize(values, kv_bits)
         return cls(keys, values, pos, offsets, tuple(offsets.tolist()), int(num_heads), scores)
+
+    @property
+    def kv_bits(self) -> int | None:
+        """Bits per stored key / value entry, ``None`` at the model's precision."""
+        return self.keys.bits if isinstance(self.keys, PackedRows) else None
+
+    def dense(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of rows ``start:stop`` at the model's precision (a quantized store dequantizes
+        just those rows; a full-precision one returns views)."""
+        stop = self.num_tokens if stop is None else stop
+        if not isinstance(self.keys, PackedRows):
+            return self.keys[start:stop], self.values[start:stop]
+        return self.keys.dequantize(start, stop), self.values.dequantize(start, stop)
+
+    def dense_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of rows ``index`` (int64) at the model's precision."""
+        if not isinstance(self.keys, PackedRows):
+            return self.keys[index], self.values[index]
+        return self.keys.rows(index), self.values.rows(index)
+
+    def quantize_like(self, keys: torch.Tensor, values: torch.Tensor):
+        """New full-precision rows in this store's format."""
+        if not isinstance(self.keys, PackedRows):
+            return keys, values
+        bits = self.keys.bits
+        return PackedRows.quantize(keys, bits), PackedRows.quantize(values, bits)
 
     @property
     def num_segments(self) -> int:
@@ -75,8 +112,8 @@ class RaggedStore:
         counts = torch.bincount(self.segment_ids()[keep], minlength=self.num_segments)
         scores = None if self.scores is None else self.scores[keep]
         return RaggedStore.build(
-            self.keys[keep],
-            self.values[keep],
+            _take(self.keys, keep),
+            _take(self.values, keep),
             self.positions[keep],
             counts,
             num_heads=self.num_heads,
@@ -93,7 +130,12 @@ class RaggedStore:
         idx = idx + torch.arange(idx.numel(), device=idx.device)
         scores = None if self.scores is None else self.scores[idx]
         return RaggedStore.build(
-            self.keys[idx], self.values[idx], self.positions[idx], counts, num_heads=h, scores=scores
+            _take(self.keys, idx),
+            _take(self.values, idx),
+            self.positions[idx],
+            counts,
+            num_heads=h,
+            scores=scores,
         )
 
     def extend(
@@ -107,8 +149,9 @@ class RaggedStore:
         """Segment-wise append of new rows (segment-major, ``counts [S]``) after each segment's rows.
         ``scores``: the new rows' scores (NaN for rows without one, when only one side has scores)."""
         new_offsets = offsets_from_counts(counts.to(self.offsets.device))
-        merged_k, offsets = concat_ragged(self.keys, self.offsets, keys, new_offsets)
-        merged_v, _ = concat_ragged(self.values, self.offsets, values, new_offsets)
+        keys, values = self.quantize_like(keys, values)
+        merged_k, offsets = _concat(self.keys, self.offsets, keys, new_offsets)
+        merged_v, _ = _concat(self.values, self.offsets, values, new_offsets)
         merged_p, _ = concat_ragged(self.positions, self.offsets, positions.to(torch.int32), new_offsets)
         merged_s = None
         if self.scores is not None or scores is not None:
@@ -118,7 +161,13 @@ class RaggedStore:
             )
             merged_s, _ = concat_ragged(old, self.offsets, new, new_offsets)
         return RaggedStore(
-            merged_k, merged_v, merged_p, offsets, tuple(offsets.tolist()), self.num_heads, merged_s
+            merged_k,
+            merged_v,
+            merged_p,
+            offsets,
+            tuple(offsets.tolist()),
+            self.num_heads,
+            merged_s,
         )
 
     def to(self, device) -> RaggedStore:
@@ -127,12 +176,34 @@ class RaggedStore:
         keys, values, positions, offsets, scores = moved
         return RaggedStore(keys, values, positions, offsets, self.offsets_list, self.num_heads, scores)
 
-    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+    def _tensors(self) -> tuple:
         return (self.keys, self.values, self.positions, self.offsets, self.scores)
 
     def memory_bytes(self) -> int:
-        tensors = (self.keys, self.values, self.positions, self.offsets, self.scores)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Bytes of every tensor the store holds: keys and values (codes, scales and zeros when quantized),
+        positions, offsets and scores."""
+        total = 0
+        for t in self._tensors():
+            if isinstance(t, PackedRows):
+                total += t.memory_bytes()
+            elif t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+
+def _take(rows, index: torch.Tensor):
+    """Rows ``index`` of a store's keys or values (full precision or quantized)."""
+    return rows.take(index) if isinstance(rows, PackedRows) else rows[index]
+
+
+def _concat(first, first_offsets: torch.Tensor, second, second_offsets: torch.Tensor):
+    """:func:`concat_ragged` of keys or values, full precision or quantized (each tensor alike)."""
+    if not isinstance(first, PackedRows):
+        return concat_ragged(first, first_offsets, second, second_offsets)
+    parts = [
+        concat_ragged(a, first_offsets, b, second_offsets) for a, b in zip(first.tensors(), second.tensors())
+    ]
+    return first.with_tensors(*(t for t, _ in parts)), parts[0][1]
 
 
 def segment_ids_from_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:

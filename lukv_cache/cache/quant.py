@@ -1,0 +1,154 @@
+"""Quantized rows for the ragged store (``LUKVCache(kv_bits=8)`` or ``kv_bits=4``).
+
+Every row (one kept token of one KV head) is quantized on its own: its ``D`` channels in groups of
+:data:`GROUP` (32), each group with an fp16 ``scale`` and fp16 ``zero`` (the group's minimum), codes
+``round((x - zero) / scale)`` in ``bits`` bits (a ``D`` that 32 does not divide: groups of 16 or 8), two 4-bit codes per byte (the even channel in the low
+nibble). Because a row needs nothing but itself, everything the store does to rows (keep some, reorder
+batch rows, append a fold, rebuild at fold time) is the same indexing on codes, scales and zeros, with no
+re-quantization and no drift.
+
+Keys and values are quantized alike. KIVI quantizes keys per channel (over blocks of tokens) because a
+few key channels are much larger than the rest; that matters at 2 bits, not at 8 or 4 here: on SmolLM2
+(``benchmarks/quant_granularity.py``) 4-bit keys in per-token groups of 32 cost no measurable continuation
+loss, per-channel blocks of 32 tokens neither, and both lose at 2 bits (which this store does not offer).
+Per-token groups keep every row independent, which is what lets eviction at fold time move codes.
+
+:class:`PackedRows` is the quantized counterpart of a store's ``[N, D]`` keys or values; its
+:meth:`PackedRows.dequantize` gives rows back in the model's dtype, a block at a time (the attention over a
+quantized store, :mod:`lukv_cache.attention.quantized`, never holds more than a bounded block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigurationError
+
+GROUP = 32  # channels per scale / zero pair (a head_dim that 32 does not divide: 16 or 8, else the whole row)
+KV_BITS = (8, 4)
+
+
+def check_kv_bits(kv_bits) -> int | None:
+    """``kv_bits`` as the cache stores it: ``None`` (the model's precision), 8 or 4.
+
+    >>> check_kv_bits(4), check_kv_bits(None)
+    (4, None)
+    """
+    if kv_bits is None:
+        return None
+    if isinstance(kv_bits, bool) or not isinstance(kv_bits, int) or kv_bits not in KV_BITS:
+        raise ConfigurationError(
+            f"kv_bits must be None (keep the model's precision), 8 or 4 (bits per stored key and value "
+            f"entry), got {kv_bits!r}."
+        )
+    return kv_bits
+
+
+def group_size(dim: int) -> int:
+    """Channels per scale / zero pair for rows of ``dim`` channels.
+
+    >>> group_size(64), group_size(16), group_size(12)
+    (32, 16, 12)
+    """
+    return next((g for g in (GROUP, 16, 8) if dim % g == 0), dim)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 ``[N, D * bits / 8]`` from integer codes ``[N, D]``."""
+    codes = codes.to(torch.uint8)
+    if bits == 8:
+        return codes
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Integer codes ``[N, D]`` (uint8) from packed bytes."""
+    if bits == 8:
+        return packed
+    out = torch.empty((packed.shape[0], dim), dtype=torch.uint8, device=packed.device)
+    out[:, 0::2] = packed & 0x0F
+    out[:, 1::2] = packed >> 4
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRows:
+    """``[N, D]`` rows in ``bits`` bits (see the module docstring).
+
+    ``codes`` uint8 ``[N, D * bits / 8]``; ``scale``, ``zero`` fp16 ``[N, D / 32]``; ``dtype``: what
+    :meth:`dequantize` returns.
+
+    >>> rows = torch.randn(5, 64)
+    >>> packed = PackedRows.quantize(rows, 8)
+    >>> packed.shape, packed.codes.dtype, bool((packed.dequantize() - rows).abs().max() < 0.05)
+    ((5, 64), torch.uint8, True)
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def quantize(cls, rows: torch.Tensor, bits: int) -> PackedRows:
+        """Rows ``[N, D]`` (any float dtype) in ``bits`` bits."""
+        n, d = rows.shape
+        if bits == 4 and d % 2:
+            raise ConfigurationError(f"kv_bits=4 packs two channels per byte: head_dim {d} is odd; use kv_bits=8.")
+        groups = rows.float().reshape(n, -1, group_size(d))
+        lo = groups.amin(-1).half()
+        hi = groups.amax(-1).half()
+        top = (1 << bits) - 1
+        # fp16 scale, never 0 (a constant group codes to 0 and comes back as its minimum)
+        scale = ((hi.float() - lo.float()) / top).clamp_min(1e-7).half()
+        codes = ((groups - lo.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, top)
+        return cls(_pack(codes.flatten(1), bits), scale, lo, bits, rows.shape[1], rows.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), self.dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dequantize(
+        self, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Rows ``start:stop`` ``[n, D]`` in ``dtype`` (default :attr:`dtype`), computed in fp32."""
+        codes = _unpack(self.codes[start:stop], self.bits, self.dim)
+        n = codes.shape[0]
+        groups = codes.view(n, -1, group_size(self.dim)).float()
+        out = groups * self.scale[start:stop].float().unsqueeze(-1) + self.zero[start:stop].float().unsqueeze(
+            -1
+        )
+        return out.view(n, self.dim).to(dtype or self.dtype)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (int64 ``[K]``) dequantized, ``[K, D]``."""
+        return self.take(index).dequantize()
+
+    def take(self, index: torch.Tensor) -> PackedRows:
+        """Rows ``index`` (an int64 index or a bool mask over the rows), still quantized."""
+        return PackedRows(
+            self.codes[index], self.scale[index], self.zero[index], self.bits, self.dim, self.dtype
+        )
+
+    def with_dtype(self, dtype: torch.dtype) -> PackedRows:
+        return PackedRows(self.codes, self.scale, self.zero, self.bits, self.dim, dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self.codes, self.scale, self.zero)
+
+    def with_tensors(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> PackedRows:
+        return PackedRows(codes, scale, zero, self.bits, self.dim, self.dtype)
+
+    def to(self, device, non_blocking: bool = False) -> PackedRows:
+        return self.with_tensors(*(t.to(device, non_blocking=non_blocking) for t in self.tensors()))
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
