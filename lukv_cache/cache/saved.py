@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import json
 import math
@@ -72,6 +73,7 @@ _STOCK_SPECIAL = {"dtype", "device"}
 _DERIVED = {"_sliding_window_tensor"}  # rebuilt from sliding_window, on the layer's device
 _KINDS = {"lukv": LUKVLayer, "sliding": DynamicSlidingWindowLayer, "dynamic": DynamicLayer}
 _SCALARS = (bool, int, float, str, type(None))
+_DATACLASS_MODULES = ("lukv_cache.cache.",)  # the only classes a file may name (rebuilt from their fields)
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -269,26 +271,43 @@ def _save_layer(i: int, layer: Any, tensors: dict[str, torch.Tensor], path: Path
 
 
 def _save_store(i: int, store: RaggedStore, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    """Every field of the store: tensors as ``layers.{i}.store.{field}``, the others in the metadata
-    (``offsets_list`` is ``offsets`` on the host, recomputed on load)."""
-    out: dict[str, Any] = {"tensors": [], "fields": {}}
-    for f in dataclasses.fields(store):
-        if f.name == "offsets_list":
-            continue
-        value = getattr(store, f.name)
-        if isinstance(value, torch.Tensor):
-            out["tensors"].append(f.name)
-            _put(tensors, f"layers.{i}.store.{f.name}", value)
-        elif isinstance(value, _SCALARS):
-            out["fields"][f.name] = value
-        else:
-            raise SavedContextError(
-                f"Cannot save layer {i}'s store: its field {f.name!r} is a {type(value).__name__}, which this "
-                "format version does not store.",
-                path=str(path),
-                field=f"layers.{i}.store.{f.name}",
-            )
-    return out
+    """Every field of the store (``offsets_list`` is ``offsets`` on the host, recomputed on load): see
+    :func:`_encode`; tensors are named ``layers.{i}.store.{field}``."""
+    return {
+        "fields": {
+            f.name: _encode(getattr(store, f.name), f"layers.{i}.store.{f.name}", tensors, path)
+            for f in dataclasses.fields(store)
+            if f.name != "offsets_list"
+        }
+    }
+
+
+def _encode(value: Any, name: str, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
+    """One field as the metadata holds it: ``{"tensor": name}`` (the tensor stored under ``name``),
+    ``{"value": v}`` (a plain number, string or None), ``{"dtype": "float16"}``, or ``{"dataclass":
+    "lukv_cache.cache.<module>.<Class>", "fields": {...}}`` for a dataclass of lukv_cache's cache (e.g. a
+    quantized store's rows: codes, scales and zeros), its fields encoded alike as ``name.<field>``."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": _put(tensors, name, value)}
+    if isinstance(value, torch.dtype):
+        return {"dtype": _dtype_name(value)}
+    if isinstance(value, _SCALARS) and not (isinstance(value, float) and not math.isfinite(value)):
+        return {"value": value}
+    cls = type(value)
+    if dataclasses.is_dataclass(value) and cls.__module__.startswith(_DATACLASS_MODULES):
+        return {
+            "dataclass": f"{cls.__module__}.{cls.__qualname__}",
+            "fields": {
+                f.name: _encode(getattr(value, f.name), f"{name}.{f.name}", tensors, path)
+                for f in dataclasses.fields(value)
+            },
+        }
+    raise SavedContextError(
+        f"Cannot save {name}: a {cls.__name__}, which this format version does not store (tensors, plain "
+        "numbers, dtypes and lukv_cache's own cache dataclasses only).",
+        path=str(path),
+        field=name,
+    )
 
 
 def _scorer_entry(scorer: Scorer, profile: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -991,56 +1010,103 @@ def _restore_lukv(
     layer.store = None if store is None else _restore_store(i, store, reader, shape, b, length - s, device)
 
 
+def _decode(spec: Any, name: str, reader: _Reader, device: torch.device) -> Any:
+    """A field encoded by :func:`_encode`; a dataclass is rebuilt only if it is one of lukv_cache's cache
+    classes, from exactly its fields."""
+    if isinstance(spec, dict) and len(spec) == 1 and isinstance(spec.get("tensor"), str):
+        return reader.tensor(spec["tensor"]).to(device)
+    if isinstance(spec, dict) and len(spec) == 1 and "value" in spec and isinstance(spec["value"], _SCALARS):
+        return spec["value"]
+    if isinstance(spec, dict) and len(spec) == 1 and isinstance(spec.get("dtype"), str):
+        dtype = getattr(torch, spec["dtype"], None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    if (
+        isinstance(spec, dict)
+        and isinstance(spec.get("dataclass"), str)
+        and isinstance(spec.get("fields"), dict)
+    ):
+        module, _, qualname = spec["dataclass"].rpartition(".")
+        cls = None
+        if module.startswith(_DATACLASS_MODULES) and module.removeprefix("lukv_cache.cache.").isidentifier():
+            try:
+                cls = getattr(importlib.import_module(module), qualname, None)
+            except ImportError:
+                cls = None
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            reader.fail(
+                f"{name} is a {spec['dataclass']}, which this lukv_cache does not have (written by another "
+                "version). Load it with the version that wrote it.",
+                name,
+            )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if set(spec["fields"]) != fields:
+            reader.fail(
+                f"{name} ({cls.__name__}) has the fields {sorted(spec['fields'])}, this lukv_cache's has "
+                f"{sorted(fields)} (written by another version). Load it with the version that wrote it.",
+                name,
+            )
+        kwargs = {
+            key: _decode(value, f"{name}.{key}", reader, device) for key, value in spec["fields"].items()
+        }
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as err:
+            reader.fail(f"{name} does not rebuild: {err} (damaged file).", name)
+    reader.fail(f"{name} is malformed in the metadata (damaged file). Save the context again.", name)
+
+
+def _rows(value: Any, n: int) -> bool:
+    """Whether every tensor of a store field (a tensor, or a dataclass of them) has ``n`` rows."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim >= 1 and value.shape[0] == n
+    if dataclasses.is_dataclass(value):
+        parts = [getattr(value, f.name) for f in dataclasses.fields(value)]
+        return all(_rows(t, n) for t in parts if isinstance(t, torch.Tensor) or dataclasses.is_dataclass(t))
+    return value is None
+
+
 def _restore_store(
     i: int, entry: Any, reader: _Reader, shape: _Shape, batch: int, before: int, device: torch.device
 ) -> RaggedStore:
     """Layer ``i``'s store, checked: offsets over ``batch * kv_heads`` segments ending at its length, every
-    position below ``before`` (the suffix follows the store) and ascending inside its segment."""
+    position below ``before`` (the suffix follows the store) and ascending inside its segment, every field
+    with a row per token (keys and values of the model's head dim and dtype)."""
     where = f"layers.{i}.store"
-    if (
-        not isinstance(entry, dict)
-        or not isinstance(entry.get("tensors"), list)
-        or not isinstance(entry.get("fields"), dict)
-    ):
+    if not isinstance(entry, dict) or not isinstance(entry.get("fields"), dict):
         reader.fail(f"layer {i}'s store entry is malformed (damaged file).", where)
     known = {f.name: f for f in dataclasses.fields(RaggedStore)}
-    names, fields = entry["tensors"], entry["fields"]
-    unknown = [n for n in [*names, *fields] if n not in known or n == "offsets_list"]
+    fields = entry["fields"]
+    unknown = [n for n in fields if n not in known or n == "offsets_list"]
     if unknown:
         reader.fail(
             f"layer {i}'s store has fields {unknown} this lukv_cache's RaggedStore does not have (written by "
             "another version). Load it with the version that wrote it.",
             where,
         )
+    missing = [
+        name
+        for name, f in known.items()
+        if name not in fields
+        and name != "offsets_list"
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        reader.fail(f"layer {i}'s store lacks the fields {missing} (damaged file).", where)
+    for name in ("offsets", "positions"):
+        if not isinstance(fields.get(name), dict) or "tensor" not in fields[name]:
+            reader.fail(f"layer {i}'s store has no {name} tensor (damaged file).", f"{where}.{name}")
     segments = batch * shape.kv_heads
-    offsets = (
-        reader.tensor(f"{where}.offsets", dtype=torch.int64, shape=(segments + 1,))
-        if "offsets" in names
-        else None
-    )
-    if offsets is None:
-        reader.fail(f"layer {i}'s store has no offsets (damaged file).", f"{where}.offsets")
-    values = {n: reader.tensor(f"{where}.{n}") for n in names}
-    n = max(
-        (int(t.shape[0]) for name, t in values.items() if name in ("keys", "positions") and t.ndim), default=0
-    )
+    offsets = reader.tensor(f"{where}.offsets", dtype=torch.int64, shape=(segments + 1,))
+    positions = reader.tensor(f"{where}.positions", dtype=torch.int32, ndim=1)
+    n = int(positions.shape[0])
     counts = offsets.diff()
     if int(offsets[0]) != 0 or bool((counts < 0).any()) or int(offsets[-1]) != n:
         reader.fail(
             f"layer {i}'s store offsets do not run from 0 to its {n} tokens in order (damaged or altered file).",
             f"{where}.offsets",
         )
-    if "keys" in values:
-        reader.tensor(f"{where}.keys", shape=(n, shape.head_dim))
-    if "values" in values:
-        reader.tensor(f"{where}.values", shape=(n, None))
-    if "scores" in values:
-        reader.tensor(f"{where}.scores", dtype=torch.float32, shape=(n,))
-    positions = (
-        reader.tensor(f"{where}.positions", dtype=torch.int32, shape=(n,)) if "positions" in names else None
-    )
-    if positions is None:
-        reader.fail(f"layer {i}'s store has no positions (damaged file).", f"{where}.positions")
     if n:
         starts = torch.zeros(n, dtype=torch.bool)
         starts[offsets[:-1][counts > 0]] = True
@@ -1055,20 +1121,28 @@ def _restore_store(
                 "tokens before the dense suffix (damaged or altered file).",
                 f"{where}.positions",
             )
-    if fields.get("num_heads") != shape.kv_heads:
+    values = {name: _decode(spec, f"{where}.{name}", reader, device) for name, spec in fields.items()}
+    for name, value in values.items():
+        if name in ("offsets", "num_heads"):
+            continue
+        if not _rows(value, n):
+            reader.fail(f"layer {i}'s store {name} does not hold one row per token ({n}).", f"{where}.{name}")
+    for name in ("keys", "values"):
+        value = values.get(name)
+        dims = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(getattr(value, "shape", ()))
+        dtype = getattr(value, "dtype", None)
+        if len(dims) != 2 or (name == "keys" and dims[1] != shape.head_dim) or dtype != shape.dtype:
+            reader.fail(
+                f"layer {i}'s store {name} ({list(dims)}, {dtype}) do not fit the model ([{n}, {shape.head_dim}], "
+                f"{shape.dtype}).",
+                f"{where}.{name}",
+            )
+    scores = values.get("scores")
+    if scores is not None and (not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32):
+        reader.fail(f"layer {i}'s store scores are not float32.", f"{where}.scores")
+    if values.get("num_heads") != shape.kv_heads:
         reader.fail(
-            f"layer {i}'s store num_heads={fields.get('num_heads')!r}, the model has {shape.kv_heads}.", where
+            f"layer {i}'s store num_heads={values.get('num_heads')!r}, the model has {shape.kv_heads}.", where
         )
-    kwargs = {name: t.to(device) for name, t in values.items()}
-    kwargs.update(fields)
-    kwargs["offsets_list"] = tuple(offsets.tolist())
-    missing = [
-        name
-        for name, f in known.items()
-        if name not in kwargs
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        reader.fail(f"layer {i}'s store lacks the fields {missing} (damaged file).", where)
-    return RaggedStore(**kwargs)
+    values["offsets_list"] = tuple(offsets.tolist())
+    return RaggedStore(**values)
