@@ -447,3 +447,37 @@ def _tiny_model():
     import _tiny
 
     return _tiny.load()[0]
+
+
+@pytest.mark.parametrize("allocator", ["global", "profile"])
+def test_a_cache_from_a_kvzap_profile_carries_the_profile_once(allocator, tmp_path):
+    from lukv_cache.profiles import Profile
+
+    model = tiny_model("llama", "sdpa")
+    surrogate = scorer_for("kvzap", model).params["surrogate"]
+    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
+    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
+    profile = Profile(
+        grid, ratios, model_id="org/tiny", scorer="kvzap", head_dim=16, window=8, surrogate=surrogate
+    )
+    source = profile.save(tmp_path / "kvzap.safetensors")
+    # no config=: the layout is learned from the model at the first forward
+    cache = LUKVCache.from_pretrained(
+        source, ratio=0.5, allocator=allocator, decode_max_tokens=24, fold_interval=4
+    )
+    ids = prompt(1, 40)
+    seq, _ = greedy_with_logits(model, ids, cache, new_tokens=4)
+    path = save_cache(cache, tmp_path / "context.safetensors")
+    with safe_open(str(path), "pt") as f:
+        names = set(f.keys())
+    assert "profile.profile" in names and not any(n.startswith("scorer.") for n in names)
+    loaded = load_cache(path, model)
+    assert loaded.profile.model_id == "org/tiny" and loaded.allocator_name == allocator
+    assert loaded.scorer.params["surrogate"] is loaded.profile.surrogate
+    if allocator == "profile":
+        assert loaded.allocator.params["profile"] is loaded.profile
+    ids, _ = _continuation(seq, None)
+    want, want_logits = greedy_with_logits(model, ids, cache, new_tokens=12)
+    got, got_logits = greedy_with_logits(model, ids, loaded, new_tokens=12)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-6)
