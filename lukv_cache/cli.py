@@ -34,6 +34,7 @@ from .evaluation.methods import (
     RATIOS,
     SCORERS,
     TASKS,
+    kv_bits_list,
 )
 from .models import SMOLLM2_ALIAS, add_threads_argument
 from .profiles.location import DEFAULT_REPO_ID, DEFAULT_SCORER, LOCAL_DIR_ENV, REPO_ID_ENV
@@ -327,6 +328,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--hub", action="store_true", help="look up missing profiles in the shared Hub repository"
     )
     parser.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
+    parser.add_argument(
+        "--kv-bits",
+        nargs="+",
+        default=["none"],
+        metavar="BITS",
+        help="bits per stored key / value entry, each a column of the grid: none (the model's precision), 8 "
+        "or 4 (default: none)",
+    )
     add_threads_argument(parser)
     parser.add_argument(
         "--out",
@@ -425,6 +434,12 @@ def _evaluation_commands(subparsers: Any) -> None:
     check.add_argument("--max-new-tokens", type=int, default=24, help="answer tokens decoded per question")
     check.add_argument(
         "--show-answers", action="store_true", help="print the full and compressed answers side by side"
+    )
+    check.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(8, 4),
+        help="store every compressed cache's kept keys and values in 8 or 4 bits (default: the model's precision)",
     )
     check.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
     check.add_argument("--hub", action="store_true", help="look profiles up in the shared Hub repository too")
@@ -539,6 +554,7 @@ def _precheck_bench(args: argparse.Namespace) -> None:
         _ratio(part)
     refuse_unknown("scorer", _parts(args.scorers))
     refuse_unknown("allocator", _parts(args.allocators))
+    kv_bits_list(_parts(args.kv_bits))
 
 
 def _precheck_build(args: argparse.Namespace) -> None:

@@ -46,6 +46,7 @@ import torch
 
 from ..allocation import ALLOCATORS, allocators_reading_profile
 from ..cache import check_ratio
+from ..cache.quant import check_kv_bits
 from ..errors import ConfigurationError, ProfileError
 from ..models import check_positions, max_positions
 from ..profiling.build import QUESTION_TEMPLATE
@@ -304,6 +305,7 @@ class CheckReport:
     questions: int
     tolerance: float
     answers: list[Answers] = field(default_factory=list)
+    kv_bits: int | None = None
     seconds: float = 0.0
     full_correct: int = 0  # of the ``graded`` questions, those the full cache answered rightly
     graded: int = 0
@@ -403,6 +405,7 @@ def check(
     show_progress: bool = True,
     show_answers: bool = False,
     answers: Sequence[Sequence[str | None] | None] | None = None,
+    kv_bits: int | None = None,
 ) -> CheckReport:
     """Compare each allocator at each ratio with the full cache on ``contexts`` (see the module docstring).
 
@@ -413,8 +416,10 @@ def check(
     Reference answers (to measure accuracy, and recommend on it): a context ``(text, questions, answers)``,
     or ``answers``, one list per context aligned with its questions (``None`` for a question, or a context,
     without one). An answer is right when :func:`is_correct`; a compressed cache's answer is decoded only
-    where it differs from the full cache's."""
+    where it differs from the full cache's. ``kv_bits``: every compressed cache stores its kept keys and
+    values in that many bits (8 or 4; ``LUKVCache(kv_bits=...)``), so the table shows what it costs."""
     started = time.perf_counter()
+    kv_bits = check_kv_bits(kv_bits)
     ratios = check_options(
         allocators=allocators,
         scorer=scorer,
@@ -429,14 +434,16 @@ def check(
     for row in rows:  # a profile that is not there: said once, before any work
         if row.allocator in reads_profile or scorer_reads_profile(scorer):
             try:
-                make_cache(Method(row.allocator, scorer, row.ratio), model, profiles_dir, hub=hub)
+                make_cache(Method(row.allocator, scorer, row.ratio, kv_bits), model, profiles_dir, hub=hub)
             except ProfileError as err:
                 row.skipped = str(err).split(". ")[0]
     active = [row for row in rows if not row.skipped]
     device = next(model.parameters()).device
     stops = stop_ids(tokenizer)
     n_queries = max(2, get_scorer(scorer).n_queries)
-    report = CheckReport(scorer, rows, len(contexts), sum(len(item[1]) for item in contexts), tolerance)
+    report = CheckReport(
+        scorer, rows, len(contexts), sum(len(item[1]) for item in contexts), tolerance, kv_bits=kv_bits
+    )
 
     # progress in units of about one forward of one token: a prefill ~ its tokens / 64, the full answers
     # max_new_tokens each, a compression 1, a compressed answer 1 (+ max_new_tokens with show_answers)
@@ -479,7 +486,7 @@ def check(
             scores: dict[str, Any] = {}  # allocator -> its scored prefill of this context
             for row in active:
                 progress.set_postfix_str(f"{where}: {row.name}", refresh=True)
-                method = Method(row.allocator, scorer, row.ratio)
+                method = Method(row.allocator, scorer, row.ratio, kv_bits)
                 cache, scores[row.allocator] = shared.scored_cache(
                     method, model, tokenizer, profiles_dir, hub=hub, scores=scores.get(row.allocator)
                 )
@@ -577,7 +584,9 @@ def format_check(report: CheckReport) -> str:
     graded = report.graded > 0
     accuracy_head = f"  {'accuracy':>8}" if graded else ""
     lines += [
-        f"lukv check: scorer {report.scorer}, {report.contexts} context(s), {report.questions} question(s)"
+        f"lukv check: scorer {report.scorer}"
+        + ("" if report.kv_bits is None else f", kept keys and values in {report.kv_bits} bits")
+        + f", {report.contexts} context(s), {report.questions} question(s)"
         + (f" ({report.graded} with a reference answer)" if graded else "")
         + (f", {report.seconds:.0f} s" if report.seconds else ""),
         "",

@@ -83,6 +83,7 @@ def _check(args: argparse.Namespace) -> int:
         hub=args.hub,
         show_progress=not args.quiet,
         show_answers=args.show_answers,
+        kv_bits=getattr(args, "kv_bits", None),
     )
     print(format_check(report))
     return 0
@@ -90,7 +91,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; write markdown, JSON and a plot; print the table."""
-    from .methods import ALLOCATORS, RATIOS, SCORERS
+    from .methods import ALLOCATORS, RATIOS, SCORERS, kv_bits_list
     from .report import command_line, write_results
     from .runner import BenchSettings, run_benchmark
     from .tasks import TASKS
@@ -109,6 +110,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         profiles_dir=args.profiles,
         hub=args.hub,
         share_prefill=not args.no_share_prefill,
+        kv_bits=kv_bits_list(_split(getattr(args, "kv_bits", None)) or []),
     )
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}

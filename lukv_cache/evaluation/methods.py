@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ConfigurationError
+
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "continuation")  # made by .tasks
 ALLOCATORS = ("uniform", "pyramid", "adakv", "profile")
 SCORERS = ("keydiff", "snapkv", "expected_attention", "knorm")
@@ -30,11 +32,14 @@ class Method:
     'uniform/keydiff@0.8'
     >>> Method(FULL).name
     'full'
+    >>> Method("global", "kvzap", 0.6, kv_bits=4).name  # the kept keys and values in 4 bits
+    'global/kvzap@0.6/int4'
     """
 
     allocator: str
     scorer: str | None = None
     ratio: float | None = None
+    kv_bits: int | None = None
 
     @property
     def is_full(self) -> bool:
@@ -42,18 +47,51 @@ class Method:
 
     @property
     def name(self) -> str:
-        return FULL if self.is_full else f"{self.allocator}/{self.scorer}@{self.ratio:g}"
+        if self.is_full:
+            return FULL
+        bits = "" if self.kv_bits is None else f"/int{self.kv_bits}"
+        return f"{self.allocator}/{self.scorer}@{self.ratio:g}{bits}"
+
+
+def kv_bits_list(values: list[str]) -> tuple[int | None, ...]:
+    """``--kv-bits none 8 4`` as the grid's ``kv_bits`` column values (refused before torch is imported).
+
+    >>> kv_bits_list(["none", "4"])
+    (None, 4)
+    """
+    out = []
+    for value in values or ["none"]:
+        if value.lower() not in ("none", "8", "4"):
+            raise ConfigurationError(
+                f"--kv-bits takes none (the model's precision), 8 or 4 (bits per stored key / value entry), got "
+                f"{value!r}."
+            )
+        out.append(None if value.lower() == "none" else int(value))
+    return tuple(dict.fromkeys(out))
 
 
 def build_methods(
-    allocators: Sequence[str], scorers: Sequence[str], ratios: Sequence[float], *, full: bool = True
+    allocators: Sequence[str],
+    scorers: Sequence[str],
+    ratios: Sequence[float],
+    *,
+    full: bool = True,
+    kv_bits: Sequence[int | None] = (None,),
 ) -> list[Method]:
-    """The grid: the full cache (first) and every allocator x scorer x ratio.
+    """The grid: the full cache (first) and every allocator x scorer x ratio (x ``kv_bits``).
 
     >>> [m.name for m in build_methods(["uniform"], ["keydiff"], [0.5])]
     ['full', 'uniform/keydiff@0.5']
+    >>> [m.name for m in build_methods(["uniform"], ["keydiff"], [0.5], full=False, kv_bits=(None, 4))]
+    ['uniform/keydiff@0.5', 'uniform/keydiff@0.5/int4']
     """
-    grid = [Method(a, s, float(r)) for a in allocators for s in scorers for r in ratios]
+    grid = [
+        Method(a, s, float(r), b)
+        for a in allocators
+        for s in scorers
+        for r in ratios
+        for b in dict.fromkeys(kv_bits)
+    ]
     return ([Method(FULL)] if full else []) + grid
 
 
@@ -91,7 +129,9 @@ def make_cache(
     from ..cache import LUKVCache
 
     if method.allocator not in allocators_reading_profile() and not scorer_reads_profile(method.scorer):
-        return LUKVCache(method.ratio, method.scorer, method.allocator, config=model.config)
+        return LUKVCache(
+            method.ratio, method.scorer, method.allocator, config=model.config, kv_bits=method.kv_bits
+        )
     # the model's profile: the budgets, or (kvzap) the surrogate whatever the allocator
     source = profile_source(model, method.scorer, profiles_dir)
     cache = LUKVCache.from_pretrained(
@@ -101,6 +141,7 @@ def make_cache(
         allocator=method.allocator,
         local_dir=profiles_dir,
         local_files_only=not hub,
+        kv_bits=method.kv_bits,
         **({} if source is model else {"config": model.config}),
     )
     if source is not model:  # a file or a model id: from_pretrained saw no model to check the shape against

@@ -46,6 +46,7 @@ class BenchSettings:
     profiles_dir: str | None = None
     hub: bool = False
     share_prefill: bool = True
+    kv_bits: Sequence[int | None] = (None,)  # the stores' bits per entry, each a column of the grid
 
 
 @dataclass
@@ -109,7 +110,9 @@ def run_benchmark(
     for task in settings.tasks:
         if task not in TASKS:
             raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
-    methods = build_methods(settings.allocators, settings.scorers, settings.ratios, full=settings.full)
+    methods = build_methods(
+        settings.allocators, settings.scorers, settings.ratios, full=settings.full, kv_bits=settings.kv_bits
+    )
     results = BenchResults(settings, started_utc=datetime.datetime.now(datetime.UTC).isoformat())
     say = log or (lambda _msg: None)
     share = settings.share_prefill and shareable(model)
