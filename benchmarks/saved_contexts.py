@@ -4,7 +4,8 @@ the context again with KVzip, on the real SmolLM2-135M-Instruct and a ~4k-token 
 KVzip (ratio 0.8, one global budget) compresses the context once (``cache.prefill``: the context's forward,
 the repeat passes, eviction); ``save_cache`` writes it, ``load_cache`` reads it back (each timed over
 ``--repeats`` runs, the median reported), and a question is answered greedily from both caches (forks) to
-check that the loaded one answers the same, token for token, with the largest logit difference printed.
+check that the loaded one answers the same, token for token, with the largest logit difference printed;
+once per store precision (``--kv-bits``: the model's, 8 and 4 bits).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/saved_contexts.py --threads 1 \\
         > benchmarks/results/saved_contexts/smollm2_4k.txt
@@ -66,6 +67,12 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.8)
     parser.add_argument("--repeats", type=int, default=5, help="runs of save and of load (median)")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--kv-bits",
+        nargs="+",
+        default=["none", "8", "4"],
+        help="store precisions to measure (none: the model's)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2")
@@ -80,43 +87,50 @@ def main() -> None:
     )
     print(f"context: Wikipedia '{title}', {ids.shape[1]} tokens; KVzip ratio {args.ratio}, allocator global")
 
-    def compress():
-        cache = LUKVCache(ratio=args.ratio, scorer="kvzip", allocator="global")
-        cache.prefill(model, ids, tokenizer=tokenizer)
-        return cache
-
-    compress_s, cache = timed(compress, 1)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     dense = (
         2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * ids.shape[1] * model.dtype.itemsize
     )
-    kept = cache.stored_tokens().float().mean().item()
-    print(f"\nKVzip compression (prefill + repeat passes + eviction): {compress_s:.2f} s")
-    print(f"kept per (layer, KV head): {kept:.0f} of {ids.shape[1]} tokens on average")
-    print(
-        f"cache.memory_bytes(): {cache.memory_bytes() / 2**20:.2f} MiB (uncompressed KV: {dense / 2**20:.2f} MiB)"
-    )
+    print(f"uncompressed KV: {dense / 2**20:.2f} MiB")
+    question = tokenizer(QUESTION, return_tensors="pt", add_special_tokens=False).input_ids
+    prompt = torch.cat([ids, question], dim=1)
+    for bits in args.kv_bits:
+        measure(model, tokenizer, ids, prompt, None if bits == "none" else int(bits), args)
 
+
+def measure(model, tokenizer, ids: torch.Tensor, prompt: torch.Tensor, kv_bits: int | None, args) -> None:
+    """Compress ``ids`` with KVzip at ``kv_bits``, save, load, and answer from both caches."""
+
+    def compress():
+        cache = LUKVCache(ratio=args.ratio, scorer="kvzip", allocator="global", kv_bits=kv_bits)
+        cache.prefill(model, ids, tokenizer=tokenizer)
+        return cache
+
+    compress_s, cache = timed(compress, 1)
+    kept = cache.stored_tokens().float().mean().item()
+    memory = cache.memory_bytes()
+    print(f"\nkv_bits={kv_bits}")
+    print(f"  KVzip compression (prefill + repeat passes + eviction): {compress_s:.2f} s")
+    print(f"  kept per (layer, KV head): {kept:.0f} of {ids.shape[1]} tokens on average")
+    print(f"  cache.memory_bytes(): {memory / 2**20:.2f} MiB")
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "context.safetensors"
         save_s, _ = timed(lambda: save_cache(cache, path), args.repeats)
         size = path.stat().st_size
         load_s, loaded = timed(lambda: load_cache(path, model), args.repeats)
-    print(f"file: {size / 2**20:.2f} MiB = {size / cache.memory_bytes():.3f} x cache.memory_bytes()")
-    print(f"save_cache: {save_s * 1e3:.1f} ms (median of {args.repeats})")
-    print(f"load_cache: {load_s * 1e3:.1f} ms (median of {args.repeats})")
-    print(f"KVzip compression / load: {compress_s / load_s:.0f}x")
-
-    question = tokenizer(QUESTION, return_tensors="pt", add_special_tokens=False).input_ids
-    prompt = torch.cat([ids, question], dim=1)
+    print(f"  file: {size / 2**20:.2f} MiB = {size / memory:.3f} x cache.memory_bytes()")
+    print(
+        f"  save_cache: {save_s * 1e3:.1f} ms, load_cache: {load_s * 1e3:.1f} ms (medians of {args.repeats})"
+    )
+    print(f"  KVzip compression / load: {compress_s / load_s:.0f}x")
     want, want_logits = answer(model, prompt, cache.fork(), args.new_tokens)
     got, got_logits = answer(model, prompt, loaded.fork(), args.new_tokens)
-    same = torch.equal(got, want)
     print(
-        f"\nanswer from the loaded cache equals the saved cache's: {same} ({args.new_tokens} greedy tokens, "
-        f"largest logit difference {(got_logits - want_logits).abs().max().item():.3g})"
+        f"  answer from the loaded cache equals the saved cache's: {torch.equal(got, want)} "
+        f"({args.new_tokens} greedy tokens, largest logit difference "
+        f"{(got_logits - want_logits).abs().max().item():.3g})"
     )
-    print(f"answer: {tokenizer.decode(got[0, prompt.shape[1] :], skip_special_tokens=True).strip()!r}")
+    print(f"  answer: {tokenizer.decode(got[0, prompt.shape[1] :], skip_special_tokens=True).strip()!r}")
 
 
 if __name__ == "__main__":
