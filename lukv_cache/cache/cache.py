@@ -1474,6 +1474,28 @@ class LUKVCache(DynamicCache):
         }
         return copy.deepcopy(self, memo)
 
+    def save(self, path, *, model: Any = None):
+        """Write this filled cache to ``path`` as one safetensors file (:func:`lukv_cache.save_cache`, whose
+        format and checks docs/saved.md describes); returns the path.
+
+        >>> cache.save("context.safetensors")  # doctest: +SKIP
+        """
+        from .saved import save_cache
+
+        return save_cache(self, path, model=model)
+
+    @classmethod
+    def load(cls, path, model: Any, **kwargs: Any) -> LUKVCache:
+        """The cache :meth:`save` wrote to ``path``, checked against ``model`` and ready to continue
+        (:func:`lukv_cache.load_cache`; ``kwargs``: its ``device``, ``scorer``, ``allocator``,
+        ``allow_other_model_id``).
+
+        >>> cache = LUKVCache.load("context.safetensors", model)  # doctest: +SKIP
+        """
+        from .saved import load_cache
+
+        return load_cache(path, model, **kwargs)
+
     def memory_bytes(self) -> int:
         """Bytes held by every tensor of the cache (ragged stores, positions, offsets, suffix buffers,
         stock sliding layers)."""

@@ -99,7 +99,8 @@ class PackedRows:
         n, d = rows.shape
         if bits == 4 and d % 2:
             raise ConfigurationError(f"kv_bits=4 packs two channels per byte: head_dim {d} is odd; use kv_bits=8.")
-        groups = rows.float().reshape(n, -1, group_size(d))
+        g = group_size(d)
+        groups = rows.float().reshape(n, d // g, g)
         lo = groups.amin(-1).half()
         hi = groups.amax(-1).half()
         top = (1 << bits) - 1
@@ -122,7 +123,8 @@ class PackedRows:
         """Rows ``start:stop`` ``[n, D]`` in ``dtype`` (default :attr:`dtype`), computed in fp32."""
         codes = _unpack(self.codes[start:stop], self.bits, self.dim)
         n = codes.shape[0]
-        groups = codes.view(n, -1, group_size(self.dim)).float()
+        g = group_size(self.dim)
+        groups = codes.view(n, self.dim // g, g).float()
         out = groups * self.scale[start:stop].float().unsqueeze(-1) + self.zero[start:stop].float().unsqueeze(
             -1
         )

@@ -481,3 +481,18 @@ def test_a_cache_from_a_kvzap_profile_carries_the_profile_once(allocator, tmp_pa
     got, got_logits = greedy_with_logits(model, ids, loaded, new_tokens=12)
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-6)
+
+
+def test_cache_save_and_load_are_the_module_functions(tmp_path):
+    model = tiny_model("llama")
+    ids = prompt(1, 80, seed=11)
+    cache = LUKVCache(0.5, "keydiff", kv_bits=4)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    path = cache.save(tmp_path / "c.safetensors")
+    loaded = LUKVCache.load(path, model)
+    assert loaded.kv_bits == 4 and loaded.layers[0].store.kv_bits == 4
+    full = torch.cat([ids, prompt(1, 1, seed=12)], dim=1)  # generate continues after the cached prompt
+    _, want = greedy_with_logits(model, full, cache, new_tokens=4)
+    _, got = greedy_with_logits(model, full, loaded, new_tokens=4)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

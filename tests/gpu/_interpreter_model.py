@@ -1,5 +1,6 @@
 """Generate with a compressed LUKVCache through the Triton kernels (Triton's interpreter on CPU) and
-through the torch reference; print one JSON object comparing them.
+through the torch reference; print one JSON object comparing them, for a full-precision store and a 4-bit
+one (``kv_bits=4``, dequantized in blocks of 64 rows that the kernels then read).
 
 Run with ``TRITON_INTERPRET=1`` (set before triton is first imported, hence a separate process).
 ``LUKV_RAGGED_KERNEL=triton`` is what routes CPU tensors to the interpreter.
@@ -45,23 +46,32 @@ def main() -> None:
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding: the mask reaches the kernels as key and suffix biases
 
-    results = {}
-    for kernel_name in ("torch", "triton"):
-        os.environ[cuda.KERNEL_ENV] = kernel_name
-        cache = LUKVCache(ratio=0.7, scorer="keydiff", allocator="uniform", window=4)
-        with torch.no_grad():
-            results[kernel_name] = model.generate(
-                ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False,
-                output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
-    ref, got = results["torch"], results["triton"]
-    diff = (torch.stack(got.logits) - torch.stack(ref.logits)).abs().max().item()
-    print(json.dumps({
-        "triton_calls": calls["triton"],
-        "tokens_equal": bool(torch.equal(got.sequences, ref.sequences)),
-        "max_logit_diff": diff,
-        "triton_failure": cuda.triton_failure(),
-    }))  # fmt: skip
+    from lukv_cache.attention import compressed
+
+    out = {}
+    for kv_bits in (None, 4):
+        # a quantized store is dequantized a block at a time: small blocks here, several per layer
+        compressed.BLOCK_ROWS = 4096 if kv_bits is None else 64
+        results = {}
+        for kernel_name in ("torch", "triton"):
+            os.environ[cuda.KERNEL_ENV] = kernel_name
+            cache = LUKVCache(ratio=0.7, scorer="keydiff", allocator="uniform", window=4, kv_bits=kv_bits)
+            with torch.no_grad():
+                results[kernel_name] = model.generate(
+                    ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False,
+                    output_logits=True, return_dict_in_generate=True,
+                )  # fmt: skip
+        ref, got = results["torch"], results["triton"]
+        diff = (torch.stack(got.logits) - torch.stack(ref.logits)).abs().max().item()
+        key = "" if kv_bits is None else f"int{kv_bits}_"
+        out.update({
+            f"{key}triton_calls": calls["triton"],
+            f"{key}tokens_equal": bool(torch.equal(got.sequences, ref.sequences)),
+            f"{key}max_logit_diff": diff,
+        })  # fmt: skip
+        calls["triton"] = 0
+    out["triton_failure"] = cuda.triton_failure()
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""What the quantized store costs: bytes against the ideal, and CPU decode ms/token against full precision.
+
+A SmolLM2-135M-shaped model (random weights, fp32, CPU; the model of ``benchmarks/cache_bench.py``), its
+cache filled with random keys/values through the attention contract (``cache_bench._fill``: the cache
+compresses exactly as after a prefill), then decoded one token at a time. The caches are timed in ONE
+process, a decode step of each in turn (each step starting at the next cache, as ``cache_bench.py
+--interleave``), so machine noise hits them alike and the ratios are the figure to read:
+
+* ``fp32``, ``int8``, ``int4``: ``LUKVCache(ratio, keydiff, uniform, kv_bits=...)``;
+* ``ragged fp32``, ``ragged int4``: the shipped SmolLM2 keydiff profile's per-head budgets at the ratio.
+
+Bytes: ``memory_bytes`` against the ideal, the store's codes + scales + zeros (what the format must hold)
+plus the dense suffix's used part at full precision; the rest is positions, offsets and the suffix buffer's
+room to grow.
+
+    python benchmarks/quantized_cost.py --tokens 4096 --batch 1 4 --threads 2 --decode-steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import cache_bench  # noqa: E402  (benchmarks/cache_bench.py: the model and the fill)
+
+
+def ideal_bytes(cache) -> tuple[int, int]:
+    """(store codes + scales + zeros, dense suffix used part) over the cache's compressed layers."""
+    from lukv_cache.cache.layer import LUKVLayer
+    from lukv_cache.cache.quant import PackedRows
+
+    store = suffix = 0
+    for layer in cache.layers:
+        if not isinstance(layer, LUKVLayer) or not layer.is_initialized:
+            continue
+        for t in (layer.suffix_keys, layer.suffix_values):
+            suffix += t.numel() * t.element_size()
+        if layer.store is not None:
+            for rows in (layer.store.keys, layer.store.values):
+                store += (
+                    rows.memory_bytes()
+                    if isinstance(rows, PackedRows)
+                    else rows.numel() * rows.element_size()
+                )
+    return store, suffix
+
+
+def run(tokens: int, batch: int, threads: int, ratio: float, steps: int) -> dict:
+    from lukv_cache import LUKVCache
+
+    torch.set_num_threads(threads)
+    model = cache_bench._model(False, max(tokens, 2048) + steps + 8)
+    table = cache_bench._profile_table(ratio, model.config)
+    specs = {
+        "fp32": dict(ratio=ratio, scorer="keydiff", allocator="uniform", config=model.config),
+        "int8": dict(ratio=ratio, scorer="keydiff", allocator="uniform", config=model.config, kv_bits=8),
+        "int4": dict(ratio=ratio, scorer="keydiff", allocator="uniform", config=model.config, kv_bits=4),
+        "ragged fp32": dict(allocator="profile", evict_ratio=table, scorer="keydiff"),
+        "ragged int4": dict(allocator="profile", evict_ratio=table, scorer="keydiff", kv_bits=4),
+    }
+    caches = {}
+    with torch.no_grad():
+        for name, kwargs in specs.items():
+            gen = torch.Generator().manual_seed(1)  # the same keys and values in every cache
+            caches[name] = LUKVCache(**kwargs)
+            cache_bench._fill(model, caches[name], batch, tokens, gen)
+    row = {"tokens": tokens, "batch": batch, "threads": threads, "ratio": ratio}
+    for name, cache in caches.items():
+        store, suffix = ideal_bytes(cache)
+        row[name] = {
+            "bytes": cache.memory_bytes(),
+            "ideal": store + suffix,
+            "store_ideal": store,
+            "kept_per_head": float(cache.stored_tokens().double().mean()),
+        }
+    token = torch.zeros((batch, 1), dtype=torch.long)
+    times = {name: [] for name in caches}
+    order = list(caches.items())
+    with torch.no_grad():
+        for step in range(steps + 3):
+            for name, cache in order[step % len(order) :] + order[: step % len(order)]:
+                t0 = time.perf_counter()
+                model(input_ids=token, past_key_values=cache, use_cache=True)
+                times[name].append(time.perf_counter() - t0)
+    for name, series in times.items():
+        row[name]["median_ms"] = 1000 * statistics.median(series[3:])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ratio", type=float, default=0.8)
+    parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--out", help="write the table here too")
+    args = parser.parse_args(argv)
+    lines = [
+        f"Command: python benchmarks/quantized_cost.py --tokens {' '.join(map(str, args.tokens))} --batch "
+        f"{' '.join(map(str, args.batch))} --threads {args.threads} --ratio {args.ratio} --decode-steps "
+        f"{args.decode_steps}",
+        "",
+        "| context | batch | cache | kept/head | MiB | bytes / ideal | store bytes / fp32 store | decode ms | / fp32 |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tokens in args.tokens:
+        for batch in args.batch:
+            row = run(tokens, batch, args.threads, args.ratio, args.decode_steps)
+            for name in ("fp32", "int8", "int4", "ragged fp32", "ragged int4"):
+                r = row[name]
+                base = row["ragged fp32" if name.startswith("ragged") else "fp32"]
+                lines.append(
+                    f"| {tokens} | {batch} | {name} | {r['kept_per_head']:.1f} | {r['bytes'] / 2**20:.2f} | "
+                    f"{r['bytes'] / r['ideal']:.3f} | {r['store_ideal'] / base['store_ideal']:.3f} | "
+                    f"{r['median_ms']:.2f} | {r['median_ms'] / base['median_ms']:.3f} |"
+                )
+            print("\n".join(lines[-5:]), flush=True)
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
