@@ -1,5 +1,5 @@
 """Seeing what a :class:`~lukv_cache.LUKVCache` kept: a layer x KV head x position map, and the prompt's
-text with its most-kept tokens marked, as many as the cache keeps on average (:func:`highlighted_text`). Needs matplotlib (``pip install "lukv-cache[plots]"``), imported only
+text with its most-kept tokens marked, as many as the cache keeps on average (:func:`highlighted_text`). Needs matplotlib (``pip install -e ".[plots]"``), imported only
 when :func:`plot_kept` runs.
 
 >>> from lukv_cache.plot import plot_kept                               # doctest: +SKIP
@@ -15,7 +15,7 @@ import torch
 
 from .errors import ConfigurationError, PlotUnavailableError
 
-PIP_PLOTS = 'pip install "lukv-cache[plots]"'
+PIP_PLOTS = 'pip install -e ".[plots]"'
 
 
 def _pyplot():

@@ -8,7 +8,7 @@
   would lose with the same budget) and the **optimality gap** (what the scorer's ranking loses on top;
   the paper's figures 1, 3 and 4).
 
-Plots need matplotlib (``pip install "lukv-cache[plots]"``); everything else works without it.
+Plots need matplotlib (``pip install -e ".[plots]"``); everything else works without it.
 
     >>> from lukv_cache.profiling.diagnostics import profile_summary, plot_heatmap
     >>> print(profile_summary(profile, ratios=[0.8]).splitlines()[0])
@@ -43,7 +43,7 @@ def _pyplot():
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigurationError(
-            'Plots need matplotlib: pip install "lukv-cache[plots]" (or pip install matplotlib).'
+            'Plots need matplotlib: pip install -e ".[plots]" (or pip install matplotlib).'
         ) from None
     return plt
 

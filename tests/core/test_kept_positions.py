@@ -127,5 +127,5 @@ def test_plot_kept_without_matplotlib_names_the_extra(monkeypatch):
     from lukv_cache.plot import plot_kept
 
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # import fails as if not installed
-    with pytest.raises(LUKVError, match=r'pip install "lukv-cache\[plots\]"'):
+    with pytest.raises(LUKVError, match=r'pip install -e "\.\[plots\]"'):
         plot_kept(LUKVCache(ratio=0.5))
