@@ -39,7 +39,8 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 import lukv_cache  # noqa: E402  (wraps sdpa/eager so LUKVCache works with the stock model)
 from lukv_cache import LUKVCache  # noqa: E402
 from lukv_cache.attention import kernels as ragged_cuda  # noqa: E402
-from lukv_cache.attention.partial import ragged_attention, ragged_attention_reference  # noqa: E402
+from lukv_cache.attention.dispatch import ragged_attention  # noqa: E402
+from lukv_cache.attention.partial import ragged_attention_reference  # noqa: E402
 
 GIB = 1024**3
 # Relative L2 error of bf16 attention outputs vs an fp32 reference: bf16 has an 8-bit mantissa

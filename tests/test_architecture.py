@@ -123,3 +123,124 @@ def test_no_file_cites_the_design_notes_outside_the_repository():
         *(PACKAGE.parent / "docs").rglob("*.md"),
     ]:
         assert outside not in path.read_text(), path
+
+
+# ---------------------------------------------------------------------------------------- import cycles
+# Every import between modules of the package, module-level and inside functions, relative and
+# absolute, as an edge of one graph; it must have no cycle but these, each an import that runs through
+# files of another area's owner, named as its path (a module, the module it imports, ... back to the
+# first). A new cycle fails, and so does an entry here once its cycle is gone (delete it then).
+ALLOWED_CYCLES: dict[tuple[str, ...], str] = {
+    # a package registers its built-ins at the bottom of __init__; the built-ins import its register function
+    ("allocation", "allocation.builtin"): "allocation/__init__.py imports .builtin",
+    ("scorers", "scorers.builtin"): "scorers/__init__.py imports .builtin",
+    ("scorers", "scorers.kvzap"): "scorers/__init__.py imports .kvzap, which imports Scorer",
+    ("scorers", "scorers.kvzap", "scorers.builtin"): "kvzap imports builtin's _group_queries",
+    # publish reads the index and the profile class; Profile.push_to_hub imports publish in the method
+    ("profiles.index", "profiles.profile", "profiles.publish"): "index imports profile",
+    ("profiles.profile", "profiles.publish"): "Profile.push_to_hub imports .publish",
+    # LUKVCache.save / load import .saved in the method; saved imports LUKVCache
+    ("cache.cache", "cache.saved"): "LUKVCache.save imports .saved",
+    # KVzapTraining.corpus imports .kvzap in the method; kvzap imports the options' constants
+    ("profiling.kvzap", "profiling.kvzap_options"): "corpus() imports .kvzap",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULE_NAMES = {_module_name(path): path for path in MODULES}
+
+
+def _package_module(name: str) -> str | None:
+    """``name`` if it is a module of the package, else the closest enclosing one (a name imported from a
+    module: ``lukv_cache.cache.LUKVCache`` is ``lukv_cache.cache``)."""
+    while name and name not in MODULE_NAMES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imported_modules(name: str, path: Path) -> dict[str, int]:
+    """The package's modules ``name`` imports (anywhere in the file), each with its first line.
+
+    ``from . import x`` imports the module ``x`` when there is one, else a name of the package; an import
+    of ``a.b.c`` is an edge to that module only (not to the packages ``a`` and ``a.b`` Python runs first:
+    those edges would put every package in a cycle with its own modules)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    edges: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            targets = [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            imported = _package_module(target)
+            if imported is not None and imported != name:
+                edges.setdefault(imported, node.lineno)
+    return edges
+
+
+def _import_graph() -> dict[str, dict[str, int]]:
+    return {name: _imported_modules(name, path) for name, path in MODULE_NAMES.items()}
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> set[tuple[str, ...]]:
+    """Every elementary cycle, as its modules from the smallest name on (a DFS per start module, over the
+    modules greater than it: each cycle is found once, from its smallest module)."""
+    found = set()
+    order = sorted(graph)
+    for start in order:
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                path.pop()
+            elif child == start:
+                found.add(tuple(path))
+            elif child > start and child not in path and child in graph:
+                stack.append((child, iter(sorted(graph[child]))))
+                path.append(child)
+    return found
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("lukv_cache.") if name != "lukv_cache" else "lukv_cache"
+
+
+def test_the_import_graph_is_read_whole():
+    graph = _import_graph()
+    # a module-level import, a function-level one, a relative ``from . import`` of a module, an absolute one
+    assert "lukv_cache.attention.calls" in graph["lukv_cache.attention.routing"]
+    assert "lukv_cache.cache.saved" in graph["lukv_cache.cache.cache"]  # inside LUKVCache.save
+    assert "lukv_cache.allocation.builtin" in graph["lukv_cache.allocation"]
+    assert "lukv_cache.errors" in graph["lukv_cache.attention.kernels"]
+    assert _cycles({"a": {"b": 1}, "b": {"c": 1, "a": 1}, "c": {"a": 1}}) == {("a", "b", "c"), ("a", "b")}
+
+
+def test_no_import_cycles_but_the_listed_ones():
+    graph = _import_graph()
+    cycles = {tuple(_short(m) for m in cycle) for cycle in _cycles(graph)}
+    lines = []
+    for cycle in sorted(cycles - set(ALLOWED_CYCLES)):
+        hops = [
+            f"{a} (line {graph['lukv_cache.' + a]['lukv_cache.' + b]}) -> {b}"
+            for a, b in zip(cycle, cycle[1:] + cycle[:1])
+        ]
+        lines.append("; ".join(hops))
+    assert not lines, "import cycles:\n" + "\n".join(lines)
+    stale = set(ALLOWED_CYCLES) - cycles
+    assert not stale, f"these allowed cycles are gone: delete them from ALLOWED_CYCLES: {sorted(stale)}"

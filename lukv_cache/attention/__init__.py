@@ -10,7 +10,8 @@
 
 from .calls import AttentionCall, claim_attention, guard_attention, is_lukv_aware, lukv_aware, peek_attention
 from .compressed import compressed_attention
-from .partial import merge_partials, partial_attention, ragged_attention, ragged_attention_reference
+from .dispatch import ragged_attention
+from .partial import merge_partials, partial_attention, ragged_attention_reference
 from .routing import install, route
 
 __all__ = [

@@ -30,7 +30,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels, masked, windows
 from .calls import StoreView
-from .partial import _softcap, merge_partials, partial_attention, ragged_attention
+from .dispatch import ragged_attention
+from .partial import _softcap, merge_partials, partial_attention
 
 BLOCK_ROWS = 4096  # rows of a quantized store dequantized at a time (1 MiB per tensor at fp32, head_dim 64)
 

@@ -1,6 +1,6 @@
 """Kernel choice for the ragged attention: which implementation serves a call, and one fallback wrapper.
 
-:func:`get_ragged_kernel` is what :func:`lukv_cache.attention.partial.ragged_attention` asks for CUDA
+:func:`get_ragged_kernel` is what :func:`lukv_cache.attention.dispatch.ragged_attention` asks for CUDA
 queries. In order of preference:
 
 1. ``flash_attn_varlen_func`` when the optional ``flash-attn`` package imports (fp16/bf16, no key bias):

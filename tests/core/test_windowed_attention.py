@@ -8,7 +8,8 @@ from core_models import greedy_with_logits, prompt, tiny_model
 
 from lukv_cache import LUKVCache
 from lukv_cache.attention import masked, windows
-from lukv_cache.attention.partial import ragged_attention, ragged_attention_reference
+from lukv_cache.attention.dispatch import ragged_attention
+from lukv_cache.attention.partial import ragged_attention_reference
 
 
 def _case(counts: list[int], *, heads: int = 1, m: int = 3, d: int = 16, dtype=torch.float32, seed: int = 0):
