@@ -101,6 +101,15 @@ def run_cases(model, profile_path: str) -> dict:
         "decode_kvzap_global": lambda: LUKVCache(
             scorer=scorer_for("kvzap", model), allocator="global", decode_max_tokens=40, fold_interval=4
         ),
+        # the quantized store: each rank quantizes its own heads' kept tokens
+        "uniform_0.8_int4": lambda: LUKVCache(0.8, "keydiff", "uniform", kv_bits=4),
+        "decode_kvzap_global_int8": lambda: LUKVCache(
+            scorer=scorer_for("kvzap", model),
+            allocator="global",
+            decode_max_tokens=40,
+            fold_interval=4,
+            kv_bits=8,
+        ),
     }
     results = {}
     for name, make in caches.items():
