@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from core_models import greedy_with_logits, left_padded, prompt, scorer_for, tiny_model
 
 from lukv_cache import LUKVCache
-from lukv_cache.attention import compressed, masked, windows
+from lukv_cache.attention import compressed, limits, masked, windows
 from lukv_cache.cache.quant import PackedRows, check_kv_bits, group_size
 from lukv_cache.cache.ragged import RaggedStore
 from lukv_cache.errors import ConfigurationError
@@ -85,9 +87,11 @@ def _attend(store, query, suffix, mask, softcap=None):
 def test_attention_equals_attention_over_the_dequantized_copy(bits, case, monkeypatch):
     counts = [30, 50, 0, 41]
     if case.startswith("blocks"):
-        monkeypatch.setattr(compressed, "BLOCK_ROWS", 37)  # several blocks, cut inside segments
+        # several blocks, cut inside segments
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, block_rows=37))
     if case == "windows":
-        monkeypatch.setattr(masked, "LIMIT", 0)  # a layer too large for the masked product
+        # a layer too large for the masked product
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, masked_limit=0))
     calls = {}
     for module, name in ((masked, "masked_ragged_attention"), (windows, "windowed_ragged_attention")):
         real = getattr(module, name)
@@ -217,3 +221,27 @@ def test_kv_bits_through_from_pretrained(tmp_path, monkeypatch):
     profile.save(path)
     cache = LUKVCache.from_pretrained(str(path), ratio=0.5, allocator="profile", kv_bits=4)
     assert cache.kv_bits == 4
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_max_tokens_and_kvzip_prefill_with_kv_bits(bits):
+    from lukv_cache.scorers.kvzip import RepeatPrompt
+
+    model = tiny_model("llama")
+    ids, mask = left_padded((70, 41), seed=8)
+    capped = LUKVCache(max_tokens=24, scorer="keydiff", kv_bits=bits)
+    reference = LUKVCache(max_tokens=24, scorer="keydiff")
+    for cache in (capped, reference):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache)
+    assert torch.equal(capped.stored_tokens(), reference.stored_tokens())  # the same bound, the same tokens
+    assert float(capped.stored_tokens().float().mean()) <= 24
+    assert capped.layers[0].store.kv_bits == bits
+
+    kept = []
+    for kv_bits in (None, bits):
+        cache = LUKVCache(0.5, "kvzip", "global", kv_bits=kv_bits)
+        cache.prefill(model, ids, mask, repeat_prompt=RepeatPrompt((5, 6), (7,), (8,)))
+        kept.append([cache.kept_positions(i) for i in range(len(cache.layers))])
+    for a, b in zip(*kept):  # KVzip's passes score at full precision: the same tokens kept
+        assert torch.equal(a, b)
