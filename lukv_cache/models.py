@@ -24,13 +24,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ._paths import cache_root
 from .errors import ConfigurationError, ModelUnavailableError
 
 if TYPE_CHECKING:  # torch loads with the model, not with this module (``lukv --help`` reads it)
     import torch
+    from transformers import LlamaConfig
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -126,7 +127,7 @@ def _convert(gguf: Path, target: Path, provenance: dict[str, Any]) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.name_or_path = SMOLLM2_MODEL_ID
-    plain = LlamaForCausalLM(config)
+    plain = LlamaForCausalLM(cast("LlamaConfig", config))  # the GGUF is a Llama
     plain.load_state_dict(quantized.state_dict())
     del quantized
 

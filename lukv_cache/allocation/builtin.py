@@ -3,6 +3,8 @@ its hybrids, and threshold (KVzap / DMS)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -303,9 +305,11 @@ def threshold(value: float | None = None, profile=None):
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
         if values is None:
-            tau = torch.full_like(req.ratio, float(value))
+            tau = torch.full_like(req.ratio, float(cast(float, value)))  # value= when no profile
         else:
-            tau = torch.from_numpy(np.interp(req.ratio.numpy(), grid.numpy(), values.numpy()))
+            tau = torch.from_numpy(
+                np.interp(req.ratio.numpy(), cast(torch.Tensor, grid).numpy(), values.numpy())
+            )
         above = req.scores >= tau.to(req.scores).view(1, -1, 1, 1)  # -inf (not evictable) never is
         counts = above.sum(-1).cpu()
         low = req.min_counts().view(1, -1, 1)

@@ -40,7 +40,7 @@ import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -463,19 +463,19 @@ def check(
             progress.update(prefill_units(context_ids))
             full, _ = shared.scored_cache(Method(FULL), model, tokenizer)
             prompts = [ids.to(device) for ids in question_ids]
-            answers, reference, base_nll = [], [], []
+            full_answers, reference, base_nll = [], [], []
             progress.set_postfix_str(f"{where}: full cache's answers", refresh=True)
             for prompt in prompts:
                 answer = greedy_decode(model, copy.deepcopy(full), prompt, max_new_tokens, stops)[0]
                 predicted, nll = _predictions(
                     model, copy.deepcopy(full), prompt, answer, stops, max_new_tokens
                 )
-                answers.append(answer)
+                full_answers.append(answer)
                 reference.append(predicted)
                 base_nll.append(nll)
                 progress.update(max_new_tokens)
             refs = references[number - 1]
-            full_texts = [_text(tokenizer, a) for a in answers]
+            full_texts = [_text(tokenizer, a) for a in full_answers]
             full_right = [ref is not None and is_correct(t, ref) for t, ref in zip(full_texts, refs)]
             report.graded += sum(ref is not None for ref in refs)
             report.full_correct += sum(full_right)
@@ -491,7 +491,7 @@ def check(
                     method, model, tokenizer, profiles_dir, hub=hub, scores=scores.get(row.allocator)
                 )
                 progress.update(1)
-                for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+                for i, (prompt, answer) in enumerate(zip(prompts, full_answers)):
                     predicted, nll = _predictions(
                         model, copy.deepcopy(cache), prompt, answer, stops, max_new_tokens
                     )
@@ -505,7 +505,7 @@ def check(
                         got = _text(tokenizer, ids)
                     if refs[i] is not None:
                         row.graded += 1
-                        row.correct += int(full_right[i] if agrees else is_correct(got, refs[i]))
+                        row.correct += int(full_right[i] if agrees else is_correct(got, cast(str, refs[i])))
                     if show_answers:
                         shown[i].compressed[row.name] = (got, agrees)
                     progress.update(per_answer)
@@ -524,7 +524,7 @@ def _references(
             f"answers has {len(answers)} list(s) but there are {len(contexts)} context(s): give one per context "
             "(None for a context without answers)."
         )
-    out = []
+    out: list[list[str | None]] = []
     for number, item in enumerate(contexts, start=1):
         questions = item[1]
         inline = item[2] if len(item) > 2 else None

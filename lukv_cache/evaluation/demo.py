@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..cache import kv_cache_bytes
 from ..errors import ProfileError
@@ -27,6 +27,9 @@ from ..texts import Article
 from .methods import FULL, Method
 from .prefill import SharedPrefill
 from .tasks import RetrievalSample, context_ids, make_samples, score_prefilled
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CONTEXT_TOKENS = 1000
 DEFAULT_RATIOS = (0.5, 0.8)
@@ -100,7 +103,7 @@ def run_demo(
         for label, allocator, scorer in LINEUP
     ]
     rows = [Row(label, method.ratio) for label, method in methods]
-    n_queries = max([get_scorer(m.scorer).n_queries for _, m in methods if not m.is_full] + [2])
+    n_queries = max([get_scorer(cast(str, m.scorer)).n_queries for _, m in methods if not m.is_full] + [2])
     device = next(model.parameters()).device
     report = DemoReport(model_id_of(model) or type(model).__name__, [], [], n_facts, rows)
     for index, sample in enumerate(samples):
@@ -122,7 +125,8 @@ def run_demo(
                 row.skipped = str(err).split(". ")[0]
                 continue
             row.kv_bytes.append(kv_cache_bytes(cache))
-            _, _, question_scores = score_prefilled(model, tokenizer, sample, cache, shared.last_logits)
+            last_logits = cast("torch.Tensor", shared.last_logits)  # set by record
+            _, _, question_scores = score_prefilled(model, tokenizer, sample, cache, last_logits)
             row.correct += sum(score == 1.0 for score in question_scores)
             row.asked += len(question_scores)
             row.seconds += time.perf_counter() - method_started

@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ..profiles import Profile
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "continuation")  # made by .tasks
 ALLOCATORS = ("uniform", "pyramid", "adakv", "profile")
@@ -130,7 +133,11 @@ def make_cache(
 
     if method.allocator not in allocators_reading_profile() and not scorer_reads_profile(method.scorer):
         return LUKVCache(
-            method.ratio, method.scorer, method.allocator, config=model.config, kv_bits=method.kv_bits
+            method.ratio,
+            cast(str, method.scorer),
+            method.allocator,
+            config=model.config,
+            kv_bits=method.kv_bits,
         )
     # the model's profile: the budgets, or (kvzap) the surrogate whatever the allocator
     source = profile_source(model, method.scorer, profiles_dir)
@@ -145,7 +152,7 @@ def make_cache(
         **({} if source is model else {"config": model.config}),
     )
     if source is not model:  # a file or a model id: from_pretrained saw no model to check the shape against
-        cache.profile.validate_for(model.config)
+        cast("Profile", cache.profile).validate_for(model.config)  # from_pretrained loaded one
     return cache
 
 

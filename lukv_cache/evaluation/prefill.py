@@ -13,7 +13,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import DynamicCache
@@ -22,6 +22,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.swap import attention_swapped
 from ..errors import ConfigurationError
 from .methods import Method, make_cache
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import DynamicLayer
 
 _RECORD_IMPL = "lukv_bench_record"
 
@@ -73,8 +76,9 @@ class SharedPrefill:
         recording.seconds = time.perf_counter() - started
         recording.last_logits = out.logits[:, -1, :]
         recording.input_ids = input_ids
-        recording.keys = [layer.keys for layer in cache.layers]
-        recording.values = [layer.values for layer in cache.layers]
+        layers = cast("list[DynamicLayer]", cache.layers)  # full attention only (shareable), all filled
+        recording.keys = [cast(torch.Tensor, layer.keys) for layer in layers]
+        recording.values = [cast(torch.Tensor, layer.values) for layer in layers]
         return recording
 
     @torch.no_grad()
@@ -117,12 +121,16 @@ class SharedPrefill:
         from ..scorers import get_scorer
 
         scores = None
-        if not method.is_full and get_scorer(method.scorer).reconstruction is not None:
-            if method.scorer not in self._reconstruction:
-                self._reconstruction[method.scorer] = self.reconstruction_scores(
-                    model, tokenizer, method.scorer, self.input_ids
+        scorer = cast(str, method.scorer)  # a name unless the method is the full cache
+        if not method.is_full and get_scorer(scorer).reconstruction is not None:
+            if scorer not in self._reconstruction:
+                self._reconstruction[scorer] = self.reconstruction_scores(
+                    model,
+                    tokenizer,
+                    scorer,
+                    cast(torch.Tensor, self.input_ids),  # set by record
                 )
-            scores = self._reconstruction[method.scorer]
+            scores = self._reconstruction[scorer]
         return self.cache_for(method, model, profiles_dir, hub=hub, scores=scores)
 
     def scored_cache(
@@ -152,9 +160,10 @@ class SharedPrefill:
         if scores is None:
             from ..scorers import get_scorer
 
-            if get_scorer(method.scorer).reconstruction is not None:
+            scorer = cast(str, method.scorer)  # not the full cache: a name
+            if get_scorer(scorer).reconstruction is not None:
                 cache = self.cache_with_scores(method, model, tokenizer, profiles_dir, hub=hub)
-                return cache, self._reconstruction[method.scorer]
+                return cache, self._reconstruction[scorer]
             cache = make_cache(method, model, profiles_dir, hub=hub)
             cache.prefill_scores = {}  # keep what the replay scores (keep_scores=True)
             self._replay(cache)
@@ -182,7 +191,7 @@ class SharedPrefill:
 
         cache = LUKVCache(0.0, scorer, sink=sink, window=0, config=model.config, keep_scores=True)
         cache.prefill(model, input_ids, tokenizer=tokenizer, logits_to_keep=1)
-        return dict(cache.prefill_scores)
+        return dict(cast("dict[int, torch.Tensor]", cache.prefill_scores))  # keep_scores=True
 
 
 def shareable(model: Any) -> bool:

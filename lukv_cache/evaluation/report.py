@@ -199,8 +199,8 @@ def plot_results(
         for j, scorer in enumerate(s.scorers):
             ax = axes[i][j]
             for allocator in s.allocators:
-                points = [(r, task_rows.get(f"{allocator}/{scorer}@{r:g}")) for r in sorted(s.ratios)]
-                points = [(r, value(row)) for r, row in points if row is not None]
+                found = [(r, task_rows.get(f"{allocator}/{scorer}@{r:g}")) for r in sorted(s.ratios)]
+                points = [(r, value(row)) for r, row in found if row is not None]
                 if points:
                     ax.errorbar(
                         [p[0] for p in points],

@@ -11,7 +11,7 @@ import datetime
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -161,7 +161,7 @@ def run_benchmark(
                     cache = shared.cache_with_scores(
                         method, model, tokenizer, settings.profiles_dir, hub=settings.hub
                     )
-                    last_logits = shared.last_logits
+                    last_logits = cast(torch.Tensor, shared.last_logits)  # set by record
                 else:
                     cache = make_cache(method, model, settings.profiles_dir, hub=settings.hub)
                     if isinstance(cache, LUKVCache):

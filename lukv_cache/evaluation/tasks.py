@@ -289,7 +289,7 @@ def _retrieval_sample(
     sentences, title = _haystack(tokenizer, rng, articles, max(16, context_tokens - overhead))
     context = PREAMBLE + _insert_needles(rng, sentences, needles)
     if task == "niah_multivalue":
-        questions = (
+        questions: tuple[Question, ...] = (
             Question(QUESTION_ALL.format(key=facts[0][0]), tuple(v for _, v in facts), 12 * n_needles),
         )
     else:

@@ -10,9 +10,13 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from ..errors import ConfigurationError, HubUnavailableError, ProfileNotFoundError
 from .location import DEFAULT_REPO_ID, LOCAL_DIR_ENV, REPO_ID_ENV, HubLocation
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 logger = logging.getLogger("lukv_cache")
 
@@ -119,7 +123,7 @@ def translated_hub_errors(
         ) from err
     except HFValidationError as err:
         raise ConfigurationError(f"Invalid Hub argument while looking for {subject}: {err}") from err
-    except (HfHubHTTPError, *connection_errors()) as err:
+    except (HfHubHTTPError, *connection_errors()) as err:  # type: ignore[misc]  # a tuple of classes
         raise HubUnavailableError(
             f"The Hub at {endpoint} failed while fetching {subject} from {repo!r}{at}: {one_line(err)}. "
             f"Retry later, {LOCAL_OPTION}."
@@ -145,19 +149,20 @@ def hub_answers(filename: str, hub: HubLocation) -> bool:
             time.monotonic() - since,
         )
         return False
+    timeout = cast(float, hub.timeout)  # a number once HubLocation is built (its __post_init__)
     logger.info("lukv_cache: asking the Hub at %s for %s (up to %g s)", endpoint, filename, hub.timeout)
     answer: list[bool] = []
     probe = threading.Thread(target=_probe, args=(filename, hub, answer), name="lukv-hub-probe", daemon=True)
     start = time.monotonic()
     probe.start()
-    probe.join(min(NOTICE_AFTER, hub.timeout))
+    probe.join(min(NOTICE_AFTER, timeout))
     if probe.is_alive():
         say_once(
             f"waiting:{endpoint}",
             f"lukv_cache: waiting up to {hub.timeout:g} s for the Hub at {endpoint} "
             "(HF_HUB_OFFLINE=1 uses the cached and shipped profiles without asking)",
         )
-        probe.join(max(0.0, hub.timeout - (time.monotonic() - start)))
+        probe.join(max(0.0, timeout - (time.monotonic() - start)))
     answered = bool(answer and answer[0])  # no answer by the deadline: unreachable (the thread is left)
     if not answered:
         _unreachable[endpoint] = time.monotonic()
@@ -184,9 +189,11 @@ def hub_file(filename: str, hub: HubLocation, *, reachable: bool, **download_kwa
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    # any os.PathLike works (huggingface_hub annotates str | Path)
+    cache_dir = cast("str | Path | None", hub.cache_dir)
     if not reachable and not hub.local_files_only:
         cached = try_to_load_from_cache(
-            hub.repo, filename, cache_dir=hub.cache_dir, revision=hub.revision, repo_type="model"
+            hub.repo, filename, cache_dir=cache_dir, revision=hub.revision, repo_type="model"
         )
         if isinstance(cached, str):
             return cached
@@ -197,10 +204,10 @@ def hub_file(filename: str, hub: HubLocation, *, reachable: bool, **download_kwa
         repo_type="model",
         revision=hub.revision,
         token=hub.token,
-        cache_dir=hub.cache_dir,
+        cache_dir=cache_dir,
         endpoint=hub.endpoint,
         local_files_only=hub.local_files_only,
-        etag_timeout=hub.timeout,
+        etag_timeout=cast(float, hub.timeout),  # a number once HubLocation is built
         **download_kwargs,
     )
 
@@ -215,7 +222,8 @@ def say_once(key: str, message: str) -> None:
 def caller_stacklevel() -> int:
     """The ``stacklevel`` that attributes a warning raised by the function calling this one to the first
     frame outside lukv_cache (the user's code, or the ``lukv`` entry point)."""
-    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
+    frame: FrameType | None = sys._getframe(1)
+    level = 1  # level 1: the function that calls warnings.warn
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level

@@ -13,7 +13,7 @@ from .location import INDEX_FILENAME, HubLocation, profile_filename
 from .profile import Profile, library_version
 
 
-def _read_remote_index(api: Any, repo_id: str, commit: str) -> dict[str, Any]:
+def _read_remote_index(api: Any, repo_id: str, commit: str | None) -> dict[str, Any]:
     """``index.json`` at ``commit``, fetched into a throwaway folder (publishing leaves the user's cache alone)."""
     from huggingface_hub.errors import EntryNotFoundError
 
@@ -76,7 +76,7 @@ def push_profile(
         )
     except ProfileError as err:
         raise PublishError(f"Publishing {filename!r} to {repo_id!r} failed: {err}") from err
-    except (HfHubHTTPError, HFValidationError, OSError, ValueError, *connection_errors()) as err:
+    except (HfHubHTTPError, HFValidationError, OSError, ValueError, *connection_errors()) as err:  # type: ignore[misc]
         status = getattr(getattr(err, "response", None), "status_code", None)
         hint = (
             "The repository changed while publishing: retry."

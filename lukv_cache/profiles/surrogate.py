@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ def check(
         problems.append(f"features {surrogate.features!r} (this version reads {list(FEATURE_SETS)})")
     f = int(surrogate.mean.shape[-1]) if surrogate.mean.ndim == 2 else -1
     m = f
-    expected = {"bias": (layers, heads), "mean": (layers, f), "std": (layers, f)}
+    expected: dict[str, tuple[int, ...]] = {"bias": (layers, heads), "mean": (layers, f), "std": (layers, f)}
     if surrogate.hidden_weight is not None or surrogate.hidden_bias is not None:
         hidden = surrogate.hidden_weight
         m = int(hidden.shape[1]) if isinstance(hidden, torch.Tensor) and hidden.ndim == 3 else -1
@@ -176,4 +176,4 @@ def check_thresholds(table: Any, where: str, source: str | None = None) -> tuple
             source=source,
             field="kvzap.thresholds",
         )
-    return grid, values
+    return cast("list[float]", grid), cast("list[float]", values)  # lists when there is no problem

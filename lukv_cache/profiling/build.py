@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from .calibration import load_calibration
 from .kvzap_options import KVzapTraining
 from .oracle import AGGREGATES, oracle_importance, prefill_context
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 # Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
@@ -55,7 +58,7 @@ def default_cache_dir() -> Path:
 def model_fingerprint(model: torch.nn.Module) -> str:
     """A short hash of the model's config and a sample of every weight (fast even for 8B models): cached
     results of another model, or of other weights under the same name, are never reused."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    h = hashlib.sha256(cast("PreTrainedConfig", model.config).to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, param in model.state_dict().items():
             flat = param.detach().reshape(-1)
@@ -277,7 +280,7 @@ class CalibrationRun:
             )
             cached = {"importance": importance, "answer": np.asarray(answer, dtype=np.int64)}
             self.store.save(key, cached)
-        return cached["importance"]
+        return cast("dict[str, np.ndarray]", cached)["importance"]  # loaded and valid, or just decoded
 
 
 def prepare_run(
@@ -288,7 +291,7 @@ def prepare_run(
     k_max: int = 64,
     max_questions: int | None = None,
     seed: int = 0,
-    cache_dir: str | os.PathLike | None | bool = None,
+    cache_dir: str | os.PathLike | None | Literal[False] = None,
     aggregate: str = "max",
 ) -> CalibrationRun:
     """Tokenise a calibration set for ``model`` and open its result cache (nothing is decoded yet).
@@ -353,7 +356,7 @@ def build_profiles(
     scope: str = "all",
     max_questions: int | None = None,
     seed: int = 0,
-    cache_dir: str | os.PathLike | None | bool = None,
+    cache_dir: str | os.PathLike | None | Literal[False] = None,
     show_progress: bool = True,
     model_id: str | None = None,
     extra: dict | None = None,
@@ -572,7 +575,7 @@ def build_profile(
     scope: str = "all",
     max_questions: int | None = None,
     seed: int = 0,
-    cache_dir: str | os.PathLike | None | bool = None,
+    cache_dir: str | os.PathLike | None | Literal[False] = None,
     show_progress: bool = True,
     model_id: str | None = None,
     extra: dict | None = None,

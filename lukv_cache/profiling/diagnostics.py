@@ -22,6 +22,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -233,7 +234,7 @@ def loss_decomposition(
     methods: Sequence[str] = METHODS,
     max_questions: int | None = None,
     seed: int = 0,
-    cache_dir: str | os.PathLike | None | bool = None,
+    cache_dir: str | os.PathLike | None | Literal[False] = None,
 ) -> LossDecomposition:
     """Eviction loss of LU-KV (``profile``'s budgets), uniform, PyramidKV and AdaKV on a calibration set.
 

@@ -17,7 +17,7 @@ import os
 import random
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -39,6 +39,9 @@ from ..scorers.kvzip import RepeatPrompt
 from ..texts import news_articles, python_docs
 from .kvzap_options import FAMILIES, SKIP_FIRST, TARGETS
 from .scores import prefill_scores
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _FEATURES_IMPL = "lukv_kvzap_features"
 
@@ -131,7 +134,7 @@ def train_surrogate(
     samples: int = 512,
     hidden: int = 512,
     seed: int = 0,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
     meta: dict | None = None,
     targets_of: Callable[[torch.Tensor], dict[int, torch.Tensor]] | None = None,
     spill: str | os.PathLike | None = None,
@@ -255,11 +258,17 @@ def _mlp_surrogate(rows: TrainingRows, num_layers: int, seed: int, hidden: int):
     for layer in rows.layers:
         x, y = rows.take(layer)
         first, _, last = fit_mlp(x, y, hidden=hidden, seed=seed)
+        first, last = cast(torch.nn.Linear, first), cast(torch.nn.Linear, last)
         if surrogate is None:
             surrogate = Surrogate.zeros(num_layers, y.shape[1], x.shape[1], hidden=first.out_features)
-        surrogate.hidden_weight[layer], surrogate.hidden_bias[layer] = first.weight, first.bias
+        hidden_weight, hidden_bias = (
+            cast(torch.Tensor, surrogate.hidden_weight),
+            cast(torch.Tensor, surrogate.hidden_bias),
+        )
+        hidden_weight[layer], hidden_bias[layer] = first.weight, first.bias
         surrogate.weight[layer], surrogate.bias[layer] = last.weight, last.bias
         del x, y
+    surrogate = cast(Surrogate, surrogate)  # rows.layers is never empty
     surrogate.layers = rows.layers
     surrogate.meta = {"rows_per_layer": rows.count(rows.layers[0])}
     return surrogate
@@ -308,7 +317,7 @@ def fit_mlp(
                 optimizer.step()
                 schedule.step()
     with torch.no_grad():  # fold the standardisations into the two linear layers
-        first.bias -= first.weight @ (mean / std)
+        first.bias -= first.weight @ (mean / std)  # type: ignore[misc]  # in place: still the Parameter
         first.weight /= std
         last.weight *= y_std[:, None]
         last.bias.mul_(y_std).add_(y_mean)
@@ -317,7 +326,11 @@ def fit_mlp(
 
 @torch.no_grad()
 def score_thresholds(
-    model: Any, surrogate: Surrogate, documents: Iterable[torch.Tensor], grid: Sequence[float], window: int
+    model: Any,
+    surrogate: Surrogate,
+    documents: Iterable[torch.Tensor],
+    grid: Sequence[float] | np.ndarray,
+    window: int,
 ) -> dict[str, list[float]]:
     """For each global ratio of ``grid``: the predicted log-score below which that share of the evictable
     tokens of ``documents`` fall, over every trained layer and head (the ``threshold`` allocator reads it,

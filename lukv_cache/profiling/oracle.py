@@ -31,6 +31,7 @@ import contextvars
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -222,19 +223,22 @@ class _ContextLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:  # the context
             self.lazy_initialization(key_states, value_states)
-            self._keys, self._values = self._reserve.take(key_states)
+            self._keys, self._values = cast(_Reserve, self._reserve).take(key_states)
             self._reserve = None
             self.keys, self.values = self._keys[..., :0, :], self._values[..., :0, :]
-        start = self.keys.shape[-2]
+        # tensors from the context's update on (above)
+        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)
+        buffer_keys, buffer_values = cast(torch.Tensor, self._keys), cast(torch.Tensor, self._values)
+        start = keys.shape[-2]
         end = start + key_states.shape[-2]
-        if end > self._keys.shape[-2]:
-            grown = self._keys.new_empty((2, *self._keys.shape[:2], 2 * end, self._keys.shape[-1]))
-            grown[0, ..., :start, :] = self.keys
-            grown[1, ..., :start, :] = self.values
-            self._keys, self._values = grown[0], grown[1]
-        self._keys[..., start:end, :] = key_states
-        self._values[..., start:end, :] = value_states
-        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        if end > buffer_keys.shape[-2]:
+            grown = buffer_keys.new_empty((2, *buffer_keys.shape[:2], 2 * end, buffer_keys.shape[-1]))
+            grown[0, ..., :start, :] = keys
+            grown[1, ..., :start, :] = values
+            self._keys, self._values = buffer_keys, buffer_values = grown[0], grown[1]
+        buffer_keys[..., start:end, :] = key_states
+        buffer_values[..., start:end, :] = value_states
+        self.keys, self.values = buffer_keys[..., :end, :], buffer_values[..., :end, :]
         if start == 0:
             return key_states, value_states
         return self.keys, self.values
@@ -242,8 +246,8 @@ class _ContextLayer(DynamicLayer):
     def __deepcopy__(self, memo):
         new = copy.copy(self)
         if self._keys is not None:  # a private buffer, not the whole shared block
-            n = self.keys.shape[-2]
-            new._keys, new._values = self._keys.clone(), self._values.clone()
+            n = cast(torch.Tensor, self.keys).shape[-2]
+            new._keys, new._values = self._keys.clone(), cast(torch.Tensor, self._values).clone()
             new.keys, new.values = new._keys[..., :n, :], new._values[..., :n, :]
         return new
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from ..cache import LUKVCache
 from ..scorers import Scorer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 _SCORING_RATIO = 0.99  # any ratio records the same scores; this one keeps ~1% of the context per layer
 
@@ -45,5 +50,6 @@ def prefill_scores(
     cache.prefill(
         model, input_ids, attention_mask, tokenizer=tokenizer, repeat_prompt=repeat_prompt, logits_to_keep=1
     )
-    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return [cache.prefill_scores.get(idx) for idx in range(num_layers)]
+    num_layers = cast("PreTrainedConfig", model.config).get_text_config(decoder=True).num_hidden_layers
+    recorded = cast("dict[int, torch.Tensor]", cache.prefill_scores)  # keep_scores=True: a dict
+    return [recorded.get(idx) for idx in range(num_layers)]

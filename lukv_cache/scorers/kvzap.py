@@ -25,7 +25,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -253,7 +253,7 @@ class Surrogate:
     @classmethod
     def zeros(cls, num_layers: int, heads: int, features: int, hidden: int | None = None) -> Surrogate:
         """An all-zero surrogate (``hidden``: the MLP's width; ``None`` for a linear one)."""
-        mlp = {}
+        mlp: dict[str, Any] = {}  # hidden_weight, hidden_bias: tensors
         if hidden is not None:
             mlp = {
                 "hidden_weight": torch.zeros(num_layers, hidden, features),
@@ -290,7 +290,7 @@ class Surrogate:
         """The tensors as stored in a profile (``kvzap.*``)."""
         out = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std}
         if self.hidden_weight is not None:
-            out |= {"hidden_weight": self.hidden_weight, "hidden_bias": self.hidden_bias}
+            out |= {"hidden_weight": self.hidden_weight, "hidden_bias": cast(torch.Tensor, self.hidden_bias)}
         return {f"kvzap.{name}": t.detach().float().contiguous() for name, t in out.items()}
 
     def predict(
@@ -313,7 +313,8 @@ class Surrogate:
             scale = weight / std  # [H, F]
             return (x @ scale.T + (bias - scale @ mean)).transpose(1, 2)
         first = self.hidden_weight[layer].to(device) / std  # [M, F]
-        hidden = x @ first.T + (self.hidden_bias[layer].to(device) - first @ mean)
+        hidden_bias = cast(torch.Tensor, self.hidden_bias)  # an MLP surrogate has both
+        hidden = x @ first.T + (hidden_bias[layer].to(device) - first @ mean)
         return (torch.nn.functional.gelu(hidden) @ weight.T + bias).transpose(1, 2)
 
 

@@ -59,7 +59,7 @@ def load_calibration(path_or_name: str | os.PathLike) -> tuple[str, list[str], s
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
         raise CalibrationFormatError(f"{path}: not UTF-8 text ({exc}).", path=str(path)) from None
-    rows = []
+    rows: list[dict] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
