@@ -30,7 +30,7 @@ work shrinks with it, so the ratio gets stricter):
 ``--layer`` times one layer's decode attention alone (SmolLM2's 3 KV heads, 9 query heads, head_dim 64, a
 128-token suffix): the masked product, the windows and stock sdpa over a DynamicCache of the same tokens,
 for each context and batch, with budgets equal per head and ragged (uniform in 0.2-1.8x the mean). It is
-where :data:`lukv_cache.attention.masked.LIMIT` (segments x stored rows) comes from:
+where ``AttentionLimits.masked_limit`` (segments x stored rows; ``lukv_cache/attention/limits.py``) comes from:
 
     python benchmarks/cache_bench.py --layer --contexts 1024 2048 4096 8192 16384 --batch 1 2 4 8 --threads 2
 
@@ -337,16 +337,18 @@ def prefill_child(method: str, tokens: int, ratio: float, small: bool) -> dict:
 def _time_layer_paths(store, query, suffix, dense, module, steps: int) -> dict[str, float]:
     """Median ms of one decode attention call per path, the paths timed in turn step by step."""
     import statistics
+    from dataclasses import replace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from lukv_cache.attention import masked
     from lukv_cache.attention.compressed import compressed_attention
+    from lukv_cache.attention.limits import LIMITS
 
     def ours(limit):  # the limits pick the path: the masked product for every layer, or none
+        limits = replace(LIMITS, masked_limit=limit, masked_equal_limit=limit)
+
         def call():
-            masked.LIMIT = masked.EQUAL_LIMIT = limit
-            return compressed_attention(store, query, *suffix, None, 0.125)
+            return compressed_attention(store, query, *suffix, None, 0.125, limits=limits)
 
         return call
 
@@ -356,16 +358,12 @@ def _time_layer_paths(store, query, suffix, dense, module, steps: int) -> dict[s
         "sdpa": lambda: sdpa_attention_forward(module, query, *dense, None, scaling=0.125),
     }
     times = {name: [] for name in paths}
-    limits = masked.LIMIT, masked.EQUAL_LIMIT
-    try:
-        for step in range(steps + 10):
-            for name, fn in paths.items():
-                t0 = time.perf_counter()
-                fn()
-                if step >= 10:  # warm-up
-                    times[name].append(time.perf_counter() - t0)
-    finally:
-        masked.LIMIT, masked.EQUAL_LIMIT = limits
+    for step in range(steps + 10):
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            if step >= 10:  # warm-up
+                times[name].append(time.perf_counter() - t0)
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 

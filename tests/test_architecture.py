@@ -6,6 +6,7 @@ Read from the source with ``ast``, so a new import that breaks the layering fail
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -164,15 +165,36 @@ def _package_module(name: str) -> str | None:
     return name or None
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports that never run; the
+    ``else`` branch does run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if _is_type_checking(node):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
 def _imported_modules(name: str, path: Path) -> dict[str, int]:
-    """The package's modules ``name`` imports (anywhere in the file), each with its first line.
+    """The package's modules ``name`` imports (anywhere in the file, at module level or in a function;
+    not under ``if TYPE_CHECKING:``, which never runs), each with its first line.
 
     ``from . import x`` imports the module ``x`` when there is one, else a name of the package; an import
     of ``a.b.c`` is an edge to that module only (not to the packages ``a`` and ``a.b`` Python runs first:
     those edges would put every package in a cycle with its own modules)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     edges: dict[str, int] = {}
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -191,6 +213,7 @@ def _imported_modules(name: str, path: Path) -> dict[str, int]:
     return edges
 
 
+@functools.cache
 def _import_graph() -> dict[str, dict[str, int]]:
     return {name: _imported_modules(name, path) for name, path in MODULE_NAMES.items()}
 
@@ -218,7 +241,11 @@ def _cycles(graph: dict[str, dict[str, int]]) -> set[tuple[str, ...]]:
 
 
 def _short(name: str) -> str:
-    return name.removeprefix("lukv_cache.") if name != "lukv_cache" else "lukv_cache"
+    return name.removeprefix("lukv_cache.")
+
+
+def _full(short: str) -> str:
+    return short if short == "lukv_cache" else f"lukv_cache.{short}"
 
 
 def test_the_import_graph_is_read_whole():
@@ -228,6 +255,9 @@ def test_the_import_graph_is_read_whole():
     assert "lukv_cache.cache.saved" in graph["lukv_cache.cache.cache"]  # inside LUKVCache.save
     assert "lukv_cache.allocation.builtin" in graph["lukv_cache.allocation"]
     assert "lukv_cache.errors" in graph["lukv_cache.attention.kernels"]
+    guarded = ast.parse("if TYPE_CHECKING:\n    import a\nelse:\n    import b\nimport c\n")
+    imported = {alias.name for n in _runtime_nodes(guarded) if isinstance(n, ast.Import) for alias in n.names}
+    assert imported == {"b", "c"}  # what runs
     assert _cycles({"a": {"b": 1}, "b": {"c": 1, "a": 1}, "c": {"a": 1}}) == {("a", "b", "c"), ("a", "b")}
 
 
@@ -237,10 +267,33 @@ def test_no_import_cycles_but_the_listed_ones():
     lines = []
     for cycle in sorted(cycles - set(ALLOWED_CYCLES)):
         hops = [
-            f"{a} (line {graph['lukv_cache.' + a]['lukv_cache.' + b]}) -> {b}"
-            for a, b in zip(cycle, cycle[1:] + cycle[:1])
+            f"{a} (line {graph[_full(a)][_full(b)]}) -> {b}" for a, b in zip(cycle, cycle[1:] + cycle[:1])
         ]
         lines.append("; ".join(hops))
     assert not lines, "import cycles:\n" + "\n".join(lines)
     stale = set(ALLOWED_CYCLES) - cycles
     assert not stale, f"these allowed cycles are gone: delete them from ALLOWED_CYCLES: {sorted(stale)}"
+
+
+# attention's leaf modules decide nothing about each other: each imports (within attention) only these
+ATTENTION_LEAVES: dict[str, set[str]] = {
+    "limits": set(),
+    "partial": set(),
+    "windows": {"limits"},
+    "masked": {"calls", "limits"},  # calls: the StoreView protocol
+    "_triton_ragged": {"limits"},
+    "kernels": {"partial", "limits", "_triton_ragged"},  # partial: the references it falls back to
+}
+
+
+@pytest.mark.parametrize("leaf", sorted(ATTENTION_LEAVES))
+def test_attention_leaves_import_only_the_math_they_need(leaf):
+    graph = _import_graph()
+    inside = {
+        imported.removeprefix("lukv_cache.attention.")
+        for imported in graph[f"lukv_cache.attention.{leaf}"]
+        if imported.startswith("lukv_cache.attention.")
+    }
+    assert inside <= ATTENTION_LEAVES[leaf], (
+        f"attention/{leaf}.py imports {sorted(inside - ATTENTION_LEAVES[leaf])}"
+    )

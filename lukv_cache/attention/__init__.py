@@ -3,19 +3,24 @@
 * :mod:`.calls`: the contract with the cache (:class:`AttentionCall`, :func:`claim_attention`) and the
   guard for implementations that cannot read it (:func:`lukv_aware` marks your own wrappers);
 * :mod:`.routing`: the wrapped ``sdpa`` / ``eager`` / ``lukv`` functions;
-* :mod:`.compressed`: store + dense suffix, exact (on CPU through :mod:`.masked` or :mod:`.windows`);
+* :mod:`.compressed`: store + dense suffix, exact: computes the plan of :mod:`.dispatch`;
+* :mod:`.dispatch`: which implementation serves a call (:class:`~.dispatch.AttentionPlan`), decided once;
+* :mod:`.masked`, :mod:`.windows`: the CPU paths (one masked product; fixed windows of the flat store);
 * :mod:`.partial`: the torch math (partial attentions and their log-sum-exp merge);
-* :mod:`.kernels`: which kernel serves a call (flash-attn, Triton, torch).
+* :mod:`.kernels`: the CUDA kernels (flash-attn, Triton: :mod:`._triton_ragged`) and which serves a call;
+* :mod:`.limits`: the tuning limits of all of them, one frozen :class:`~.limits.AttentionLimits`.
 """
 
 from .calls import AttentionCall, claim_attention, guard_attention, is_lukv_aware, lukv_aware, peek_attention
 from .compressed import compressed_attention
 from .dispatch import ragged_attention
+from .limits import AttentionLimits
 from .partial import merge_partials, partial_attention, ragged_attention_reference
 from .routing import install, route
 
 __all__ = [
     "AttentionCall",
+    "AttentionLimits",
     "claim_attention",
     "compressed_attention",
     "guard_attention",

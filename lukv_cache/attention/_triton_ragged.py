@@ -5,8 +5,8 @@ layout): ``out [B, H_kv, M, D]`` fp32 normalised over the keys attended and ``ls
 nothing to attend giving ``out = 0``, ``lse = -inf``.
 
 Flash-decoding scheme. Program ``(segment, split, block of query rows)`` walks its share of the segment's
-keys in blocks of ``BLOCK_N`` with an online softmax in fp32 and writes a partial output and log-sum-exp;
-a second kernel merges the splits. With a dense suffix ``[B, H_kv, S, D]`` (the cache's recent tokens)
+keys in blocks of ``BLOCK_N`` (``AttentionLimits.triton_block_n``, :mod:`.limits`) with an online
+softmax in fp32 and writes a partial output and log-sum-exp; a second kernel merges the splits. With a dense suffix ``[B, H_kv, S, D]`` (the cache's recent tokens)
 one more split per segment attends to it, so store + suffix cost two launches in all, the log-sum-exp
 merge included. The split count is chosen on the host from shapes only, and each program reads its
 segment's bounds from ``offsets`` on the device, so a call never waits for the GPU.
@@ -25,9 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # keys per inner step
-MIN_CHUNK = 4 * BLOCK_N  # fewest keys a split is given: below that, launch overhead dominates
-MAX_SPLITS = 128
+from .limits import AttentionLimits, resolve_limits
 
 
 @triton.jit
@@ -271,18 +269,26 @@ def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def plan_splits(n_segments: int, n_keys: int, m_blocks: int, multiprocessors: int) -> int:
+def plan_splits(
+    n_segments: int,
+    n_keys: int,
+    m_blocks: int,
+    multiprocessors: int,
+    limits: AttentionLimits | None = None,
+) -> int:
     """Number of key splits per segment, from shapes only (no device sync).
 
-    Enough programs to fill the GPU a few times over, but no split shorter than ``MIN_CHUNK`` keys on
-    average over the whole store (``n_keys`` bounds the longest segment, which may hold them all).
+    Enough programs to fill the GPU a few times over, but no split shorter than
+    ``limits.triton_min_chunk`` keys on average over the whole store (``n_keys`` bounds the longest
+    segment, which may hold them all), and at most ``limits.triton_max_splits``.
 
     >>> plan_splits(n_segments=8, n_keys=8 * 26_000, m_blocks=1, multiprocessors=132)
     66
     """
+    limits = resolve_limits(limits)
     by_occupancy = triton.cdiv(4 * multiprocessors, max(n_segments * m_blocks, 1))
-    by_length = triton.cdiv(n_keys, MIN_CHUNK)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    by_length = triton.cdiv(n_keys, limits.triton_min_chunk)
+    return max(1, min(by_occupancy, by_length, limits.triton_max_splits))
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -302,6 +308,7 @@ def triton_ragged_attention(
     suffix_values: torch.Tensor | None = None,
     suffix_bias: torch.Tensor | None = None,
     num_splits: int | None = None,
+    limits: AttentionLimits | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of ``ragged_attention_reference`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
 
@@ -309,12 +316,14 @@ def triton_ragged_attention(
     view into a larger buffer) the result is attention over the store *and* the suffix, i.e. what
     ``merge_partials`` of the two parts gives. ``suffix_bias``: additive fp32 broadcastable to
     ``[B, H_kv, M, S]``. If one of the two biases is given the other part is unmasked.
-    ``num_splits`` overrides the split plan (tests use it to cover the merge kernel).
+    ``num_splits`` overrides the split plan (tests use it to cover the merge kernel); ``limits``: the
+    block sizes and split bounds (:data:`.limits.LIMITS` by default).
 
     >>> out, lse = triton_ragged_attention(q, k, v, offsets, scaling=128**-0.5)  # doctest: +SKIP
     """
     b, h, m, d = query.shape
     n_segments = b * h
+    limits = resolve_limits(limits)
     has_suffix = suffix_keys is not None
     out = query.new_empty((b, h, m, d), dtype=torch.float32)
     lse = query.new_empty((b, h, m), dtype=torch.float32)
@@ -353,7 +362,7 @@ def triton_ragged_attention(
     m_blocks = triton.cdiv(m, block_m)
     if num_splits is None:
         sms = _multiprocessor_count(query.device.index or 0) if query.is_cuda else 4
-        num_splits = plan_splits(n_segments, keys.shape[0], m_blocks, sms)
+        num_splits = plan_splits(n_segments, keys.shape[0], m_blocks, sms, limits)
     num_parts = num_splits + int(has_suffix)
     block_d = max(16, triton.next_power_of_2(d))
     dot_fp32 = _interpreting() or keys.dtype == torch.float32
@@ -378,9 +387,9 @@ def triton_ragged_attention(
         PRECISION="ieee" if dot_fp32 else None,  # fp32 operands: exact products, not tf32
         DOT_FP32=dot_fp32,
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=limits.triton_block_n,
         BLOCK_D=block_d,
-        MIN_CHUNK=MIN_CHUNK,
+        MIN_CHUNK=limits.triton_min_chunk,
         num_warps=4,
         num_stages=2 if dot_fp32 else 3,  # fp32 tiles: keep shared memory well under 100 KB
     )  # fmt: skip

@@ -3,13 +3,16 @@
 The mask transformers builds covers logical positions (every token seen), so it is read at each stored
 token's original position for the store and at the last ``S`` positions for the suffix.
 
-Which implementation serves a call: CUDA, the fused kernels of :mod:`.kernels`; CPU with a mask that hides
-nothing (decode), the masked product of :mod:`.masked` for a small fp32 layer, else the windows of
-:mod:`.windows`; otherwise the two parts (:mod:`.partial`) and their log-sum-exp merge.
+Which implementation serves a call is decided once, by :func:`.dispatch.plan_attention` (an
+:class:`~.dispatch.AttentionPlan`): CUDA, the fused kernels of :mod:`.kernels`; CPU with a mask that
+hides nothing (decode), the masked product of :mod:`.masked` for a small fp32 layer, else the windows of
+:mod:`.windows`; otherwise the two parts (:mod:`.partial`, :func:`.dispatch.ragged_attention`) and their
+log-sum-exp merge. This module computes what the plan says.
 
-A quantized store (``LUKVCache(kv_bits=...)``) is read in blocks of at most :data:`BLOCK_ROWS` rows: each
-block is dequantized to the model's dtype and attended like a full-precision store (every path above),
-the blocks' log-sum-exps merged; a layer never holds more than one block at full precision.
+A quantized store (``LUKVCache(kv_bits=...)``) is read in blocks of at most ``AttentionLimits.block_rows``
+rows (:mod:`.limits`): each block is dequantized to the model's dtype and attended like a full-precision
+store (every path above), the blocks' log-sum-exps merged; a layer never holds more than one block at
+full precision.
 
 Learned attention sinks (``s_aux [Hq]``, GPT-OSS and its kin: one logit per query head in the softmax's
 denominator, with no value) are honoured on every path. The masked product puts the sink in its softmax;
@@ -28,12 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import kernels, masked, windows
+from . import masked, windows
 from .calls import StoreView
-from .dispatch import ragged_attention
+from .dispatch import Impl, plan_attention, ragged_attention, run_store
+from .limits import AttentionLimits, resolve_limits
 from .partial import _softcap, merge_partials, partial_attention
-
-BLOCK_ROWS = 4096  # rows of a quantized store dequantized at a time (1 MiB per tensor at fp32, head_dim 64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,33 +61,34 @@ class _Block:
         return torch.repeat_interleave(ids, counts, output_size=self.num_tokens)
 
 
-# Per live quantized store (keyed by its offsets, as the window plans): its blocks' bounds and offsets.
+# Per live quantized store (keyed by its offsets, as the window plans): its blocks' size, bounds and offsets.
 _BLOCKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _block_bounds(store: StoreView) -> list[tuple[int, int, torch.Tensor, tuple[int, ...]]]:
-    bounds = _BLOCKS.get(store.offsets)
-    if bounds is None:
+def _block_bounds(store: StoreView, rows: int) -> list[tuple[int, int, torch.Tensor, tuple[int, ...]]]:
+    cached = _BLOCKS.get(store.offsets)
+    if cached is None or cached[0] != rows:
         total = store.offsets_list[-1]
-        if total <= BLOCK_ROWS:  # one block: the store's own offsets (plans cached on them are reused)
+        if total <= rows:  # one block: the store's own offsets (plans cached on them are reused)
             bounds = [(0, total, store.offsets, store.offsets_list)]
         else:
             bounds = []
-            for start in range(0, total, BLOCK_ROWS):
-                stop = min(start + BLOCK_ROWS, total)
+            for start in range(0, total, rows):
+                stop = min(start + rows, total)
                 clipped = tuple(min(max(o, start), stop) - start for o in store.offsets_list)
                 offsets = torch.tensor(clipped, dtype=torch.long, device=store.offsets.device)
                 bounds.append((start, stop, offsets, clipped))
-        _BLOCKS[store.offsets] = bounds
-    return bounds
+        cached = _BLOCKS[store.offsets] = (rows, bounds)
+    return cached[1]
 
 
-def store_blocks(store: StoreView):
-    """The store at the model's precision, a block of rows at a time (a full-precision store: itself)."""
+def store_blocks(store: StoreView, limits: AttentionLimits | None = None):
+    """The store at the model's precision, a block of ``limits.block_rows`` rows at a time (a
+    full-precision store: itself)."""
     if getattr(store, "kv_bits", None) is None:
         yield store
         return
-    for start, stop, offsets, offsets_list in _block_bounds(store):
+    for start, stop, offsets, offsets_list in _block_bounds(store, resolve_limits(limits).block_rows):
         keys, values = store.dense(start, stop)
         yield _Block(
             keys, values, store.positions[start:stop], offsets, offsets_list, store.num_heads, start, stop
@@ -122,11 +125,13 @@ def compressed_attention(
     softcap: float | None = None,
     *,
     s_aux: torch.Tensor | None = None,
+    limits: AttentionLimits | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [B, Hq, Q, D]`` over ``store`` and the dense suffix ``[B, H_kv, S, D]``.
 
     ``s_aux``: the learned sink logits ``[Hq]`` (the kwarg GPT-OSS-style models pass to the attention
     function), one per query head, added to the softmax's denominator with no value (not soft-capped).
+    ``limits``: where the paths hand over and the blocks' sizes (:data:`.limits.LIMITS` by default).
     Returns ``[B, Q, Hq, D]`` in the query's dtype, like transformers' stock attention functions.
 
     >>> out = compressed_attention(call.store, query, key, value, mask, scaling=0.125)  # doctest: +SKIP
@@ -145,24 +150,30 @@ def compressed_attention(
         bias = bias.expand(b, q_len, bias.shape[-1])
         suffix_bias = bias[:, None, :, bias.shape[-1] - s :].repeat(1, 1, g, 1)  # [B, 1, M, S]
         key_bias = bias[store.segment_ids() // h, :, store.positions.long()]  # [N, Q]
+    blocks = 1
     if getattr(store, "kv_bits", None) is not None:
-        if len(_block_bounds(store)) > 1:
-            return _blockwise(
-                store,
-                grouped,
-                query,
-                suffix_keys,
-                suffix_values,
-                suffix_bias,
-                key_bias,
-                scaling,
-                softcap,
-                sink,
-            )
-        store = next(store_blocks(store))  # a small store: one block, every path below
-    fused = kernels.get_ragged_suffix_kernel(grouped)
-    if fused is not None:  # store + suffix in one kernel pass, no host sync
-        out, lse = fused(
+        blocks = len(_block_bounds(store, resolve_limits(limits).block_rows))
+        if blocks == 1:
+            store = next(store_blocks(store, limits))  # a small store: one block, every path below
+    plan = plan_attention(
+        grouped,
+        store,
+        suffix_keys,
+        key_bias=key_bias,
+        suffix_bias=suffix_bias,
+        softcap=softcap,
+        blocks=blocks,
+        limits=limits,
+    )
+    key_bias = key_bias if plan.key_bias else None
+    suffix_bias = suffix_bias if plan.suffix_bias else None
+    if plan.store is Impl.MASKED:  # store and suffix in one masked product, the sink in its softmax
+        out = masked.masked_ragged_attention(
+            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, sink=sink
+        )
+        return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+    if plan.fused_kernel is not None:  # store + suffix in one kernel pass (Triton), no host sync
+        out, lse = plan.fused_kernel(
             grouped,
             store.keys,
             store.values,
@@ -173,21 +184,10 @@ def compressed_attention(
             softcap=softcap,
             key_bias=key_bias,
             suffix_bias=suffix_bias,
+            limits=limits,
         )
-        if sink is not None:
-            out = _with_sink(out, lse, sink)
-        return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
-    if suffix_bias is not None and not bool((suffix_bias < 0).any()):
-        suffix_bias = None  # decode without padding in the suffix: take the fused CPU path
-    if key_bias is not None and not bool((key_bias < 0).any()):
-        key_bias = None  # the usual case: stored tokens are real and precede every query
-    nothing_hidden = suffix_bias is None and key_bias is None
-    if nothing_hidden and masked.serves(grouped, store, suffix_keys):  # a small layer: one masked product
-        out = masked.masked_ragged_attention(
-            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, sink=sink
-        )
-    elif nothing_hidden and windows.serves(grouped, store.keys, store.values, softcap):
-        out, lse = windows.windowed_ragged_attention(  # store and suffix: three fused calls, one merge
+    elif plan.fused:  # the windows: store and suffix in three fused calls, one merge
+        out, lse = windows.windowed_ragged_attention(
             grouped,
             store.keys,
             store.values,
@@ -196,52 +196,41 @@ def compressed_attention(
             suffix_keys=suffix_keys,
             suffix_values=suffix_values,
             with_lse=sink is not None,
+            limits=limits,
         )
-        if sink is not None:
-            out = _with_sink(out, lse, sink)
-    else:  # a mask that hides something, or a softcap on a large layer: the two parts and their merge
-        out_s, lse_s = partial_attention(
+    else:  # the two parts: the suffix, then the store (or each of its blocks), merged by log-sum-exp
+        out, lse = partial_attention(
             grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
         )
-        out_r, lse_r = ragged_attention(
-            grouped,
-            store.keys,
-            store.values,
-            store.offsets,
-            scaling=scaling,
-            softcap=softcap,
-            key_bias=key_bias,
-            offsets_list=list(store.offsets_list),
-        )
-        out, lse = merge_partials(out_r, lse_r, out_s, lse_s)
-        if sink is not None:
-            out = _with_sink(out, lse, sink)
-    return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
-
-
-def _blockwise(
-    store, grouped, query, suffix_keys, suffix_values, suffix_bias, key_bias, scaling, softcap, sink
-):
-    """A quantized store of several blocks: the suffix, then each block, merged by log-sum-exp."""
-    b, hq, q_len, _ = query.shape
-    if suffix_bias is not None and not bool((suffix_bias < 0).any()):
-        suffix_bias = None
-    out, lse = partial_attention(
-        grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
-    )
-    for block in store_blocks(store):
-        bias = None if key_bias is None else key_bias[block.start : block.stop]
-        out_b, lse_b = ragged_attention(
-            grouped,
-            block.keys,
-            block.values,
-            block.offsets,
-            scaling=scaling,
-            softcap=softcap,
-            key_bias=bias,
-            offsets_list=list(block.offsets_list),
-        )
-        out, lse = merge_partials(out_b, lse_b, out, lse)
+        if plan.store is Impl.BLOCKS:
+            for block in store_blocks(store, limits):
+                out_b, lse_b = ragged_attention(  # each block's own store path (its rows of the bias)
+                    grouped,
+                    block.keys,
+                    block.values,
+                    block.offsets,
+                    scaling=scaling,
+                    softcap=softcap,
+                    key_bias=None if key_bias is None else key_bias[block.start : block.stop],
+                    offsets_list=list(block.offsets_list),
+                    limits=limits,
+                )
+                out, lse = merge_partials(out_b, lse_b, out, lse)
+        else:
+            out_r, lse_r = run_store(
+                plan.store,
+                plan.kernel,
+                grouped,
+                store.keys,
+                store.values,
+                store.offsets,
+                scaling=scaling,
+                softcap=softcap,
+                key_bias=key_bias,
+                offsets_list=list(store.offsets_list),
+                limits=limits,
+            )
+            out, lse = merge_partials(out_r, lse_r, out, lse)
     if sink is not None:
         out = _with_sink(out, lse, sink)
     return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)

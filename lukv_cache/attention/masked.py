@@ -10,9 +10,9 @@ segment holds as many rows (uniform budgets), each segment's rows are read alone
 product with no mask and no extra arithmetic.
 
 With ragged segments the product does ``S`` times the arithmetic of the exact attention, so this serves a
-layer only while ``segments x stored rows`` stays at most :data:`LIMIT` (equal segments: while the rows
-stay at most :data:`EQUAL_LIMIT`; both measured with ``benchmarks/cache_bench.py --layer``), and only in
-fp32 (in bf16/fp16 the product would round the logits; those take the windows, which accumulate in fp32).
+layer only while ``segments x stored rows`` stays at most ``AttentionLimits.masked_limit`` (equal
+segments: while the rows stay at most ``masked_equal_limit``; both measured with
+``benchmarks/cache_bench.py --layer``; :mod:`.limits`), and only in fp32 (in bf16/fp16 the product would round the logits; those take the windows, which accumulate in fp32).
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .calls import StoreView
-
-LIMIT = 16384  # ragged segments: segments x stored rows (benchmarks/cache_bench.py --layer)
-EQUAL_LIMIT = 262144  # equal segments: stored rows (measured up to 157k, all faster than windows)
+from .limits import AttentionLimits, resolve_limits
 
 # Per live store, keyed by its offsets tensor (a new store has new offsets), as windows' plans: whether
 # its segments are equal, and the mask of the others' rows (built on first use).
@@ -39,19 +37,26 @@ def _equal(store: StoreView) -> bool:
     return equal
 
 
-def serves(query: torch.Tensor, store: StoreView, suffix_keys: torch.Tensor) -> bool:
+def serves(
+    query: torch.Tensor,
+    store: StoreView,
+    suffix_keys: torch.Tensor,
+    limits: AttentionLimits | None = None,
+) -> bool:
     """Whether :func:`masked_ragged_attention` takes this decode call: CPU, fp32, a non-empty suffix
-    (so no segment is left with nothing to attend), and a small layer."""
+    (so no segment is left with nothing to attend), and a small layer (``limits``: :data:`.limits.LIMITS`
+    by default)."""
     if not (
         query.device.type == "cpu"
         and query.dtype == store.keys.dtype == suffix_keys.dtype == torch.float32
         and suffix_keys.shape[-2] > 0
     ):
         return False
+    limits = resolve_limits(limits)
     rows = store.keys.shape[0]
     if _equal(store):
-        return rows <= EQUAL_LIMIT
-    return (len(store.offsets_list) - 1) * rows <= LIMIT
+        return rows <= limits.masked_equal_limit
+    return (len(store.offsets_list) - 1) * rows <= limits.masked_limit
 
 
 def _hidden(store: StoreView) -> torch.Tensor:

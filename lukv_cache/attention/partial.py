@@ -23,6 +23,16 @@ def _softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
+def hides_nothing(bias: torch.Tensor | None) -> bool:
+    """Whether an additive bias masks nothing: ``None``, or no negative entry (the usual decode case:
+    stored tokens are real and precede every query). Reads the bias on the host when there is one.
+
+    >>> hides_nothing(None), hides_nothing(torch.zeros(3, 1)), hides_nothing(torch.tensor([[0.0], [-1e30]]))
+    (True, True, False)
+    """
+    return bias is None or not bool((bias < 0).any())
+
+
 def partial_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -89,7 +99,7 @@ def ragged_attention_reference(
     fallback): one small matmul per segment, never a padded copy of the store.
     """
     b, h, m, _ = query.shape
-    if key_bias is not None and not bool((key_bias < 0).any()):
+    if hides_nothing(key_bias):
         key_bias = None  # the usual case: stored tokens are real and precede every query
     bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets
     out = query.new_empty((b, h, m, values.shape[-1]), dtype=torch.float32)

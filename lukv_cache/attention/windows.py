@@ -21,8 +21,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ops import flash_attention_cpu as _flash_cpu
+from .limits import AttentionLimits, resolve_limits
 
-WINDOW = 256  # rows per window (benchmarks/cache_bench.py; 128-512 measure alike)
 _NEG = torch.finfo(torch.float32).min
 
 
@@ -47,13 +47,15 @@ class WindowPlan:
     suffix_padding: torch.Tensor  # bool [segments, K + 1, 1]
 
 
-def window_plan(offsets: torch.Tensor, total: int, size: int = WINDOW) -> WindowPlan:
-    """The windows of a store with ``offsets [S + 1]`` and ``total`` rows.
+def window_plan(offsets: torch.Tensor, total: int, size: int | None = None) -> WindowPlan:
+    """The windows of a store with ``offsets [S + 1]`` and ``total`` rows, ``size`` rows each (default:
+    ``AttentionLimits.window``).
 
     >>> plan = window_plan(torch.tensor([0, 5, 12]), 12, size=4)
     >>> plan.in_place, plan.owner.tolist(), plan.gather_owner.tolist(), plan.grid.tolist()
     (3, [0, 0, 1], [0, 1], [[0, 3], [2, 4]])
     """
+    size = resolve_limits(None).window if size is None else size
     segments = offsets.numel() - 1
     seg = torch.repeat_interleave(torch.arange(segments), offsets.diff(), output_size=total)
     in_place = total // size
@@ -108,14 +110,15 @@ def _grid(part_segment: torch.Tensor, segments: int, *, empty: int) -> torch.Ten
     return grid
 
 
-# One plan per live store: keyed by the store's offsets tensor (a new store has new offsets).
+# One plan per live store: keyed by the store's offsets tensor (a new store has new offsets); a call with
+# another window size replaces it.
 _PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _plan_for(offsets: torch.Tensor, total: int) -> WindowPlan:
+def _plan_for(offsets: torch.Tensor, total: int, size: int) -> WindowPlan:
     plan = _PLANS.get(offsets)
-    if plan is None:
-        plan = _PLANS[offsets] = window_plan(offsets.cpu(), total, WINDOW)
+    if plan is None or plan.size != size:
+        plan = _PLANS[offsets] = window_plan(offsets.cpu(), total, size)
     return plan
 
 
@@ -140,8 +143,10 @@ def windowed_ragged_attention(
     suffix_keys: torch.Tensor | None = None,
     suffix_values: torch.Tensor | None = None,
     with_lse: bool = True,
+    limits: AttentionLimits | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``ragged_attention_reference`` (no softcap, no key bias) in at most three fused calls.
+    """``ragged_attention_reference`` (no softcap, no key bias) in at most three fused calls, over windows
+    of ``limits.window`` rows (:data:`.limits.LIMITS` by default).
 
     ``query [B, H_kv, M, D]`` over each segment of ``keys/values [N, D]`` and, when given, its rows of
     the dense ``suffix_keys/values [B, H_kv, S, D]`` (all attended, no bias); fp32 ``out [B, H_kv, M, D]``
@@ -157,7 +162,7 @@ def windowed_ragged_attention(
     """
     b, h, m, d = query.shape
     segments, dv = b * h, values.shape[-1]
-    plan = _plan_for(offsets, keys.shape[0])
+    plan = _plan_for(offsets, keys.shape[0], resolve_limits(limits).window)
     with_suffix = suffix_keys is not None and suffix_keys.shape[-2] > 0
     grid = plan.suffix_grid if with_suffix else plan.grid
     if grid.shape[1] == 0:  # nothing stored and no suffix

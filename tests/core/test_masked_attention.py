@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from core_models import greedy_with_logits, prompt, tiny_model
 
 from lukv_cache import LUKVCache
-from lukv_cache.attention import compressed, masked, windows
+from lukv_cache.attention import compressed, limits, masked, windows
 from lukv_cache.attention.kernels import ragged_with_suffix_reference
 from lukv_cache.cache.ragged import RaggedStore
 
@@ -88,12 +90,16 @@ def test_dispatch_small_fp32_layers_only(monkeypatch):
     assert masked.serves(query, store, sk)
     assert not masked.serves(query, store, sk[:, :, :0])  # no suffix: a segment could have nothing
     assert not masked.serves(query.bfloat16(), store, sk)
-    monkeypatch.setattr(masked, "LIMIT", 2 * 320 - 1)  # segments x rows = 640
+    monkeypatch.setattr(
+        limits, "LIMITS", replace(limits.LIMITS, masked_limit=2 * 320 - 1)
+    )  # segments x rows = 640
     assert not masked.serves(query, store, sk)
     _, equal, esk, _ = _case([300, 300], heads=2)
-    monkeypatch.setattr(masked, "EQUAL_LIMIT", 600)  # equal segments: their rows count alone
+    monkeypatch.setattr(
+        limits, "LIMITS", replace(limits.LIMITS, masked_equal_limit=600)
+    )  # equal segments: their rows count alone
     assert masked.serves(query, equal, esk)
-    monkeypatch.setattr(masked, "EQUAL_LIMIT", 599)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, masked_equal_limit=599))
     assert not masked.serves(query, equal, esk)
     # compressed_attention takes the windows above the limit, and gets the same result
     calls = []
@@ -104,7 +110,7 @@ def test_dispatch_small_fp32_layers_only(monkeypatch):
     hq_query = query.reshape(1, 2 * 3, 1, 16)  # [B, Hq, Q, D]: 3 query heads per KV head
     out = compressed.compressed_attention(store, hq_query, sk, sv, None, 0.25)
     assert calls == [1]
-    monkeypatch.setattr(masked, "LIMIT", 640)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, masked_limit=640))
     again = compressed.compressed_attention(store, hq_query, sk, sv, None, 0.25)
     assert calls == [1]
     torch.testing.assert_close(again, out, atol=2e-5, rtol=1e-4)

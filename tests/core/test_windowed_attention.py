@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from core_models import greedy_with_logits, prompt, tiny_model
 
 from lukv_cache import LUKVCache
-from lukv_cache.attention import masked, windows
+from lukv_cache.attention import limits, masked, windows
 from lukv_cache.attention.dispatch import ragged_attention
 from lukv_cache.attention.partial import ragged_attention_reference
 
@@ -48,8 +50,8 @@ def test_random_layouts_and_window_sizes():
         counts = torch.randint(0, 90, (6,), generator=gen).tolist()
         query, keys, values, offsets = _case(counts, heads=3, m=4, seed=trial)
         size = int(torch.randint(1, 40, (1,), generator=gen))
-        windows._PLANS[offsets] = windows.window_plan(offsets, keys.shape[0], size=size)
-        out, lse = windows.windowed_ragged_attention(query, keys, values, offsets, scaling=0.3)
+        window = limits.AttentionLimits(window=size)
+        out, lse = windows.windowed_ragged_attention(query, keys, values, offsets, scaling=0.3, limits=window)
         ref, ref_lse = ragged_attention_reference(query, keys, values, offsets.tolist(), scaling=0.3)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=f"counts={counts} window={size}")
         torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
@@ -140,7 +142,8 @@ def test_plans_are_reused_per_store_and_released_with_it():
 def test_generation_is_the_same_with_the_per_segment_reference(monkeypatch):
     """A 400-token prompt leaves stores of a few hundred rows per layer (in-place and gathered windows):
     greedy decoding and its logits match the per-segment reference path."""
-    monkeypatch.setattr(masked, "LIMIT", 0)  # such small layers take the masked product otherwise
+    # such small layers take the masked product otherwise
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, masked_limit=0))
     model = tiny_model("llama")
     ids = prompt(batch=2, length=400, seed=3)
 

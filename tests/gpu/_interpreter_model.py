@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,12 +47,12 @@ def main() -> None:
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding: the mask reaches the kernels as key and suffix biases
 
-    from lukv_cache.attention import compressed
+    from lukv_cache.attention import limits
 
     out = {}
     for kv_bits in (None, 4):
         # a quantized store is dequantized a block at a time: small blocks here, several per layer
-        compressed.BLOCK_ROWS = 4096 if kv_bits is None else 64
+        limits.LIMITS = replace(limits.LIMITS, block_rows=4096 if kv_bits is None else 64)
         results = {}
         for kernel_name in ("torch", "triton"):
             os.environ[cuda.KERNEL_ENV] = kernel_name

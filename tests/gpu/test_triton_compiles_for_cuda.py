@@ -38,13 +38,14 @@ def compile_for(fn, types: dict[str, str], constexprs: dict, capability: int):
 @pytest.mark.parametrize("capability", [90, 80])
 def test_attention_kernel_compiles_with_every_feature_on(capability):
     from lukv_cache.attention import _triton_ragged as tr
+    from lukv_cache.attention.limits import LIMITS
 
     half = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "sk_ptr", "sv_ptr")}
     fp32 = {name: "*fp32" for name in ("bias_ptr", "sbias_ptr", "out_ptr", "lse_ptr")}
     types = {**half, **fp32, "offsets_ptr": "*i64", "scaling": "fp32", "softcap": "fp32"}
     constexprs = {
         "q_len": 1, "HAS_SOFTCAP": True, "HAS_BIAS": True, "PRECISION": None, "DOT_FP32": False,
-        "BLOCK_M": 16, "BLOCK_N": tr.BLOCK_N, "BLOCK_D": 128, "MIN_CHUNK": tr.MIN_CHUNK,
+        "BLOCK_M": 16, "BLOCK_N": LIMITS.triton_block_n, "BLOCK_D": 128, "MIN_CHUNK": LIMITS.triton_min_chunk,
     }  # fmt: skip
     kernel = compile_for(tr._ragged_attention_partial, types, constexprs, capability)
     assert f"sm_{capability}" in kernel.asm["ptx"]

@@ -73,7 +73,10 @@ def test_triton_kernel_gives_zero_and_minus_inf_for_empty_segments(cases, name):
 
 @needs_triton
 def test_split_plan_fills_the_gpu_without_tiny_splits():
-    from lukv_cache.attention._triton_ragged import MAX_SPLITS, MIN_CHUNK, plan_splits
+    from lukv_cache.attention._triton_ragged import plan_splits
+    from lukv_cache.attention.limits import LIMITS
+
+    MAX_SPLITS, MIN_CHUNK = LIMITS.triton_max_splits, LIMITS.triton_min_chunk
 
     # decode at 128k context, ratio 0.8, 8 KV heads on an H200 (132 SMs): ~4 programs per SM
     assert plan_splits(8, 8 * 26_000, 1, 132) == 66
