@@ -15,11 +15,13 @@ online softmax as the full-precision kernel. The flash-decoding scheme (splits p
 split for the suffix, the log-sum-exp merge kernel, the split plan from shapes only) is the one of
 :mod:`._triton_ragged`, whose merge kernel and split planner this module reuses.
 
-Per block of keys, channel ``c`` of row ``n`` reads byte ``c`` (8 bits) or byte ``c // 2`` (4 bits, the
-nibble chosen by ``c % 2``) of the row's codes and pair ``c // G`` of its scales and zeros: the block is
-read as ``[D, BLOCK_N]`` (keys, transposed for ``q @ k``) or ``[BLOCK_N, D]`` (values) tiles whose
-repeated addresses (two channels per byte, ``G`` channels per scale) fall in the same cache lines, so
-the bytes read from memory are the packed ones.
+Per block of keys the codes are read as stored, ``[BLOCK_N, D]`` bytes at 8 bits or ``[BLOCK_N, D / 2]``
+packed bytes at 4 bits, whose low and high nibbles are interleaved back into channel order; scales and
+zeros are read once per group, ``[BLOCK_N, D / G]``, and broadcast over their channels (a head_dim that
+8 does not divide has one group of ``D`` channels, not a power of two: its scales are read per channel).
+Keys are dequantized in the same ``[BLOCK_N, D]`` orientation as values and transposed for ``q @ k``.
+Compiled for sm_90, the code loads of both widths go through ``cp.async`` like the full-precision
+kernel's, and the scales and zeros cost a few scalar loads per thread and block.
 
 Importing this module needs ``triton``. With ``TRITON_INTERPRET=1`` set *before triton is first imported*
 the kernels run on CPU tensors in Triton's interpreter (slow; tests only).
@@ -92,29 +94,65 @@ def _online_update(
 
 
 @triton.jit
-def _dequantize_tile(
+def _dequantize_rows(
     codes_ptr,
     scale_ptr,
     zero_ptr,
     stride_codes,
     stride_scale,
     stride_zero,
-    rows,
-    chans,
-    mask,
+    offs_n,
+    n_valid,
+    head_dim,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """fp32 ``code * scale + zero`` of the (row, channel) pairs ``rows x chans`` (broadcast tiles)."""
+    """fp32 ``code * scale + zero`` of rows ``offs_n``, ``[BLOCK_N, BLOCK_D]`` (0 where masked).
+
+    Codes are read as stored: ``[BLOCK_N, D]`` bytes at 8 bits, ``[BLOCK_N, D / 2]`` packed bytes at 4
+    bits whose low and high nibbles (the even and odd channels) are interleaved back into channel order.
+    Scales and zeros are read once per group, ``[BLOCK_N, D / G]``, and broadcast over their ``G``
+    channels (a ``G`` that is not a power of two, i.e. a head_dim that 8 does not divide: read per
+    channel instead)."""
     if BITS == 8:
-        codes = tl.load(codes_ptr + rows * stride_codes + chans, mask=mask, other=0)
+        offs_d = tl.arange(0, BLOCK_D)
+        codes = tl.load(
+            codes_ptr + offs_n[:, None] * stride_codes + offs_d[None, :],
+            mask=n_valid[:, None] & (offs_d < head_dim)[None, :],
+            other=0,
+        )
     else:
-        packed = tl.load(codes_ptr + rows * stride_codes + chans // 2, mask=mask, other=0)
-        codes = tl.where((chans % 2) == 0, packed & 0x0F, packed >> 4)
-    group = chans // GROUP
-    scale = tl.load(scale_ptr + rows * stride_scale + group, mask=mask, other=0.0)
-    zero = tl.load(zero_ptr + rows * stride_zero + group, mask=mask, other=0.0)
-    return codes.to(tl.float32) * scale.to(tl.float32) + zero.to(tl.float32)
+        offs_b = tl.arange(0, BLOCK_D // 2)
+        packed = tl.load(
+            codes_ptr + offs_n[:, None] * stride_codes + offs_b[None, :],
+            mask=n_valid[:, None] & (offs_b < head_dim // 2)[None, :],
+            other=0,
+        )
+        codes = tl.interleave(packed & 0x0F, packed >> 4)  # channel 2j: low nibble of byte j
+    codes = codes.to(tl.float32)
+    if (GROUP & (GROUP - 1)) == 0 and GROUP <= BLOCK_D:
+        offs_g = tl.arange(0, BLOCK_D // GROUP)
+        g_mask = n_valid[:, None] & (offs_g < head_dim // GROUP)[None, :]
+        scale = tl.load(scale_ptr + offs_n[:, None] * stride_scale + offs_g[None, :], mask=g_mask, other=0.0)
+        zero = tl.load(zero_ptr + offs_n[:, None] * stride_zero + offs_g[None, :], mask=g_mask, other=0.0)
+        scale = tl.reshape(
+            tl.broadcast_to(scale.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP)),
+            (BLOCK_N, BLOCK_D),
+        )
+        zero = tl.reshape(
+            tl.broadcast_to(zero.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP)),
+            (BLOCK_N, BLOCK_D),
+        )
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = n_valid[:, None] & (offs_d < head_dim)[None, :]
+        group = offs_d // GROUP
+        scale = tl.load(scale_ptr + offs_n[:, None] * stride_scale + group[None, :], mask=mask, other=0.0)
+        zero = tl.load(zero_ptr + offs_n[:, None] * stride_zero + group[None, :], mask=mask, other=0.0)
+        scale, zero = scale.to(tl.float32), zero.to(tl.float32)
+    return codes * scale + zero
 
 
 @triton.jit
@@ -188,9 +226,8 @@ def _attend_quantized(
     start,
     end,
     offs_m,
-    offs_d,
     m_valid,
-    d_valid,
+    head_dim,
     scaling,
     softcap,
     BITS: tl.constexpr,
@@ -199,21 +236,24 @@ def _attend_quantized(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Online-softmax update with the quantized rows ``start:end`` of the store, block by block: each
     block's codes, scales and zeros are loaded and dequantized in registers, never written back."""
     for i in range(0, tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)):
         offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        # keys transposed [D, BLOCK_N] for q @ k, values [BLOCK_N, D]
-        k_t = _dequantize_tile(
-            kc_ptr, ks_ptr, kz_ptr, stride_kcn, stride_ksn, stride_kzn,
-            offs_n[None, :], offs_d[:, None], n_valid[None, :] & d_valid[:, None], BITS, GROUP,
-        ).to(q.dtype)  # fmt: skip
-        v = _dequantize_tile(
-            vc_ptr, vs_ptr, vz_ptr, stride_vcn, stride_vsn, stride_vzn,
-            offs_n[:, None], offs_d[None, :], n_valid[:, None] & d_valid[None, :], BITS, GROUP,
-        ).to(q.dtype)  # fmt: skip
+        # [BLOCK_N, D] tiles of keys and values, dequantized in registers; keys transposed for q @ k
+        k = _dequantize_rows(
+            kc_ptr, ks_ptr, kz_ptr, stride_kcn, stride_ksn, stride_kzn, offs_n, n_valid, head_dim,
+            BITS, GROUP, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        v = _dequantize_rows(
+            vc_ptr, vs_ptr, vz_ptr, stride_vcn, stride_vsn, stride_vzn, offs_n, n_valid, head_dim,
+            BITS, GROUP, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        k_t = tl.trans(k.to(q.dtype))
+        v = v.to(q.dtype)
         acc, m_i, l_i = _online_update(
             acc, m_i, l_i, q, k_t, v, bias_ptr, stride_bias_key, 1, bias_rows,
             offs_n, n_valid, offs_m, m_valid, scaling, softcap, HAS_SOFTCAP, HAS_BIAS, PRECISION,
@@ -327,8 +367,8 @@ def _quantized_ragged_attention_partial(
         acc, m_i, l_i = _attend_quantized(
             acc, m_i, l_i, q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
             stride_kcn, stride_ksn, stride_kzn, stride_vcn, stride_vsn, stride_vzn,
-            bias_ptr, stride_bn, q_len, start, end, offs_m, offs_d, m_valid, d_valid, scaling, softcap,
-            BITS, GROUP, HAS_SOFTCAP, HAS_BIAS, PRECISION, BLOCK_N,
+            bias_ptr, stride_bn, q_len, start, end, offs_m, m_valid, head_dim, scaling, softcap,
+            BITS, GROUP, HAS_SOFTCAP, HAS_BIAS, PRECISION, BLOCK_N, BLOCK_D,
         )  # fmt: skip
 
     has_mass = l_i > 0

@@ -111,6 +111,11 @@ CASES = [
     ("int8_d16_many_splits", dict(bits=8, lengths=[700, 0, 3, 0], b=1, h=4, m=2, d=16, num_splits=8, seed=8)),
     # head_dim 128 (4 groups of 32 per row)
     ("int4_d128_decode", dict(bits=4, lengths=[3, 100, 0, 64], b=2, h=2, m=4, d=128, seed=9)),
+    # head_dim 24: groups of 8, three per row in a block of 32 channels (the last block of groups masked)
+    ("int4_d24_groups_of_8", dict(bits=4, lengths=[20, 0, 90], b=1, h=3, m=4, d=24, bias_q=1, seed=15)),
+    # head_dim 12: one group of 12 (not a power of two: scales read per channel), 4 and 8 bits
+    ("int4_d12_one_group", dict(bits=4, lengths=[7, 66, 0], b=1, h=3, m=3, d=12, softcap=6.0, seed=16)),
+    ("int8_d12_one_group", dict(bits=8, lengths=[7, 66, 0], b=1, h=3, m=3, d=12, suffix=4, seed=17)),
     # store + dense suffix in one launch, bf16 query and suffix (a strided view of a larger buffer)
     ("int8_d64_suffix_bf16", dict(bits=8, lengths=[0, 70, 150, 5], b=2, h=2, m=4, d=64, dtype=torch.bfloat16, suffix=9, seed=10)),
     # both biases with hidden entries, softcap, Q = 2 (M = 3 * 2), forced splits, a suffix
