@@ -11,6 +11,8 @@ lukv's attention wrappers are registered in transformers' attention registry as 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._after_import import when_imported
 from ._lazy import lazy_names
 from .errors import (
@@ -56,6 +58,17 @@ _LAZY = {
     "get_scorer": ".scorers",
     "register_scorer": ".scorers",
 }
+# the same names from the same modules, for type checkers and editors (kept equal: tests/test_lazy_names.py)
+if TYPE_CHECKING:
+    from .allocation import AllocationRequest, Allocator, get_allocator, register_allocator
+    from .attention import lukv_aware
+    from .cache import LUKVCache
+    from .cache.saved import load_cache, save_cache
+    from .pipeline import LUKVPipeline
+    from .profiles import Profile
+    from .profiling import build_profile, build_profiles
+    from .scorers import Scorer, get_scorer, register_scorer
+
 _SUBPACKAGES = (
     "allocation",
     "attention",

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .._lazy import lazy_names
 
 # public name -> the module of this package that defines it, imported on first access (PEP 562), so that
@@ -39,6 +41,23 @@ _LAZY = {
     "Profile": ".profile",
     "push_profile": ".publish",
 }
+# the same names from the same modules, for type checkers and editors (kept equal: tests/test_lazy_names.py)
+if TYPE_CHECKING:
+    from .convert import KVPRESS_GRID, convert_curve
+    from .download import download_profile, model_id_of, resolve_profile
+    from .index import INDEX_FORMAT_VERSION, list_profiles, save_to_local_dir
+    from .location import (
+        DEFAULT_REPO_ID,
+        DEFAULT_SCORER,
+        INDEX_FILENAME,
+        LOCAL_DIR_ENV,
+        REPO_ID_ENV,
+        HubLocation,
+        profile_filename,
+        profile_repo_id,
+    )
+    from .profile import FORMAT_VERSION, Profile
+    from .publish import push_profile
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY)

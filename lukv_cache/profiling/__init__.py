@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .._lazy import lazy_names
 
 # public name -> the module of this package that defines it, imported on first access (PEP 562), so that
@@ -25,6 +27,13 @@ _LAZY = {
     "pava": ".solver",
     "solve_evict_ratios": ".solver",
 }
+# the same names from the same modules, for type checkers and editors (kept equal: tests/test_lazy_names.py)
+if TYPE_CHECKING:
+    from ..errors import CalibrationFormatError
+    from .build import build_profile, build_profiles, default_cache_dir
+    from .calibration import load_calibration, shipped_calibrations
+    from .scores import prefill_scores
+    from .solver import DEFAULT_GRID, exact_keep_counts, greedy_keep_counts, pava, solve_evict_ratios
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY)
