@@ -13,9 +13,10 @@ a ``tree_map`` over model outputs hands the very cache back.
 
 import torch.utils._pytree as _pytree
 
-from .cache import LUKVCache, check_ratio, kv_cache_bytes
+from .cache import LUKVCache, kv_cache_bytes
 from .compression import CompressionPolicy
 from .layer import LUKVLayer
+from .policy import check_ratio
 from .ragged import RaggedStore
 
 

@@ -114,10 +114,10 @@ def save_cache(cache: LUKVCache, path: str | os.PathLike, *, model: Any = None) 
         },
         "options": _save_options(cache, tensors, path),
         "cache": {
-            "full_layers": list(cache._full_layers),
+            "full_layers": list(cache.layout.full_layers),
             "unrouted": bool(cache._unrouted),
             "other_keys": bool(cache._other_keys),
-            "record_past": bool(cache._record_past),
+            "record_past": bool(cache.layout.record_past),
             "prefill_scores": _save_prefill_scores(cache, tensors),
         },
         "layers": layers,
@@ -145,7 +145,7 @@ def _check_savable(cache: LUKVCache, path: Path) -> None:
             "cache.evict_held(...) for a holding() block).",
             path=str(path),
         )
-    if cache._head_shard is not None or cache._mesh_shard is not None:
+    if cache.layout.head_shard is not None or cache.layout.mesh_shard is not None:
         raise SavedContextError(
             "Cannot save a tensor-parallel LUKVCache: each rank holds only its block of KV heads. Save the "
             "context from a single-process run of the model.",
@@ -812,15 +812,18 @@ def _restore_layers(cache: LUKVCache, meta: dict, reader: _Reader, devices: list
         for i in full
     ):
         reader.fail("its list of compressed layers is malformed (damaged file).", "cache.full_layers")
-    cache._full_layers = sorted(full)
-    cache._last_full_layer = cache._full_layers[-1] if full else None
-    cache._undecided = False
-    cache._layout_warning = None
+    cache.layout.full_layers = sorted(full)
+    cache.layout.last_full_layer = cache.layout.full_layers[-1] if full else None
+    cache.layout.undecided = False
+    cache.layout.layout_warning = None
+    flags = {}
     for key in ("unrouted", "other_keys", "record_past"):
         value = state.get(key)
         if not isinstance(value, bool):
             reader.fail(f"malformed cache state {key}={value!r} (damaged file).", f"cache.{key}")
-        setattr(cache, f"_{key}", value)
+        flags[key] = value
+    cache._unrouted, cache._other_keys = flags["unrouted"], flags["other_keys"]
+    cache.layout.record_past = flags["record_past"]
     scores = state.get("prefill_scores") or []
     if scores and cache.prefill_scores is None:
         reader.fail(
@@ -875,9 +878,10 @@ def _restore_layer(
     ):
         reader.fail(f"layer {i}'s entry is malformed (damaged file).", where)
     kind, attrs = entry["kind"], entry["attrs"]
-    window = cache._windows.get(i)
+    windows = cache.layout.windows
+    window = windows.get(i)
     current = cache.layers[i]
-    if i in cache._windows:  # a sliding layer: compressed (the prompt fit its window) or transformers' own
+    if i in windows:  # a sliding layer: compressed (the prompt fit its window) or transformers' own
         allowed = kind == "sliding" or (kind == "lukv" and attrs.get("sliding_window") == window)
         fresh = DynamicSlidingWindowLayer(sliding_window=window) if kind == "sliding" else LUKVLayer(window)
     else:

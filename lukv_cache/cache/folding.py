@@ -1,0 +1,173 @@
+"""Eviction at fold time (``LUKVCache(decode_max_tokens=N)``), driven for the cache: which layers fold and
+when, the scores of what they hold, one allocator call over all of them, and the refold of each layer.
+
+The pure pieces (what a layer holds, rescoring, fitting counts) are :mod:`lukv_cache.cache.decoding`'s;
+these functions take the cache's parts (its policy, layers and :class:`~lukv_cache.cache.parallel.HeadShard`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..allocation import AllocationRequest
+from .compression import CompressionPolicy, score_suffix, suffix_positions, valid_from_mask
+from .decoding import Held, fit_counts, gather_held, held_tokens, masked_held, rescore
+from .layer import LUKVLayer
+from .parallel import HeadShard
+from .ragged import keep_mask_from_counts
+
+
+def scorer_context(
+    policy: CompressionPolicy,
+    shard: HeadShard | None,
+    idx: int,
+    module: Any,
+    layer: LUKVLayer,
+    attention_mask,
+) -> dict | None:
+    """What a scorer that reads more than keys and values gets (``Scorer.context``)."""
+    if not policy.scorer.context:
+        return None
+    heads = slice(None) if shard is None else shard.heads(layer.num_heads * shard.size)
+    return {
+        "layer_idx": idx,
+        "module": module,
+        "heads": heads,
+        "positions": suffix_positions(attention_mask, layer),
+        "gather_heads": None if shard is None else shard.gather,
+    }
+
+
+def keeps_scores(policy: CompressionPolicy) -> bool:
+    """Whether stores keep each token's score (eviction at fold time with a scorer that reuses them)."""
+    return policy.decode_max_tokens is not None and policy.scorer.keeps_scores
+
+
+def set_fold(layer: LUKVLayer, policy: CompressionPolicy) -> None:
+    """When ``layer`` folds its dense suffix into the store, and in how many bits it stores."""
+    layer.kv_bits = policy.kv_bits
+    if policy.decode_max_tokens is None:
+        layer.fold_at = policy.fold_interval
+    else:  # the protected window and fold_interval tokens, then the fold evicts (never a plain fold)
+        layer.fold_at, layer.bounded = policy.fold_interval + policy.window, True
+
+
+def fold_due(layer: LUKVLayer, policy: CompressionPolicy, query: torch.Tensor) -> bool:
+    """With ``decode_max_tokens``, after a forward that did not compress: keep the queries the scorer
+    reads at the next fold; whether ``fold_interval`` tokens arrived since the last eviction (the fold is
+    then due: every layer's at once, after the last full-attention layer's attention)."""
+    fold = policy.fold_interval
+    since = layer.cumulative_length - layer.settled_length
+    wanted = policy.scorer.n_queries
+    if wanted and since > fold - wanted:
+        layer.record_queries(query, wanted)
+    return since >= fold
+
+
+def suffix_valid(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch.Tensor:
+    """bool ``[B, S]``: which tokens of ``layer``'s dense suffix are real (not padding)."""
+    return valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.suffix_keys.device)
+
+
+def fold_evict(
+    layers: list[Any],
+    folding: dict[int, tuple[Any, torch.Tensor | None]],
+    policy: CompressionPolicy,
+    shard: HeadShard | None,
+    num_layers: int | None,
+) -> None:
+    """Eviction at fold time (:mod:`lukv_cache.cache.decoding`): the layers whose fold is due (``folding``:
+    layer -> the attention module that read it, its mask) keep, per row, at most ``decode_max_tokens``
+    tokens per (layer, KV head) on average, sinks and window included; budgets from one allocator call at
+    the ratio that total implies over the row's tokens."""
+    kept_scores = keeps_scores(policy)
+    idxs = sorted(folding)
+    layers = [layers[i] for i in idxs]
+    for layer in layers:  # a sliding layer's tokens older than its window are not held (nor counted)
+        layer.slide()
+    first = layers[0]
+    b, h, device = first.batch_size, first.num_heads, first.suffix_keys.device
+    real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
+    frames = [
+        held_tokens(layer, suffix_valid(folding[i][1], layer), policy.sink, policy.decode_window)
+        for i, layer in zip(idxs, layers)
+    ]
+    heads = h * (1 if shard is None else shard.size)
+    # [L, B, H] protected (sinks, recent window) and evictable tokens: layers that hold different
+    # amounts protect different counts, and the bound counts every layer's and head's own
+    protected = torch.stack([f.protected.sum(-1).view(b, h) for f in frames]).cpu()
+    evictable = torch.stack([f.evictable.sum(-1).view(b, h) for f in frames]).cpu()
+    if shard is not None:
+        protected, evictable = shard.gather(protected, dim=2), shard.gather(evictable, dim=2)
+    # [B] evictable tokens the folding layers may keep in all, so that each row holds at most
+    # decode_max_tokens per (layer, KV head) on average, protected tokens included
+    allowed = (policy.decode_max_tokens * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
+    room = allowed.double() / (len(idxs) * heads)  # evictable tokens a head keeps on average
+    protected = protected.double().mean((0, 2))  # [B], per head
+    row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator
+    fits = bool(row_fits.all())
+    raw = None
+    if not fits or kept_scores:
+        raw = [
+            held_scores(policy, shard, i, layer, f, *folding[i]) for i, layer, f in zip(idxs, layers, frames)
+        ]
+    if fits:
+        keeps = [f.slots for f in frames]
+    else:
+        width = max(f.width for f in frames)
+        if shard is not None:  # every rank's request has the same width
+            width = int(shard.gather(torch.tensor([[width]], device=device), dim=1).max())
+        scores = torch.stack(
+            [
+                torch.nn.functional.pad(masked_held(r, f), (0, width - f.width), value=float("-inf"))
+                for r, f in zip(raw, frames)
+            ]
+        ).view(len(idxs), b, h, width)
+        if shard is not None:
+            scores = shard.gather(scores, dim=2)
+        n = (real - protected.round().long()).clamp_min(0)
+        request = AllocationRequest(
+            scores=scores,
+            n_evictable=n,
+            ratio=torch.where(n > room, 1.0 - room / n.clamp_min(1).double(), 0.0).clamp(0.0, 0.999999),
+            layers=tuple(idxs),
+            num_layers=num_layers or max(idxs) + 1,
+            min_keep=policy.min_keep,
+        )
+        counts = fit_counts(policy.allocator(request), evictable, allowed, not policy.allocator.adaptive)
+        counts[:, row_fits] = evictable[:, row_fits]
+        if shard is not None:
+            counts, scores = (t[:, :, shard.heads(request.num_heads)] for t in (counts, scores))
+        keeps = [
+            f.protected
+            | (keep_mask_from_counts(scores[i], counts[i]).flatten(0, 1)[:, : f.width] & f.evictable)
+            for i, f in enumerate(frames)
+        ]
+    for i, (layer, frame, keep) in enumerate(zip(layers, frames, keeps)):
+        kept = None if not kept_scores else raw[i][keep]
+        layer.refold(frame.source[keep], keep.sum(-1), kept, capacity=policy.fold_interval)
+
+
+def held_scores(
+    policy: CompressionPolicy,
+    shard: HeadShard | None,
+    idx: int,
+    layer: LUKVLayer,
+    held: Held,
+    module: Any,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp32 ``[G, M]``: the scores of the tokens ``layer`` holds, in ``held``'s slots: kept ones from
+    the store plus the suffix scored now, or every segment's tokens scored again."""
+    store = layer.store
+    if keeps_scores(policy):
+        context = scorer_context(policy, shard, idx, module, layer, attention_mask)
+        valid = suffix_valid(attention_mask, layer)
+        suffix = score_suffix(policy.scorer, layer, layer.queries, valid, context)
+        stored = None if store is None or store.scores is None else store.scores.unsqueeze(-1)
+        return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
+    keys = gather_held(held, None if store is None else store.keys, layer.suffix_keys)
+    values = gather_held(held, None if store is None else store.values, layer.suffix_values)
+    return rescore(policy.scorer, held, keys, values, layer.queries, layer.num_heads)

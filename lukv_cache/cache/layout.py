@@ -1,0 +1,238 @@
+"""What the model's layers mean for a :class:`~lukv_cache.LUKVCache`, learned once per cache: which layers it
+compresses (full attention; sliding windows that hold the prompt), which keep transformers' own layers
+(linear attention / SSM states, chunked windows, KV-sharing producers, indexed layers), the model's layer
+and KV-head counts, and under tensor parallelism the rank's block of KV heads (:class:`Layout`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    get_layer_types_and_kwargs,
+)
+
+from ..errors import IncompatibleAttentionError
+from .hybrid import LUKVHybridLayer
+from .layer import LUKVLayer
+from .parallel import HeadShard, head_shard
+
+_WINDOWED = ("sliding_attention", "chunked_attention", "hybrid_sliding")  # stock layers bounded by a window
+_HELD_WHOLE = ("indexed_attention",)  # stock attention layers that keep every token
+
+
+def _lukv_layer(layer: Any) -> Any:
+    """The layer the cache keeps in place of transformers' ``layer``: a compressed one for full attention
+    (alone, or beside a linear-attention state), transformers' own for everything else."""
+    if type(layer) is DynamicLayer:
+        return LUKVLayer()
+    if type(layer) is LinearAttentionAndFullAttentionLayer:
+        return LUKVHybridLayer(number_of_states=layer.number_of_states)
+    return layer
+
+
+def record_in(layers: list[Any]) -> None:
+    """Let ``layers`` roll back (assisted decoding crops rejected drafts), as ``activate_past_recording``
+    does for the layers that exist when it is called."""
+    for layer in layers:
+        if hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()
+
+
+class Layout:
+    """The cache's layer layout and what it learned of the model (its methods take the cache, whose
+    ``layers`` they lay out). ``mesh_shard``: the rank's place in tensor parallelism, from a ``device_mesh=``."""
+
+    def __init__(self, mesh_shard: HeadShard | None = None):
+        self.mesh_shard = mesh_shard
+        self.kv_heads: int | None = None  # the model's KV heads per layer (from its config)
+        self.head_shard: HeadShard | None = None
+        self.heads_checked = False
+        self.num_layers: int | None = None
+        self.last_full_layer: int | None = None
+        self.full_layers: list[int] = []
+        self.kv_producers: list[int] = []  # layers whose KV later layers read (KV sharing): kept whole
+        # sliding layers laid out as LUKVLayers until the first forward decides (its length vs the window):
+        # layer -> window; whether that forward is still to come; the layout's own full-attention layers
+        self.windows: dict[int, int] = {}
+        self.undecided = False
+        self.attention_layers: list[int] = []
+        self.layout_warning: tuple | None = None  # what the warning, deferred to that decision, names
+        self.warned: tuple | None = None
+        self.config_checked = False
+        self.record_past = False  # assisted decoding: layers record their past (rejected drafts roll back)
+
+    def set_layout(self, cache: Any, config: Any) -> None:
+        """transformers' own layer for every layer the cache does not compress (sliding and chunked windows,
+        linear-attention / SSM states, KV-sharing placeholders, ...), a :class:`LUKVLayer` for every
+        full-attention one; then learn what the model's layers mean for eviction."""
+        text = config.get_text_config(decoder=True)
+        kinds = get_layer_types_and_kwargs(text)[0]
+        unknown = sorted(set(kinds) - set(DYNAMIC_LAYER_TYPE_MAPPING))
+        if unknown:
+            raise IncompatibleAttentionError(
+                f"{type(text).__name__} has layers of type {unknown}, which keep state of their own that a "
+                "LUKVCache cannot hold (transformers' DynamicCache cannot either); use the cache the model "
+                "creates itself (generate without past_key_values)."
+            )
+        stock = DynamicCache(config=config).layers
+        # KV sharing (Gemma-3n, Gemma-4 E-models): a layer whose KV later layers read keeps it whole, since
+        # they receive the tensors its update() returned, not what a compressed layer holds
+        modes = getattr(text, "kv_sharing_modes", None) or ()
+        self.kv_producers = [i for i, mode in enumerate(modes) if mode == "store"]
+        cache.layers = [
+            layer if i in self.kv_producers else _lukv_layer(layer) for i, layer in enumerate(stock)
+        ]
+        # sliding-window layers: compressed like full ones when the prompt fits their window (decided at the
+        # first forward, _decide_windows); chunked layers share the stock class but not the mask: stock
+        self.windows = {
+            i: layer.sliding_window
+            for i, (layer, kind) in enumerate(zip(stock, kinds))
+            if type(layer) is DynamicSlidingWindowLayer
+            and kind == "sliding_attention"
+            and i not in self.kv_producers
+        }
+        self.pend_windows(cache)
+        cache.layer_class_to_replicate = None
+        if self.record_past:  # assisted decoding asked before the layers existed
+            record_in(cache.layers)
+        self.learn_model(cache, config)
+
+    def pend_windows(self, cache: Any) -> None:
+        """Sliding layers become LUKVLayers that know their window, until the next first forward decides."""
+        for i, window in self.windows.items():
+            cache.layers[i] = LUKVLayer(sliding_window=window)
+        self.undecided = bool(self.windows)
+
+    def decide_windows(self, cache: Any, length: int) -> None:
+        """The first forward (``length`` tokens, padding included) reached the cache: a sliding layer whose
+        window holds it stays a compressed LUKVLayer (exact: transformers' sliding mask, built over the
+        logical positions, hides what falls out of the window, and folds drop it); a longer prompt gives
+        the layer to transformers' stock sliding layer, as a DynamicCache holds it."""
+        self.undecided = False
+        kept = [i for i, window in self.windows.items() if length <= window]
+        for i, window in self.windows.items():
+            if i not in kept:
+                layer = DynamicSlidingWindowLayer(sliding_window=window)
+                if self.record_past:
+                    layer.activate_past_recording()
+                cache.layers[i] = layer
+        self.full_layers = sorted({*self.attention_layers, *kept})
+        self.last_full_layer = self.full_layers[-1] if self.full_layers else None
+        if self.layout_warning is not None:
+            self.warn(cache, *self.layout_warning, kept=kept, length=length)
+
+    def reset_windows(self, cache: Any) -> None:
+        """A new prompt: its length decides again what the sliding layers become."""
+        if not self.windows:
+            return
+        self.pend_windows(cache)
+        if self.record_past:
+            record_in([cache.layers[i] for i in self.windows])
+        self.full_layers = list(self.attention_layers)
+        self.last_full_layer = self.full_layers[-1] if self.full_layers else None
+
+    def learn_model(self, cache: Any, config: Any) -> None:
+        """Once per cache: the model's layers (count, last full-attention one) and the profile's fit."""
+        if self.config_checked or config is None or not hasattr(config, "get_text_config"):
+            return
+        text = config.get_text_config(decoder=True)
+        self.num_layers = text.num_hidden_layers
+        layer_types = get_layer_types_and_kwargs(text)[0]
+        producers = self.kv_producers
+        full = [
+            i
+            for i, kind in enumerate(layer_types)
+            if kind in ("full_attention", "hybrid") and i not in producers
+        ]
+        self.attention_layers = full
+        self.full_layers = full
+        self.last_full_layer = full[-1] if full else None
+        heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+        self.kv_heads = heads if isinstance(heads, int) else None
+        # layers without per-token KV (linear attention, SSM, conv, KV-sharing placeholders) hold nothing to evict
+        windowed = [i for i, kind in enumerate(layer_types) if kind in _WINDOWED]
+        whole = [i for i, kind in enumerate(layer_types) if kind in _HELD_WHOLE]
+        if self.undecided:  # what the sliding layers become is known at the first forward: warn then
+            self.layout_warning = (layer_types, full, windowed, whole, producers)
+        else:
+            self.warn(cache, layer_types, full, windowed, whole, producers)
+        if cache.profile is not None:
+            cache.profile.validate_for(config)
+        self.config_checked = True
+
+    def warn(
+        self,
+        cache: Any,
+        layer_types: list[str],
+        full: list[int],
+        windowed: list[int],
+        whole: list[int],
+        producers: list[int],
+        *,
+        kept: list[int] = (),
+        length: int | None = None,
+    ) -> None:
+        """Warn which layers this cache leaves alone (once per outcome), naming those it compresses."""
+        stock = [i for i in windowed if i not in kept]
+        full = sorted({*full, *kept})
+        if (stock, whole, producers, full) == self.warned:
+            return
+        self.warned = (stock, whole, producers, full)
+        if cache.evicts and (stock or whole or producers or not full):
+            parts = []
+            if stock:
+                kinds = sorted({layer_types[i] for i in stock})
+                why = ""
+                if length is not None:
+                    windows = sorted({self.windows[i] for i in stock if i in self.windows})
+                    if windows:
+                        why = (
+                            f" (the prompt, {length} tokens with padding, is longer than their window of "
+                            f"{', '.join(map(str, windows))}; a prompt that fits is compressed in them)"
+                        )
+                parts.append(
+                    f"layers {stock} ({', '.join(kinds)}) keep transformers' stock layers, bounded by their "
+                    f"window{why}"
+                )
+            if whole:
+                kinds = sorted({layer_types[i] for i in whole})
+                parts.append(
+                    f"layers {whole} ({', '.join(kinds)}: sparse attention whose indexer keys are kept beside the KV) "
+                    "keep transformers' stock layers, which hold every token: their memory is not bounded"
+                )
+            if producers:
+                parts.append(
+                    f"layers {producers} are read again by later layers (KV sharing) and keep every token, uncompressed"
+                )
+            if not parts:
+                kinds = sorted(set(layer_types))
+                parts.append(f"no layer is a full-attention one it can compress (layer types {kinds})")
+            named = (
+                "full-attention layers"
+                if not kept
+                else "layers (full attention, and sliding ones compressed)"
+            )
+            tail = (
+                "this cache compresses nothing and max_tokens bounds nothing here."
+                if not full
+                else f"eviction, ratio and max_tokens apply to the {named} {full}."
+            )
+            which = "every layer" if not full else "some layers"
+            warnings.warn(
+                f"LUKVCache leaves {which} of this model alone: {'; '.join(parts)}; {tail}", stacklevel=4
+            )
+
+    def learn_heads(self, layer: LUKVLayer, module: Any) -> None:
+        """Once per cache, at the first full-attention layer: does this rank hold every KV head, or (tensor
+        parallelism) which block of them (see :mod:`lukv_cache.cache.parallel`)."""
+        if self.heads_checked or not layer.is_initialized:
+            return
+        self.head_shard = head_shard(layer.num_heads, self.kv_heads, self.mesh_shard, module)
+        self.heads_checked = True
