@@ -66,6 +66,7 @@ ALLOWED: dict[str, set[str]] = {
         "scorers",
         "profiles",
         "profiling",
+        "pipeline",  # LUKVPipeline: lazy at run time, imported for type checkers (if TYPE_CHECKING)
     },
 }
 
