@@ -37,7 +37,8 @@ from .layout import Layout
 from .parallel import HeadShard, mesh_shard
 from .policy import build_policy, policy_property
 from .pretrained import from_pretrained
-from .reconstruction import ReconstructionRound, check_prefill_inputs, plan_rounds
+from .reconstruction import check_prefill_inputs, plan_rounds
+from .state import ForwardState
 
 
 def kv_cache_bytes(cache: Any) -> int:
@@ -170,20 +171,7 @@ class LUKVCache(DynamicCache):
         self.profile = None  # the Profile the budgets come from (set by from_pretrained)
         self.layout = Layout(None if device_mesh is None else mesh_shard(device_mesh))
         self.prefill_scores: dict[int, torch.Tensor] | None = {} if keep_scores else None
-        self._cap_ratio: torch.Tensor | None = None  # max_tokens: each row's ratio in this forward
-        self._awaiting: int | None = None  # layer whose announced attention has not run yet
-        # layer -> the attention module that read it (weak): a call announced for it names its reader
-        self._readers: dict[int, weakref.ref] = {}
-        self._unrouted = False  # the model attends in its own code, never through the attention interface
-        self._other_keys = False  # a layer's attention received other keys than update() returned
-        self._deferred: dict[int, tuple[Region, torch.Tensor | None]] = {}
-        # decode_max_tokens: layers whose fold is due in this forward -> (attention module, mask)
-        self._folding: dict[int, tuple[Any, torch.Tensor | None]] = {}
-        # "hold": multi-token forwards plan their regions and keep everything (evict_held() evicts);
-        # "reconstruct": a reconstruction scorer's pass, scored into _round.scores and cropped afterwards
-        self._phase: str | None = None
-        self._held: dict[int, Region] = {}
-        self._round: ReconstructionRound | None = None
+        self.state = ForwardState()  # what a forward leaves pending: reset() replaces it whole
         if config is not None:
             self.layout.set_layout(self, config)
 
@@ -308,17 +296,17 @@ class LUKVCache(DynamicCache):
             self.layout.decide_windows(self, key_states.shape[-2])
         if layer_idx == 0:
             guard_attention()  # implementations registered since import must not read this cache silently
-            self._cap_ratio = None
-            if self._awaiting is not None:  # a previous forward raised between update() and attention
-                self._awaiting = None
+            self.state.cap_ratio = None
+            if self.state.awaiting is not None:  # a previous forward raised between update() and attention
+                self.state.awaiting = None
                 discard_attention()
-            if self._deferred:  # a forward ended before its last full-attention layer compressed
+            if self.state.deferred:  # a forward ended before its last full-attention layer compressed
                 self._evict_deferred()
-            if self._folding:  # likewise for a fold
+            if self.state.folding:  # likewise for a fold
                 self._fold_evict()
         if (
             self.scorer.reconstruction is not None
-            and self._phase is None
+            and self.state.phase is None
             and self.evicts
             and key_states.shape[-2] > 1
             and self.get_seq_length(layer_idx) == 0
@@ -328,10 +316,10 @@ class LUKVCache(DynamicCache):
                 "context's token ids: fill the cache with cache.prefill(model, input_ids, tokenizer=tokenizer) "
                 "(then generate from it), or pick a scorer that ranks from the prefill alone (e.g. 'keydiff')."
             )
-        if self._awaiting is not None:
-            awaiting, self._awaiting = self._awaiting, None
+        if self.state.awaiting is not None:
+            awaiting, self.state.awaiting = self.state.awaiting, None
             discard_attention()
-            if (self.evicts or self.is_compressed) and self._other_keys:
+            if (self.evicts or self.is_compressed) and self.layout.other_keys:
                 raise IncompatibleAttentionError(
                     f"LUKVCache layer {awaiting}: the attention received other keys than the cache's update() "
                     "returned, so the cache does not hold what attention reads. Multi-head latent attention "
@@ -350,14 +338,14 @@ class LUKVCache(DynamicCache):
                 )
             # ratio 0, nothing compressed: the model's own attention code reads the dense layers exactly;
             # announce nothing more (no call may wait for an attention function that never comes)
-            self._unrouted = True
+            self.state.unrouted = True
         self._check_batch(key_states)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
-        if isinstance(layer, LUKVLayer) and not self._unrouted:
+        if isinstance(layer, LUKVLayer) and not self.state.unrouted:
             set_fold(layer, self.policy)
-            self._awaiting = layer_idx
-            reader = self._readers.get(layer_idx)
+            self.state.awaiting = layer_idx
+            reader = self.state.readers.get(layer_idx)
             announce_attention(
                 AttentionCall(
                     layer_idx,
@@ -372,7 +360,7 @@ class LUKVCache(DynamicCache):
         return keys, values
 
     def _keys_changed(self) -> None:
-        self._other_keys = True
+        self.layout.other_keys = True
 
     def _check_batch(self, key_states: torch.Tensor) -> None:
         for layer in self.layers:
@@ -406,12 +394,12 @@ class LUKVCache(DynamicCache):
     ) -> None:
         """The layer's attention ran (see :class:`~lukv_cache.attention.AttentionCall`): compress it, or
         hand a sliding-window layer to the stock sliding layer."""
-        self._awaiting = None
+        self.state.awaiting = None
         idx = call.layer_idx
         layer = self.layers[idx]
-        if idx not in self._readers:
-            self._readers[idx] = weakref.ref(module)
-        if self._phase == "reconstruct":
+        if idx not in self.state.readers:
+            self.state.readers[idx] = weakref.ref(module)
+        if self.state.phase == "reconstruct":
             self._score_round(idx, module, query, scaling, softcap)
             return
         self.layout.learn_model(self, getattr(module, "config", None))
@@ -420,15 +408,15 @@ class LUKVCache(DynamicCache):
             return
         self.layout.learn_heads(layer, module)
         if not self._wants_compression(layer, query.shape[2]):
-            decoding = self.policy.decode_max_tokens is not None and self._phase is None
+            decoding = self.policy.decode_max_tokens is not None and self.state.phase is None
             if decoding and fold_due(layer, self.policy, query):
-                self._folding[idx] = (module, attention_mask)
+                self.state.folding[idx] = (module, attention_mask)
                 if idx == self.layout.last_full_layer:
                     self._fold_evict()
             return
         region = plan_region(layer, self.policy, attention_mask)
-        if self._phase == "hold":
-            self._held[idx] = region
+        if self.state.phase == "hold":
+            self.state.held[idx] = region
             return
         scores = None
         evictable = region.length and bool(region.n_evictable.any())
@@ -441,7 +429,7 @@ class LUKVCache(DynamicCache):
                 self.prefill_scores[idx] = raw
             scores = masked_scores(raw, region) if evictable and self.evicts else None
         if self.policy.defers:
-            self._deferred[idx] = (region, scores)
+            self.state.deferred[idx] = (region, scores)
             if idx == self.layout.last_full_layer:
                 self._evict_deferred()
         else:
@@ -450,7 +438,7 @@ class LUKVCache(DynamicCache):
     # ------------------------------------------------------------------ eviction at fold time
     def _fold_evict(self) -> None:
         """Eviction at fold time of the layers whose fold is due (:func:`~lukv_cache.cache.folding.fold_evict`)."""
-        folding, self._folding = self._folding, {}
+        folding, self.state.folding = self.state.folding, {}
         fold_evict(self.layers, folding, self.policy, self.layout.head_shard, self.num_layers)
 
     def _wants_compression(self, layer: LUKVLayer, query_length: int) -> bool:
@@ -470,7 +458,7 @@ class LUKVCache(DynamicCache):
         return chunk is not None and layer.suffix_length - self.policy.window >= chunk
 
     def _evict_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, {}
+        deferred, self.state.deferred = self.state.deferred, {}
         self._evict(deferred)
 
     def _evict(self, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
@@ -486,7 +474,7 @@ class LUKVCache(DynamicCache):
             cap, slots = token_cap(
                 self.policy, self.layers, self.layout.full_layers, shard, region, scored, scores.shape[2]
             )
-            ratio, self._cap_ratio = row_ratios(self.policy, region, cap, slots, self._cap_ratio)
+            ratio, self.state.cap_ratio = row_ratios(self.policy, region, cap, slots, self.state.cap_ratio)
             request = AllocationRequest(
                 scores=scores,
                 n_evictable=region.n_evictable.cpu(),
@@ -597,16 +585,16 @@ class LUKVCache(DynamicCache):
 
     @contextlib.contextmanager
     def _in_phase(self, phase: str) -> Iterator[None]:
-        previous, self._phase = self._phase, phase
+        previous, self.state.phase = self.state.phase, phase
         try:
             yield
         finally:
-            self._phase = previous
+            self.state.phase = previous
 
     def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:
         """Compress what :meth:`holding` kept, ranking each layer's tokens by ``scores[layer]`` (fp32
         ``[B, H_kv, T]`` over the layer's dense tokens, higher = keep), with this cache's allocator."""
-        held, self._held = self._held, {}
+        held, self.state.held = self.state.held, {}
         steps = {}
         for idx, region in held.items():
             layer = self.layers[idx]
@@ -629,7 +617,9 @@ class LUKVCache(DynamicCache):
     ) -> dict[int, torch.Tensor]:
         """The reconstruction passes: one forward per round of chunks, cropped after each; per-layer scores."""
         recon = self.scorer.reconstruction
-        held = [i for i, layer in enumerate(self.layers) if isinstance(layer, LUKVLayer) and i in self._held]
+        held = [
+            i for i, layer in enumerate(self.layers) if isinstance(layer, LUKVLayer) and i in self.state.held
+        ]
         scores = {
             i: torch.zeros(
                 self.layers[i].batch_size,
@@ -641,7 +631,7 @@ class LUKVCache(DynamicCache):
         }
         stock = {i: layer for i, layer in enumerate(self.layers) if not isinstance(layer, LUKVLayer)}
         for round_ in plan_rounds(input_ids, mask, prompt, recon.chunk_size, recon.overlap, self.policy.sink):
-            self._round = round_
+            self.state.round = round_
             round_.scores = scores
             saved = {i: copy.deepcopy(layer) for i, layer in stock.items()}  # sliding layers would slide
             try:
@@ -655,7 +645,7 @@ class LUKVCache(DynamicCache):
                         logits_to_keep=1,
                     )
             finally:
-                self._round = None
+                self.state.round = None
                 for layer in self.layers:
                     if isinstance(layer, LUKVLayer):
                         layer.crop(-round_.length)
@@ -666,7 +656,7 @@ class LUKVCache(DynamicCache):
     def _score_round(
         self, idx: int, module: Any, query: torch.Tensor, scaling: float, softcap: float | None
     ) -> None:
-        round_, layer = self._round, self.layers[idx]
+        round_, layer = self.state.round, self.layers[idx]
         if round_ is None or idx not in round_.scores:
             return
         weighted = self.scorer.reconstruction.weighted
@@ -722,12 +712,9 @@ class LUKVCache(DynamicCache):
         """Empty the cache for a new prompt, also after a forward that was interrupted (Ctrl-C, out of
         memory) inside a layer: nothing of that forward is left pending."""
         super().reset()
-        if self._awaiting is not None:
+        if self.state.awaiting is not None:
             discard_attention()
-        self._awaiting = None
-        self._readers, self._unrouted = {}, False
-        self._deferred, self._held, self._folding = {}, {}, {}
-        self._phase, self._round, self._cap_ratio = None, None, None
+        self.state = ForwardState()
         if self.prefill_scores is not None:
             self.prefill_scores = {}
         self.layout.reset_windows(self)

@@ -67,6 +67,7 @@ class Layout:
         self.warned: tuple | None = None
         self.config_checked = False
         self.record_past = False  # assisted decoding: layers record their past (rejected drafts roll back)
+        self.other_keys = False  # a layer's attention received other keys than update() returned (MLA)
 
     def set_layout(self, cache: Any, config: Any) -> None:
         """transformers' own layer for every layer the cache does not compress (sliding and chunked windows,

@@ -115,8 +115,8 @@ def save_cache(cache: LUKVCache, path: str | os.PathLike, *, model: Any = None) 
         "options": _save_options(cache, tensors, path),
         "cache": {
             "full_layers": list(cache.layout.full_layers),
-            "unrouted": bool(cache._unrouted),
-            "other_keys": bool(cache._other_keys),
+            "unrouted": bool(cache.state.unrouted),
+            "other_keys": bool(cache.layout.other_keys),
             "record_past": bool(cache.layout.record_past),
             "prefill_scores": _save_prefill_scores(cache, tensors),
         },
@@ -129,15 +129,7 @@ def save_cache(cache: LUKVCache, path: str | os.PathLike, *, model: Any = None) 
 
 
 def _check_savable(cache: LUKVCache, path: Path) -> None:
-    pending = {
-        "a layer's attention has not run yet": cache._awaiting is not None,
-        "layers wait for the end of the prefill to be compressed": bool(cache._deferred),
-        "a fold is due": bool(cache._folding),
-        "a holding() block or KVzip's repeat passes are running": cache._phase is not None
-        or cache._round is not None,
-        "held tokens wait for evict_held()": bool(cache._held),
-    }
-    why = [reason for reason, true in pending.items() if true]
+    why = cache.state.pending()
     if why:
         raise SavedContextError(
             f"Cannot save this LUKVCache now: {'; '.join(why)}. Save it between forwards, once the context is "
@@ -165,7 +157,7 @@ def _check_savable(cache: LUKVCache, path: Path) -> None:
 def _config_of(cache: LUKVCache, model: Any, path: Path) -> Any:
     config = getattr(model, "config", None) if model is not None else None
     if config is None:
-        for ref in cache._readers.values():
+        for ref in cache.state.readers.values():
             module = ref()
             config = getattr(module, "config", None)
             if config is not None:
@@ -822,8 +814,8 @@ def _restore_layers(cache: LUKVCache, meta: dict, reader: _Reader, devices: list
         if not isinstance(value, bool):
             reader.fail(f"malformed cache state {key}={value!r} (damaged file).", f"cache.{key}")
         flags[key] = value
-    cache._unrouted, cache._other_keys = flags["unrouted"], flags["other_keys"]
-    cache.layout.record_past = flags["record_past"]
+    cache.state.unrouted = flags["unrouted"]
+    cache.layout.other_keys, cache.layout.record_past = flags["other_keys"], flags["record_past"]
     scores = state.get("prefill_scores") or []
     if scores and cache.prefill_scores is None:
         reader.fail(
