@@ -1,6 +1,9 @@
 """The cache and its per-layer storage.
 
-* :mod:`.cache`: :class:`LUKVCache`, the ``DynamicCache`` subclass; owns the policy and decides what to keep;
+* :mod:`.cache`: :class:`LUKVCache`, the ``DynamicCache`` subclass; a container that routes to its parts:
+  :mod:`.policy` (its arguments, checked into the policy), :mod:`.layout` (what the model's layers mean),
+  :mod:`.state` (what a forward leaves pending), :mod:`.cap` (``max_tokens``), :mod:`.folding` (eviction at
+  fold time), :mod:`.prefill` (``prefill``, KVzip's passes), :mod:`.pretrained` (``from_pretrained``);
 * :mod:`.compression`: one eviction step as pure functions (region, scores, keep mask) and the policy;
 * :mod:`.layer`: :class:`LUKVLayer`, one layer's ragged store and dense suffix (storage only);
 * :mod:`.ragged`: the ragged store's layout and its batched, sync-free operations.

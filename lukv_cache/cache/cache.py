@@ -20,7 +20,7 @@ from ..allocation import AllocationRequest
 from ..attention.calls import AttentionCall, announce_attention, discard_attention, guard_attention
 from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
 from ..scorers import Scorer
-from ..scorers.kvzip import RepeatPrompt, chunk_scores, value_norms
+from ..scorers.kvzip import RepeatPrompt
 from .callstack import calling_model, generate_prefill_chunk
 from .cap import row_ratios, token_cap
 from .compression import (
@@ -36,9 +36,9 @@ from .layer import FOLD_AT, LUKVLayer
 from .layout import Layout
 from .parallel import HeadShard, mesh_shard
 from .policy import build_policy, policy_property
+from .prefill import prefill_context, score_round
 from .pretrained import from_pretrained
-from .reconstruction import check_prefill_inputs, plan_rounds
-from .state import ForwardState
+from .state import ForwardState, in_phase
 
 
 def kv_cache_bytes(cache: Any) -> int:
@@ -61,14 +61,6 @@ def kv_cache_bytes(cache: Any) -> int:
             tensors += [*layer.conv_states.values(), *layer.recurrent_states.values()]
         total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return total
-
-
-def _positions(mask: torch.Tensor, length: int, past: int) -> torch.Tensor | None:
-    """Position ids of the last ``length`` tokens as ``generate()`` numbers a left-padded batch (each row
-    from 0, padding at 1), from a mask over the past and new tokens; None if the mask covers neither."""
-    if mask.shape[-1] != past + length:  # e.g. a mask of the new tokens alone: the model numbers them
-        return None
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -length:]
 
 
 def _stock_keys(layer: Any) -> torch.Tensor | None:
@@ -400,7 +392,7 @@ class LUKVCache(DynamicCache):
         if idx not in self.state.readers:
             self.state.readers[idx] = weakref.ref(module)
         if self.state.phase == "reconstruct":
-            self._score_round(idx, module, query, scaling, softcap)
+            score_round(self, idx, module, query, scaling, softcap)
             return
         self.layout.learn_model(self, getattr(module, "config", None))
         if sliding_window is not None and layer.sliding_window is None and not layer.compressed:
@@ -532,64 +524,22 @@ class LUKVCache(DynamicCache):
         >>> cache.get_seq_length(), int(cache.stored_tokens()[:, 0].sum()) < 2 * 2 * 48
         (48, True)
         """
-        recon = self.scorer.reconstruction
-        config = getattr(model, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        vocab = getattr(text, "vocab_size", None)
-        mask = check_prefill_inputs(
-            input_ids, attention_mask, left_padding_only=recon is not None, vocab_size=vocab
+        return prefill_context(
+            self,
+            model,
+            input_ids,
+            attention_mask,
+            tokenizer=tokenizer,
+            repeat_prompt=repeat_prompt,
+            **model_kwargs,
         )
-        if attention_mask is not None:
-            attention_mask = mask
-        model_kwargs.setdefault("position_ids", _positions(mask, input_ids.shape[1], self.get_seq_length()))
-        if recon is None or not self.evicts and self.prefill_scores is None:
-            return model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                past_key_values=self,
-                use_cache=True,
-                **model_kwargs,
-            )
-        if self.get_seq_length() > 0:
-            raise ConfigurationError(
-                f"Scorer {self.scorer.name!r} scores a whole context at once: prefill an empty cache "
-                "(a fresh LUKVCache, or cache.reset())."
-            )
-        if repeat_prompt is None:
-            if tokenizer is None:
-                raise ConfigurationError(
-                    f"Scorer {self.scorer.name!r} asks the model to repeat the context, in the model's own words: "
-                    "pass tokenizer=<the model's tokenizer> (or repeat_prompt=RepeatPrompt(...))."
-                )
-            repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer, recon.template)
-        if isinstance(vocab, int):
-            repeat_prompt.check_vocabulary(vocab)
-        with self._in_phase("hold"):
-            out = model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                past_key_values=self,
-                use_cache=True,
-                **model_kwargs,
-            )
-        scores = self._reconstruct(model, input_ids, mask, repeat_prompt)
-        self.evict_held(scores)
-        return out
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[LUKVCache]:
         """Within this block, multi-token forwards fill the cache without compressing it; then rank the
         held tokens with your own scores (:meth:`evict_held`). ``prefill`` uses it for KVzip."""
-        with self._in_phase("hold"):
+        with in_phase(self, "hold"):
             yield self
-
-    @contextlib.contextmanager
-    def _in_phase(self, phase: str) -> Iterator[None]:
-        previous, self.state.phase = self.state.phase, phase
-        try:
-            yield
-        finally:
-            self.state.phase = previous
 
     def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:
         """Compress what :meth:`holding` kept, ranking each layer's tokens by ``scores[layer]`` (fp32
@@ -611,70 +561,6 @@ class LUKVCache(DynamicCache):
             evictable = region.length and bool(region.n_evictable.any())
             steps[idx] = (region, masked_scores(raw, region) if evictable else None)
         self._evict(steps)
-
-    def _reconstruct(
-        self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor, prompt: RepeatPrompt
-    ) -> dict[int, torch.Tensor]:
-        """The reconstruction passes: one forward per round of chunks, cropped after each; per-layer scores."""
-        recon = self.scorer.reconstruction
-        held = [
-            i for i, layer in enumerate(self.layers) if isinstance(layer, LUKVLayer) and i in self.state.held
-        ]
-        scores = {
-            i: torch.zeros(
-                self.layers[i].batch_size,
-                self.layers[i].num_heads,
-                input_ids.shape[1],
-                device=input_ids.device,
-            )
-            for i in held
-        }
-        stock = {i: layer for i, layer in enumerate(self.layers) if not isinstance(layer, LUKVLayer)}
-        for round_ in plan_rounds(input_ids, mask, prompt, recon.chunk_size, recon.overlap, self.policy.sink):
-            self.state.round = round_
-            round_.scores = scores
-            saved = {i: copy.deepcopy(layer) for i, layer in stock.items()}  # sliding layers would slide
-            try:
-                with self._in_phase("reconstruct"):
-                    model(
-                        input_ids=round_.input_ids,
-                        attention_mask=torch.cat([mask, round_.mask.long()], dim=1),
-                        position_ids=round_.position_ids,
-                        past_key_values=self,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-            finally:
-                self.state.round = None
-                for layer in self.layers:
-                    if isinstance(layer, LUKVLayer):
-                        layer.crop(-round_.length)
-                for i, layer in saved.items():
-                    self.layers[i] = layer
-        return scores
-
-    def _score_round(
-        self, idx: int, module: Any, query: torch.Tensor, scaling: float, softcap: float | None
-    ) -> None:
-        round_, layer = self.state.round, self.layers[idx]
-        if round_ is None or idx not in round_.scores:
-            return
-        weighted = self.scorer.reconstruction.weighted
-        for row, bounds in enumerate(round_.chunks):
-            if bounds is None:
-                continue
-            start, end = bounds
-            weight = value_norms(module, layer.suffix_values[row, :, start:end]) if weighted else None
-            round_.scores[idx][row, :, start:end] = chunk_scores(
-                query[row],
-                layer.suffix_keys[row],
-                bounds,
-                round_.sinks[row],
-                round_.mask[row],
-                scaling=scaling,
-                softcap=softcap,
-                value_weight=weight,
-            )
 
     # ------------------------------------------------------------------ the model
 

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,3 +53,14 @@ class ForwardState:
             "held tokens wait for evict_held()": bool(self.held),
         }
         return [reason for reason, waiting in waits.items() if waiting]
+
+
+@contextlib.contextmanager
+def in_phase(cache: Any, phase: str) -> Iterator[None]:
+    """Within this block the forwards into ``cache`` run in ``phase`` (``ForwardState.phase``); the phase
+    before it comes back afterwards, also into a state that ``reset`` replaced meanwhile."""
+    previous, cache.state.phase = cache.state.phase, phase
+    try:
+        yield
+    finally:
+        cache.state.phase = previous
