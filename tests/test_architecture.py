@@ -283,7 +283,12 @@ ATTENTION_LEAVES: dict[str, set[str]] = {
     "windows": {"limits"},
     "masked": {"calls", "limits"},  # calls: the StoreView protocol
     "_triton_ragged": {"limits"},
-    "kernels": {"partial", "limits", "_triton_ragged"},  # partial: the references it falls back to
+    "kernels": {
+        "partial",
+        "limits",
+        "_triton_ragged",
+        "_triton_quantized",
+    },  # partial: the references it falls back to
 }
 
 

@@ -150,11 +150,8 @@ def compressed_attention(
         bias = bias.expand(b, q_len, bias.shape[-1])
         suffix_bias = bias[:, None, :, bias.shape[-1] - s :].repeat(1, 1, g, 1)  # [B, 1, M, S]
         key_bias = bias[store.segment_ids() // h, :, store.positions.long()]  # [N, Q]
-    blocks = 1
-    if getattr(store, "kv_bits", None) is not None:
-        blocks = len(_block_bounds(store, resolve_limits(limits).block_rows))
-        if blocks == 1:
-            store = next(store_blocks(store, limits))  # a small store: one block, every path below
+    quantized = getattr(store, "kv_bits", None) is not None
+    blocks = len(_block_bounds(store, resolve_limits(limits).block_rows)) if quantized else 1
     plan = plan_attention(
         grouped,
         store,
@@ -165,6 +162,8 @@ def compressed_attention(
         blocks=blocks,
         limits=limits,
     )
+    if quantized and blocks == 1 and not plan.codes:
+        store = next(store_blocks(store, limits))  # a small store: one block, the plan's path over it
     key_bias = key_bias if plan.key_bias else None
     suffix_bias = suffix_bias if plan.suffix_bias else None
     if plan.store is Impl.MASKED:  # store and suffix in one masked product, the sink in its softmax

@@ -8,6 +8,9 @@ bias each part reads. :mod:`.compressed` then computes what the plan says with t
 decide nothing: :mod:`.masked`, :mod:`.windows`, :mod:`.partial` (the torch math), :mod:`.kernels` (the
 CUDA kernels, and the choice among them). The plans, in the order they are tried:
 
+0. a quantized store on CUDA (or Triton's interpreter when forced): store and suffix in one Triton call
+   that reads the codes and dequantizes each block in registers (:func:`~.kernels.get_quantized_suffix_kernel`,
+   :attr:`AttentionPlan.codes`);
 1. a quantized store of several blocks (``AttentionLimits.block_rows``): the store by blocks
    (:attr:`Impl.BLOCKS`, each block's path chosen by :func:`store_path` when it is dequantized, with its
    rows of the key bias), the suffix by the torch math, their log-sum-exps merged;
@@ -58,9 +61,10 @@ class AttentionPlan:
     reads its bias (``False``: no mask, or one that hides nothing there, dropped). ``kernel``: the
     store part's CUDA kernel (:attr:`Impl.TRITON`, :attr:`Impl.FLASH_ATTN`, not fused), ``fused_kernel``:
     the kernel of a fused :attr:`Impl.TRITON` call; else ``None`` (neither is compared or shown).
+    ``codes``: that fused kernel reads a quantized store's codes itself (no block is dequantized).
 
     >>> AttentionPlan(Impl.MASKED, Impl.MASKED, fused=True)
-    AttentionPlan(store=<Impl.MASKED: 'masked'>, suffix=<Impl.MASKED: 'masked'>, fused=True, key_bias=False, suffix_bias=False)
+    AttentionPlan(store=<Impl.MASKED: 'masked'>, suffix=<Impl.MASKED: 'masked'>, fused=True, key_bias=False, suffix_bias=False, codes=False)
     """
 
     store: Impl
@@ -70,6 +74,7 @@ class AttentionPlan:
     suffix_bias: bool = False
     kernel: RaggedKernel | None = field(default=None, compare=False, repr=False)
     fused_kernel: RaggedSuffixKernel | None = field(default=None, compare=False, repr=False)
+    codes: bool = False  # the fused kernel reads a quantized store's codes (dequantized in registers)
 
 
 def plan_attention(
@@ -102,6 +107,18 @@ def plan_attention(
     >>> plan_attention(q, Store(), sk, key_bias=None, suffix_bias=None, softcap=None, blocks=3).store
     <Impl.BLOCKS: 'blocks'>
     """
+    if getattr(store, "kv_bits", None) is not None:
+        on_codes = kernels.get_quantized_suffix_kernel(query)
+        if on_codes is not None:  # CUDA: one fused kernel over the codes and the suffix, any size
+            return AttentionPlan(
+                Impl.TRITON,
+                Impl.TRITON,
+                fused=True,
+                key_bias=key_bias is not None,
+                suffix_bias=suffix_bias is not None,
+                fused_kernel=on_codes,
+                codes=True,
+            )
     if blocks > 1:
         return AttentionPlan(
             Impl.BLOCKS,

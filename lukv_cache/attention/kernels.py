@@ -278,6 +278,53 @@ def _triton_suffix_or_reference(*args, **kwargs) -> tuple[torch.Tensor, torch.Te
     return _triton_or_reference(*args, suffix=True, **kwargs)
 
 
+def get_quantized_suffix_kernel(query: torch.Tensor) -> RaggedSuffixKernel | None:
+    """The fused Triton kernel over a quantized store's codes (:mod:`._triton_quantized`: each block of
+    codes dequantized in registers, no full-precision copy of the store) and the dense suffix, where the
+    full-precision fused kernel would serve (CUDA, or Triton's interpreter when forced); else ``None``.
+    It takes the store's :class:`~lukv_cache.cache.quant.PackedRows` as ``keys`` / ``values``."""
+    if _quantized_failure is not None or get_ragged_suffix_kernel(query) is None:
+        return None
+    return _triton_quantized_or_reference
+
+
+_quantized_failure: str | None = None
+
+
+def _triton_quantized_or_reference(query, keys, values, offsets, suffix_keys, suffix_values, **kwargs):
+    """The quantized Triton kernel; if it cannot compile or launch here, warn once and attend over the
+    dequantized store with the torch reference (for this call; later calls take the block path)."""
+    global _quantized_failure
+    kwargs.pop("limits", None)  # its block sizes are its own
+    try:
+        from ._triton_quantized import triton_quantized_ragged_attention
+
+        return triton_quantized_ragged_attention(
+            query,
+            *keys.tensors(),
+            *values.tensors(),
+            offsets,
+            bits=keys.bits,
+            dim=keys.dim,
+            suffix_keys=suffix_keys,
+            suffix_values=suffix_values,
+            **kwargs,
+        )
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # a Triton compile/launch error must not take generation down
+        _quantized_failure = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"lukv_cache: the quantized Triton kernel failed ({_quantized_failure}); quantized stores are "
+            "dequantized block by block for the rest of this process.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return ragged_with_suffix_reference(
+            query, keys.dequantize(), values.dequantize(), offsets, suffix_keys, suffix_values, **kwargs
+        )
+
+
 def flash_attn_ragged_attention(
     query: torch.Tensor,
     keys: torch.Tensor,

@@ -98,7 +98,9 @@ class PackedRows:
         """Rows ``[N, D]`` (any float dtype) in ``bits`` bits."""
         n, d = rows.shape
         if bits == 4 and d % 2:
-            raise ConfigurationError(f"kv_bits=4 packs two channels per byte: head_dim {d} is odd; use kv_bits=8.")
+            raise ConfigurationError(
+                f"kv_bits=4 packs two channels per byte: head_dim {d} is odd; use kv_bits=8."
+            )
         g = group_size(d)
         groups = rows.float().reshape(n, d // g, g)
         lo = groups.amin(-1).half()

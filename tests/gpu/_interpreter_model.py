@@ -1,6 +1,6 @@
 """Generate with a compressed LUKVCache through the Triton kernels (Triton's interpreter on CPU) and
 through the torch reference; print one JSON object comparing them, for a full-precision store and a 4-bit
-one (``kv_bits=4``, dequantized in blocks of 64 rows that the kernels then read).
+one (``kv_bits=4``: the Triton kernel on its codes, dequantized in registers).
 
 Run with ``TRITON_INTERPRET=1`` (set before triton is first imported, hence a separate process).
 ``LUKV_RAGGED_KERNEL=triton`` is what routes CPU tensors to the interpreter.
@@ -37,6 +37,16 @@ def main() -> None:
         return kernel(*args, **kwargs)
 
     _triton_ragged.triton_ragged_attention = counted
+    from lukv_cache.attention import _triton_quantized
+
+    on_codes = _triton_quantized.triton_quantized_ragged_attention
+
+    def counted_codes(*args, **kwargs):
+        calls["codes"] += 1
+        return on_codes(*args, **kwargs)
+
+    calls["codes"] = 0
+    _triton_quantized.triton_quantized_ragged_attention = counted_codes
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -67,11 +77,13 @@ def main() -> None:
         key = "" if kv_bits is None else f"int{kv_bits}_"
         out.update({
             f"{key}triton_calls": calls["triton"],
+            f"{key}codes_calls": calls["codes"],
             f"{key}tokens_equal": bool(torch.equal(got.sequences, ref.sequences)),
             f"{key}max_logit_diff": diff,
         })  # fmt: skip
-        calls["triton"] = 0
+        calls["triton"] = calls["codes"] = 0
     out["triton_failure"] = cuda.triton_failure()
+    out["quantized_failure"] = cuda._quantized_failure
     print(json.dumps(out))
 
 
