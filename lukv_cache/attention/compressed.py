@@ -9,10 +9,11 @@ hides nothing (decode), the masked product of :mod:`.masked` for a small fp32 la
 :mod:`.windows`; otherwise the two parts (:mod:`.partial`, :func:`.dispatch.ragged_attention`) and their
 log-sum-exp merge. This module computes what the plan says.
 
-A quantized store (``LUKVCache(kv_bits=...)``) is read in blocks of at most ``AttentionLimits.block_rows``
-rows (:mod:`.limits`): each block is dequantized to the model's dtype and attended like a full-precision
-store (every path above), the blocks' log-sum-exps merged; a layer never holds more than one block at
-full precision.
+A quantized store (``LUKVCache(kv_bits=...)``) on CUDA goes to the Triton kernel on its codes (each block
+dequantized in registers, :mod:`._triton_quantized`); elsewhere it is read in blocks of at most
+``AttentionLimits.block_rows`` rows (:mod:`.limits`): each block is dequantized to the model's dtype and
+attended like a full-precision store (every path above), the blocks' log-sum-exps merged; a layer never
+holds more than one block at full precision.
 
 Learned attention sinks (``s_aux [Hq]``, GPT-OSS and its kin: one logit per query head in the softmax's
 denominator, with no value) are honoured on every path. The masked product puts the sink in its softmax;
