@@ -1,0 +1,60 @@
+"""The equal-bytes table of the quantized store's grid: every method of the ``lukv bench`` runs that
+``benchmarks/results/quantized/grid.sh`` wrote for one context length, sorted by the bytes it holds.
+
+Each row: the method (``allocator/scorer@ratio[/intN]``), its bytes after the prefill as a share of the full
+fp32 cache's (the mean over the multikey contexts, ``kv_bytes_mean``), multikey retrieval (% ± SE over
+contexts) and continuation excess NLL against the full cache (nats/token ± SE, paired per document). Every
+run has seed 0, so every run has the same samples and its own full-cache row; the share and the excess
+are taken against the run's own full cache.
+
+    python benchmarks/quantized_grid_table.py 1000 > benchmarks/results/quantized/equal_bytes_1000.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "quantized"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    tokens = argv[0] if argv else "1000"
+    rows = {}
+    commands = []
+    for index, path in enumerate(sorted(RESULTS.glob(f"grid_{tokens}_*.json"))):
+        data = json.loads(path.read_text())
+        commands.append(data["command"])
+        by = {(r["task"], r["method"]): r for r in data["results"]}
+        full_bytes = by[("niah_multikey", "full")]["kv_bytes_mean"]
+        for (task, method), r in by.items():
+            if method == "full" and index:  # the full cache's row: from the first run
+                continue
+            row = rows.setdefault(method, {})
+            if task == "niah_multikey":
+                row["bytes"] = r["kv_bytes_mean"] / full_bytes
+                row["keys"] = (100 * r["mean"], 100 * r["sem"])
+            elif "excess_nll" in r:
+                row["nll"] = (r["excess_nll"]["mean"], r["excess_nll"]["sem"])
+            elif method == "full":
+                row["nll"] = (0.0, 0.0)
+    print(f"# Equal bytes: the quantized store's grid at ~{tokens} context tokens\n")
+    print("Made by `python benchmarks/quantized_grid_table.py " + tokens + "` from the runs of:\n")
+    for command in commands:
+        print(f"* `{command}`")
+    print("\n| method | bytes of the full fp32 cache | multikey retrieval % ± SE | excess NLL ± SE |")
+    print("|---|---:|---:|---:|")
+    for method, row in sorted(rows.items(), key=lambda item: -item[1].get("bytes", 0)):
+        keys = row.get("keys", (float("nan"), 0.0))
+        nll = row.get("nll", (float("nan"), 0.0))
+        print(
+            f"| {method} | {100 * row.get('bytes', float('nan')):.1f}% | {keys[0]:.1f} ± {keys[1]:.1f} | "
+            f"{nll[0]:+.3f} ± {nll[1]:.3f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
