@@ -102,12 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ratio", type=float, default=0.8)
     parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--block-rows", type=int, help="AttentionLimits.block_rows (default: the library's)")
     parser.add_argument("--out", help="write the table here too")
     args = parser.parse_args(argv)
+    if args.block_rows:
+        from dataclasses import replace
+
+        from lukv_cache.attention import limits
+
+        limits.LIMITS = replace(limits.LIMITS, block_rows=args.block_rows)
     lines = [
         f"Command: python benchmarks/quantized_cost.py --tokens {' '.join(map(str, args.tokens))} --batch "
         f"{' '.join(map(str, args.batch))} --threads {args.threads} --ratio {args.ratio} --decode-steps "
-        f"{args.decode_steps}",
+        f"{args.decode_steps}" + (f" --block-rows {args.block_rows}" if args.block_rows else ""),
         "",
         "| context | batch | cache | kept/head | MiB | bytes / ideal | store bytes / fp32 store | decode ms | / fp32 |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",

@@ -27,8 +27,9 @@ class AttentionLimits:
     * ``masked_equal_limit``: ... and equal segments while the stored rows stay at most this (measured up
       to 157k, all faster than the windows);
     * ``window``: rows per window of :mod:`.windows` (``benchmarks/cache_bench.py``; 128-512 measure alike);
-    * ``block_rows``: rows of a quantized store dequantized at a time (1 MiB per tensor at fp32, head_dim
-      64), :mod:`.compressed`;
+    * ``block_rows``: rows of a quantized store dequantized at a time (4 MiB per tensor at fp32, head_dim
+      64), :mod:`.compressed`; 16384 decodes a 4k batch of 4 in one block, 1.19x the fp32 store's ms/token
+      at 8 bits where 4096 took 1.62x (``benchmarks/quantized_cost.py``);
     * ``triton_block_n``: keys per inner step of the Triton kernel (:mod:`._triton_ragged`);
     * ``triton_min_chunk``: the fewest keys a split is given (below that, launch overhead dominates);
     * ``triton_max_splits``: the most splits per segment.
@@ -37,7 +38,7 @@ class AttentionLimits:
     masked_limit: int = 16384
     masked_equal_limit: int = 262144
     window: int = 256
-    block_rows: int = 4096
+    block_rows: int = 16384
     triton_block_n: int = 64
     triton_min_chunk: int = 4 * 64
     triton_max_splits: int = 128

@@ -94,7 +94,7 @@ def test_limits_are_frozen_and_checked():
         16384,
         262144,
         256,
-        4096,
+        16384,  # benchmarks/quantized_cost.py: a 4k batch of 4 in one block
     )
     assert (LIMITS.triton_block_n, LIMITS.triton_min_chunk, LIMITS.triton_max_splits) == (64, 256, 128)
     with pytest.raises(dataclasses.FrozenInstanceError):
