@@ -19,3 +19,6 @@ four_k=(--tasks niah_multikey continuation --samples 8 --context-tokens 4000 --t
         --scorers kvzap --allocators global)
 lukv bench "${four_k[@]}" --kv-bits none --ratios 0.8 0.9 0.95 0.97 --name grid_4000_fp32
 lukv bench "${four_k[@]}" --kv-bits 8 4 --ratios 0.68 0.82 --name grid_4000_quantized
+# (grid_1000_quantized_keydiff_profile was run as `python -m lukv_cache.cli bench ...` from a git worktree of
+# this repository's HEAD at the time, with --out pointing at this folder; its recorded command is written
+# here as the equivalent `lukv bench` from the repository root.)
