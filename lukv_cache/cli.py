@@ -555,6 +555,9 @@ def _precheck_bench(args: argparse.Namespace) -> None:
     refuse_unknown("scorer", _parts(args.scorers))
     refuse_unknown("allocator", _parts(args.allocators))
     kv_bits_list(_parts(args.kv_bits))
+    for task in _parts(args.tasks):  # the runner's own check, before the model loads
+        if task not in TASKS:
+            raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
 
 
 def _precheck_build(args: argparse.Namespace) -> None:

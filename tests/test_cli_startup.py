@@ -132,6 +132,8 @@ MISTAKES = [
     ["demo", "--ratios", "1.5"],
     ["demo", "--model", "./no-such-model"],
     ["bench", "--ratios", "1.5"],
+    ["bench", "--tasks", "niah_multikey", "nope"],  # a task the bench does not have
+    ["bench", "--kv-bits", "3"],
     ["build", "./no-such-model", "--out", "o"],
     ["show", "no-such-profile.safetensors", "--model", "./no-such-model"],
 ]
