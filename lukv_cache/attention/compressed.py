@@ -84,11 +84,7 @@ def _block_bounds(store: StoreView, rows: int) -> list[tuple[int, int, torch.Ten
 
 
 def store_blocks(store: StoreView, limits: AttentionLimits | None = None):
-    """The store at the model's precision, a block of ``limits.block_rows`` rows at a time (a
-    full-precision store: itself)."""
-    if getattr(store, "kv_bits", None) is None:
-        yield store
-        return
+    """A quantized store at the model's precision, a block of ``limits.block_rows`` rows at a time."""
     for start, stop, offsets, offsets_list in _block_bounds(store, resolve_limits(limits).block_rows):
         keys, values = store.dense(start, stop)
         yield _Block(

@@ -142,9 +142,6 @@ class PackedRows:
             self.codes[index], self.scale[index], self.zero[index], self.bits, self.dim, self.dtype
         )
 
-    def with_dtype(self, dtype: torch.dtype) -> PackedRows:
-        return PackedRows(self.codes, self.scale, self.zero, self.bits, self.dim, dtype)
-
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (self.codes, self.scale, self.zero)
 

@@ -78,12 +78,6 @@ class RaggedStore:
             return self.keys[start:stop], self.values[start:stop]
         return self.keys.dequantize(start, stop), self.values.dequantize(start, stop)
 
-    def dense_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of rows ``index`` (int64) at the model's precision."""
-        if not isinstance(self.keys, PackedRows):
-            return self.keys[index], self.values[index]
-        return self.keys.rows(index), self.values.rows(index)
-
     def quantize_like(self, keys: torch.Tensor, values: torch.Tensor):
         """New full-precision rows in this store's format."""
         if not isinstance(self.keys, PackedRows):

@@ -83,7 +83,7 @@ def _check(args: argparse.Namespace) -> int:
         hub=args.hub,
         show_progress=not args.quiet,
         show_answers=args.show_answers,
-        kv_bits=getattr(args, "kv_bits", None),
+        kv_bits=args.kv_bits,
     )
     print(format_check(report))
     return 0
@@ -110,7 +110,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         profiles_dir=args.profiles,
         hub=args.hub,
         share_prefill=not args.no_share_prefill,
-        kv_bits=kv_bits_list(_split(getattr(args, "kv_bits", None)) or []),
+        kv_bits=kv_bits_list(_split(args.kv_bits) or []),
     )
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}
