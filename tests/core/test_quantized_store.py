@@ -245,3 +245,31 @@ def test_max_tokens_and_kvzip_prefill_with_kv_bits(bits):
         kept.append([cache.kept_positions(i) for i in range(len(cache.layers))])
     for a, b in zip(*kept):  # KVzip's passes score at full precision: the same tokens kept
         assert torch.equal(a, b)
+
+
+def test_a_quantized_triton_kernel_that_fails_warns_once_and_falls_back(monkeypatch):
+    """A compile or launch error of the kernel on codes must not take generation down: the call is served
+    by the reference over the dequantized store, and later calls are planned without the kernel."""
+    pytest.importorskip("triton")
+    from lukv_cache.attention import _triton_quantized, kernels
+    from lukv_cache.attention.kernels import ragged_with_suffix_reference
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(_triton_quantized, "triton_quantized_ragged_attention", broken)
+    monkeypatch.setattr(kernels, "_quantized_failure", None)
+    quantized, dense = _stores(4, [30, 50, 0, 41])
+    gen = torch.Generator().manual_seed(2)
+    query, suffix = torch.randn(2, 2, 3, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen)
+    with pytest.warns(RuntimeWarning, match="quantized Triton kernel failed"):
+        out, lse = kernels._triton_quantized_or_reference(
+            query, quantized.keys, quantized.values, quantized.offsets, suffix, suffix, scaling=0.25
+        )
+    want, want_lse = ragged_with_suffix_reference(
+        query, dense.keys, dense.values, dense.offsets, suffix, suffix, scaling=0.25
+    )
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    assert kernels._quantized_failure == "RuntimeError: no compiler here"
+    assert kernels.get_quantized_suffix_kernel(query) is None  # later calls: the block path
