@@ -10,7 +10,7 @@ attention (only one layer's full KV alive at a time). An allocator registered wi
 prefill has run and asks once, for all layers.
 
 An allocator registered with ``reads_profile=True`` (``profile``, ``hybrid``, ``hybrid_global``,
-``threshold``) takes ``profile=`` (a :class:`~lukv_cache.Profile`): :meth:`lukv_cache.LUKVCache.from_pretrained`
+``calibrated``, ``threshold``) takes ``profile=`` (a :class:`~lukv_cache.Profile`): :meth:`lukv_cache.LUKVCache.from_pretrained`
 passes it the profile it loaded, and the evaluation reads the model's profile for it
 (:func:`allocators_reading_profile` lists them).
 
@@ -170,7 +170,7 @@ def allocators_reading_profile() -> tuple[str, ...]:
     """The registered allocators that take ``profile=`` (registered with ``reads_profile=True``), sorted.
 
     >>> allocators_reading_profile()
-    ('hybrid', 'hybrid_global', 'profile', 'threshold')
+    ('calibrated', 'hybrid', 'hybrid_global', 'profile', 'threshold')
     """
     return tuple(name for name in ALLOCATORS.names() if ALLOCATORS.get(name).reads_profile)
 

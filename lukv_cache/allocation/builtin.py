@@ -1,5 +1,5 @@
 """The built-in allocators: uniform, pyramid (PyramidKV), adakv (AdaKV), global (KVzip), profile (LU-KV),
-its hybrids, and threshold (KVzap / DMS)."""
+its hybrids, calibrated (the profile's score-to-gain table, competed model-wide) and threshold (KVzap / DMS)."""
 
 from __future__ import annotations
 
@@ -235,15 +235,103 @@ def hybrid_global(evict_ratio=None, floor: float = 0.5, profile=None):
     budgets = _profile_budgets("hybrid_global", evict_ratio, profile)
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
-        prior = budgets(req)  # [L, B, H]
-        num, b, h, r = req.scores.shape
-        guaranteed = torch.maximum(
-            torch.floor(floor * prior.double()).long(), req.min_counts().view(1, -1, 1)
-        )  # [L, B, H]
-        flat_scores = req.scores.permute(1, 0, 2, 3).reshape(b, num * h, r)
-        flat_floor = guaranteed.permute(1, 0, 2).reshape(b, num * h)
-        counts = _competing_counts(flat_scores, prior.sum((0, 2)), flat_floor, req.n_evictable)
-        return counts.view(b, num, h).transpose(0, 1)
+        return _floored_model_wide(req, req.scores, budgets(req), floor)
+
+    return allocate
+
+
+def _floored_model_wide(
+    req: AllocationRequest, values: torch.Tensor, prior: torch.Tensor, floor: float
+) -> torch.Tensor:
+    """Keep counts ``[L, B, H]``: every head first keeps ``floor`` of its ``prior`` budget (``[L, B, H]``, at
+    least its minimum), the rest of the prior's total goes to the highest ``values`` (``[L, B, H, R]``)
+    across every layer and head of the row."""
+    num, b, h, r = values.shape
+    guaranteed = torch.maximum(
+        torch.floor(floor * prior.double()).long(), req.min_counts().view(1, -1, 1)
+    )  # [L, B, H]
+    flat_values = values.permute(1, 0, 2, 3).reshape(b, num * h, r)
+    flat_floor = guaranteed.permute(1, 0, 2).reshape(b, num * h)
+    counts = _competing_counts(flat_values, prior.sum((0, 2)), flat_floor, req.n_evictable)
+    return counts.view(b, num, h).transpose(0, 1)
+
+
+def _gain_table(name: str, profile) -> tuple[torch.Tensor, torch.Tensor]:
+    """A profile's score-to-gain table as float64 ``(knots, gains)`` ``[L, H, Q]``, or a ConfigurationError."""
+    knots, gains = getattr(profile, "gain_scores", None), getattr(profile, "gain_values", None)
+    if knots is None or gains is None:
+        held = (
+            "no profile" if profile is None else f"the profile {getattr(profile, 'source', None) or 'given'}"
+        )
+        raise ConfigurationError(
+            f"allocator={name!r} reads a profile's score-to-gain table, and {held} has none. Use "
+            "LUKVCache.from_pretrained(model_id, ratio, scorer) with a profile that has one (format version 2; "
+            "lukv_cache.profiling.with_score_gains adds it to a profile), or another allocator."
+        )
+    return torch.as_tensor(knots, dtype=torch.float64), torch.as_tensor(gains, dtype=torch.float64)
+
+
+def expected_gains(scores: torch.Tensor, layers, knots: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+    """Each token's expected oracle gain ``[L, B, H, R]`` (float64) from its score, through its head's table.
+
+    ``scores``: ``[L, B, H, R]`` of the model layers ``layers``, ``-inf`` where not evictable (stays
+    ``-inf``). Each row's scores are centred on that row's mean over its evictable tokens of these layers,
+    as the table's knots are; between knots the gain is linear in the score, beyond the end knots it is the
+    end knot's. A slope of 1e-9 per score unit is added so that tokens of equal gain (a flat stretch of the
+    table) are ranked by their scores, not by their position.
+
+    >>> knots, gains = torch.tensor([[[-2.0, 2.0]]]), torch.tensor([[[0.0, 4.0]]])  # one layer, one head
+    >>> scores = torch.tensor([[[[1.0, 2.0, 3.0, float("-inf")]]]])  # centred: -1, 0, 1
+    >>> expected_gains(scores, (0,), knots, gains).squeeze().round(decimals=4).tolist()
+    [1.0, 2.0, 3.0, -inf]
+    """
+    finite = torch.isfinite(scores)
+    s = scores.double().masked_fill(~finite, 0.0)
+    count = finite.sum(dim=(0, 2, 3)).clamp_min(1)  # [B]
+    centre = (s.sum(dim=(0, 2, 3)) / count).view(1, -1, 1, 1)
+    s = s - centre
+    num, b, h, r = s.shape
+    table_knots = knots[list(layers)]  # [L, H, Q]
+    table_gains = gains[list(layers)]
+    flat = s.permute(0, 2, 1, 3).reshape(num, h, b * r).contiguous()  # [L, H, B*R]
+    q = table_knots.shape[-1]
+    upper = torch.searchsorted(table_knots.contiguous(), flat).clamp(1, q - 1)
+    lower = upper - 1
+    k0, k1 = table_knots.gather(-1, lower), table_knots.gather(-1, upper)
+    g0, g1 = table_gains.gather(-1, lower), table_gains.gather(-1, upper)
+    step = (k1 - k0).clamp_min(1e-12)
+    weight = ((flat - k0) / step).clamp(0.0, 1.0)
+    value = g0 + weight * (g1 - g0) + 1e-9 * flat  # [L, H, B*R]
+    value = value.view(num, h, b, r).permute(0, 2, 1, 3)
+    return value.masked_fill(~finite, float("-inf"))
+
+
+@register_allocator("calibrated", whole_model=True, reads_profile=True)
+def calibrated(profile=None, floor: float = 0.0, evict_ratio=None):
+    """LU-KV's profile and the prompt's own scores together (this library's, beyond the paper).
+
+    Every token's score goes through its head's score-to-gain table, read from the profile
+    (:mod:`lukv_cache.profiling.gains`: the oracle gain that calibration measured for tokens scoring that
+    much in that head), and one model-wide top-k keeps the tokens of highest expected gain, as ``global``
+    does on raw scores. A head whose scores predict little has a flat table and wins tokens only by its
+    measured worth; a prompt whose scores in a head are unusually high still gets more there. The model
+    keeps the profile's total (as ``hybrid_global`` does); ``floor``: every head first keeps that share of
+    its profile budget (0, the default: only its minimum). Needs every layer's scores at once (like
+    ``global``), and a profile with a score-to-gain table (format version 2)."""
+    if not 0.0 <= floor <= 1.0:
+        raise ConfigurationError(f"calibrated: floor must be in [0, 1], got {floor}.")
+    knots, gains = _gain_table("calibrated", profile)
+    budgets = _profile_budgets("calibrated", evict_ratio, profile)
+
+    def allocate(req: AllocationRequest) -> torch.Tensor:
+        h = req.num_heads
+        if knots.shape[:2] != (req.num_layers, h) or max(req.layers) >= knots.shape[0]:
+            raise ConfigurationError(
+                f"allocator='calibrated': the score-to-gain table has shape {tuple(knots.shape[:2])} but the "
+                f"model has {req.num_layers} layers with {h} KV heads. Use a profile built for this model."
+            )
+        values = expected_gains(req.scores, req.layers, knots, gains)  # [L, B, H, R]
+        return _floored_model_wide(req, values, budgets(req), floor)
 
     return allocate
 

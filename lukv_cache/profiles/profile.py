@@ -3,6 +3,10 @@
 One safetensors file holds two float32 tensors, ``grid`` ``[G]`` (the global ratios rho) and
 ``evict_ratio`` ``[G, L, H_kv]`` (Phi(rho)[l, h]), plus string metadata (``__metadata__``) that
 says which model and scorer it was built for and how. No pickle anywhere.
+
+Format version 2 adds an optional score-to-gain table (``gain_scores`` and ``gain_values``, float32
+``[L, H_kv, Q]``, what the ``calibrated`` allocator reads); a profile without it is written as version 1,
+so older readers still read it. A kvzap profile also holds its surrogate's tensors.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchErro
 from . import surrogate as surrogate_format
 from .jsonfile import parse_json
 
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 2  # written when the profile holds a score-to-gain table; 1 otherwise (see to_bytes)
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 # the largest sink, window, K_max or head dim a profile may carry: far beyond any real setting, and small
 # enough that nothing sized by one of them can exhaust memory
 MAX_COUNT = 1 << 16
@@ -31,6 +35,7 @@ _FORMAT_NAME = (
     "lukv_cache.profile"  # metadata["format"]: tells a profile apart from any other safetensors file
 )
 _TENSORS = ("grid", "evict_ratio")
+_GAIN_TENSORS = ("gain_scores", "gain_values")  # format version 2, optional: both or neither
 
 # metadata key -> how to parse its string value
 _INT_KEYS = ("format_version", "num_layers", "num_kv_heads", "sink", "window", "k_max")
@@ -80,10 +85,15 @@ class Profile:
     calibration: str = ""
     library_version: str = field(default_factory=library_version)
     created: str = field(default_factory=_utc_now)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
     extra: dict = field(default_factory=dict)
     # the KVzap surrogate (lukv_cache.scorers.kvzap.Surrogate) for scorer "kvzap", stored in the same file
     surrogate: Any = field(default=None, repr=False)
+    # the score-to-gain table (format version 2): for each (layer, KV head), Q knots of the scorer's score
+    # (centred on the context's mean, non-decreasing) and the oracle gain expected of a token scoring that
+    # much (non-decreasing, >= 0), both float32 [L, H_kv, Q]; built by lukv_cache.profiling.gains
+    gain_scores: np.ndarray | None = field(default=None, repr=False)
+    gain_values: np.ndarray | None = field(default=None, repr=False)
     # where this profile was read from, for error messages; not part of the file
     source: str | None = field(default=None, repr=False, compare=False)
 
@@ -95,6 +105,7 @@ class Profile:
         self.grid = _as_float32(self.grid, "grid", where)
         self.evict_ratio = _as_float32(self.evict_ratio, "evict_ratio", where)
         _check_values(self, where)
+        _check_gains(self, where)
         if self.surrogate is not None:
             surrogate_format.check(
                 self.surrogate, self.num_layers, self.num_kv_heads, self.head_dim, where, self.source
@@ -191,6 +202,8 @@ class Profile:
         from safetensors.numpy import save
 
         tensors, metadata = {"grid": self.grid, "evict_ratio": self.evict_ratio}, self._metadata()
+        if self.gain_scores is not None and self.gain_values is not None:
+            tensors |= {"gain_scores": self.gain_scores, "gain_values": self.gain_values}
         if self.surrogate is not None:
             arrays, metadata[surrogate_format.METADATA_KEY] = surrogate_format.to_file(self.surrogate)
             tensors |= arrays
@@ -226,7 +239,7 @@ class Profile:
         """Parse and validate the safetensors bytes of a profile (``source`` names it in errors)."""
         tensors, metadata = _read_safetensors(data, source)
         values = _parse_metadata(metadata, source)
-        for name in _TENSORS:
+        for name in _TENSORS + tuple(n for n in _GAIN_TENSORS if n in tensors):
             if tensors[name].dtype != np.float32:
                 raise ProfileFormatError(
                     f"{source}: tensor {name!r} is {tensors[name].dtype}, profiles store float32. {_REBUILD}"
@@ -243,12 +256,20 @@ class Profile:
             surrogate = surrogate_format.from_file(
                 tensors, metadata.get(surrogate_format.METADATA_KEY, ""), source
             )
-        return cls(grid=grid, evict_ratio=ratios, source=source, surrogate=surrogate, **values)
+        gains = {name: tensors[name] for name in _GAIN_TENSORS if name in tensors}
+        if gains and values["format_version"] < 2:
+            raise ProfileFormatError(
+                f"{source}: a score-to-gain table needs format version 2, the file says "
+                f"{values['format_version']}. {_REBUILD}",
+                source=source,
+                field="format_version",
+            )
+        return cls(grid=grid, evict_ratio=ratios, source=source, surrogate=surrogate, **gains, **values)
 
     def _metadata(self) -> dict[str, str]:
         return {
             "format": _FORMAT_NAME,
-            "format_version": str(self.format_version),
+            "format_version": str(self.file_format_version),
             "model_id": self.model_id,
             "scorer": self.scorer,
             "num_layers": str(self.num_layers),
@@ -265,6 +286,17 @@ class Profile:
             "extra": _to_json(self.extra),
         }
 
+    @property
+    def has_gains(self) -> bool:
+        """Whether the profile holds a score-to-gain table (what the ``calibrated`` allocator reads)."""
+        return self.gain_scores is not None
+
+    @property
+    def file_format_version(self) -> int:
+        """The format version :meth:`to_bytes` writes: 2 with a score-to-gain table, else 1 (which every
+        lukv_cache reads)."""
+        return 2 if self.has_gains else 1
+
     def summary(self) -> dict[str, Any]:
         """A JSON-able description (the shared repository's ``index.json`` entry for this profile)."""
         return {
@@ -277,7 +309,7 @@ class Profile:
             "calibration": self.calibration,
             "created": self.created,
             "library_version": self.library_version,
-            "format_version": self.format_version,
+            "format_version": self.file_format_version,
         }
 
     def push_to_hub(
@@ -450,6 +482,44 @@ def _check_values(p: Profile, where: str) -> None:
         )
 
 
+def _check_gains(p: Profile, where: str) -> None:
+    """The score-to-gain table, if any: both tensors, float32 ``[L, H_kv, Q >= 2]``, finite, each row's
+    knots and gains non-decreasing, gains >= 0."""
+    if p.gain_scores is None and p.gain_values is None:
+        return
+    if p.gain_scores is None or p.gain_values is None:
+        raise ProfileFormatError(
+            f"{where}: a score-to-gain table needs both gain_scores and gain_values. {_REBUILD}",
+            source=p.source,
+            field="gain_values" if p.gain_values is None else "gain_scores",
+        )
+    p.gain_scores = _as_float32(p.gain_scores, "gain_scores", where)
+    p.gain_values = _as_float32(p.gain_values, "gain_values", where)
+    want = (p.num_layers, p.num_kv_heads)
+    for name in _GAIN_TENSORS:
+        table = getattr(p, name)
+        if table.ndim != 3 or table.shape[:2] != want or table.shape[2] < 2:
+            raise ProfileFormatError(
+                f"{where}: {name} must have shape [layers={want[0]}, KV heads={want[1]}, knots >= 2], got "
+                f"{list(table.shape)}. {_REBUILD}",
+                source=p.source,
+                field=name,
+            )
+        if not np.isfinite(table).all() or (np.diff(table, axis=-1) < 0).any():
+            raise ProfileFormatError(
+                f"{where}: {name} must be finite and non-decreasing along its knots. {_REBUILD}",
+                source=p.source,
+                field=name,
+            )
+    if p.gain_scores.shape != p.gain_values.shape or (p.gain_values < 0).any():
+        raise ProfileFormatError(
+            f"{where}: gain_values must match gain_scores' shape {list(p.gain_scores.shape)} and be >= 0. "
+            f"{_REBUILD}",
+            source=p.source,
+            field="gain_values",
+        )
+
+
 def _read_safetensors(data: bytes, source: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     from safetensors import SafetensorError
     from safetensors.numpy import load
@@ -480,6 +550,8 @@ def _read_safetensors(data: bytes, source: str) -> tuple[dict[str, np.ndarray], 
     kvzap = names & set(surrogate_format.tensor_names("mlp"))
     family = "mlp" if kvzap & set(surrogate_format.MLP_TENSORS) else "linear"
     expected = set(_TENSORS) | (set(surrogate_format.tensor_names(family)) if kvzap else set())
+    if names & set(_GAIN_TENSORS):  # the score-to-gain table: both tensors or neither
+        expected |= set(_GAIN_TENSORS)
     missing = sorted(expected - names)
     unexpected = sorted(names - expected)
     if missing or unexpected:

@@ -200,7 +200,7 @@ def test_register_allocator_makes_a_name_usable_by_the_cache(monkeypatch):
 
 
 def test_the_built_in_allocators_that_read_a_profile_are_flagged():
-    assert allocators_reading_profile() == ("hybrid", "hybrid_global", "profile", "threshold")
+    assert allocators_reading_profile() == ("calibrated", "hybrid", "hybrid_global", "profile", "threshold")
     assert not any(ALLOCATORS.get(name).reads_profile for name in ("uniform", "pyramid", "adakv", "global"))
 
 
@@ -277,3 +277,61 @@ def test_hybrid_global_with_full_floor_is_the_profile_and_without_floor_is_globa
     assert torch.equal(free.sum((0, 2)), profile_counts.sum((0, 2)))  # the profile's model total
     assert not torch.equal(free, profile_counts)  # spread by score, across layers
     assert get_allocator("hybrid_global", evict_ratio=table).whole_model
+
+
+# ------------------------------------------------------------------------------------------ calibrated
+
+
+def _calibrated_profile(gain_values: np.ndarray, ratio: float = 0.5) -> Profile:
+    """One layer, two heads, a flat budget curve; knots of both heads span [-1, 1]."""
+    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
+    heads = gain_values.shape[1]
+    knots = np.broadcast_to(np.linspace(-1, 1, gain_values.shape[-1], dtype=np.float32), gain_values.shape)
+    return Profile(
+        grid,
+        np.repeat(grid, heads).reshape(3, 1, heads),
+        model_id="org/tiny",
+        scorer="keydiff",
+        gain_scores=knots.copy(),
+        gain_values=gain_values.astype(np.float32),
+    )
+
+
+def _two_heads(n: int = 200, ratio: float = 0.5) -> AllocationRequest:
+    """Head 0 scores far below head 1 (raw scores), the same spread inside each."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(1, 1, 2, n, generator=gen) * 2 - 1
+    scores[:, :, 0] -= 0.5
+    scores[:, :, 1] += 0.5
+    return AllocationRequest(scores, torch.tensor([n]), torch.tensor([ratio], dtype=torch.float64), (0,), 1)
+
+
+def test_calibrated_gives_the_tokens_to_the_head_whose_scores_are_worth_more():
+    req = _two_heads()
+    steep, flat = np.linspace(0, 10, 8), np.full(8, 0.1)
+    counts = get_allocator("calibrated", profile=_calibrated_profile(np.stack([steep, flat])[None]))(req)
+    raw = get_allocator("global")(req)
+    assert int(counts.sum()) == int(raw.sum()) == 200  # the profile's total: half of 2 x 200
+    assert raw[0, 0, 1] > raw[0, 0, 0]  # on raw scores head 1 wins ...
+    assert counts[0, 0, 0] > 2 * counts[0, 0, 1]  # ... on expected gain head 0 does
+    # swapping the tables swaps the outcome: the table decides, not the raw scale
+    swapped = get_allocator("calibrated", profile=_calibrated_profile(np.stack([flat, steep])[None]))(req)
+    assert swapped[0, 0, 1] > 2 * swapped[0, 0, 0]
+
+
+def test_calibrated_with_a_floor_keeps_that_share_of_each_profile_budget():
+    req = _two_heads()
+    tables = np.stack([np.linspace(0, 10, 8), np.full(8, 0.1)])[None]
+    counts = get_allocator("calibrated", profile=_calibrated_profile(tables), floor=0.8)(req)
+    assert int(counts.sum()) == 200 and int(counts[0, 0, 1]) >= 80  # 0.8 of its 100
+
+
+def test_calibrated_without_a_table_or_with_a_bad_floor_is_refused():
+    grid = np.array([0.5], dtype=np.float32)
+    plain = Profile(grid, np.full((1, 1, 2), 0.5, np.float32), model_id="org/tiny", scorer="keydiff")
+    with pytest.raises(ConfigurationError, match="score-to-gain table"):
+        get_allocator("calibrated", profile=plain)
+    with pytest.raises(ConfigurationError, match="score-to-gain table"):
+        get_allocator("calibrated")
+    with pytest.raises(ConfigurationError, match="floor must be in"):
+        get_allocator("calibrated", profile=_calibrated_profile(np.ones((1, 2, 4))), floor=2.0)

@@ -4,16 +4,14 @@ sent after a context is still appended whole."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from core_models import left_padded, prompt, scorer_for, tiny_model
-from test_registry_contracts import HEADS, _cache_args
+from test_registry_contracts import _cache_args, _flat_profile
 
 from lukv_cache import LUKVCache
 from lukv_cache.allocation import ALLOCATORS
 from lukv_cache.cache.layer import LUKVLayer
-from lukv_cache.profiles import Profile
 from lukv_cache.scorers import SCORERS, get_scorer
 
 FORWARD_SCORERS = [n for n in SCORERS.names() if get_scorer(n).reconstruction is None]
@@ -45,11 +43,8 @@ def _own_chunks(model, ids, cache) -> None:
 
 def _cache(scorer, allocator, model, **kwargs) -> LUKVCache:
     args = _cache_args(allocator)
-    layers = model.config.num_hidden_layers
     if "profile" in args:  # the flat curve, for this model's layer count
-        curve = args["profile"]
-        flat = np.repeat(curve.grid, layers * HEADS).reshape(-1, layers, HEADS)
-        args = {"profile": Profile(curve.grid, flat, "org/tiny", "keydiff")}
+        args = {"profile": _flat_profile(model.config.num_hidden_layers)}
     return LUKVCache(scorer=scorer_for(scorer, model), allocator=allocator, allocator_kwargs=args, **kwargs)
 
 

@@ -18,6 +18,7 @@ from core_models import (
     prompt,
     scorer_for,
     tiny_model,
+    with_gains,
 )
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
@@ -42,7 +43,7 @@ def _profile(model) -> Profile:
     grid = np.array([0.25, 0.5, 0.75, 0.95], dtype=np.float32)
     spread = np.linspace(-0.2, 0.2, layers * heads, dtype=np.float32).reshape(layers, heads)
     ratios = np.clip(grid[:, None, None] + spread, 0.0, 1.0).astype(np.float32)
-    return Profile(grid, ratios, model_id="org/tiny", scorer="keydiff", head_dim=16)
+    return with_gains(Profile(grid, ratios, model_id="org/tiny", scorer="keydiff", head_dim=16))
 
 
 def _cache(model, scorer="keydiff", allocator="uniform", **kwargs) -> LUKVCache:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from core_models import left_padded, prompt, scorer_for, tiny_model
+from core_models import left_padded, prompt, scorer_for, tiny_model, with_gains
 from transformers import DynamicCache
 
 from lukv_cache import AllocationRequest, LUKVCache
@@ -29,18 +29,23 @@ def _factory_args(name: str, ratio: float) -> dict:
     if name == "threshold":
         # the request's scores are uniform in [0, 1): the ratio is the threshold that removes that share
         return {"value": ratio}
-    # the allocators that read a profile (reads_profile=True) read a table; a constant one asks for exactly
-    # the uniform total
-    return {"evict_ratio": torch.full((LAYERS, HEADS), ratio)} if ALLOCATORS.get(name).reads_profile else {}
+    # the allocators that read a profile (reads_profile=True) read a flat curve (with a score-to-gain
+    # table): at every ratio it asks for exactly the uniform total
+    return {"profile": _flat_profile(LAYERS)} if ALLOCATORS.get(name).reads_profile else {}
+
+
+def _flat_profile(layers: int) -> Profile:
+    """Every head evicts the global ratio, at every ratio; with a score-to-gain table (``with_gains``)."""
+    grid = np.linspace(0.01, 0.99, 99, dtype=np.float32)
+    flat = np.repeat(grid, layers * HEADS).reshape(-1, layers, HEADS)
+    return with_gains(Profile(grid, flat, "org/tiny", "keydiff"))
 
 
 def _cache_args(name: str) -> dict:
     if name == "threshold":
         return {"value": -0.6}  # keydiff scores are -cos in [-1, 1]
     # in a cache, the allocators that read a profile read its curve at the cache's ratio: a flat one here
-    grid = np.linspace(0.1, 0.9, 9, dtype=np.float32)
-    curve = Profile(grid, np.repeat(grid, LAYERS * HEADS).reshape(-1, LAYERS, HEADS), "org/tiny", "keydiff")
-    return {"profile": curve} if ALLOCATORS.get(name).reads_profile else {}
+    return {"profile": _flat_profile(LAYERS)} if ALLOCATORS.get(name).reads_profile else {}
 
 
 # ------------------------------------------------------------------------------------------ scorers

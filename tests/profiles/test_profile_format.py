@@ -324,3 +324,60 @@ def test_numpy_values_in_extra_are_stored_as_plain_json(tmp_path, make_profile):
 def test_unserialisable_extra_is_rejected_at_construction(make_profile):
     with pytest.raises(ProfileFormatError, match="extra must be a JSON-serialisable dict"):
         make_profile(extra={"model": object()})
+
+
+# ------------------------------------------------------------------------------ the score-to-gain table
+
+
+def _gains(profile: Profile, knots: int = 4) -> dict:
+    shape = (profile.num_layers, profile.num_kv_heads, knots)
+    return {
+        "gain_scores": np.broadcast_to(np.linspace(-1, 1, knots, dtype=np.float32), shape).copy(),
+        "gain_values": np.broadcast_to(np.linspace(0, 2, knots, dtype=np.float32), shape).copy(),
+    }
+
+
+def test_a_profile_with_a_gain_table_is_version_2_and_one_without_stays_version_1(tmp_path, profile):
+    import dataclasses
+
+    from safetensors import safe_open
+
+    with_table = dataclasses.replace(profile, **_gains(profile))
+    for p, version in ((profile, "1"), (with_table, "2")):
+        path = p.save(tmp_path / f"v{version}.safetensors")
+        with safe_open(str(path), "np") as f:
+            assert f.metadata()["format_version"] == version
+        loaded = Profile.load(path)
+        assert loaded.has_gains is (version == "2")
+    loaded = Profile.load(tmp_path / "v2.safetensors")
+    np.testing.assert_array_equal(loaded.gain_values, with_table.gain_values)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"gain_values": None}, "unexpected|missing"),  # one tensor of the two
+        (
+            {"gain_scores": np.zeros((2, 2, 1), np.float32), "gain_values": np.zeros((2, 2, 1), np.float32)},
+            "knots >= 2",
+        ),
+        ({"gain_scores": np.zeros((3, 2, 4), np.float32)}, "layers=2"),
+        ({"gain_scores": np.tile(np.array([1, 0, 2, 3], np.float32), (2, 2, 1))}, "non-decreasing"),
+        ({"gain_values": np.full((2, 2, 4), np.nan, np.float32)}, "finite"),
+        ({"gain_values": np.full((2, 2, 4), -1.0, np.float32)}, ">= 0"),
+        ({"gain_values": np.zeros((2, 2, 4), np.float64)}, "float32|F32"),
+    ],
+)
+def test_a_broken_gain_table_is_a_format_error(tmp_path, profile, change, match):
+    meta = {**profile._metadata(), "format_version": "2"}
+    path = tmp_path / "broken.safetensors"
+    _write(path, profile, metadata=meta, **{**_gains(profile), **change})
+    with pytest.raises(ProfileFormatError, match=match):
+        Profile.load(path)
+
+
+def test_a_gain_table_in_a_version_1_file_is_refused(tmp_path, profile):
+    path = tmp_path / "v1.safetensors"
+    _write(path, profile, **_gains(profile))  # the metadata says version 1
+    with pytest.raises(ProfileFormatError, match="needs format version 2"):
+        Profile.load(path)

@@ -1,0 +1,56 @@
+"""Add the score-to-gain table (profile format version 2) to the shipped SmolLM2 profiles.
+
+The ``calibrated`` allocator reads it. The budgets and the kvzap surrogate stay as shipped (retraining the
+surrogate is not needed for the table): each profile's own scorer scores the three shipped calibration
+sets (planted facts, a story, explanations), the oracle decodes their questions, and
+:func:`lukv_cache.profiling.with_score_gains` pools them. Neither the bench's Wikipedia texts nor the
+tuning runs' news texts are read.
+
+    python benchmarks/calibrated_profile.py --scorers kvzap keydiff --threads 1 --write-shipped
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lukv_cache import Profile
+from lukv_cache.models import load_model
+from lukv_cache.profiles import save_to_local_dir
+from lukv_cache.profiling.gains import DEFAULT_CALIBRATIONS, DEFAULT_KNOTS, with_score_gains
+
+HUB_MIRROR = Path(__file__).resolve().parents[1] / "profiles_hub"  # the shipped profiles and their index.json
+SHIPPED = HUB_MIRROR / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scorers", nargs="+", default=["kvzap"])
+    parser.add_argument("--calibrations", nargs="+", default=list(DEFAULT_CALIBRATIONS))
+    parser.add_argument("--knots", type=int, default=DEFAULT_KNOTS)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="folder for the new files (default: none)")
+    parser.add_argument("--write-shipped", action="store_true", help="replace the shipped profiles")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model("smollm2")
+    for scorer in args.scorers:
+        started = time.perf_counter()
+        profile = Profile.load(SHIPPED / f"{scorer}.safetensors")
+        new = with_score_gains(profile, model, tokenizer, args.calibrations, knots=args.knots)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            print(new.save(args.out / f"{scorer}.safetensors"))
+        if args.write_shipped:  # the file and its index.json entry
+            print(save_to_local_dir(new, HUB_MIRROR))
+        print(f"{scorer}: table {new.gain_scores.shape} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
