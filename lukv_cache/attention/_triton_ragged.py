@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import cast
 
 import torch
 import triton
@@ -337,6 +338,8 @@ def triton_ragged_attention(
     offsets = offsets.to(device=query.device, dtype=torch.int64)
     has_bias = key_bias is not None or (has_suffix and suffix_bias is not None)
     if has_suffix:
+        assert suffix_keys is not None  # has_suffix says so
+        suffix_values = cast(torch.Tensor, suffix_values)  # given with suffix_keys
         suffix_keys, suffix_values = _last_dim_contiguous(suffix_keys), _last_dim_contiguous(suffix_values)
         s = suffix_keys.shape[-2]
         if has_bias:
@@ -354,9 +357,9 @@ def triton_ragged_attention(
     sv = suffix_values if has_suffix else values
     sb = suffix_bias if (has_suffix and has_bias) else lse
     kb = key_bias if key_bias is not None else lse
-    sk_strides = suffix_keys.stride()[:3] if has_suffix else (0, 0, 0)
-    sv_strides = suffix_values.stride()[:3] if has_suffix else (0, 0, 0)
-    sb_strides = sb.stride() if (has_suffix and has_bias) else (0, 0, 0, 0)
+    sk_strides = cast(torch.Tensor, suffix_keys).stride()[:3] if has_suffix else (0, 0, 0)
+    sv_strides = cast(torch.Tensor, suffix_values).stride()[:3] if has_suffix else (0, 0, 0)
+    sb_strides = cast(torch.Tensor, sb).stride() if (has_suffix and has_bias) else (0, 0, 0, 0)
 
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)  # tl.dot needs >= 16 rows
     m_blocks = triton.cdiv(m, block_m)
@@ -379,7 +382,7 @@ def triton_ragged_attention(
         key_bias.stride(0) if key_bias is not None else 0,
         *sk_strides, *sv_strides, *sb_strides,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        h, suffix_keys.shape[-2] if has_suffix else 0, m, d,
+        h, cast(torch.Tensor, suffix_keys).shape[-2] if has_suffix else 0, m, d,
         key_bias.shape[-1] if key_bias is not None else 1,
         float(scaling), float(softcap) if softcap is not None else 1.0, num_splits,
         HAS_SOFTCAP=softcap is not None,

@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -31,16 +31,33 @@ from ..errors import IncompatibleAttentionError
 
 
 class StoreView(Protocol):
-    """What attention reads of a layer's ragged store (``lukv_cache.cache.ragged.RaggedStore``)."""
+    """What attention reads of a layer's ragged store (``lukv_cache.cache.ragged.RaggedStore``), or of a
+    block of its rows. Read-only (the store is a frozen dataclass)."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-    offsets: torch.Tensor
-    offsets_list: tuple[int, ...]
-    num_heads: int
+    @property
+    def keys(self) -> torch.Tensor: ...
+    @property
+    def values(self) -> torch.Tensor: ...
+    @property
+    def positions(self) -> torch.Tensor: ...
+    @property
+    def offsets(self) -> torch.Tensor: ...
+    @property
+    def offsets_list(self) -> tuple[int, ...]: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
 
     def segment_ids(self) -> torch.Tensor: ...
+
+
+class WholeStoreView(StoreView, Protocol):
+    """A whole layer's store, which also gives its rows back at the model's precision (a quantized
+    store's ``keys`` / ``values`` are ``PackedRows``: attention reads them through this, or the kernel
+    that takes the codes)."""
+
+    def dense(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,7 +72,7 @@ class AttentionCall:
     layer_idx: int
     keys: torch.Tensor
     values: torch.Tensor
-    store: StoreView | None
+    store: WholeStoreView | None
     on_finish: Callable[..., None]
     # the attention module that read this layer last time (a weak reference), once known: only that module
     # receiving other keys is a model changing them between update() and attention
@@ -189,7 +206,7 @@ def _guard(name: str, fn: Callable) -> Callable:
             )
         return fn(module, query, key, *args, **kwargs)
 
-    guarded.__wrapped__ = fn
+    cast(Any, guarded).__wrapped__ = fn  # a plain function's attribute, not declared on its type
     guarded.__name__ = f"lukv_guarded_{name}"
     return lukv_aware(guarded)
 

@@ -28,12 +28,13 @@ routed eager attention returns when ``output_attentions`` asks for them (never o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import masked, windows
-from .calls import StoreView
+from .calls import StoreView, WholeStoreView
 from .dispatch import Impl, plan_attention, ragged_attention, run_store
 from .limits import AttentionLimits, resolve_limits
 from .partial import _softcap, merge_partials, partial_attention
@@ -83,7 +84,7 @@ def _block_bounds(store: StoreView, rows: int) -> list[tuple[int, int, torch.Ten
     return cached[1]
 
 
-def store_blocks(store: StoreView, limits: AttentionLimits | None = None):
+def store_blocks(store: WholeStoreView, limits: AttentionLimits | None = None):
     """A quantized store at the model's precision, a block of ``limits.block_rows`` rows at a time."""
     for start, stop, offsets, offsets_list in _block_bounds(store, resolve_limits(limits).block_rows):
         keys, values = store.dense(start, stop)
@@ -160,7 +161,8 @@ def compressed_attention(
         limits=limits,
     )
     if quantized and blocks == 1 and not plan.codes:
-        store = next(store_blocks(store, limits))  # a small store: one block, the plan's path over it
+        # a small store: one block, the plan's path over it
+        store = next(store_blocks(cast(WholeStoreView, store), limits))  # quantized: a whole store
     key_bias = key_bias if plan.key_bias else None
     suffix_bias = suffix_bias if plan.suffix_bias else None
     if plan.store is Impl.MASKED:  # store and suffix in one masked product, the sink in its softmax
@@ -168,6 +170,7 @@ def compressed_attention(
             grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, sink=sink
         )
         return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+    lse: torch.Tensor | None  # None only from the windows, when no sink reads it
     if plan.fused_kernel is not None:  # store + suffix in one kernel pass (Triton), no host sync
         out, lse = plan.fused_kernel(
             grouped,
@@ -199,7 +202,7 @@ def compressed_attention(
             grouped, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, bias=suffix_bias
         )
         if plan.store is Impl.BLOCKS:
-            for block in store_blocks(store, limits):
+            for block in store_blocks(cast(WholeStoreView, store), limits):  # a quantized whole store
                 out_b, lse_b = ragged_attention(  # each block's own store path (its rows of the bias)
                     grouped,
                     block.keys,
@@ -228,12 +231,13 @@ def compressed_attention(
             )
             out, lse = merge_partials(out_r, lse_r, out, lse)
     if sink is not None:
+        assert lse is not None  # every path gives it when there is a sink
         out = _with_sink(out, lse, sink)
     return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
 
 
 def attention_weights(
-    store: StoreView,
+    store: WholeStoreView,
     query: torch.Tensor,
     suffix_keys: torch.Tensor,
     attention_mask: torch.Tensor | None,

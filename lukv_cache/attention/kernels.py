@@ -35,7 +35,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -301,8 +301,9 @@ def _triton_quantized_or_reference(query, keys, values, offsets, suffix_keys, su
 
         return triton_quantized_ragged_attention(
             query,
-            *keys.tensors(),
-            *values.tensors(),
+            # PackedRows.tensors(): codes, scale and zero (typed, for mypy to count them)
+            *cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor]", keys.tensors()),
+            *cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor]", values.tensors()),
             offsets,
             bits=keys.bits,
             dim=keys.dim,
@@ -350,7 +351,7 @@ def flash_attn_ragged_attention(
         raise ValueError(
             "flash_attn_ragged_attention takes no key_bias; use the Triton kernel or the reference"
         )
-    flash_attn_varlen_func = _flash_attn_varlen()
+    flash_attn_varlen_func = cast(Callable, _flash_attn_varlen())  # chosen only where flash-attn imports
     b, h, m, d = query.shape
     n_segments = b * h
     if keys.shape[0] == 0:

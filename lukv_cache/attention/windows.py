@@ -15,7 +15,9 @@ decode steps) and reused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -174,7 +176,8 @@ def windowed_ragged_attention(
     lses: list[torch.Tensor] = []
 
     def attend(queries, k, v, bias=None):
-        out, lse = _flash_cpu(queries, k, v, 0.0, False, attn_mask=bias, scale=scaling)[:2]
+        flash = cast("Callable[..., Any]", _flash_cpu)  # serves() checked it is there
+        out, lse = flash(queries, k, v, 0.0, False, attn_mask=bias, scale=scaling)[:2]
         outs.append(out.reshape(-1, m, dv))
         lses.append(lse.reshape(-1, m))
 
