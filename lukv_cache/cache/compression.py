@@ -78,6 +78,7 @@ def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int
 
 def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: torch.Tensor | None) -> Region:
     """The region of ``layer``'s suffix this step decides about; marks this step's sinks as used."""
+    assert layer.suffix_keys is not None  # the layer holds a forward
     b, s, device = layer.batch_size, layer.suffix_length, layer.suffix_keys.device
     length = max(s - policy.window, 0)
     valid = valid_from_mask(attention_mask, b, s, device)[:, :length]
@@ -106,6 +107,7 @@ def score_suffix(
     and ``positions [B, S]`` (each token's position id), sliced like the tokens.
     """
     keys, values = layer.suffix_keys, layer.suffix_values
+    assert keys is not None and values is not None  # the layer holds a forward
     b, h, s, _ = keys.shape
     context = context if scorer.context else None
     if valid is None or bool(valid.all()):
@@ -128,6 +130,7 @@ def score_suffix(
 def suffix_positions(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch.Tensor:
     """int64 ``[B, S]``: the position id of each suffix token, as ``generate()`` numbers them (from the
     mask: each row of a left-padded batch counts its real tokens from 0)."""
+    assert layer.suffix_keys is not None  # the layer holds a forward
     b, s, device = layer.batch_size, layer.suffix_length, layer.suffix_keys.device
     if attention_mask is None:
         start = layer.cumulative_length - s

@@ -60,6 +60,7 @@ def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -
     The first ``sink`` held tokens of a segment are its row's first real tokens (sinks are never evicted and
     every held token is real), so a row of a padded batch protects what it protects alone.
     """
+    assert layer.suffix_keys is not None  # the layer holds a forward
     b, h, s, device = layer.batch_size, layer.num_heads, layer.suffix_length, layer.suffix_keys.device
     store = layer.store
     n_store = 0 if store is None else store.num_tokens
@@ -82,7 +83,7 @@ def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -
     return Held(source.masked_fill(~slots, 0), counts, protected, slots & ~protected, n_store)
 
 
-def gather_held(held: Held, stored: torch.Tensor | None, suffix: torch.Tensor) -> torch.Tensor:
+def gather_held(held: Held, stored: torch.Tensor | PackedRows | None, suffix: torch.Tensor) -> torch.Tensor:
     """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor, or its quantized rows) or of ``suffix
     [B, H, S, ...]`` (the suffix's; NaN for store rows when ``stored`` is None); slots past a segment's
     end hold an arbitrary row."""

@@ -7,7 +7,7 @@ these functions take the cache's parts (its policy, layers and :class:`~lukv_cac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,6 +68,7 @@ def fold_due(layer: LUKVLayer, policy: CompressionPolicy, query: torch.Tensor) -
 
 def suffix_valid(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch.Tensor:
     """bool ``[B, S]``: which tokens of ``layer``'s dense suffix are real (not padding)."""
+    assert layer.suffix_keys is not None  # the layer holds a forward
     return valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.suffix_keys.device)
 
 
@@ -88,6 +89,7 @@ def fold_evict(
     for layer in layers:  # a sliding layer's tokens older than its window are not held (nor counted)
         layer.slide()
     first = layers[0]
+    assert first.suffix_keys is not None  # the layer holds a forward
     b, h, device = first.batch_size, first.num_heads, first.suffix_keys.device
     real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
     frames = [
@@ -103,6 +105,7 @@ def fold_evict(
         protected, evictable = shard.gather(protected, dim=2), shard.gather(evictable, dim=2)
     # [B] evictable tokens the folding layers may keep in all, so that each row holds at most
     # decode_max_tokens per (layer, KV head) on average, protected tokens included
+    assert policy.decode_max_tokens is not None  # folds evict only under decode_max_tokens
     allowed = (policy.decode_max_tokens * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
     room = allowed.double() / (len(idxs) * heads)  # evictable tokens a head keeps on average
     protected = protected.double().mean((0, 2))  # [B], per head
@@ -116,6 +119,7 @@ def fold_evict(
     if fits:
         keeps = [f.slots for f in frames]
     else:
+        assert raw is not None  # scored above: not fits
         width = max(f.width for f in frames)
         if shard is not None:  # every rank's request has the same width
             width = int(shard.gather(torch.tensor([[width]], device=device), dim=1).max())
@@ -146,7 +150,7 @@ def fold_evict(
             for i, f in enumerate(frames)
         ]
     for i, (layer, frame, keep) in enumerate(zip(layers, frames, keeps)):
-        kept = None if not kept_scores else raw[i][keep]
+        kept = None if not kept_scores else cast("list[torch.Tensor]", raw)[i][keep]  # scored above
         layer.refold(frame.source[keep], keep.sum(-1), kept, capacity=policy.fold_interval)
 
 
@@ -168,6 +172,7 @@ def held_scores(
         suffix = score_suffix(policy.scorer, layer, layer.queries, valid, context)
         stored = None if store is None or store.scores is None else store.scores.unsqueeze(-1)
         return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
+    assert layer.suffix_keys is not None and layer.suffix_values is not None  # it holds what it folds
     keys = gather_held(held, None if store is None else store.keys, layer.suffix_keys)
     values = gather_held(held, None if store is None else store.values, layer.suffix_values)
     return rescore(policy.scorer, held, keys, values, layer.queries, layer.num_heads)

@@ -21,6 +21,8 @@ read as zeros (the attention mask hides them). Otherwise reading them raises
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -64,7 +66,8 @@ class LUKVLayer(DynamicLayer):
             self._sliding_window_tensor = torch.tensor(sliding_window, dtype=torch.long)
         self.cumulative_length = 0
         self.store: RaggedStore | None = None
-        self._kbuf = self._vbuf = None
+        self._kbuf: torch.Tensor | None = None  # the suffix buffers, [B, H, capacity, D]
+        self._vbuf: torch.Tensor | None = None
         self._suffix_len = 0
         self.compressed = False
         # [B] sinks still to protect per row (a chunk of a chunked prefill may be all padding); the cache's
@@ -103,6 +106,7 @@ class LUKVLayer(DynamicLayer):
         self.is_initialized = True
 
     def _sync_views(self) -> None:
+        assert self._kbuf is not None and self._vbuf is not None  # initialized
         self.suffix_keys = self._kbuf[:, :, : self._suffix_len]
         self.suffix_values = self._vbuf[:, :, : self._suffix_len]
 
@@ -158,6 +162,8 @@ class LUKVLayer(DynamicLayer):
                 index=row,
                 batch=self.batch_size,
             )
+        assert self._kbuf is not None and self._vbuf is not None  # initialized
+        assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
         s, t = self._suffix_len, self.cumulative_length
         device = self._kbuf.device
         suffix_pos = torch.arange(t - s, t, device=device)
@@ -185,6 +191,7 @@ class LUKVLayer(DynamicLayer):
         if not self.is_initialized:
             return None
         suffix = self.suffix_values if values else self.suffix_keys
+        assert suffix is not None  # initialized
         b, h, s, d = suffix.shape
         t = self.cumulative_length
         if self.store is None and s == t:
@@ -243,6 +250,8 @@ class LUKVLayer(DynamicLayer):
         self._sync_views()
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        assert self._kbuf is not None and self._vbuf is not None  # initialized
+        assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
         s, n = self._suffix_len, key_states.shape[-2]
         if s + n > self._kbuf.shape[-2]:
             if self.compressed and n == 1 and s >= self.fold_at:
@@ -284,6 +293,7 @@ class LUKVLayer(DynamicLayer):
             )
         self._append(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
+        assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
         return self.suffix_keys, self.suffix_values
 
     def get_seq_length(self) -> int:
@@ -331,6 +341,8 @@ class LUKVLayer(DynamicLayer):
         """Keep batch rows ``rows`` (any order, repeats allowed): beam reorder, repeat, select."""
         if not self.is_initialized:
             return
+        assert self._kbuf is not None and self._vbuf is not None  # initialized
+        assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
         rows = rows.to(self._kbuf.device)
         self._set_suffix(
             self.suffix_keys.index_select(0, rows),
@@ -366,10 +378,11 @@ class LUKVLayer(DynamicLayer):
 
     def prefetch(self) -> None:
         """Move an offloaded layer back to its device."""
-        if self.is_initialized and self._kbuf.device != self.device:
+        if self.is_initialized and cast(torch.Tensor, self._kbuf).device != self.device:
             self._move(self.device)
 
     def _move(self, device) -> None:
+        assert self._kbuf is not None and self._vbuf is not None  # initialized
         self._kbuf = self._kbuf.to(device, non_blocking=True)
         self._vbuf = self._vbuf.to(device, non_blocking=True)
         if self.sinks_left is not None:
@@ -403,6 +416,7 @@ class LUKVLayer(DynamicLayer):
         and drop the rest; the suffix then holds its last ``S - R`` tokens (the protected window), with room
         for 16 more before it grows: the buffer is sized by the tokens it holds, never by a setting.
         ``scores [B, H, R]``: stored with the kept tokens (eviction at fold time reuses them)."""
+        assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
         r = keep.shape[-1]
         start = self.cumulative_length - self._suffix_len
         self._absorb(self.suffix_keys[:, :, :r], self.suffix_values[:, :, :r], keep, start, scores)
@@ -440,6 +454,8 @@ class LUKVLayer(DynamicLayer):
         s = self._suffix_len
         if not s:
             return
+        assert self._kbuf is not None and self._vbuf is not None  # initialized
+        assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
         keep = torch.ones(self.batch_size, self.num_heads, s, dtype=torch.bool, device=self._kbuf.device)
         self._absorb(self.suffix_keys, self.suffix_values, keep, self.cumulative_length - s)
         self._set_suffix(self.suffix_keys[:, :, :0], self.suffix_values[:, :, :0], capacity=self.fold_at + 1)
@@ -468,6 +484,7 @@ class LUKVLayer(DynamicLayer):
         each a row of the store (``< N``) or a suffix token (``N +`` its flat index into ``[B, H, S]``);
         ``counts [B * H]``: kept tokens per segment; ``scores [K]``: stored with them (or ``None``);
         ``capacity``: the new suffix buffer's, in tokens."""
+        assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
         n = 0 if self.store is None else self.store.num_tokens
         from_store = source < n
         in_suffix = source[~from_store] - n
@@ -494,9 +511,9 @@ class LUKVLayer(DynamicLayer):
             stored_v = None if store is None else store.values
             keys = new_k.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_k), new_k.tensors())))
             values = new_v.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_v), new_v.tensors())))
-        else:
-            keys = pick(None if store is None else store.keys, new_k)
-            values = pick(None if store is None else store.values, new_v)
+        else:  # a full-precision store: its rows are tensors
+            keys = pick(None if store is None else cast(torch.Tensor, store.keys), new_k)
+            values = pick(None if store is None else cast(torch.Tensor, store.values), new_v)
         positions = pick(None if store is None else store.positions, suffix_pos)
         self.store = RaggedStore.build(
             keys,
@@ -527,6 +544,7 @@ class LUKVLayer(DynamicLayer):
         if record_past:
             layer.activate_past_recording()
         if self.is_initialized and self._suffix_len:
+            assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
             layer.update(self.suffix_keys.clone(), self.suffix_values.clone())
         return layer
 

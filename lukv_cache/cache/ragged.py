@@ -16,10 +16,14 @@ build and edit stores on any device with one gather and no host sync (sizes come
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .quant import PackedRows
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,8 +37,8 @@ class RaggedStore:
     ([2, 1], [0, 0, 1])
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | PackedRows
+    values: torch.Tensor | PackedRows
     positions: torch.Tensor
     offsets: torch.Tensor
     offsets_list: tuple[int, ...]
@@ -44,8 +48,8 @@ class RaggedStore:
     @classmethod
     def build(
         cls,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        keys: torch.Tensor | PackedRows,
+        values: torch.Tensor | PackedRows,
         positions: torch.Tensor,
         counts: torch.Tensor,
         *,
@@ -62,6 +66,7 @@ class RaggedStore:
             scores = scores.float()
         pos = positions.to(torch.int32)
         if kv_bits is not None and not isinstance(keys, PackedRows):
+            values = cast(torch.Tensor, values)  # full precision like keys
             keys, values = PackedRows.quantize(keys, kv_bits), PackedRows.quantize(values, kv_bits)
         return cls(keys, values, pos, offsets, tuple(offsets.tolist()), int(num_heads), scores)
 
@@ -75,8 +80,8 @@ class RaggedStore:
         just those rows; a full-precision one returns views)."""
         stop = self.num_tokens if stop is None else stop
         if not isinstance(self.keys, PackedRows):
-            return self.keys[start:stop], self.values[start:stop]
-        return self.keys.dequantize(start, stop), self.values.dequantize(start, stop)
+            return self.keys[start:stop], cast(torch.Tensor, self.values)[start:stop]
+        return self.keys.dequantize(start, stop), cast(PackedRows, self.values).dequantize(start, stop)
 
     def quantize_like(self, keys: torch.Tensor, values: torch.Tensor):
         """New full-precision rows in this store's format."""
@@ -166,7 +171,9 @@ class RaggedStore:
 
     def to(self, device) -> RaggedStore:
         """The same store on ``device`` (offloading); ``offsets_list`` is already on the host."""
-        moved = (None if t is None else t.to(device, non_blocking=True) for t in self._tensors())
+        moved: Iterator[Any] = (
+            None if t is None else t.to(device, non_blocking=True) for t in self._tensors()
+        )
         keys, values, positions, offsets, scores = moved
         return RaggedStore(keys, values, positions, offsets, self.offsets_list, self.num_heads, scores)
 
