@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import torch
@@ -467,7 +467,7 @@ class _Reader:
         self.tensors: dict[str, torch.Tensor] = {}
         self.used: set[str] = set()
 
-    def fail(self, why: str, field: str | None = None, cls=SavedContextError, **kw) -> None:
+    def fail(self, why: str, field: str | None = None, cls=SavedContextError, **kw) -> NoReturn:
         raise cls(f"{self.path}: {why}", path=str(self.path), field=field, **kw)
 
     def read(self) -> dict[str, Any]:
@@ -518,6 +518,7 @@ class _Reader:
             )
         self._check_layout(header, size - 8 - n)
         self._load_tensors()
+        assert isinstance(text, str)  # meta was parsed from it
         if checksum(text, self.tensors) != metadata.get(CHECKSUM_KEY):
             self.fail(
                 "checksum mismatch: the file was altered or damaged after it was written. Save the context again.",
@@ -528,6 +529,8 @@ class _Reader:
     def _check_layout(self, header: dict, data_size: int) -> None:
         """Every tensor's bytes lie inside the file, back to back, sized by its dtype and shape."""
         spans = []
+        shape: Any  # lists of ints where ok (read below only then), as offsets
+        offsets: Any
         for name, info in header.items():
             ok = isinstance(info, dict) and info.get("dtype") in _ITEMSIZE
             shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
@@ -590,7 +593,7 @@ class _Reader:
 
 
 def _check_model(meta: dict, model: Any, reader: _Reader, allow_other_id: bool) -> None:
-    saved = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    saved: Any = meta.get("model") if isinstance(meta.get("model"), dict) else {}
     fields = saved.get("fields") if isinstance(saved.get("fields"), dict) else {}
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
@@ -714,6 +717,7 @@ def _build_cache(meta: dict, model: Any, reader: _Reader, scorer: Any, allocator
 def _saved_scorer(entry: Any, profiles: dict, reader: _Reader) -> Scorer:
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         reader.fail("its scorer entry is malformed (damaged file).", "options.scorer")
+    window: Any  # as saved (save_cache writes the scorer's int)
     name, window = entry["name"], entry.get("window")
     surrogate = entry.get("surrogate")
     if name == "kvzap" and surrogate is not None:
@@ -795,7 +799,10 @@ def _restore_layers(cache: LUKVCache, meta: dict, reader: _Reader, devices: list
     shape = _Shape(fields, reader)
     for i, entry in enumerate(layers):
         cache.layers[i] = _restore_layer(cache, i, entry, reader, shape, devices[i])
-    lengths = {layer.get_seq_length() for layer in cache.layers if getattr(layer, "is_initialized", False)}
+    attention_layers = cast("list[Any]", cache.layers)  # those with is_initialized have a length
+    lengths = {
+        layer.get_seq_length() for layer in attention_layers if getattr(layer, "is_initialized", False)
+    }
     if len(lengths) > 1:
         reader.fail(f"its layers hold different lengths {sorted(lengths)} (damaged file).", "layers")
     full = state.get("full_layers")
@@ -831,6 +838,7 @@ def _restore_layers(cache: LUKVCache, meta: dict, reader: _Reader, devices: list
         t = reader.tensor(
             f"prefill_scores.{idx}", dtype=torch.float32, shape=(shape.batch, shape.kv_heads, None)
         )
+        assert cache.prefill_scores is not None  # refused above when there are scores
         cache.prefill_scores[idx] = t.to(devices[idx])
     unused = set(reader.tensors) - reader.used
     if unused:
@@ -873,7 +881,9 @@ def _restore_layer(
     windows = cache.layout.windows
     window = windows.get(i)
     current = cache.layers[i]
+    fresh: Any  # the restored layer, of the saved kind
     if i in windows:  # a sliding layer: compressed (the prompt fit its window) or transformers' own
+        assert window is not None  # i is in windows
         allowed = kind == "sliding" or (kind == "lukv" and attrs.get("sliding_window") == window)
         fresh = DynamicSlidingWindowLayer(sliding_window=window) if kind == "sliding" else LUKVLayer(window)
     else:
