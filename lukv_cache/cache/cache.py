@@ -8,7 +8,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.cache_utils import (
@@ -37,8 +37,14 @@ from .layout import Layout
 from .parallel import HeadShard, mesh_shard
 from .policy import build_policy, policy_property
 from .prefill import prefill_context, score_round
-from .pretrained import from_pretrained
+from .pretrained import from_pretrained as _from_pretrained
 from .state import ForwardState, in_phase
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import DynamicLayer
+
+    from ..attention.calls import WholeStoreView
+    from ..profiles import Profile
 
 
 def kv_cache_bytes(cache: Any) -> int:
@@ -160,7 +166,7 @@ class LUKVCache(DynamicCache):
         )
         super().__init__()
         self.layer_class_to_replicate = LUKVLayer  # until the layout is known (config=, or the model's)
-        self.profile = None  # the Profile the budgets come from (set by from_pretrained)
+        self.profile: Profile | None = None  # the Profile the budgets come from (set by from_pretrained)
         self.layout = Layout(None if device_mesh is None else mesh_shard(device_mesh))
         self.prefill_scores: dict[int, torch.Tensor] | None = {} if keep_scores else None
         self.state = ForwardState()  # what a forward leaves pending: reset() replaces it whole
@@ -205,7 +211,7 @@ class LUKVCache(DynamicCache):
         return self.policy.allocator.name
 
     # ------------------------------------------------------------------ construction from a profile
-    from_pretrained = classmethod(from_pretrained)
+    from_pretrained = classmethod(_from_pretrained)
 
     # ------------------------------------------------------------------ the model's layer layout
     def _adopt_layout(self) -> None:
@@ -343,7 +349,8 @@ class LUKVCache(DynamicCache):
                     layer_idx,
                     keys,
                     values,
-                    layer.store,
+                    # a quantized store's PackedRows rows are read only through dense() or the codes kernel
+                    cast("WholeStoreView | None", layer.store),
                     self._after_attention,
                     module=reader,
                     on_other_keys=self._keys_changed,
@@ -388,7 +395,7 @@ class LUKVCache(DynamicCache):
         hand a sliding-window layer to the stock sliding layer."""
         self.state.awaiting = None
         idx = call.layer_idx
-        layer = self.layers[idx]
+        layer = cast(LUKVLayer, self.layers[idx])  # only a LUKVLayer announces a call
         if idx not in self.state.readers:
             self.state.readers[idx] = weakref.ref(module)
         if self.state.phase == "reconstruct":
@@ -455,11 +462,12 @@ class LUKVCache(DynamicCache):
 
     def _evict(self, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
         """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call."""
+        scores: torch.Tensor | None
         scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
         counts = {}
         if scored:
             region = steps[scored[0]][0]
-            scores = torch.stack([steps[idx][1] for idx in scored])
+            scores = torch.stack([cast(torch.Tensor, steps[idx][1]) for idx in scored])
             shard = self.layout.head_shard
             if shard is not None:  # allocate over every head of the model, keep this rank's block
                 scores = shard.gather(scores, dim=2)
@@ -490,7 +498,7 @@ class LUKVCache(DynamicCache):
                 allocated = allocated[:, :, shard.heads(request.num_heads)]
             counts = dict(zip(scored, allocated))
         for idx, (region, scores) in steps.items():
-            layer = self.layers[idx]
+            layer = cast(LUKVLayer, self.layers[idx])  # steps come from full-attention layers
             if scores is None:  # nothing to rank: keep every real token (none evictable, or ratio 0)
                 b, h = layer.batch_size, layer.num_heads
                 keep = (region.sinks | region.evictable).unsqueeze(1).expand(b, h, region.length)
@@ -547,7 +555,7 @@ class LUKVCache(DynamicCache):
         held, self.state.held = self.state.held, {}
         steps = {}
         for idx, region in held.items():
-            layer = self.layers[idx]
+            layer = cast(LUKVLayer, self.layers[idx])  # only a LUKVLayer holds
             raw = scores[idx]
             expected = (layer.batch_size, layer.num_heads, layer.suffix_length)
             if not isinstance(raw, torch.Tensor) or tuple(raw.shape) != expected:
@@ -555,6 +563,7 @@ class LUKVCache(DynamicCache):
                 raise ConfigurationError(
                     f"Scores for layer {idx} must have shape {list(expected)}, got {got}."
                 )
+            assert layer.suffix_keys is not None  # it held a forward
             raw = raw.float().to(layer.suffix_keys.device)
             if self.prefill_scores is not None:
                 self.prefill_scores[idx] = raw
@@ -631,8 +640,10 @@ class LUKVCache(DynamicCache):
                 for head in range(layer.num_heads):
                     kept[row, head, layer.head_tokens(row, head)[0].cpu()] = True
             return kept
-        b, h, s, _ = layer.keys.shape
-        kept = torch.zeros(b, h, max(s, layer.get_seq_length()), dtype=torch.bool)
+        stock = cast("DynamicLayer", layer)  # transformers' own attention layer
+        assert stock.keys is not None  # initialized
+        b, h, s, _ = stock.keys.shape
+        kept = torch.zeros(b, h, max(s, stock.get_seq_length()), dtype=torch.bool)
         kept[:, :, kept.shape[-1] - s :] = True
         return kept
 
@@ -645,7 +656,9 @@ class LUKVCache(DynamicCache):
         >>> question_cache = cache.fork()  # doctest: +SKIP
         """
         memo = {
-            id(layer.store): layer.store for layer in self.layers if getattr(layer, "store", None) is not None
+            id(layer.store): layer.store
+            for layer in cast("list[Any]", self.layers)  # any layer with a store
+            if getattr(layer, "store", None) is not None
         }
         return copy.deepcopy(self, memo)
 

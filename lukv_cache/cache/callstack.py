@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import torch
 
 def callers(skip: int, limit: int) -> Iterator[Any]:
     """The frames calling the function that calls this one, innermost first, after ``skip`` of them."""
-    frame = sys._getframe(skip + 2)
+    frame: FrameType | None = sys._getframe(skip + 2)
     for _ in range(limit):
         if frame is None:
             return

@@ -12,7 +12,9 @@ from transformers.cache_utils import LinearAttentionLayer
 from .layer import LUKVLayer
 
 
-class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):
+# transformers' two bases declare device / dtype / is_croppable differently (LinearAttentionLayer's win, by
+# the MRO, as in its own LinearAttentionAndFullAttentionLayer): nothing to annotate here
+class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):  # type: ignore[misc, override]
     """Linear-attention state (transformers') plus compressed attention KV (lukv's), in one layer.
 
     >>> layer = LUKVHybridLayer()

@@ -7,6 +7,7 @@ and KV-head counts, and under tensor parallelism the rank's block of KV heads (:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from transformers.cache_utils import (
@@ -177,7 +178,7 @@ class Layout:
         whole: list[int],
         producers: list[int],
         *,
-        kept: list[int] = (),
+        kept: Sequence[int] = (),
         length: int | None = None,
     ) -> None:
         """Warn which layers this cache leaves alone (once per outcome), naming those it compresses."""

@@ -98,11 +98,14 @@ class HeadShard:
 def mesh_shard(mesh: Any) -> HeadShard:
     """This rank's place in the tensor-parallel dimension of ``mesh``: a 1-D ``DeviceMesh``, or the
     ``"tp"`` dimension of an n-D one (transformers' ``model._device_mesh`` is ``("pp", "fsdp", "tp")``)."""
+    mesh_type: type | tuple[()]
     try:
         from torch.distributed.device_mesh import DeviceMesh
+
+        mesh_type = DeviceMesh
     except ImportError:  # torch built without distributed
-        DeviceMesh = ()  # noqa: N806
-    if not isinstance(mesh, DeviceMesh):
+        mesh_type = ()
+    if not isinstance(mesh, mesh_type):
         raise TensorParallelError(
             f"device_mesh must be a torch.distributed DeviceMesh (the model's tensor-parallel mesh), got "
             f"{type(mesh).__name__}."

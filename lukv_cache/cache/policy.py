@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -46,6 +46,10 @@ def check_ratio(ratio: Any) -> float:
 _MAX_TOKENS_LIMIT = 2**40  # far beyond any context; larger numbers are a mistake (None means no cap)
 
 
+@overload
+def _check_count(name: str, value: int, *, positive: bool = False) -> int: ...
+@overload
+def _check_count(name: str, value: Any, *, positive: bool = False) -> int | None: ...
 def _check_count(name: str, value: Any, *, positive: bool = False) -> int | None:
     """``value`` as an int (Python or numpy integers), or a ConfigurationError naming ``name``."""
     if value is None:

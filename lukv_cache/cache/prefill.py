@@ -38,7 +38,7 @@ def prefill_context(
     """:meth:`LUKVCache.prefill <lukv_cache.LUKVCache.prefill>`: run the context through ``model`` into
     ``cache`` and compress it (with a reconstruction scorer: after its repeat passes); the model's output."""
     recon = cache.scorer.reconstruction
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
     mask = check_prefill_inputs(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..allocation import allocators_reading_profile
 from ..errors import ConfigurationError
@@ -12,7 +12,8 @@ from ..scorers import Scorer
 from ..scorers.kvzap import kvzap_scorer
 from .policy import check_ratio
 
-Cache = TypeVar("Cache")  # the LUKVCache class from_pretrained is called on (or a subclass)
+if TYPE_CHECKING:
+    from .cache import LUKVCache
 
 
 def _profile_scorer(profile: Any, name: str) -> str | Scorer:
@@ -29,7 +30,7 @@ def _profile_scorer(profile: Any, name: str) -> str | Scorer:
 
 
 def from_pretrained(
-    cls: type[Cache],
+    cls: type[LUKVCache],  # the class from_pretrained is called on (or a subclass)
     model_or_profile: Any,
     ratio: float | None = None,
     scorer: str | None = None,
@@ -47,7 +48,7 @@ def from_pretrained(
     sink: int | None = None,
     window: int | None = None,
     **kwargs: Any,
-) -> Cache:
+) -> LUKVCache:
     """A cache whose per-head budgets come from the LU-KV profile of a model.
 
     ``ratio``: the fraction of the prompt removed (default 0.5, as in ``LUKVCache()``); or
