@@ -138,7 +138,7 @@ def make_cache(
         )
     # the model's profile: the budgets, or (kvzap) the surrogate whatever the allocator
     source = profile_source(model, method.scorer, profiles_dir)
-    # Any: the cache's attributes are not annotated yet (lukv_cache.cache is outside the type check for now)
+    # Any: from_pretrained always sets cache.profile, whose type (Profile | None) allows None
     cache: Any = LUKVCache.from_pretrained(
         source,
         method.ratio,
