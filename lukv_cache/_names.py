@@ -15,7 +15,7 @@ plugin mechanism is ever added, :func:`refuse_unknown` must let the names it cou
 >>> refuse_unknown("allocator", ["uniform", "nope"])
 Traceback (most recent call last):
     ...
-lukv_cache.errors.UnknownNameError: Unknown allocator 'nope'. Known allocators: adakv, global, hybrid, hybrid_global, profile, pyramid, threshold, uniform. Register your own with register_allocator().
+lukv_cache.errors.UnknownNameError: Unknown allocator 'nope'. Known allocators: adakv, calibrated, global, hybrid, hybrid_global, profile, pyramid, threshold, uniform. Register your own with register_allocator().
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ BUILTIN_SCORERS = (
 )
 BUILTIN_ALLOCATORS = (
     "adakv",
+    "calibrated",
     "global",
     "hybrid",
     "hybrid_global",

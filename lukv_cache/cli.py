@@ -31,6 +31,7 @@ from .evaluation.methods import (
     CHECK_ALLOCATORS,
     CHECK_RATIOS,
     CHECK_SCORER,
+    DEFAULT_TASKS,
     RATIOS,
     SCORERS,
     TASKS,
@@ -307,7 +308,9 @@ def _profiling_commands(subparsers: Any) -> None:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
     parser.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
-    parser.add_argument("--tasks", nargs="+", help=f"default: all of {' '.join(TASKS)}")
+    parser.add_argument(
+        "--tasks", nargs="+", help=f"of {' '.join(TASKS)} (default: {' '.join(DEFAULT_TASKS)})"
+    )
     parser.add_argument("--samples", type=int, default=20, help="contexts per task")
     parser.add_argument("--context-tokens", type=int, default=1000, help="context length in tokens")
     parser.add_argument(
@@ -316,7 +319,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scorers", nargs="+", help=f"default: {' '.join(SCORERS)}")
     parser.add_argument("--allocators", nargs="+", help=f"default: {' '.join(ALLOCATORS)}")
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache reference")
-    parser.add_argument("--needles", type=int, default=4, help="needles per retrieval context")
+    parser.add_argument(
+        "--needles", type=int, default=4, help="needles per retrieval context (recall: sentences quoted)"
+    )
     parser.add_argument("--continuation-tokens", type=int, default=128, help="teacher-forced tokens")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples")
     parser.add_argument(
@@ -377,7 +382,8 @@ def _evaluation_commands(subparsers: Any) -> None:
         subparsers,
         "bench",
         "benchmark allocators x scorers x ratios against the full cache on real-text tasks",
-        "Question-agnostic RULER-style retrieval (single, multikey, multivalue) and continuation loss on real "
+        "Question-agnostic RULER-style retrieval (single, multikey, multivalue), continuation loss and sentence "
+        "recall on real "
         "Wikipedia text; writes markdown, JSON and a plot under --out.",
     )
     add_bench_arguments(bench)

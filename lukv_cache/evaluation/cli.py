@@ -91,13 +91,12 @@ def _check(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; write markdown, JSON and a plot; print the table."""
-    from .methods import ALLOCATORS, RATIOS, SCORERS, kv_bits_list
+    from .methods import ALLOCATORS, DEFAULT_TASKS, RATIOS, SCORERS, kv_bits_list
     from .report import command_line, write_results
     from .runner import BenchSettings, run_benchmark
-    from .tasks import TASKS
 
     settings = BenchSettings(
-        tasks=tuple(_split(args.tasks) or TASKS),
+        tasks=tuple(_split(args.tasks) or DEFAULT_TASKS),
         samples=args.samples,
         context_tokens=args.context_tokens,
         ratios=tuple(float(r) for r in (_split(args.ratios) or RATIOS)),

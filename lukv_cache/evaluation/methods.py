@@ -13,7 +13,8 @@ from typing import Any, cast
 
 from ..errors import ConfigurationError
 
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "continuation")  # made by .tasks
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "continuation", "recall")  # made by .tasks
+DEFAULT_TASKS = TASKS[:4]  # what `lukv bench` runs without --tasks (recall is asked for by name)
 ALLOCATORS = ("uniform", "pyramid", "adakv", "profile")
 SCORERS = ("keydiff", "snapkv", "expected_attention", "knorm")
 RATIOS = (0.25, 0.5, 0.8, 0.9)

@@ -19,11 +19,11 @@ import torch
 
 from .methods import FULL
 from .runner import BenchResults
-from .tasks import RETRIEVAL_TASKS, mean_and_sem
+from .tasks import ACCURACY_TASKS, mean_and_sem
 
 
 def _is_retrieval(task: str) -> bool:
-    return task in RETRIEVAL_TASKS
+    return task in ACCURACY_TASKS
 
 
 def summarize(results: BenchResults) -> list[dict[str, Any]]:

@@ -9,6 +9,10 @@ same cache. Several questions about one context share one prefill (each question
 * ``niah_multivalue``: several values for one key; the answer must list them all (score = fraction found).
 * ``continuation``: the first ``context_tokens`` of a Wikipedia article are compressed, the next 128
   tokens are teacher-forced; the score is their mean negative log-likelihood (lower is better).
+* ``recall``: natural-text recall, nothing planted. The first ``context_tokens`` of an article are
+  compressed; then whole sentences of that context (default 4, spread over it) are asked back, each cued by
+  its first five words, and the rest of the sentence (up to 48 tokens) is teacher-forced; the score is the
+  fraction of those tokens the model predicts exactly (greedy copy accuracy, higher is better).
 
 Prompts are plain completions (context, then question, no chat template, no special tokens): SmolLM2-135M
 answers ~75% of multikey questions at ~1k tokens that way and ~0% with its chat template.
@@ -38,7 +42,11 @@ from ..texts import Article, wikipedia_articles
 from .methods import TASKS  # the names live there, light, for the command line's help
 
 RETRIEVAL_TASKS = TASKS[:3]
-
+ACCURACY_TASKS = (*RETRIEVAL_TASKS, "recall")  # scored in [0, 1], higher is better (the rest: NLL)
+RECALL_PROMPT = '\n\nQuote the sentence of the text above that begins with "{cue}":\n'
+RECALL_CUE_WORDS = 5
+RECALL_MAX_TOKENS = 48  # of a sentence's rest, teacher-forced
+RECALL_MIN_TOKENS = 8  # a shorter rest is not asked
 CacheFactory = Callable[[], Any]
 
 PREAMBLE = (
@@ -172,15 +180,33 @@ class ContinuationSample:
         return "continuation"
 
 
-Sample = RetrievalSample | ContinuationSample
+@dataclass(frozen=True)
+class RecallSample:
+    """The first tokens of a real document (to compress) and sentences of it to quote back: each question
+    is ``(prompt ids, cue ids, rest ids)``, the prompt and cue forwarded, the rest teacher-forced.
+
+    >>> RecallSample("Albedo", (1, 2, 3), (((9,), (1,), (2, 3)),)).task
+    'recall'
+    """
+
+    title: str
+    context_ids: tuple[int, ...]
+    quotes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+
+    @property
+    def task(self) -> str:
+        return "recall"
+
+
+Sample = RetrievalSample | ContinuationSample | RecallSample
 
 
 @dataclass
 class SampleResult:
     """What one cache did on one sample.
 
-    ``score``: accuracy in [0, 1] for retrieval (mean over questions), mean NLL per token (nats) for
-    continuation. ``kv_bytes``/``context_tokens`` are measured right after the context prefill.
+    ``score``: accuracy in [0, 1] for retrieval and recall (mean over questions), mean NLL per token
+    (nats) for continuation. ``kv_bytes``/``context_tokens`` are measured right after the context prefill.
 
     >>> SampleResult(score=1.0, kv_bytes=10, context_tokens=5).score
     1.0
@@ -324,6 +350,55 @@ def _continuation_samples(
     )
 
 
+def _recall_samples(
+    tokenizer: Any,
+    rng: random.Random,
+    articles: Sequence[Article],
+    n_samples: int,
+    context_tokens: int,
+    n_quotes: int,
+) -> list[RecallSample]:
+    """Contexts of exactly ``context_tokens`` tokens from the articles' starts, each with ``n_quotes`` of its
+    own whole sentences (chosen at random, in context order) to quote back."""
+    candidates = [a for a in articles if len(a.text) >= context_tokens * 3.5]
+    rng.shuffle(candidates)
+    samples: list[RecallSample] = []
+    prompt_of = {}
+    for article in candidates:
+        ids = tokenizer(article.text, add_special_tokens=False)["input_ids"]
+        if len(ids) < context_tokens:
+            continue
+        context = tokenizer.decode(ids[:context_tokens])
+        quotes = []
+        for sentence in _sentences(Article(article.title, context))[:-1]:  # the last may be cut
+            words = sentence.split()
+            if len(words) <= RECALL_CUE_WORDS or context.count(sentence) != 1:
+                continue
+            cue_text = " ".join(words[:RECALL_CUE_WORDS])
+            whole = tokenizer(sentence, add_special_tokens=False)["input_ids"]
+            cue = tokenizer(cue_text, add_special_tokens=False)["input_ids"]
+            rest = whole[len(cue) : len(cue) + RECALL_MAX_TOKENS]
+            if whole[: len(cue)] != cue or len(rest) < RECALL_MIN_TOKENS:
+                continue  # the cue's tokens are not the sentence's first ones, or too little is left
+            if cue_text not in prompt_of:
+                prompt_of[cue_text] = tokenizer(RECALL_PROMPT.format(cue=cue_text), add_special_tokens=False)[
+                    "input_ids"
+                ]
+            quotes.append((tuple(prompt_of[cue_text]), tuple(cue), tuple(rest)))
+        if len(quotes) < n_quotes:
+            continue
+        chosen = sorted(rng.sample(range(len(quotes)), n_quotes))
+        samples.append(
+            RecallSample(article.title, tuple(ids[:context_tokens]), tuple(quotes[i] for i in chosen))
+        )
+        if len(samples) == n_samples:
+            return samples
+    raise ConfigurationError(
+        f"Only {len(samples)} articles hold {context_tokens} tokens with {n_quotes} whole sentences to quote; ask "
+        "for fewer samples, fewer quotes (--needles) or a shorter context."
+    )
+
+
 def make_samples(
     task: str,
     tokenizer: Any,
@@ -354,6 +429,8 @@ def make_samples(
         return list(
             _continuation_samples(tokenizer, rng, articles, n_samples, context_tokens, continuation_tokens)
         )
+    if task == "recall":
+        return list(_recall_samples(tokenizer, rng, articles, n_samples, context_tokens, n_needles))
     return [
         _retrieval_sample(task, tokenizer, rng, articles, context_tokens, n_needles) for _ in range(n_samples)
     ]
@@ -438,7 +515,7 @@ def context_ids(tokenizer: Any, sample: Sample, device: torch.device | str = "cp
 
     >>> ids = context_ids(tokenizer, sample)  # doctest: +SKIP
     """
-    if isinstance(sample, ContinuationSample):
+    if isinstance(sample, ContinuationSample | RecallSample):
         return torch.tensor([sample.context_ids], dtype=torch.long, device=device)
     return _encode(tokenizer, sample.context, torch.device(device))
 
@@ -464,6 +541,8 @@ def score_prefilled(
         logits = torch.cat([last_logits[:, None, :].to(logits.dtype), logits], dim=1).float()
         nll = torch.nn.functional.cross_entropy(logits[0], target[0], reduction="mean")
         return float(nll), [], []
+    if isinstance(sample, RecallSample):
+        return _score_recall(model, tokenizer, sample, cache)
 
     stops = stop_ids(tokenizer)
 
@@ -486,6 +565,25 @@ def score_prefilled(
             new_ids += greedy_decode(model, working, prompt, max_new, stops, done if single else None)
     outputs = [tokenizer.decode(ids, skip_special_tokens=True) for ids in new_ids]
     scores = [_answer_score(text, q.answers) for text, q in zip(outputs, sample.questions)]
+    return sum(scores) / len(scores), outputs, scores
+
+
+@torch.no_grad()
+def _score_recall(
+    model: Any, tokenizer: Any, sample: RecallSample, cache: Any
+) -> tuple[float, list[str], list[float]]:
+    """Each quote on its own copy of the prefilled cache: prompt + cue + rest forwarded at once, the rest's
+    tokens scored by whether the greedy prediction is the true token."""
+    device = _device(model)
+    outputs, scores = [], []
+    for index, (prompt_ids, cue, rest) in enumerate(sample.quotes):
+        working = cache if index == len(sample.quotes) - 1 else copy.deepcopy(cache)
+        ids = torch.tensor([prompt_ids + cue + rest[:-1]], dtype=torch.long, device=device)
+        logits = model(input_ids=ids, past_key_values=working, use_cache=True).logits  # [1, q, V]
+        predicted = logits[0, len(prompt_ids) + len(cue) - 1 :].argmax(-1)  # predicts rest[0 ...]
+        target = torch.tensor(rest, device=device)
+        scores.append(float((predicted == target).double().mean()))
+        outputs.append(tokenizer.decode(predicted.tolist(), skip_special_tokens=True))
     return sum(scores) / len(scores), outputs, scores
 
 

@@ -102,3 +102,36 @@ def test_questions_decoded_as_one_batch_match_one_by_one_decoding(model, tokeniz
     _, batched, _ = score_prefilled(model, tokenizer, sample, cache, last)
     # Batched rows may stop earlier (once an answer looks complete); up to there they must agree.
     assert all(b and s.startswith(b) for b, s in zip(batched, one_by_one))
+
+
+def test_recall_quotes_whole_sentences_of_its_own_context(tokenizer, articles):
+    from lukv_cache.evaluation.tasks import RecallSample
+
+    samples = make_samples("recall", tokenizer, 2, 300, n_needles=3, articles=articles)
+    assert samples == make_samples("recall", tokenizer, 2, 300, n_needles=3, articles=articles)  # seeded
+    for sample in samples:
+        assert isinstance(sample, RecallSample) and len(sample.context_ids) == 300 and len(sample.quotes) == 3
+        context = tokenizer.decode(list(sample.context_ids))
+        for prompt, cue, rest in sample.quotes:
+            cue_text = tokenizer.decode(list(cue))
+            assert cue_text in tokenizer.decode(list(prompt))  # the prompt names the cue
+            assert tokenizer.decode(list(cue + rest)) in context  # the sentence is the context's own
+            assert len(cue_text.split()) == 5 and 8 <= len(rest) <= 48
+
+
+def test_recall_scores_the_greedy_copy_of_each_sentence(model, tokenizer, articles):
+    (sample,) = make_samples("recall", tokenizer, 1, 200, n_needles=2, articles=articles)
+    result = evaluate_sample(model, tokenizer, sample, DynamicCache)
+    assert len(result.question_scores) == 2 and result.score == sum(result.question_scores) / 2
+    for (prompt, cue, rest), got in zip(sample.quotes, result.question_scores):
+        ids = torch.tensor([sample.context_ids + prompt + cue + rest])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0]
+        start = len(sample.context_ids) + len(prompt) + len(cue) - 1
+        predicted = logits[start : start + len(rest)].argmax(-1)
+        assert got == pytest.approx(float((predicted == torch.tensor(rest)).double().mean()))
+
+
+def test_recall_without_enough_sentences_is_refused(tokenizer, articles):
+    with pytest.raises(ConfigurationError, match="whole sentences to quote"):
+        make_samples("recall", tokenizer, 1, 300, n_needles=500, articles=articles)
