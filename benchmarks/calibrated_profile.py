@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrations", nargs="+", default=list(DEFAULT_CALIBRATIONS))
     parser.add_argument("--knots", type=int, default=DEFAULT_KNOTS)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=None, help="folder for the new files (default: none)")
+    parser.add_argument("--out", type=Path, default=None, help="a profiles folder (Hub layout) for the new files")
     parser.add_argument("--write-shipped", action="store_true", help="replace the shipped profiles")
     args = parser.parse_args(argv)
     if args.threads:
@@ -43,11 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         profile = Profile.load(SHIPPED / f"{scorer}.safetensors")
         new = with_score_gains(profile, model, tokenizer, args.calibrations, knots=args.knots)
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            print(new.save(args.out / f"{scorer}.safetensors"))
-        if args.write_shipped:  # the file and its index.json entry
-            print(save_to_local_dir(new, HUB_MIRROR))
+        # <folder>/<model id>/<scorer>.safetensors and its index.json entry (what --profiles reads)
+        for folder in [args.out] * (args.out is not None) + [HUB_MIRROR] * args.write_shipped:
+            print(save_to_local_dir(new, folder))
         print(f"{scorer}: table {new.gain_scores.shape} in {time.perf_counter() - started:.0f} s")
     return 0
 

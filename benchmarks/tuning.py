@@ -11,10 +11,12 @@ longer documents), another seed, and the same task code. Results go to ``benchma
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
 
+from lukv_cache.allocation import ALLOCATORS, register_allocator
 from lukv_cache.evaluation.report import command_line, write_results
 from lukv_cache.evaluation.runner import BenchSettings, run_benchmark
 from lukv_cache.models import load_model
@@ -27,6 +29,30 @@ VARIANTS = {
     "kvzip_plain": kvzip_scorer(template="plain", window=1, name="kvzip_plain"),
     "kvzip_plus_w1": kvzip_scorer(weighted=True, window=1, name="kvzip_plus_w1"),
 }
+
+# the allocator settings compared while tuning the calibrated allocator (issue 34): name -> (base, kwargs)
+ALLOCATOR_VARIANTS = {
+    "calibrated_f25": ("calibrated", {"floor": 0.25}),
+    "calibrated_f50": ("calibrated", {"floor": 0.5}),
+    "hybrid_global_f0": ("hybrid_global", {"floor": 0.0}),
+    "hybrid_global_f25": ("hybrid_global", {"floor": 0.25}),
+}
+
+
+def register_variants() -> None:
+    """Register :data:`VARIANTS` and :data:`ALLOCATOR_VARIANTS` under their names (for this process)."""
+    for name, scorer in VARIANTS.items():
+        SCORERS.add(name, scorer, overwrite=True)
+    for name, (base, kwargs) in ALLOCATOR_VARIANTS.items():
+        entry = ALLOCATORS.get(base)
+        register_allocator(
+            name,
+            functools.partial(entry.factory, **kwargs),
+            whole_model=entry.whole_model,
+            adaptive=entry.adaptive,
+            reads_profile=entry.reads_profile,
+            overwrite=True,
+        )
 
 
 def news_documents(group: int) -> list[Article]:
@@ -49,16 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         "--news-group", type=int, default=6, help="news articles per document (14 for continuation)"
     )
     parser.add_argument("--profiles", help="a folder of profiles searched first")
+    parser.add_argument("--context-tokens", type=int, default=1000)
     parser.add_argument("--name", required=True)
     args = parser.parse_args(argv)
-    for name, scorer in VARIANTS.items():
-        SCORERS.add(name, scorer, overwrite=True)
+    register_variants()
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2")
     settings = BenchSettings(
         tasks=tuple(args.tasks),
         samples=args.samples,
-        context_tokens=1000,
+        context_tokens=args.context_tokens,
         ratios=tuple(args.ratios),
         scorers=tuple(args.scorers),
         allocators=tuple(args.allocators),
