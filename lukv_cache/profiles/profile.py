@@ -256,7 +256,7 @@ class Profile:
             surrogate = surrogate_format.from_file(
                 tensors, metadata.get(surrogate_format.METADATA_KEY, ""), source
             )
-        gains = {name: tensors[name] for name in _GAIN_TENSORS if name in tensors}
+        gains: dict[str, Any] = {name: tensors[name] for name in _GAIN_TENSORS if name in tensors}
         if gains and values["format_version"] < 2:
             raise ProfileFormatError(
                 f"{source}: a score-to-gain table needs format version 2, the file says "
