@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigurationError
-from . import AllocationRequest, largest_remainder, register_allocator
+from .base import AllocationRequest, largest_remainder, register_allocator
 
 
 @register_allocator("uniform")
