@@ -17,221 +17,23 @@ Register your own with :func:`register_scorer`; look one up with :func:`get_scor
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-
-from .._registry import Registry
-from ..errors import ConfigurationError
-
-ScoreFn = Callable[..., torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Reconstruction:
-    """How a reconstruction scorer runs (KVzip): chunks of at most ``chunk_size`` context tokens, each
-    prompted with the previous chunk's last ``overlap`` tokens; ``template``: ``"auto"`` (the chat template
-    when the tokenizer has one), ``"chat"`` or ``"plain"``; ``weighted``: multiply each attention weight by
-    ``||v W_O||`` (KVzip+)."""
-
-    chunk_size: int = 2048
-    overlap: int = 8
-    template: str = "auto"
-    weighted: bool = False
-
-
-@dataclass(frozen=True)
-class Scorer:
-    """A registered scorer: the function, and what the cache must give it.
-
-    ``n_queries``: how many trailing prefill queries it reads (0 = none).
-    ``window``: the recent window it protects by default (LU-KV: 1, SnapKV: 32).
-    ``params``: keyword defaults passed to ``fn``. ``reconstruction``: set for scorers that score the
-    whole context through the model after the prefill (KVzip); such a scorer has no ``fn``.
-    ``context``: ``fn`` also receives ``layer_idx``, ``module`` (the attention module), ``heads`` (the
-    slice of the model's KV heads these are: all of them, or a tensor-parallel rank's), ``positions``
-    (int64 ``[B, T]`` position ids) and ``gather_heads`` (``None``, or under tensor parallelism
-    ``gather_heads(tensor, dim)``: every rank's heads, concatenated), as keywords. ``missing``: set on a placeholder that
-    needs model-specific data (``kvzap`` without a surrogate): the message a cache raises at construction.
-    ``decodes``: it can rank tokens generated while decoding (``LUKVCache(decode_max_tokens=...)``); a
-    reconstruction scorer cannot (its scores come from repeat passes over the whole context).
-    ``rescores``: at each fold, score the tokens a head holds again (``True``: the score depends on the other
-    tokens or on the latest queries, e.g. keydiff's anchor) or reuse each token's score from when it was
-    first scored (``False``: it depends on the token alone; stored with the token). ``None``: ``False``
-    for ``context`` scorers (they read every KV head of a token, which eviction no longer keeps together),
-    ``True`` otherwise.
-    """
-
-    name: str
-    fn: ScoreFn | None
-    n_queries: int = 0
-    window: int = 1
-    params: dict[str, Any] = field(default_factory=dict)
-    reconstruction: Reconstruction | None = None
-    context: bool = False
-    missing: str | None = None
-    decodes: bool = True
-    rescores: bool | None = None
-
-    @property
-    def keeps_scores(self) -> bool:
-        """Whether eviction at fold time reuses each token's first score (see ``rescores``).
-
-        >>> get_scorer("keydiff").keeps_scores
-        False
-        """
-        return self.context if self.rescores is None else not self.rescores
-
-    def __call__(
-        self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None, **params: Any
-    ) -> torch.Tensor:
-        if self.fn is None:
-            raise ConfigurationError(
-                f"Scorer {self.name!r} scores by context reconstruction, through the model: fill the cache with "
-                "cache.prefill(model, input_ids, tokenizer=tokenizer)."
-            )
-        return self.fn(keys, values, queries, **{**self.params, **params})
-
-
-SCORERS: Registry[Scorer] = Registry("scorer")
-
-
-def register_scorer(
-    name: str,
-    fn: ScoreFn | None = None,
-    *,
-    n_queries: int = 0,
-    window: int = 1,
-    overwrite: bool = False,
-    decodes: bool = True,
-    rescores: bool | None = None,
-    **params: Any,
-):
-    """Register ``fn`` as scorer ``name``; usable as a decorator. ``decodes`` and ``rescores``: how it
-    ranks tokens generated while decoding (see :class:`Scorer`).
-
-    >>> @register_scorer("vnorm")
-    ... def vnorm(keys, values, queries):
-    ...     return values.norm(dim=-1)
-    """
-
-    def add(f: ScoreFn) -> ScoreFn:
-        scorer = Scorer(name, f, n_queries, window, dict(params), decodes=decodes, rescores=rescores)
-        _probe(scorer)
-        SCORERS.add(name, scorer, overwrite=overwrite)
-        return f
-
-    return add(fn) if fn is not None else add
-
-
-def _probe(scorer: Scorer) -> None:
-    """Call a scorer being registered on small random inputs: a wrong shape or a crash is a
-    ConfigurationError now, naming the scorer, instead of a failure deep inside a prefill later."""
-    if scorer.fn is None:
-        return
-    if not callable(scorer.fn):
-        raise ConfigurationError(
-            f"Scorer {scorer.name!r}: expected a function, got {type(scorer.fn).__name__}."
-        )
-    if not _is_count(scorer.n_queries):
-        raise ConfigurationError(f"Scorer {scorer.name!r}: n_queries must be a non-negative integer.")
-    if not _is_count(scorer.window):
-        raise ConfigurationError(f"Scorer {scorer.name!r}: window must be a non-negative integer.")
-    gen = torch.Generator().manual_seed(0)
-    b, h, t, d = 1, 2, max(16, scorer.n_queries + 8), 8
-    keys, values = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
-    queries = torch.randn(b, 2 * h, scorer.n_queries, d, generator=gen) if scorer.n_queries else None
-    try:
-        scores = scorer(keys, values, queries)
-    except Exception as err:
-        raise ConfigurationError(
-            f"Scorer {scorer.name!r} failed on keys/values [B, H_kv, T, D] = {[b, h, t, d]}: "
-            f"{type(err).__name__}: {err}"
-        ) from err
-    check_scores(scorer, scores, (b, h, t))
-
-
-def _is_count(value: object, low: int = 0) -> bool:
-    """Whether ``value`` is an integer (not a bool) of at least ``low``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-def check_scores(scorer: Scorer, scores: object, expected: tuple[int, ...]) -> torch.Tensor:
-    """``scores`` as fp32 if it is a float tensor of shape ``expected``; else a ConfigurationError naming
-    the scorer and the shape it must return.
-
-    >>> check_scores(get_scorer("keydiff"), torch.zeros(1, 2, 3), (1, 2, 3)).dtype
-    torch.float32
-    """
-    if (
-        not isinstance(scores, torch.Tensor)
-        or tuple(scores.shape) != expected
-        or not scores.is_floating_point()
-    ):
-        got = (
-            f"a {scores.dtype} tensor of shape {list(scores.shape)}"
-            if isinstance(scores, torch.Tensor)
-            else type(scores).__name__
-        )
-        raise ConfigurationError(
-            f"Scorer {scorer.name!r} returned {got}; a scorer returns float scores of shape "
-            f"[B, H_kv, T] = {list(expected)} (higher = keep)."
-        )
-    return scores.float()
-
-
-def get_scorer(name: str | Scorer) -> Scorer:
-    """The registered scorer ``name`` (a :class:`Scorer` passes through)."""
-    return name if isinstance(name, Scorer) else SCORERS.get(name)
-
-
-def kvzip_scorer(
-    chunk_size: int = 2048,
-    overlap: int = 8,
-    template: str = "auto",
-    weighted: bool = False,
-    name: str = "kvzip",
-    window: int = 1,
-) -> Scorer:
-    """A KVzip scorer with your settings (``kvzip`` and ``kvzip_plus`` are registered with a 32-token
-    window; ``window``: the recent tokens it protects by default).
-
-    >>> kvzip_scorer(chunk_size=1024).reconstruction.chunk_size
-    1024
-    """
-    if not _is_count(chunk_size, 1):
-        raise ConfigurationError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}.")
-    for arg, value in (("overlap", overlap), ("window", window)):
-        if not _is_count(value):
-            raise ConfigurationError(
-                f"{arg} must be a non-negative number of tokens (e.g. 8), got {value!r}."
-            )
-    if template not in ("auto", "chat", "plain"):
-        raise ConfigurationError(f"template must be 'auto', 'chat' or 'plain', got {template!r}.")
-    if not isinstance(weighted, bool):
-        raise ConfigurationError(f"weighted must be True (KVzip+) or False, got {weighted!r}.")
-    if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"name must be a non-empty string, got {name!r}.")
-    return Scorer(
-        name,
-        None,
-        window=window,
-        reconstruction=Reconstruction(chunk_size, overlap, template, weighted),
-        decodes=False,  # its scores come from repeat passes over the whole context, once
-    )
-
-
-from . import builtin as _builtin  # noqa: E402,F401  (registers the built-ins)
+from . import builtin as _builtin  # noqa: F401  (registers the built-ins)
+from .base import (
+    SCORERS,
+    Reconstruction,
+    Scorer,
+    check_scores,
+    get_scorer,
+    kvzip_scorer,
+    register_scorer,
+)
+from .base import ScoreFn as ScoreFn  # a type, not in __all__; importable from here as before
+from .kvzap import KVZAP_PLACEHOLDER, kvzap_scorer
 
 # A 32-token recent window, as SnapKV protects: chosen on tuning texts (news articles, not the benchmark's
 # Wikipedia); it halved the excess NLL at ratio 0.9 and kept retrieval (benchmarks/results/tuning/README.md).
 SCORERS.add("kvzip", kvzip_scorer(window=32))
 SCORERS.add("kvzip_plus", kvzip_scorer(weighted=True, name="kvzip_plus", window=32))
-
-from .kvzap import KVZAP_PLACEHOLDER, kvzap_scorer  # noqa: E402
-
 SCORERS.add("kvzap", KVZAP_PLACEHOLDER)
 
 __all__ = [

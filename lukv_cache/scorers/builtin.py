@@ -5,13 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import register_scorer
-
-
-def _group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[B, H_q, W, D] -> [B, H_kv, G, W, D]: the query heads that read each KV head."""
-    b, hq, w, d = queries.shape
-    return queries.view(b, num_kv_heads, hq // num_kv_heads, w, d)
+from .base import _group_queries, register_scorer
 
 
 @register_scorer("streaming")

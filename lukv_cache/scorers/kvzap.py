@@ -30,8 +30,7 @@ from typing import Any, cast
 import torch
 
 from ..errors import ConfigurationError
-from . import Scorer
-from .builtin import _group_queries
+from .base import Scorer, _group_queries
 
 FEATURES = "keys_prerope_values"  # every surrogate reads these; the feature sets below may add the length
 WINDOW_ATTENTION = (
