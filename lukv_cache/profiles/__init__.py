@@ -3,7 +3,7 @@
 * :mod:`.profile`: the file format (:class:`Profile`);
 * :mod:`.location`: where profiles live (:class:`HubLocation`, file names);
 * :mod:`.download`: finding one (:func:`resolve_profile`);
-* :mod:`.index`: ``index.json`` and the local mirror; :mod:`.publish`: uploading;
+* :mod:`.index`: ``index.json`` and the local mirror; :mod:`.publish`: uploading; :mod:`.files`: writing;
 * :mod:`.convert`: LU-KV / kvpress ``.npy`` curves; :mod:`.cli`: ``lukv pull | push | list | convert``.
 
 >>> from lukv_cache.profiles import Profile, resolve_profile

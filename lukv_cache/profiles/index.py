@@ -10,9 +10,10 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError, HubUnavailableError, ProfileFormatError, ProfileNotFoundError
+from .files import atomic_write
 from .hub_errors import hub_answers, hub_file, shipped_fallback, translated_hub_errors
 from .jsonfile import parse_json
 from .location import (
@@ -23,7 +24,9 @@ from .location import (
     check_model_id,
     profile_filename,
 )
-from .profile import Profile, atomic_write
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 INDEX_FORMAT_VERSION = 1
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchError, ProfileNotFoundError
 from . import surrogate as surrogate_format
+from .files import atomic_write, library_version
 from .jsonfile import parse_json
 
 FORMAT_VERSION = 2  # written when the profile holds a score-to-gain table; 1 otherwise (see to_bytes)
@@ -43,12 +43,6 @@ _FLOAT_KEYS = ("min_keep",)
 _STR_KEYS = ("model_id", "scorer", "calibration", "library_version", "created")
 _JSON_DICT_KEYS = ("scorer_params", "extra")
 _REQUIRED_KEYS = ("format", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_JSON_DICT_KEYS, "head_dim")
-
-
-def library_version() -> str:
-    import lukv_cache  # the package is importing or imported when this runs: no cycle at call time
-
-    return str(getattr(lukv_cache, "__version__", "0.1.0"))
 
 
 def _utc_now() -> str:
@@ -338,44 +332,6 @@ class Profile:
 
 
 _REBUILD = "Rebuild the profile, or fetch it again (lukv pull <model id>)."
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half of one.
-
-    An unwritable target (a folder, a read-only place, a parent that is a file) raises
-    :class:`~lukv_cache.errors.ConfigurationError` naming it; nothing is left behind.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigurationError(
-            f"Cannot write {str(path)!r}: it is a folder. Give a file name (e.g. x.safetensors)."
-        )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as err:
-        raise ConfigurationError(
-            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path."
-        ) from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates 0600; give the file the mode a plain open() would (0666 minus the umask)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise ConfigurationError(
-            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path."
-        ) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _json_default(value: Any) -> Any:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ProfileError, PublishError
+from .files import library_version
 from .hub_errors import connection_errors, one_line
 from .index import empty_index, index_bytes, index_entry, parse_index, published_copy, with_entry
 from .location import INDEX_FILENAME, HubLocation, profile_filename
-from .profile import Profile, library_version
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 
 def _read_remote_index(api: Any, repo_id: str, commit: str | None) -> dict[str, Any]:

@@ -1,0 +1,56 @@
+"""What the profile modules write with: :func:`atomic_write` (a file replaced whole, never half written) and
+:func:`library_version` (stamped in what they write). A leaf that :mod:`.profile`, :mod:`.index` and
+:mod:`.publish` import: index and publish then need no :class:`~lukv_cache.profiles.Profile` at run time, and
+``Profile.push_to_hub`` imports :mod:`.publish` without an import cycle."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ..errors import ConfigurationError
+
+
+def library_version() -> str:
+    import lukv_cache  # the package is importing or imported when this runs: no cycle at call time
+
+    return str(getattr(lukv_cache, "__version__", "0.1.0"))
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half of one.
+
+    An unwritable target (a folder, a read-only place, a parent that is a file) raises
+    :class:`~lukv_cache.errors.ConfigurationError` naming it; nothing is left behind.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigurationError(
+            f"Cannot write {str(path)!r}: it is a folder. Give a file name (e.g. x.safetensors)."
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise ConfigurationError(
+            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path."
+        ) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        # mkstemp creates 0600; give the file the mode a plain open() would (0666 minus the umask)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigurationError(
+            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path."
+        ) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
