@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -36,7 +35,9 @@ from ..scorers.kvzap import (
     token_features,
 )
 from ..scorers.kvzip import RepeatPrompt
-from ..texts import news_articles, python_docs
+from .kvzap_corpora import CORPORA as CORPORA  # the training documents, importable from here as before
+from .kvzap_corpora import news_documents as news_documents
+from .kvzap_corpora import python_docs_documents as python_docs_documents
 from .kvzap_options import FAMILIES, SKIP_FIRST, TARGETS
 from .scores import prefill_scores
 
@@ -44,43 +45,6 @@ if TYPE_CHECKING:
     import numpy as np
 
 _FEATURES_IMPL = "lukv_kvzap_features"
-
-
-def news_documents(tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0) -> list[torch.Tensor]:
-    """``count`` documents ``[1, tokens]`` of news articles (shuffled with ``seed``) joined by blank lines.
-
-    >>> docs = news_documents(tokenizer, 4)  # doctest: +SKIP
-    """
-    return _documents([a.text for a in news_articles()], "news", tokenizer, count, tokens, seed)
-
-
-def python_docs_documents(
-    tokenizer: Any, count: int, tokens: int = 1024, seed: int = 0
-) -> list[torch.Tensor]:
-    """``count`` documents ``[1, tokens]`` of Python's reference documentation (topics shuffled with
-    ``seed``, long ones cut into several documents).
-
-    >>> docs = python_docs_documents(tokenizer, 4)  # doctest: +SKIP
-    """
-    return _documents([a.text for a in python_docs()], "Python docs", tokenizer, count, tokens, seed)
-
-
-def _documents(articles: list[str], corpus: str, tokenizer: Any, count: int, tokens: int, seed: int):
-    random.Random(seed).shuffle(articles)
-    docs, current = [], []
-    for text in articles:
-        current.extend(tokenizer.encode(text + "\n\n", add_special_tokens=False))
-        if len(current) >= tokens:
-            docs.append(torch.tensor([current[:tokens]]))
-            current = []
-            if len(docs) == count:
-                return docs
-    raise ConfigurationError(
-        f"The {corpus} corpus holds {len(docs)} documents of {tokens} tokens, not {count}."
-    )
-
-
-CORPORA = {"news": news_documents, "python_docs": python_docs_documents}
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from ..errors import ConfigurationError
 if TYPE_CHECKING:
     import torch
 
-CORPORA = ("news", "python_docs")  # lukv_cache.profiling.kvzap.CORPORA reads them
+CORPORA = ("news", "python_docs")  # lukv_cache.profiling.kvzap_corpora.CORPORA reads them
 FAMILIES = ("linear", "mlp")
 TARGETS = ("kvzip_plus", "kvzip")  # the reconstruction scores a surrogate learns (their log)
 LENGTH_INPUTS = ("none", "log", "interactions")  # -> lukv_cache.scorers.kvzap.FEATURE_SETS, in order
@@ -185,7 +185,7 @@ class KVzapTraining:
 
     def corpus(self, tokenizer: Any, seed: int = 0, max_tokens: int | None = None) -> list[torch.Tensor]:
         """The training documents ``[1, tokens]`` (each cut to ``max_tokens``, the model's positions)."""
-        from . import kvzap
+        from . import kvzap_corpora
 
         docs = []
         for group, (count, tokens) in enumerate(self.documents):
@@ -194,7 +194,7 @@ class KVzapTraining:
             for i, name in enumerate(self.corpora):
                 share = count // n + (i < count % n)
                 if share:
-                    docs += kvzap.CORPORA[name](tokenizer, share, tokens, seed=seed + group)
+                    docs += kvzap_corpora.CORPORA[name](tokenizer, share, tokens, seed=seed + group)
         return docs
 
     @property
