@@ -8,6 +8,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -668,9 +669,9 @@ class LUKVCache(DynamicCache):
 
         >>> cache.save("context.safetensors")  # doctest: +SKIP
         """
-        from .saved import save_cache
+        from .savefile import write_context
 
-        return save_cache(self, path, model=model)
+        return write_context(self, Path(path), model)
 
     @classmethod
     def load(cls, path, model: Any, **kwargs: Any) -> LUKVCache:
@@ -680,9 +681,9 @@ class LUKVCache(DynamicCache):
 
         >>> cache = LUKVCache.load("context.safetensors", model)  # doctest: +SKIP
         """
-        from .saved import load_cache
+        from .savefile import read_context
 
-        return load_cache(path, model, **kwargs)
+        return read_context(LUKVCache, path, model, **kwargs)
 
     def memory_bytes(self) -> int:
         """Bytes held by every tensor of the cache (ragged stores, positions, offsets, suffix buffers,
