@@ -21,7 +21,7 @@ import torch
 from lukv_cache import Profile
 from lukv_cache.models import load_model
 from lukv_cache.profiles import save_to_local_dir
-from lukv_cache.profiling.gains import DEFAULT_CALIBRATIONS, DEFAULT_KNOTS, with_score_gains
+from lukv_cache.profiling.gains import CENTRES, DEFAULT_CALIBRATIONS, DEFAULT_KNOTS, with_score_gains
 
 HUB_MIRROR = Path(__file__).resolve().parents[1] / "profiles_hub"  # the shipped profiles and their index.json
 SHIPPED = HUB_MIRROR / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scorers", nargs="+", default=["kvzap"])
     parser.add_argument("--calibrations", nargs="+", default=list(DEFAULT_CALIBRATIONS))
     parser.add_argument("--knots", type=int, default=DEFAULT_KNOTS)
+    parser.add_argument("--centre", choices=CENTRES, default="model")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=None, help="a profiles folder (Hub layout) for the new files")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="a profiles folder (Hub layout) for the new files"
+    )
     parser.add_argument("--write-shipped", action="store_true", help="replace the shipped profiles")
     args = parser.parse_args(argv)
     if args.threads:
@@ -42,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     for scorer in args.scorers:
         started = time.perf_counter()
         profile = Profile.load(SHIPPED / f"{scorer}.safetensors")
-        new = with_score_gains(profile, model, tokenizer, args.calibrations, knots=args.knots)
+        new = with_score_gains(
+            profile, model, tokenizer, args.calibrations, knots=args.knots, centre=args.centre
+        )
         # <folder>/<model id>/<scorer>.safetensors and its index.json entry (what --profiles reads)
         for folder in [args.out] * (args.out is not None) + [HUB_MIRROR] * args.write_shipped:
             print(save_to_local_dir(new, folder))

@@ -271,12 +271,14 @@ def _gain_table(name: str, profile) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.as_tensor(knots, dtype=torch.float64), torch.as_tensor(gains, dtype=torch.float64)
 
 
-def expected_gains(scores: torch.Tensor, layers, knots: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+def expected_gains(
+    scores: torch.Tensor, layers, knots: torch.Tensor, gains: torch.Tensor, centre: str = "model"
+) -> torch.Tensor:
     """Each token's expected oracle gain ``[L, B, H, R]`` (float64) from its score, through its head's table.
 
     ``scores``: ``[L, B, H, R]`` of the model layers ``layers``, ``-inf`` where not evictable (stays
-    ``-inf``). Each row's scores are centred on that row's mean over its evictable tokens of these layers,
-    as the table's knots are; between knots the gain is linear in the score, beyond the end knots it is the
+    ``-inf``). Each row's scores are centred as the table's knots are: on the row's mean over its evictable
+    tokens of these layers (``centre="model"``) or over each head's own (``"head"``); between knots the gain is linear in the score, beyond the end knots it is the
     end knot's. A slope of 1e-9 per score unit is added so that tokens of equal gain (a flat stretch of the
     table) are ranked by their scores, not by their position.
 
@@ -287,9 +289,9 @@ def expected_gains(scores: torch.Tensor, layers, knots: torch.Tensor, gains: tor
     """
     finite = torch.isfinite(scores)
     s = scores.double().masked_fill(~finite, 0.0)
-    count = finite.sum(dim=(0, 2, 3)).clamp_min(1)  # [B]
-    centre = (s.sum(dim=(0, 2, 3)) / count).view(1, -1, 1, 1)
-    s = s - centre
+    dims = (0, 2, 3) if centre == "model" else (3,)
+    mean = s.sum(dim=dims, keepdim=True) / finite.sum(dim=dims, keepdim=True).clamp_min(1)
+    s = s - mean  # [L, B, H, R]
     num, b, h, r = s.shape
     table_knots = knots[list(layers)]  # [L, H, Q]
     table_gains = gains[list(layers)]
@@ -321,6 +323,12 @@ def calibrated(profile=None, floor: float = 0.0, evict_ratio=None):
     if not 0.0 <= floor <= 1.0:
         raise ConfigurationError(f"calibrated: floor must be in [0, 1], got {floor}.")
     knots, gains = _gain_table("calibrated", profile)
+    centre = ((getattr(profile, "extra", None) or {}).get("gains") or {}).get("centre", "model")
+    if centre not in ("model", "head"):
+        raise ConfigurationError(
+            f"calibrated: the profile's score-to-gain table says its scores were centred by {centre!r}; this "
+            "lukv_cache knows 'model' and 'head'. Upgrade lukv_cache or rebuild the table."
+        )
     budgets = _profile_budgets("calibrated", evict_ratio, profile)
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
@@ -330,7 +338,7 @@ def calibrated(profile=None, floor: float = 0.0, evict_ratio=None):
                 f"allocator='calibrated': the score-to-gain table has shape {tuple(knots.shape[:2])} but the "
                 f"model has {req.num_layers} layers with {h} KV heads. Use a profile built for this model."
             )
-        values = expected_gains(req.scores, req.layers, knots, gains)  # [L, B, H, R]
+        values = expected_gains(req.scores, req.layers, knots, gains, centre)  # [L, B, H, R]
         return _floored_model_wide(req, values, budgets(req), floor)
 
     return allocate

@@ -39,7 +39,17 @@ from ..errors import ConfigurationError
 from .solver import pava
 
 DEFAULT_KNOTS = 32
+DEFAULT_TOP = 16  # each head's best tokens in the top bin (of ~15k pooled calibration tokens per head)
+CENTRES = ("model", "head")
 DEFAULT_CALIBRATIONS = ("planted", "default", "expository")  # facts asked back, a story, explanations
+
+
+def _bins(n: int, knots: int, top: int) -> list[np.ndarray]:
+    """``knots`` bins over ``n`` positions sorted by ascending score, finest at the top: counted from the
+    top, their edges grow geometrically from ``top`` tokens to all ``n`` (a bin holds at least one token)."""
+    from_top = np.unique(np.round(np.geomspace(min(top, n), n, knots)).astype(np.int64))
+    edges = np.unique(np.concatenate([[0], n - from_top[::-1], [n]]))
+    return [np.arange(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
 def score_gain_table(
@@ -48,14 +58,24 @@ def score_gain_table(
     sink: int,
     window: int,
     knots: int = DEFAULT_KNOTS,
+    *,
+    centre: str = "model",
+    top: int = DEFAULT_TOP,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The table ``(gain_scores, gain_values)``, float32 ``[L, H_kv, knots]``, from calibration contexts.
 
     ``contexts``: one ``(scores [L, H_kv, T], [importance [L, H_kv, T] per question])`` per context (its
-    own ``T``). ``layers``: the compressed layers (the others' rows stay zero, never read).
+    own ``T``). ``layers``: the compressed layers (the others' rows stay zero, never read). ``centre``:
+    scores minus the context's mean over every compressed head (``"model"``) or each head's own mean
+    (``"head"``); the allocator centres a prompt's scores the same way. Bins are finest at the top (where
+    a budget's last tokens are decided): the top one holds each head's ``top`` best tokens, and bin edges
+    counted from the top grow geometrically from there; a table with fewer distinct edges repeats its last
+    knot.
     """
     if knots < 2:
         raise ConfigurationError(f"knots must be at least 2, got {knots}.")
+    if centre not in CENTRES:
+        raise ConfigurationError(f"centre must be one of {', '.join(CENTRES)}, got {centre!r}.")
     if not contexts or not layers:
         raise ConfigurationError("score_gain_table needs at least one context and one compressed layer.")
     rows = sorted(layers)
@@ -73,7 +93,7 @@ def score_gain_table(
         for importance in importances:
             part = np.asarray(importance, dtype=np.float64)[rows, :, sink : t - window]
             gains += part / max(float(part.mean()), 1e-30)
-        pooled_scores.append(s - s.mean())
+        pooled_scores.append(s - (s.mean() if centre == "model" else s.mean(-1, keepdims=True)))
         pooled_gains.append(gains / len(importances))
     s = np.concatenate(pooled_scores, axis=-1)  # [L', H, N]
     g = np.concatenate(pooled_gains, axis=-1)
@@ -81,7 +101,8 @@ def score_gain_table(
         raise ConfigurationError(f"{s.shape[-1]} calibration tokens per head cannot make {knots} knots.")
     order = np.argsort(s, axis=-1, kind="stable")
     s, g = np.take_along_axis(s, order, -1), np.take_along_axis(g, order, -1)
-    bins = np.array_split(np.arange(s.shape[-1]), knots)
+    bins = _bins(s.shape[-1], knots, top)
+    bins += [bins[-1]] * (knots - len(bins))  # repeated knots: a flat last stretch, still non-decreasing
     knot_scores = np.stack([s[..., b].mean(-1) for b in bins], axis=-1)  # [L', H, Q], non-decreasing
     knot_gains = np.stack([g[..., b].mean(-1) for b in bins], axis=-1)
     knot_gains = pava(knot_gains[..., ::-1])[..., ::-1]  # non-negative, non-decreasing in the score
@@ -98,6 +119,7 @@ def with_score_gains(
     calibrations: Sequence[str | os.PathLike] = DEFAULT_CALIBRATIONS,
     *,
     knots: int = DEFAULT_KNOTS,
+    centre: str = "model",
     k_max: int | None = None,
     aggregate: str = "max",
     cache_dir: str | os.PathLike | None | Literal[False] = None,
@@ -142,15 +164,19 @@ def with_score_gains(
             described.append(f"{run.description.split(':')[0]} ({len(run.selected)} questions)")
     finally:
         model.train(was_training)
-    gain_scores, gain_values = score_gain_table(contexts, layers, profile.sink, profile.window, knots)
+    gain_scores, gain_values = score_gain_table(
+        contexts, layers, profile.sink, profile.window, knots, centre=centre
+    )
     extra = {
         **profile.extra,
         "gains": {
             "calibration": described,
             "knots": knots,
+            "top": DEFAULT_TOP,
+            "centre": centre,
             "k_max": k_max,
             "oracle_aggregate": aggregate,
-            "score": "minus the context's mean over compressed heads and evictable tokens",
+            "score": f"minus the context's mean ({centre}: over {'every compressed head' if centre == 'model' else 'the head'})",
             "gain": "oracle importance / the question's mean, averaged over questions; PAVA in the score",
         },
     }
