@@ -7,26 +7,31 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..allocation import allocators_reading_profile
-from ..errors import ConfigurationError
-from ..scorers import Scorer
-from ..scorers.kvzap import kvzap_scorer
+from ..scorers import SCORERS, Scorer
 from .policy import check_ratio
 
 if TYPE_CHECKING:
     from .cache import LUKVCache
 
 
+def _registered(name: str) -> Scorer | None:
+    return SCORERS.get(name) if name in SCORERS else None
+
+
 def _profile_scorer(profile: Any, name: str) -> str | Scorer:
-    """``name``, or for ``kvzap`` the scorer bound to the surrogate stored in ``profile``."""
-    if name != "kvzap":
+    """``name``, or for a learned scorer (``kvzap``) the scorer bound to the surrogate stored in ``profile``
+    (:meth:`~lukv_cache.scorers.Scorer.from_profile`)."""
+    registered = _registered(name)
+    if registered is None or registered.from_surrogate is None:
         return name
-    if profile.surrogate is None:
-        raise ConfigurationError(
-            f"The profile {profile.model_id}/{profile.scorer} ({profile.source or 'in memory'}) holds no kvzap "
-            "surrogate. Use the model's kvzap profile (scorer='kvzap' looks up <model id>/kvzap.safetensors), or "
-            "build one: lukv build <model> --scorer kvzap."
-        )
-    return kvzap_scorer(profile.surrogate)
+    return registered.from_profile(profile)
+
+
+def _default_allocator(profile: Any) -> str:
+    """The allocator the profile's scorer declares (:attr:`~lukv_cache.scorers.Scorer.default_allocator`),
+    else ``"profile"``."""
+    registered = _registered(profile.scorer)
+    return (registered.default_allocator if registered is not None else None) or "profile"
 
 
 def from_pretrained(
@@ -60,9 +65,9 @@ def from_pretrained(
     in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
     ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
     The profile's scorer, sink and window become the cache's unless overridden. ``allocator``: by
-    default ``"global"`` for a ``kvzap`` profile (its scores are comparable across layers and heads, and
-    one model-wide top-k lost the least on SmolLM2-135M: docs/kvzap.md) and ``"profile"`` for every
-    other scorer; ``"profile"`` (LU-KV's budgets as they are), ``"hybrid"`` (the profile's layer totals, spread over
+    default the one the profile's scorer declares (its ``default_allocator``): ``"global"`` for a ``kvzap``
+    profile (its scores are comparable across layers and heads, and one model-wide top-k lost the least on
+    SmolLM2-135M: docs/kvzap.md) and ``"profile"`` for every other scorer; ``"profile"`` (LU-KV's budgets as they are), ``"hybrid"`` (the profile's layer totals, spread over
     each layer's heads by score), ``"hybrid_global"``, ``"threshold"`` (a kvzap profile's score
     thresholds: every token above the one for the ratio; see :mod:`lukv_cache.allocation.builtin`), or
     any other registered allocator (``"global"``: the profile then gives the scorer, sink and window).
@@ -92,7 +97,7 @@ def from_pretrained(
             stacklevel=2,
         )
     if allocator is None:
-        allocator = "global" if profile.scorer == "kvzap" else "profile"
+        allocator = _default_allocator(profile)
     reads_profile = allocator in allocators_reading_profile()
     allocator_kwargs = {"profile": profile} if reads_profile else {}
     cache = cls(

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from ..errors import LUKVError, SavedContextError, SavedContextMismatchError, UnknownNameError
-from ..scorers import Reconstruction, Scorer, get_scorer, kvzip_scorer
+from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
 from .layer import LUKVLayer
 from .ragged import RaggedStore
 
@@ -288,7 +288,7 @@ def _scorer_entry(scorer: Scorer, profile: Any, tensors: dict[str, torch.Tensor]
         else dataclasses.asdict(scorer.reconstruction),
         "surrogate": None,
     }
-    surrogate = scorer.params.get("surrogate") if scorer.name == "kvzap" else None
+    surrogate = scorer.params.get("surrogate") if scorer.from_surrogate is not None else None  # a learned one
     if surrogate is not None:
         if profile is not None and profile.surrogate is surrogate:
             entry["surrogate"] = "profile"  # the embedded profile holds it
@@ -686,27 +686,27 @@ def _saved_scorer(entry: Any, profiles: dict, reader: _Reader) -> Scorer:
     window: Any  # as saved (save_cache writes the scorer's int)
     name, window = entry["name"], entry.get("window")
     surrogate = entry.get("surrogate")
-    if name == "kvzap" and surrogate is not None:
+    learned = SCORERS.get(name).from_surrogate if name in SCORERS else None  # kvzap's kvzap_scorer
+    if learned is not None and surrogate is not None:
         from ..profiles import surrogate as surrogate_format
-        from ..scorers.kvzap import kvzap_scorer
 
         if surrogate == "profile":
             if "profile" not in profiles or profiles["profile"].surrogate is None:
                 reader.fail(
-                    "its kvzap scorer reads the embedded profile, which is missing.", "options.scorer"
+                    f"its {name} scorer reads the embedded profile, which is missing.", "options.scorer"
                 )
-            return kvzap_scorer(profiles["profile"].surrogate, window=window)
+            return learned(profiles["profile"].surrogate, window=window)
         names = surrogate.get("tensors") if isinstance(surrogate, dict) else None
         if not isinstance(names, list):
-            reader.fail("its kvzap surrogate entry is malformed (damaged file).", "options.scorer")
+            reader.fail(f"its {name} surrogate entry is malformed (damaged file).", "options.scorer")
         arrays = {n: reader.tensor(f"scorer.{n}").numpy() for n in names}
         try:
             surr = surrogate_format.from_file(arrays, surrogate.get("metadata", ""), str(reader.path))
             text = surr.weight.shape
             surrogate_format.check(surr, int(text[0]), int(text[1]), None, str(reader.path))
         except LUKVError as err:
-            reader.fail(f"its kvzap surrogate is invalid: {err}", "options.scorer")
-        return kvzap_scorer(surr, window=window)
+            reader.fail(f"its {name} surrogate is invalid: {err}", "options.scorer")
+        return learned(surr, window=window)
     try:
         registered = get_scorer(name)
     except UnknownNameError:

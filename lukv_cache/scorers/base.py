@@ -51,6 +51,11 @@ class Scorer:
     first scored (``False``: it depends on the token alone; stored with the token). ``None``: ``False``
     for ``context`` scorers (they read every KV head of a token, which eviction no longer keeps together),
     ``True`` otherwise.
+    ``from_surrogate``: set on a learned scorer (``kvzap``), whose model-specific part is a surrogate that the
+    model's profile (or a saved cache) stores: ``from_surrogate(surrogate, window=...)`` is the scorer
+    scoring with it, and ``params["surrogate"]`` holds it (:meth:`from_profile` binds a profile's).
+    ``default_allocator``: the allocator ``LUKVCache.from_pretrained`` uses with a profile of this scorer
+    when none is given (``None``: ``"profile"``, the profile's budgets).
     """
 
     name: str
@@ -63,6 +68,8 @@ class Scorer:
     missing: str | None = None
     decodes: bool = True
     rescores: bool | None = None
+    from_surrogate: Callable[..., Scorer] | None = field(default=None, repr=False)
+    default_allocator: str | None = field(default=None, repr=False)
 
     @property
     def keeps_scores(self) -> bool:
@@ -72,6 +79,24 @@ class Scorer:
         False
         """
         return self.context if self.rescores is None else not self.rescores
+
+    def from_profile(self, profile: Any) -> Scorer:
+        """This scorer for the model of ``profile`` (a :class:`~lukv_cache.Profile`): a learned scorer
+        (``from_surrogate`` set) bound to the surrogate the profile holds, any other scorer as it is. A
+        profile without a surrogate raises a ConfigurationError saying where to get one.
+
+        >>> get_scorer("keydiff").from_profile(profile).name
+        'keydiff'
+        """
+        if self.from_surrogate is None:
+            return self
+        if profile.surrogate is None:
+            raise ConfigurationError(
+                f"The profile {profile.model_id}/{profile.scorer} ({profile.source or 'in memory'}) holds no "
+                f"{self.name} surrogate. Use the model's {self.name} profile (scorer={self.name!r} looks up "
+                f"<model id>/{self.name}.safetensors), or build one: lukv build <model> --scorer {self.name}."
+            )
+        return self.from_surrogate(profile.surrogate)
 
     def __call__(
         self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None, **params: Any

@@ -388,6 +388,9 @@ class RidgeStats:
 # ---------------------------------------------------------------------------------------------- the scorer
 
 KVZAP_WINDOW = 32  # the recent window KVzip protects here too: the surrogate stands in for its scores
+# the allocator LUKVCache.from_pretrained uses with a kvzap profile when none is given: one model-wide top-k
+# (kvzap's scores are comparable across layers and heads; it lost the least on SmolLM2-135M: docs/kvzap.md)
+KVZAP_ALLOCATOR = "global"
 _HOW = (
     "LUKVCache.from_pretrained(model_id, ratio=..., scorer='kvzap') reads the surrogate from the model's profile; "
     "build one with `lukv build <model> --scorer kvzap`, or pass scorer=kvzap_scorer(surrogate)."
@@ -463,6 +466,8 @@ def kvzap_scorer(surrogate: Surrogate, window: int = KVZAP_WINDOW) -> Scorer:
         context=True,
         decodes=True,
         rescores=False,
+        from_surrogate=kvzap_scorer,
+        default_allocator=KVZAP_ALLOCATOR,
     )
 
 
@@ -478,4 +483,6 @@ KVZAP_PLACEHOLDER = Scorer(
     decodes=True,
     rescores=False,
     missing=(f"Scorer 'kvzap' scores with a surrogate trained for one model, and none was given. {_HOW}"),
+    from_surrogate=kvzap_scorer,
+    default_allocator=KVZAP_ALLOCATOR,
 )

@@ -21,6 +21,7 @@ from lukv_cache.profiling.kvzap import (
 from lukv_cache.profiling.kvzap_options import KVzapTraining
 from lukv_cache.scorers.kvzap import (
     FEATURE_SETS,
+    KVZAP_ALLOCATOR,
     RidgeStats,
     RopeInverse,
     Surrogate,
@@ -444,12 +445,56 @@ def test_from_pretrained_prefers_a_models_kvzap_profile_then_keydiff_and_takes_a
     assert keydiff.scorer.name == "keydiff" and keydiff.allocator_name == "profile"  # LU-KV's budgets
     _profile(_trained(model)).save(mirror / "kvzap.safetensors")
     cache = LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror")
-    assert cache.scorer.name == "kvzap" and cache.allocator_name == "global"  # kvzap's default allocator
+    assert (
+        cache.scorer.name == "kvzap" and cache.allocator_name == KVZAP_ALLOCATOR
+    )  # kvzap's default allocator
     lukv = LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror", allocator="profile")
     assert lukv.scorer.name == "kvzap" and lukv.allocator_name == "profile"
     with torch.no_grad():
         model(prompt(1, 90, seed=4), past_key_values=cache)
     assert cache.is_compressed
+
+
+def test_a_learned_scorer_is_known_by_its_abilities_not_its_name(tmp_path, monkeypatch):
+    """from_pretrained and saved contexts read what a learned scorer declares (``from_surrogate``,
+    ``default_allocator``), never the name ``kvzap``: one registered under another name is bound to its
+    profile's surrogate, gets its own default allocator, and saves and loads with its surrogate."""
+    import dataclasses
+
+    from lukv_cache import load_cache
+    from lukv_cache.scorers import SCORERS, get_scorer
+
+    monkeypatch.setattr(SCORERS, "_items", dict(SCORERS._items))  # undo the registration afterwards
+
+    def other(surrogate, window=32):
+        return dataclasses.replace(kvzap_scorer(surrogate, window), name="other", from_surrogate=other)
+
+    SCORERS.add(
+        "other",
+        dataclasses.replace(
+            get_scorer("kvzap"), name="other", from_surrogate=other, default_allocator="uniform"
+        ),
+    )
+    model = tiny_model("llama", "sdpa")
+    source = dataclasses.replace(_profile(_trained(model)), scorer="other").save(
+        tmp_path / "other.safetensors"
+    )
+    cache = LUKVCache.from_pretrained(source, 0.5)
+    assert cache.scorer.name == "other" and cache.allocator_name == "uniform"
+    assert cache.scorer.params["surrogate"] is cache.profile.surrogate
+    with torch.no_grad():
+        model(prompt(1, 90, seed=4), past_key_values=cache)
+    loaded = load_cache(cache.save(tmp_path / "embedded.safetensors"), model)  # the surrogate in the profile
+    assert loaded.scorer.name == "other" and loaded.scorer.params["surrogate"] is loaded.profile.surrogate
+    alone = LUKVCache(0.5, other(cache.profile.surrogate), allocator="uniform")
+    with torch.no_grad():
+        model(prompt(1, 90, seed=4), past_key_values=alone)
+    again = load_cache(alone.save(tmp_path / "alone.safetensors"), model)  # the surrogate's own tensors
+    assert again.scorer.name == "other" and again.scorer.from_surrogate is other
+    assert torch.equal(again.scorer.params["surrogate"].weight, cache.profile.surrogate.weight)
+    plain = dataclasses.replace(_profile(None), scorer="other").save(tmp_path / "plain.safetensors")
+    with pytest.raises(ConfigurationError, match="holds no other surrogate"):
+        LUKVCache.from_pretrained(plain, ratio=0.5)
 
 
 class _WordTokenizer:
