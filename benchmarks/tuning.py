@@ -33,6 +33,9 @@ VARIANTS = {
 # the allocator settings compared while tuning the calibrated allocator (issue 34): name -> (base, kwargs)
 ALLOCATOR_VARIANTS = {
     "calibrated_f25": ("calibrated", {"floor": 0.25}),
+    "calibrated_b25": ("calibrated", {"blend": 0.25}),
+    "calibrated_b50": ("calibrated", {"blend": 0.5}),
+    "calibrated_b75": ("calibrated", {"blend": 0.75}),
     "calibrated_f50": ("calibrated", {"floor": 0.5}),
     "hybrid_global_f0": ("hybrid_global", {"floor": 0.0}),
     "hybrid_global_f25": ("hybrid_global", {"floor": 0.25}),

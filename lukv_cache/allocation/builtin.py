@@ -272,7 +272,12 @@ def _gain_table(name: str, profile) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def expected_gains(
-    scores: torch.Tensor, layers, knots: torch.Tensor, gains: torch.Tensor, centre: str = "model"
+    scores: torch.Tensor,
+    layers,
+    knots: torch.Tensor,
+    gains: torch.Tensor,
+    centre: str = "model",
+    blend: float = 1.0,
 ) -> torch.Tensor:
     """Each token's expected oracle gain ``[L, B, H, R]`` (float64) from its score, through its head's table.
 
@@ -280,7 +285,10 @@ def expected_gains(
     ``-inf``). Each row's scores are centred as the table's knots are: on the row's mean over its evictable
     tokens of these layers (``centre="model"``) or over each head's own (``"head"``); between knots the gain is linear in the score, beyond the end knots it is the
     end knot's. A slope of 1e-9 per score unit is added so that tokens of equal gain (a flat stretch of the
-    table) are ranked by their scores, not by their position.
+    table) are ranked by their scores, not by their position. ``blend < 1`` returns
+    ``blend * log(gain) + (1 - blend) * centred score`` instead (ordered like a geometric mean of the table's
+    gain and the score's own exponential: for log-scale scores such as kvzap's, the prompt's score shrunk
+    towards its head's calibration).
 
     >>> knots, gains = torch.tensor([[[-2.0, 2.0]]]), torch.tensor([[[0.0, 4.0]]])  # one layer, one head
     >>> scores = torch.tensor([[[[1.0, 2.0, 3.0, float("-inf")]]]])  # centred: -1, 0, 1
@@ -304,12 +312,14 @@ def expected_gains(
     step = (k1 - k0).clamp_min(1e-12)
     weight = ((flat - k0) / step).clamp(0.0, 1.0)
     value = g0 + weight * (g1 - g0) + 1e-9 * flat  # [L, H, B*R]
+    if blend < 1.0:
+        value = blend * torch.log(value.clamp_min(1e-9)) + (1.0 - blend) * flat
     value = value.view(num, h, b, r).permute(0, 2, 1, 3)
     return value.masked_fill(~finite, float("-inf"))
 
 
 @register_allocator("calibrated", whole_model=True, reads_profile=True)
-def calibrated(profile=None, floor: float = 0.0, evict_ratio=None):
+def calibrated(profile=None, floor: float = 0.0, evict_ratio=None, blend: float = 1.0):
     """LU-KV's profile and the prompt's own scores together (this library's, beyond the paper).
 
     Every token's score goes through its head's score-to-gain table, read from the profile
@@ -322,6 +332,8 @@ def calibrated(profile=None, floor: float = 0.0, evict_ratio=None):
     ``global``), and a profile with a score-to-gain table (format version 2)."""
     if not 0.0 <= floor <= 1.0:
         raise ConfigurationError(f"calibrated: floor must be in [0, 1], got {floor}.")
+    if not 0.0 <= blend <= 1.0:
+        raise ConfigurationError(f"calibrated: blend must be in [0, 1], got {blend}.")
     knots, gains = _gain_table("calibrated", profile)
     centre = ((getattr(profile, "extra", None) or {}).get("gains") or {}).get("centre", "model")
     if centre not in ("model", "head"):
@@ -338,7 +350,7 @@ def calibrated(profile=None, floor: float = 0.0, evict_ratio=None):
                 f"allocator='calibrated': the score-to-gain table has shape {tuple(knots.shape[:2])} but the "
                 f"model has {req.num_layers} layers with {h} KV heads. Use a profile built for this model."
             )
-        values = expected_gains(req.scores, req.layers, knots, gains, centre)  # [L, B, H, R]
+        values = expected_gains(req.scores, req.layers, knots, gains, centre, blend)  # [L, B, H, R]
         return _floored_model_wide(req, values, budgets(req), floor)
 
     return allocate
