@@ -1,7 +1,7 @@
 """What the allocators of :mod:`lukv_cache.allocation` share: the request an allocator sees, the built
 allocator, the registry and :func:`register_allocator`, and :func:`largest_remainder` (integer counts
-proportional to weights). The built-ins (:mod:`.builtin`) and the package both import it; the package
-re-exports every public name, registered built-ins included.
+proportional to weights: :mod:`.budget`'s water-filling). The built-ins (:mod:`.builtin`) and the
+package both import it; the package re-exports every public name, registered built-ins included.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from .._registry import Registry
 from ..errors import ConfigurationError
+from .budget import water_fill
 
 
 @dataclass(frozen=True)
@@ -169,23 +170,4 @@ def largest_remainder(weights: torch.Tensor, totals: torch.Tensor, req: Allocati
     ``sum(clamp(c * w, min, n)) == total``; then floor, and the leftover tokens go to the largest
     remainders. The sum is exact whenever the total is feasible (between K * min and K * n).
     """
-    n = req.n_evictable.double().unsqueeze(-1)
-    lo = req.min_counts().double().unsqueeze(-1)
-    w = weights.double().expand(n.shape[0], -1).clamp_min(0)
-    total = totals.double().unsqueeze(-1)
-    # at c = high every head with a positive weight is at n: the bisection bracket
-    high = torch.where(w > 0, n / w.clamp_min(1e-300), torch.zeros_like(w)).amax(-1, keepdim=True) + 1
-    low = torch.zeros_like(high)
-    for _ in range(64):
-        mid = (low + high) / 2
-        too_small = torch.clamp(mid * w, lo, n).sum(-1, keepdim=True) < total
-        low, high = torch.where(too_small, mid, low), torch.where(too_small, high, mid)
-    target = torch.clamp(high * w, lo, n)
-    counts = target.floor().long()
-    left = (totals - counts.sum(-1)).clamp_min(0).unsqueeze(-1)
-    n_long = req.n_evictable.unsqueeze(-1)
-    remainder = torch.where(counts < n_long, target - counts.double(), torch.full_like(target, -1.0))
-    order = remainder.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
-    counts = counts + ((rank < left) & (counts < n_long)).long()
-    return counts
+    return water_fill(weights, totals, req.min_counts(), req.n_evictable)

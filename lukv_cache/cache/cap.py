@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..allocation.budget import MAX_RATIO, fill_ratio
 from .compression import CompressionPolicy, Region
 from .layer import LUKVLayer
 from .parallel import HeadShard
@@ -29,11 +30,9 @@ def row_ratios(
     batch = region.evictable.shape[0]
     if cap is None:
         return torch.full((batch,), policy.ratio, dtype=torch.float64), fixed
-    if fixed is None or fixed.shape[0] != batch:
-        n = region.n_evictable.cpu().double()
-        room = cap.double() / slots  # per head of every layer to come
-        fixed = torch.where(n > room, 1.0 - room / n.clamp_min(1), torch.zeros_like(n))
-    return fixed.clamp(0.0, 0.999999), fixed
+    if fixed is None or fixed.shape[0] != batch:  # the room is shared by every head of the layers to come
+        fixed = fill_ratio(region.n_evictable.cpu(), cap, slots)
+    return fixed.clamp(0.0, MAX_RATIO), fixed
 
 
 def token_cap(

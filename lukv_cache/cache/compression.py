@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..allocation import Allocator
+from ..allocation.budget import trim_counts as trim_counts  # re-exported: it lived here
 from ..scorers import Scorer, check_scores
 from .layer import FOLD_AT, LUKVLayer
 from .ragged import keep_mask_from_counts
@@ -176,19 +177,3 @@ def keep_mask(region: Region, scores: torch.Tensor, counts: torch.Tensor) -> tor
     if r:
         keep |= keep_mask_from_counts(scores, counts.to(scores.device)) & region.evictable.unsqueeze(1)
     return keep
-
-
-def trim_counts(counts: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Keep counts ``[L, B, H]`` scaled down where a row's total exceeds ``allowed [B]`` (the hard cap of
-    ``max_tokens``): proportionally, floored, the leftover tokens to the largest remainders."""
-    counts = counts.clone()
-    allowed = allowed.clamp_min(0)
-    for row in (counts.sum((0, 2)) > allowed).nonzero().flatten().tolist():
-        flat = counts[:, row].flatten().double()
-        target = flat * float(allowed[row]) / float(flat.sum())
-        trimmed = target.floor().long()
-        left = int(allowed[row]) - int(trimmed.sum())
-        order = (target - trimmed.double()).argsort(descending=True, stable=True)
-        trimmed[order[:left]] += 1
-        counts[:, row] = trimmed.view(counts.shape[0], counts.shape[2])
-    return counts

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..allocation.budget import fit_counts as fit_counts  # re-exported: it lived here
 from ..scorers import Scorer, check_scores
 from .layer import LUKVLayer
 from .quant import PackedRows
@@ -136,39 +137,3 @@ def rescore(
         part = check_scores(scorer, scorer(k, v, q), (segs.numel(), 1, n))
         scores[segs, :n] = part[:, 0]
     return scores
-
-
-def fit_counts(counts: torch.Tensor, held: torch.Tensor, allowed: torch.Tensor, fill: bool) -> torch.Tensor:
-    """Keep counts ``[L, B, H]`` that each head can keep (at most ``held [L, B, H]``, its evictable tokens)
-    and whose row totals fit ``allowed [B]``: trimmed proportionally where a row asks for more; with
-    ``fill``, a row whose heads hold fewer tokens than their budgets hands the rest of its total to the
-    heads that hold more, in proportion to their budgets (water-filling, largest remainder).
-
-    >>> fit_counts(torch.tensor([[[4, 4]]]), torch.tensor([[[2, 9]]]), torch.tensor([8]), True).tolist()
-    [[[2, 6]]]
-    """
-    counts = torch.minimum(counts, held)
-    out = counts.clone()
-    for row in range(counts.shape[1]):
-        want, cap = counts[:, row].flatten().double(), held[:, row].flatten().double()
-        total = min(float(allowed[row]), float(cap.sum()))
-        if float(want.sum()) > total:  # proportionally down (the max_tokens trim)
-            target = want * total / float(want.sum())
-        elif fill and float(want.sum()) < total and bool((want > 0).any()):
-            low, high = 1.0, float((cap / want.clamp_min(1e-9)).max()) + 1.0
-            for _ in range(64):
-                mid = (low + high) / 2
-                if float(torch.minimum(cap, mid * want).sum()) < total:
-                    low = mid
-                else:
-                    high = mid
-            target = torch.minimum(cap, low * want)  # just below the total: floors never exceed it
-        else:
-            continue
-        kept = target.floor().long()
-        left = int(total) - int(kept.sum())
-        spare = torch.where(kept.double() < cap, target - kept.double(), torch.full_like(target, -1.0))
-        order = spare.argsort(descending=True, stable=True)[: max(left, 0)]
-        kept[order[spare[order] >= 0]] += 1
-        out[:, row] = kept.view(counts.shape[0], counts.shape[2])
-    return out

@@ -1,8 +1,8 @@
 """Eviction at fold time (``LUKVCache(decode_max_tokens=N)``), driven for the cache: which layers fold and
 when, the scores of what they hold, one allocator call over all of them, and the refold of each layer.
 
-The pure pieces (what a layer holds, rescoring, fitting counts) are :mod:`lukv_cache.cache.decoding`'s;
-these functions take the cache's parts (its policy, layers and :class:`~lukv_cache.cache.parallel.HeadShard`).
+The pure pieces (what a layer holds, rescoring) are :mod:`lukv_cache.cache.decoding`'s, fitting counts is
+:mod:`lukv_cache.allocation.budget`'s; these functions take the cache's parts (its policy, layers and :class:`~lukv_cache.cache.parallel.HeadShard`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any, cast
 import torch
 
 from ..allocation import AllocationRequest
+from ..allocation.budget import MAX_RATIO, fill_ratio, fit_counts
 from .compression import CompressionPolicy, score_suffix, suffix_positions, valid_from_mask
-from .decoding import Held, fit_counts, gather_held, held_tokens, masked_held, rescore
+from .decoding import Held, gather_held, held_tokens, masked_held, rescore
 from .layer import LUKVLayer
 from .parallel import HeadShard
 from .ragged import keep_mask_from_counts
@@ -107,7 +108,6 @@ def fold_evict(
     # decode_max_tokens per (layer, KV head) on average, protected tokens included
     assert policy.decode_max_tokens is not None  # folds evict only under decode_max_tokens
     allowed = (policy.decode_max_tokens * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
-    room = allowed.double() / (len(idxs) * heads)  # evictable tokens a head keeps on average
     protected = protected.double().mean((0, 2))  # [B], per head
     row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator
     fits = bool(row_fits.all())
@@ -135,7 +135,7 @@ def fold_evict(
         request = AllocationRequest(
             scores=scores,
             n_evictable=n,
-            ratio=torch.where(n > room, 1.0 - room / n.clamp_min(1).double(), 0.0).clamp(0.0, 0.999999),
+            ratio=fill_ratio(n, allowed, len(idxs) * heads).clamp(0.0, MAX_RATIO),
             layers=tuple(idxs),
             num_layers=num_layers or max(idxs) + 1,
             min_keep=policy.min_keep,
