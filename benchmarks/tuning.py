@@ -36,6 +36,7 @@ ALLOCATOR_VARIANTS = {
     "calibrated_b25": ("calibrated", {"blend": 0.25}),
     "calibrated_b50": ("calibrated", {"blend": 0.5}),
     "calibrated_b75": ("calibrated", {"blend": 0.75}),
+    "calibrated_b100": ("calibrated", {"blend": 1.0}),
     "calibrated_f50": ("calibrated", {"floor": 0.5}),
     "hybrid_global_f0": ("hybrid_global", {"floor": 0.0}),
     "hybrid_global_f25": ("hybrid_global", {"floor": 0.25}),

@@ -319,17 +319,20 @@ def expected_gains(
 
 
 @register_allocator("calibrated", whole_model=True, reads_profile=True)
-def calibrated(profile=None, floor: float = 0.0, evict_ratio=None, blend: float = 1.0):
+def calibrated(profile=None, floor: float = 0.0, evict_ratio=None, blend: float = 0.5):
     """LU-KV's profile and the prompt's own scores together (this library's, beyond the paper).
 
     Every token's score goes through its head's score-to-gain table, read from the profile
     (:mod:`lukv_cache.profiling.gains`: the oracle gain that calibration measured for tokens scoring that
-    much in that head), and one model-wide top-k keeps the tokens of highest expected gain, as ``global``
-    does on raw scores. A head whose scores predict little has a flat table and wins tokens only by its
-    measured worth; a prompt whose scores in a head are unusually high still gets more there. The model
-    keeps the profile's total (as ``hybrid_global`` does); ``floor``: every head first keeps that share of
-    its profile budget (0, the default: only its minimum). Needs every layer's scores at once (like
-    ``global``), and a profile with a score-to-gain table (format version 2)."""
+    much in that head), and one model-wide top-k keeps the tokens of highest value, as ``global`` does on
+    raw scores. The value is ``blend * log(expected gain) + (1 - blend) * the centred score``
+    (:func:`expected_gains`): ``blend=1`` competes on the table's gain alone, ``blend=0`` on the raw
+    scores (``global``'s order); the default 0.5 was chosen on the tuning texts (news articles, not the
+    reported Wikipedia ones; docs/benchmarks.md). A head whose scores predict little has a flat table and
+    wins tokens less by them; a prompt whose scores in a head are unusually high still gets more there.
+    The model keeps the profile's total (as ``hybrid_global`` does); ``floor``: every head first keeps that
+    share of its profile budget (0, the default: only its minimum). Needs every layer's scores at once
+    (like ``global``), and a profile with a score-to-gain table (format version 2)."""
     if not 0.0 <= floor <= 1.0:
         raise ConfigurationError(f"calibrated: floor must be in [0, 1], got {floor}.")
     if not 0.0 <= blend <= 1.0:

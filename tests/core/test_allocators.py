@@ -309,14 +309,27 @@ def _two_heads(n: int = 200, ratio: float = 0.5) -> AllocationRequest:
 def test_calibrated_gives_the_tokens_to_the_head_whose_scores_are_worth_more():
     req = _two_heads()
     steep, flat = np.linspace(0, 10, 8), np.full(8, 0.1)
-    counts = get_allocator("calibrated", profile=_calibrated_profile(np.stack([steep, flat])[None]))(req)
+    table = _calibrated_profile(np.stack([steep, flat])[None])
+    counts = get_allocator("calibrated", profile=table, blend=1.0)(req)
     raw = get_allocator("global")(req)
     assert int(counts.sum()) == int(raw.sum()) == 200  # the profile's total: half of 2 x 200
     assert raw[0, 0, 1] > raw[0, 0, 0]  # on raw scores head 1 wins ...
     assert counts[0, 0, 0] > 2 * counts[0, 0, 1]  # ... on expected gain head 0 does
     # swapping the tables swaps the outcome: the table decides, not the raw scale
-    swapped = get_allocator("calibrated", profile=_calibrated_profile(np.stack([flat, steep])[None]))(req)
+    swapped = get_allocator(
+        "calibrated", profile=_calibrated_profile(np.stack([flat, steep])[None]), blend=1.0
+    )(req)
     assert swapped[0, 0, 1] > 2 * swapped[0, 0, 0]
+
+
+def test_calibrated_blend_zero_is_globals_order_and_the_default_lies_between():
+    req = _two_heads()
+    table = _calibrated_profile(np.stack([np.linspace(0, 10, 8), np.full(8, 0.1)])[None])
+    raw = get_allocator("global")(req)
+    assert torch.equal(get_allocator("calibrated", profile=table, blend=0.0)(req), raw)
+    alone = get_allocator("calibrated", profile=table, blend=1.0)(req)
+    default = get_allocator("calibrated", profile=table)(req)  # blend 0.5
+    assert alone[0, 0, 0] > default[0, 0, 0] > raw[0, 0, 0]
 
 
 def test_calibrated_with_a_floor_keeps_that_share_of_each_profile_budget():
@@ -335,3 +348,5 @@ def test_calibrated_without_a_table_or_with_a_bad_floor_is_refused():
         get_allocator("calibrated")
     with pytest.raises(ConfigurationError, match="floor must be in"):
         get_allocator("calibrated", profile=_calibrated_profile(np.ones((1, 2, 4))), floor=2.0)
+    with pytest.raises(ConfigurationError, match="blend must be in"):
+        get_allocator("calibrated", profile=_calibrated_profile(np.ones((1, 2, 4))), blend=-1)
