@@ -1,8 +1,9 @@
 """Budget arithmetic, in one place: integer keep counts from real-valued targets (floor, then the largest
 remainders), the water-filling bisection, the proportional trim of a row that asks for more than its
-total, and the ratio that fills a room. A leaf module (torch only): :func:`~lukv_cache.allocation.largest_remainder`
-(``allocation/base.py``), ``fit_counts`` (``cache/decoding.py``), ``trim_counts`` (``cache/compression.py``)
-and the ``max_tokens`` / ``decode_max_tokens`` ratios (``cache/cap.py``, ``cache/folding.py``) all use it.
+total, and the ratio that fills a room. A leaf module (torch only), used by
+:func:`~lukv_cache.allocation.largest_remainder` (``allocation/base.py``), by :func:`fit_counts` and
+:func:`trim_counts` (also importable from ``cache/decoding.py`` and ``cache/compression.py``, where they
+lived) and by the ``max_tokens`` / ``decode_max_tokens`` ratios (``cache/cap.py``, ``cache/folding.py``).
 """
 
 from __future__ import annotations

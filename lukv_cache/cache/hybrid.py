@@ -1,15 +1,29 @@
-"""A layer that carries a linear-attention (SSM / conv) state *and* attention KV, as transformers'
-``LinearAttentionAndFullAttentionLayer`` does for parallel hybrids (Falcon-H1's attention beside its Mamba
-mixer, Zamba's shared attention blocks): transformers' own linear state, with the attention part stored
-and compressed as a :class:`~lukv_cache.cache.layer.LUKVLayer`.
+"""Hybrid models (linear-attention / SSM layers beside attention ones), on both sides of the cache.
+
+* :class:`LUKVHybridLayer`: a layer that carries a linear-attention (SSM / conv) state *and* attention KV,
+  as transformers' ``LinearAttentionAndFullAttentionLayer`` does for parallel hybrids (Falcon-H1's
+  attention beside its Mamba mixer, Zamba's shared attention blocks): transformers' own linear state,
+  with the attention part stored and compressed as a :class:`~lukv_cache.cache.layer.LUKVLayer`.
+* :class:`HybridRouting`: the ``DynamicCache`` methods of :class:`~lukv_cache.LUKVCache` that first learn
+  the model's layer layout (a cache built without ``config=``), and route the linear-attention / SSM
+  state calls to the layers that hold those states (a typed error where the layout is unknown).
 """
 
 from __future__ import annotations
 
-import torch
-from transformers.cache_utils import LinearAttentionLayer
+import inspect
+import warnings
+from typing import TYPE_CHECKING
 
+import torch
+from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+
+from ..errors import ConfigurationError, IncompatibleAttentionError
+from .callstack import calling_model
 from .layer import LUKVLayer
+
+if TYPE_CHECKING:
+    from .layout import Layout
 
 
 # transformers' two bases declare device / dtype / is_croppable differently (LinearAttentionLayer's win, by
@@ -66,3 +80,83 @@ class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):  # type: ignore[misc, ov
         states = [*self.conv_states.values(), *self.recurrent_states.values()]
         linear = sum(t.numel() * t.element_size() for t in states if isinstance(t, torch.Tensor))
         return LUKVLayer.memory_bytes(self) + linear
+
+
+class HybridRouting(DynamicCache):
+    """The layout-learning and linear-state routing of :class:`~lukv_cache.LUKVCache` (a base of it,
+    holding nothing itself: the layout is the cache's ``layout``)."""
+
+    layout: Layout
+
+    def _adopt_layout(self) -> None:
+        """Built without ``config=``: when the model first reaches the cache, learn the layout from the
+        model itself (the config of the module calling in), so that hybrid models' linear-attention / SSM
+        layers, chunked and KV-sharing layers get their own layers from the start, as with ``config=``."""
+        if self.layer_class_to_replicate is None or self.layers:
+            return
+        model = calling_model()
+        if model is None:
+            return
+        from transformers import PreTrainedModel
+
+        accepts = inspect.signature(type(model).forward).parameters
+        if isinstance(model, PreTrainedModel) and not {"past_key_values", "past_key_value"} & set(accepts):
+            warnings.warn(
+                f"{type(model).__name__} takes no past_key_values (it keeps a state of its own, as RWKV and Mamba "
+                "do): this LUKVCache stays empty and compresses nothing.",
+                stacklevel=4,
+            )
+        self.layout.set_layout(self, model.config)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._adopt_layout()
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        self._adopt_layout()
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        self._adopt_layout()
+        return super().has_previous_state(layer_idx, state_idx)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        self._adopt_layout()
+        return super().get_conv_state(self._linear(layer_idx), state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self._adopt_layout()
+        return super().update_conv_state(conv_states, self._linear(layer_idx), state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        self._adopt_layout()
+        return super().get_recurrent_state(self._linear(layer_idx), state_idx)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ):
+        self._adopt_layout()
+        return super().update_recurrent_state(recurrent_states, self._linear(layer_idx), state_idx, **kwargs)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self._adopt_layout()
+        if layer_idx >= len(self.layers) or not hasattr(self.layers[layer_idx], "update_indexer"):
+            raise IncompatibleAttentionError(
+                f"Layer {layer_idx} attends through a sparse-attention indexer (DeepSeek-V3.2's DSA and kin), whose "
+                "indexer keys this LUKVCache has no layer for. Build the cache with config=model.config "
+                "(LUKVCache(..., config=model.config), or LUKVCache.from_pretrained(model, ...)): the indexed "
+                "layers then keep transformers' own layer, uncompressed."
+            )
+        return super().update_indexer(indexer_key_states, layer_idx)
+
+    def _linear(self, layer_idx: int) -> int:
+        """``layer_idx``, once it is known to be a linear-attention / SSM layer; else a typed error."""
+        if layer_idx < len(self.layers) and isinstance(
+            self.layers[layer_idx], LinearAttentionCacheLayerMixin
+        ):
+            return layer_idx
+        raise ConfigurationError(
+            f"Layer {layer_idx} of this model is a linear-attention or state-space layer, and this LUKVCache does "
+            "not know the model's layer layout. Build it with config=model.config (LUKVCache(..., "
+            "config=model.config), or LUKVCache.from_pretrained(model, ...))."
+        )

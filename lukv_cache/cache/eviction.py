@@ -1,0 +1,154 @@
+"""One eviction step as :class:`~lukv_cache.LUKVCache` drives it, as functions taking the cache: whether a
+layer's forward is compressed, its region and scores, then one allocator call over the layers evicted
+together (budgets at each row's ratio, under ``max_tokens`` trimmed to the cap) and each layer's keep
+mask. The pure pieces are :mod:`.compression`'s; the ``max_tokens`` room is :mod:`.cap`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from ..allocation import AllocationRequest
+from ..errors import ConfigurationError
+from .callstack import generate_prefill_chunk
+from .cap import row_ratios, token_cap
+from .compression import (
+    CompressionPolicy,
+    Region,
+    keep_mask,
+    masked_scores,
+    plan_region,
+    score_suffix,
+    trim_counts,
+)
+from .folding import fold_due, keeps_scores, scorer_context, suffix_valid
+from .layer import LUKVLayer
+
+if TYPE_CHECKING:
+    from .cache import LUKVCache
+
+
+def wants_compression(policy: CompressionPolicy, layer: LUKVLayer, query_length: int) -> bool:
+    """Compress after a multi-token forward: always the first time; every chunk of transformers'
+    chunked prefill (``generate(prefill_chunk_size=...)``, the last shorter chunk too); otherwise
+    whenever the cache's own ``prefill_chunk_size`` has piled up that many uncompressed tokens (every
+    time under a ``max_tokens`` cap). Other later forwards (a question after a context) are kept whole."""
+    if not layer.compressed and layer.cumulative_length == query_length:
+        return True  # the prompt, even of one token: what comes after it is decoding, as in a batch
+    if query_length <= 1:
+        return False
+    if not layer.compressed or generate_prefill_chunk() is not None:
+        return True
+    chunk = policy.prefill_chunk_size
+    if chunk is not None and policy.max_tokens is not None:
+        return True  # a cap holds after every chunk, the last shorter one too
+    return chunk is not None and layer.suffix_length - policy.window >= chunk
+
+
+def attended(
+    cache: LUKVCache,
+    idx: int,
+    layer: LUKVLayer,
+    module: Any,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> None:
+    """Full-attention layer ``idx`` attended (``query``: this forward's): compress what it holds, or
+    note a fold that is due; a whole-model allocator's layers wait for the last one."""
+    policy, state = cache.policy, cache.state
+    if not wants_compression(policy, layer, query.shape[2]):
+        decoding = policy.decode_max_tokens is not None and state.phase is None
+        if decoding and fold_due(layer, policy, query):
+            state.folding[idx] = (module, attention_mask)
+            if idx == cache.layout.last_full_layer:
+                cache._fold_evict()
+        return
+    region = plan_region(layer, policy, attention_mask)
+    if state.phase == "hold":
+        state.held[idx] = region
+        return
+    scores = None
+    evictable = region.length and bool(region.n_evictable.any())
+    # ratio 0 keeps every token: no scoring needed (a reconstruction scorer could not score here anyway)
+    wanted = (evictable and cache.evicts) or cache.prefill_scores is not None
+    if wanted and policy.scorer.reconstruction is None:
+        context = scorer_context(policy, cache.layout.head_shard, idx, module, layer, attention_mask)
+        raw = score_suffix(policy.scorer, layer, query, suffix_valid(attention_mask, layer), context)
+        if cache.prefill_scores is not None:
+            cache.prefill_scores[idx] = raw
+        scores = masked_scores(raw, region) if evictable and cache.evicts else None
+    if policy.defers:
+        state.deferred[idx] = (region, scores)
+        if idx == cache.layout.last_full_layer:
+            cache._evict_deferred()
+    else:
+        cache._evict({idx: (region, scores)})
+
+
+def evict(cache: LUKVCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
+    """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call."""
+    scores: torch.Tensor | None
+    scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
+    counts = {}
+    policy = cache.policy
+    if scored:
+        region = steps[scored[0]][0]
+        scores = torch.stack([cast(torch.Tensor, steps[idx][1]) for idx in scored])
+        shard = cache.layout.head_shard
+        if shard is not None:  # allocate over every head of the model, keep this rank's block
+            scores = shard.gather(scores, dim=2)
+        cap, slots = token_cap(
+            policy, cache.layers, cache.layout.full_layers, shard, region, scored, scores.shape[2]
+        )
+        ratio, cache.state.cap_ratio = row_ratios(policy, region, cap, slots, cache.state.cap_ratio)
+        request = AllocationRequest(
+            scores=scores,
+            n_evictable=region.n_evictable.cpu(),
+            ratio=ratio,
+            layers=tuple(scored),
+            num_layers=cache.num_layers or max(scored) + 1,
+            min_keep=policy.min_keep,
+        )
+        allocated = policy.allocator(request)
+        # a row at ratio 0 (a prompt that fits its bound) keeps every token, whatever the allocator
+        # (a threshold read at a ratio below its table's smallest would still cut)
+        fits = request.ratio <= 0
+        if bool(fits.any()):
+            allocated = allocated.clone()
+            allocated[:, fits.to(allocated.device)] = request.n_evictable[fits].to(allocated).view(1, -1, 1)
+        if cap is not None:  # a hard bound: whatever the allocator or profile asked for
+            allocated = trim_counts(allocated, cap)
+        if shard is not None:
+            allocated = allocated[:, :, shard.heads(request.num_heads)]
+        counts = dict(zip(scored, allocated))
+    for idx, (region, scores) in steps.items():
+        layer = cast(LUKVLayer, cache.layers[idx])  # steps come from full-attention layers
+        if scores is None:  # nothing to rank: keep every real token (none evictable, or ratio 0)
+            b, h = layer.batch_size, layer.num_heads
+            keep = (region.sinks | region.evictable).unsqueeze(1).expand(b, h, region.length)
+        else:
+            keep = keep_mask(region, scores, counts[idx])
+        layer.evict(keep, scores if keeps_scores(policy) else None)
+
+
+def evict_held(cache: LUKVCache, scores: Mapping[int, torch.Tensor]) -> None:
+    """Compress what ``cache.holding()`` kept, each layer ranked by ``scores[layer]`` (checked)."""
+    held, cache.state.held = cache.state.held, {}
+    steps = {}
+    for idx, region in held.items():
+        layer = cast(LUKVLayer, cache.layers[idx])  # only a LUKVLayer holds
+        raw = scores[idx]
+        expected = (layer.batch_size, layer.num_heads, layer.suffix_length)
+        if not isinstance(raw, torch.Tensor) or tuple(raw.shape) != expected:
+            got = tuple(raw.shape) if isinstance(raw, torch.Tensor) else type(raw).__name__
+            raise ConfigurationError(f"Scores for layer {idx} must have shape {list(expected)}, got {got}.")
+        assert layer.suffix_keys is not None  # it held a forward
+        raw = raw.float().to(layer.suffix_keys.device)
+        if cache.prefill_scores is not None:
+            cache.prefill_scores[idx] = raw
+        evictable = region.length and bool(region.n_evictable.any())
+        steps[idx] = (region, masked_scores(raw, region) if evictable else None)
+    cache._evict(steps)

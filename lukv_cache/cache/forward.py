@@ -1,0 +1,109 @@
+"""What :meth:`LUKVCache.update <lukv_cache.LUKVCache.update>` settles and checks before it stores a
+layer's keys: at a forward's first layer, what the previous forward left pending; then that the scorer can
+rank this forward, that the previous layer's attention read the cache, and that the batch matches.
+Functions taking the cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..attention.calls import discard_attention, guard_attention
+from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
+from .layer import LUKVLayer
+from .report import stock_keys
+
+if TYPE_CHECKING:
+    from .cache import LUKVCache
+
+
+def begin_forward(cache: LUKVCache) -> None:
+    """A forward starts (its layer 0): settle what an earlier one left pending."""
+    state = cache.state
+    guard_attention()  # implementations registered since import must not read this cache silently
+    state.cap_ratio = None
+    if state.awaiting is not None:  # a previous forward raised between update() and attention
+        state.awaiting = None
+        discard_attention()
+    if state.deferred:  # a forward ended before its last full-attention layer compressed
+        cache._evict_deferred()
+    if state.folding:  # likewise for a fold
+        cache._fold_evict()
+
+
+def check_forward(cache: LUKVCache, key_states: torch.Tensor, layer_idx: int) -> None:
+    """Before layer ``layer_idx`` stores ``key_states``: the checks of :func:`check_scorer`,
+    :func:`check_routed` and :func:`check_batch`, in that order."""
+    check_scorer(cache, key_states, layer_idx)
+    check_routed(cache)
+    check_batch(cache.layers, key_states)
+
+
+def check_scorer(cache: LUKVCache, key_states: torch.Tensor, layer_idx: int) -> None:
+    """A reconstruction scorer ranks a context only through ``cache.prefill``."""
+    if (
+        cache.scorer.reconstruction is not None
+        and cache.state.phase is None
+        and cache.evicts
+        and key_states.shape[-2] > 1
+        and cache.get_seq_length(layer_idx) == 0
+    ):
+        raise ConfigurationError(
+            f"Scorer {cache.scorer.name!r} scores the context by reconstruction, which needs the model and the "
+            "context's token ids: fill the cache with cache.prefill(model, input_ids, tokenizer=tokenizer) "
+            "(then generate from it), or pick a scorer that ranks from the prefill alone (e.g. 'keydiff')."
+        )
+
+
+def check_routed(cache: LUKVCache) -> None:
+    """The previous layer's announced attention never ran: an error if the model did not read the cache
+    as it holds it, else (ratio 0, nothing compressed) the cache stops announcing calls."""
+    state, layout = cache.state, cache.layout
+    if state.awaiting is None:
+        return
+    awaiting, state.awaiting = state.awaiting, None
+    discard_attention()
+    if (cache.evicts or cache.is_compressed) and layout.other_keys:
+        raise IncompatibleAttentionError(
+            f"LUKVCache layer {awaiting}: the attention received other keys than the cache's update() "
+            "returned, so the cache does not hold what attention reads. Multi-head latent attention "
+            "(DeepSeek-V2/V3/R1, Kimi-K2, MiniCPM3, GLM-4-MoE-Lite, LongCat, ...) does this: it caches one "
+            "compressed latent per token and expands it into keys and values only after update() "
+            "(docs/usage.md, 'Model families'). Only ratio=0 works: use transformers' DynamicCache for this "
+            "model."
+        )
+    if cache.evicts or cache.is_compressed:
+        raise IncompatibleAttentionError(
+            f"LUKVCache layer {awaiting}: the model attended without going through transformers' "
+            "attention interface, so no lukv_cache attention function read the layer. This model family "
+            "computes attention in its own code (as Bloom, Falcon, GPT-J, GPT-Neo, MPT, CodeGen, XGLM and "
+            "CPM-Ant do), which cannot read a compressed cache whatever attn_implementation is set: only "
+            "ratio=0 works with it, so use transformers' DynamicCache for this model."
+        )
+    # ratio 0, nothing compressed: the model's own attention code reads the dense layers exactly;
+    # announce nothing more (no call may wait for an attention function that never comes)
+    state.unrouted = True
+
+
+def check_batch(layers: list, key_states: torch.Tensor) -> None:
+    """The forward's batch is the one the cache holds (its first filled layer's)."""
+    for layer in layers:
+        if isinstance(layer, LUKVLayer):
+            held = layer.batch_size if layer.is_initialized else None
+        else:
+            keys = stock_keys(layer)
+            held = None if keys is None else keys.shape[0]
+        if held is not None:
+            if key_states.shape[0] != held:
+                raise BatchMismatchError(
+                    f"LUKVCache holds a batch of {held} rows but this forward has {key_states.shape[0]}; the "
+                    "cache is unchanged. Beam search or num_return_sequences > 1 from a filled cache (after "
+                    "cache.prefill) need its rows repeated first: cache.batch_repeat_interleave(n), with n = "
+                    "num_beams x num_return_sequences. Otherwise use the same batch for the whole generation "
+                    "or start a fresh cache.",
+                    expected=held,
+                    got=int(key_states.shape[0]),
+                )
+            return
