@@ -10,7 +10,11 @@ grid=(--tasks niah_multikey continuation recall --scorers kvzap --allocators glo
       --ratios 0.8 0.9 --threads 1 --out "$out")
 lukv bench "${grid[@]}" --samples 12 --context-tokens 1000 --name grid_1000
 lukv bench "${grid[@]}" --samples 8 --context-tokens 4000 --name grid_4000
+# keydiff (no kvzap profile: the one line's scorer for other models), after the two above
+lukv bench --tasks niah_multikey continuation recall --scorers keydiff --allocators global profile calibrated \
+    --ratios 0.8 0.9 --threads 1 --out "$out" --samples 12 --context-tokens 1000 --name grid_1000_keydiff
 # (both were run as `python -m lukv_cache.cli bench ...` from a git worktree of this repository's HEAD at the
 # time, side by side, with --out pointing at this folder; their recorded command is written here and in the
 # result files as the equivalent `lukv bench` from the repository root.)
-# The paired differences against global: python benchmarks/paired_table.py benchmarks/results/calibrated/grid_*.json
+# paired.md: python benchmarks/paired_table.py benchmarks/results/calibrated/grid_1000.json \
+#   benchmarks/results/calibrated/grid_4000.json; and --reference profile for grid_1000_keydiff.json
