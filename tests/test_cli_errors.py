@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from factories import array_profile
 
 from lukv_cache.cli import main
 from lukv_cache.profiles import Profile
 
 
 def _profile(tmp_path) -> str:
-    grid = np.array([0.25, 0.75], dtype=np.float32)
-    ratios = np.stack([np.full((2, 2), 0.2), np.full((2, 2), 0.6)]).astype(np.float32)
-    return str(Profile(grid, ratios, model_id="org/m", scorer="keydiff").save(tmp_path / "p.safetensors"))
+    ratios = np.stack([np.full((2, 2), 0.2), np.full((2, 2), 0.6)])
+    return str(array_profile([0.25, 0.75], ratios, model_id="org/m").save(tmp_path / "p.safetensors"))
 
 
 def _curve(tmp_path) -> str:

@@ -6,10 +6,8 @@ share a vocabulary without sharing weights by passing another seed).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
-import numpy as np
 import torch
 from transformers import (
     Gemma2Config,
@@ -29,7 +27,6 @@ from transformers import (
 )
 
 from lukv_cache.allocation import ALLOCATORS, allocators_reading_profile
-from lukv_cache.profiles import Profile
 
 VOCAB = 128
 PAD = 0
@@ -51,17 +48,6 @@ _COMMON = dict(
     bos_token_id=1,
     eos_token_id=None,  # random models must not stop early: the runs compared have the same length
 )
-
-
-def with_gains(profile: Profile, knots: int = 8) -> Profile:
-    """``profile`` with a crafted score-to-gain table of its shape (format version 2): every head's knots span
-    [-1, 1] and its gains rise with the score, steeper in later heads and layers (uneven heads), so the
-    ``calibrated`` allocator can read it in any test that hands the profile family a profile."""
-    layers, heads = profile.num_layers, profile.num_kv_heads
-    scale = 1.0 + np.arange(layers * heads, dtype=np.float32).reshape(layers, heads, 1) / 2
-    gain_scores = np.broadcast_to(np.linspace(-1.0, 1.0, knots, dtype=np.float32), (layers, heads, knots))
-    gain_values = np.linspace(0.0, 1.0, knots, dtype=np.float32) * scale
-    return dataclasses.replace(profile, gain_scores=gain_scores.copy(), gain_values=gain_values)
 
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from core_models import prompt, tiny_model
+from factories import flat_profile
 
 from lukv_cache import AllocationRequest, LUKVCache, UnknownNameError, get_allocator, register_allocator
 from lukv_cache.allocation import ALLOCATORS, allocators_reading_profile, largest_remainder
@@ -224,10 +225,7 @@ def test_from_pretrained_gives_the_profile_to_an_allocator_registered_as_reading
         return allocate
 
     assert ("test_reads_profile" in allocators_reading_profile()) is reads_profile
-    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
-    curves = Profile(
-        grid, np.repeat(grid, 4).reshape(3, 2, 2), model_id="org/tiny", scorer="keydiff", head_dim=16
-    )
+    curves = flat_profile(2, 2, grid=[0.25, 0.5, 0.75], head_dim=16)
     cache = LUKVCache.from_pretrained(
         curves.save(tmp_path / "p.safetensors"), 0.5, allocator="test_reads_profile"
     )
@@ -284,16 +282,10 @@ def test_hybrid_global_with_full_floor_is_the_profile_and_without_floor_is_globa
 
 def _calibrated_profile(gain_values: np.ndarray, ratio: float = 0.5) -> Profile:
     """One layer, two heads, a flat budget curve; knots of both heads span [-1, 1]."""
-    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
     heads = gain_values.shape[1]
     knots = np.broadcast_to(np.linspace(-1, 1, gain_values.shape[-1], dtype=np.float32), gain_values.shape)
-    return Profile(
-        grid,
-        np.repeat(grid, heads).reshape(3, 1, heads),
-        model_id="org/tiny",
-        scorer="keydiff",
-        gain_scores=knots.copy(),
-        gain_values=gain_values.astype(np.float32),
+    return flat_profile(
+        1, heads, grid=[0.25, 0.5, 0.75], gain_scores=knots.copy(), gain_values=gain_values.astype(np.float32)
     )
 
 
@@ -340,8 +332,7 @@ def test_calibrated_with_a_floor_keeps_that_share_of_each_profile_budget():
 
 
 def test_calibrated_without_a_table_or_with_a_bad_floor_is_refused():
-    grid = np.array([0.5], dtype=np.float32)
-    plain = Profile(grid, np.full((1, 1, 2), 0.5, np.float32), model_id="org/tiny", scorer="keydiff")
+    plain = flat_profile(1, 2, grid=[0.5])
     with pytest.raises(ConfigurationError, match="score-to-gain table"):
         get_allocator("calibrated", profile=plain)
     with pytest.raises(ConfigurationError, match="score-to-gain table"):

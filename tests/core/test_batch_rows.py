@@ -8,10 +8,10 @@ logits of each row generated alone: through ``generate`` and through ``cache.pre
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from core_models import PAD, PROFILE_FAMILY, left_padded, scorer_for, tiny_model, with_gains
+from core_models import PAD, PROFILE_FAMILY, left_padded, scorer_for, tiny_model
+from factories import curve_profile, with_gains
 
 from lukv_cache import LUKVCache
 from lukv_cache.allocation import ALLOCATORS
@@ -36,10 +36,7 @@ def _profile(model) -> Profile:
     """A crafted profile with uneven heads for ``model``'s shape (read at each row's ratio)."""
     text = model.config.get_text_config()
     layers, heads = text.num_hidden_layers, text.num_key_value_heads
-    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
-    spread = np.linspace(-0.2, 0.2, layers * heads, dtype=np.float32).reshape(layers, heads)
-    ratios = np.clip(grid[:, None, None] + spread, 0.0, 1.0).astype(np.float32)
-    return with_gains(Profile(grid, ratios, model_id="org/tiny", scorer="keydiff", head_dim=16))
+    return with_gains(curve_profile(layers, heads, grid=[0.25, 0.5, 0.75], spread=0.2, head_dim=16))
 
 
 def _cache(model, ratio: float, scorer: str, allocator: str) -> LUKVCache:

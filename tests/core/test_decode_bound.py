@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from core_models import left_padded, tiny_model
+from factories import array_profile
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from lukv_cache import LUKVCache
@@ -36,7 +37,7 @@ def _lopsided(model) -> Profile:
     grid = np.array([0.1, 0.5, 0.9], dtype=np.float32)
     table = np.zeros((3, 2, 2), dtype=np.float32)
     table[:, 0], table[:, 1] = 0.98, 0.02
-    return Profile(grid, table, model_id="org/tiny", scorer="keydiff", head_dim=16)
+    return array_profile(grid, table, head_dim=16)
 
 
 CASES = {

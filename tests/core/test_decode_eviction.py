@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 from core_models import (
@@ -18,8 +17,8 @@ from core_models import (
     prompt,
     scorer_for,
     tiny_model,
-    with_gains,
 )
+from factories import array_profile, curve_profile, with_gains
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from lukv_cache import LUKVCache
@@ -40,10 +39,7 @@ def _profile(model) -> Profile:
     """Uneven heads, read at each row's ratio (as in test_batch_rows)."""
     text = model.config.get_text_config()
     layers, heads = text.num_hidden_layers, text.num_key_value_heads
-    grid = np.array([0.25, 0.5, 0.75, 0.95], dtype=np.float32)
-    spread = np.linspace(-0.2, 0.2, layers * heads, dtype=np.float32).reshape(layers, heads)
-    ratios = np.clip(grid[:, None, None] + spread, 0.0, 1.0).astype(np.float32)
-    return with_gains(Profile(grid, ratios, model_id="org/tiny", scorer="keydiff", head_dim=16))
+    return with_gains(curve_profile(layers, heads, grid=[0.25, 0.5, 0.75, 0.95], spread=0.2, head_dim=16))
 
 
 def _cache(model, scorer="keydiff", allocator="uniform", **kwargs) -> LUKVCache:
@@ -422,9 +418,7 @@ def test_the_decode_window_defaults_to_a_quarter_of_the_bound():
 
 def test_from_pretrained_reads_a_real_profiles_curve_at_each_folds_ratio(tmp_path):
     real = Profile.load(BUNDLED_DIR / "HuggingFaceTB/SmolLM2-135M-Instruct/keydiff.safetensors")
-    curves = Profile(
-        real.grid, real.evict_ratio[:, :2, :2], model_id="org/tiny", scorer="keydiff", head_dim=16
-    )
+    curves = array_profile(real.grid, real.evict_ratio[:, :2, :2], head_dim=16)
     cache = LUKVCache.from_pretrained(curves.save(tmp_path / "p.safetensors"), decode_max_tokens=40)
     assert cache.max_tokens == 40 and cache.allocator_name == "profile"
     model = _model()

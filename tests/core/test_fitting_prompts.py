@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from core_models import prompt, tiny_model
+from factories import flat_profile
 from test_registry_contracts import _cache_args
 
 from lukv_cache import LUKVCache
@@ -34,10 +35,8 @@ def test_fold_interval_none_is_a_typed_error():
 def test_from_pretrained_without_a_ratio_means_what_lukv_cache_without_one_means(tmp_path):
     import numpy as np
 
-    from lukv_cache.profiles import Profile
-
     grid = np.linspace(0.1, 0.9, 9, dtype=np.float32)
-    curve = Profile(grid, np.repeat(grid, 4).reshape(-1, 2, 2), "org/tiny", "keydiff")
+    curve = flat_profile(2, 2, grid=grid)
     path = tmp_path / "keydiff.safetensors"
     curve.save(path)
     assert LUKVCache.from_pretrained(path).ratio == LUKVCache().ratio == 0.5

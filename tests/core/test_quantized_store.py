@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 from core_models import greedy_with_logits, left_padded, prompt, scorer_for, tiny_model
+from factories import flat_profile
 
 from lukv_cache import LUKVCache
 from lukv_cache.attention import compressed, limits, masked, windows
@@ -211,12 +212,8 @@ def test_beam_search_reorders_codes():
 
 
 def test_kv_bits_through_from_pretrained(tmp_path, monkeypatch):
-    import numpy as np
 
-    from lukv_cache.profiles import Profile
-
-    grid = np.array([0.5], dtype=np.float32)
-    profile = Profile(grid, np.full((1, 2, 2), 0.5, dtype=np.float32), model_id="org/tiny", scorer="keydiff")
+    profile = flat_profile(2, 2, grid=[0.5])
     path = tmp_path / "p.safetensors"
     profile.save(path)
     cache = LUKVCache.from_pretrained(str(path), ratio=0.5, allocator="profile", kv_bits=4)

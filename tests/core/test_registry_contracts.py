@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from core_models import left_padded, prompt, scorer_for, tiny_model, with_gains
+from core_models import left_padded, prompt, scorer_for, tiny_model
+from factories import flat_profile, with_gains
 from transformers import DynamicCache
 
 from lukv_cache import AllocationRequest, LUKVCache
@@ -36,9 +37,7 @@ def _factory_args(name: str, ratio: float) -> dict:
 
 def _flat_profile(layers: int) -> Profile:
     """Every head evicts the global ratio, at every ratio; with a score-to-gain table (``with_gains``)."""
-    grid = np.linspace(0.01, 0.99, 99, dtype=np.float32)
-    flat = np.repeat(grid, layers * HEADS).reshape(-1, layers, HEADS)
-    return with_gains(Profile(grid, flat, "org/tiny", "keydiff"))
+    return with_gains(flat_profile(layers, HEADS, grid=np.linspace(0.01, 0.99, 99, dtype=np.float32)))
 
 
 def _cache_args(name: str) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from core_models import left_padded, prompt, tiny_model
+from factories import array_profile
 
 from lukv_cache import BatchMismatchError, ConfigurationError, LUKVCache, register_scorer
 from lukv_cache.scorers import SCORERS
@@ -163,13 +164,11 @@ def test_a_token_budget_gives_each_row_of_a_padded_batch_its_own_ratio():
 def test_a_token_budget_with_a_profile_reads_it_at_each_prompts_ratio(tmp_path):
     import numpy as np
 
-    from lukv_cache import Profile
-
     grid = np.array([0.25, 0.5, 0.75, 0.85], dtype=np.float32)
     ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
     ratios[:, 0, 0] -= 0.1  # layer 0, head 0 keeps more at every ratio; the mean stays the grid's
     ratios[:, 1, 1] += 0.1
-    path = Profile(grid, ratios, model_id="org/tiny", scorer="keydiff").save(tmp_path / "p.safetensors")
+    path = array_profile(grid, ratios).save(tmp_path / "p.safetensors")
     cache = LUKVCache.from_pretrained(path, max_tokens=40)
     model = tiny_model("llama", "sdpa")
     with torch.no_grad():

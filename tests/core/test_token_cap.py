@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from core_models import PROFILE_FAMILY, left_padded, prompt, tiny_model, with_gains
+from core_models import PROFILE_FAMILY, left_padded, prompt, tiny_model
+from factories import array_profile, with_gains
 
 from lukv_cache import LUKVCache
 from lukv_cache.allocation import ALLOCATORS
@@ -19,10 +20,7 @@ LAYERS, HEADS = 2, 2
 
 
 def _profile(grid, evict) -> Profile:
-    grid = np.asarray(grid, dtype=np.float32)
-    return with_gains(
-        Profile(grid, np.asarray(evict, dtype=np.float32), model_id="org/tiny", scorer="keydiff", head_dim=16)
-    )
+    return with_gains(array_profile(grid, evict, head_dim=16))
 
 
 def _shipped_curves() -> Profile:

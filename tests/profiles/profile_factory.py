@@ -1,8 +1,9 @@
-"""A valid profile factory shared by the profile tests (a plain module: two conftest.py files clash)."""
+"""The profile tests' default profile (a plain module: two conftest.py files clash); built by tests/factories.py."""
 
 from __future__ import annotations
 
 import numpy as np
+from factories import curve_profile
 
 from lukv_cache.profiles import Profile
 
@@ -19,6 +20,6 @@ def _make_profile(
 ) -> Profile:
     """A valid profile whose evict ratio grows with rho and differs per (layer, head)."""
     grid = np.linspace(0.1, 0.9, grid_size, dtype=np.float32)
-    offsets = np.linspace(-0.05, 0.05, layers * kv_heads, dtype=np.float32).reshape(layers, kv_heads)
-    ratios = np.clip(grid[:, None, None] + offsets[None], 0.0, 1.0).astype(np.float32)
-    return Profile(grid=grid, evict_ratio=ratios, model_id=model_id, scorer=scorer, head_dim=16, **kw)
+    return curve_profile(
+        layers, kv_heads, grid=grid, spread=0.05, model_id=model_id, scorer=scorer, head_dim=16, **kw
+    )

@@ -14,6 +14,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from factories import flat_profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save
@@ -33,9 +34,7 @@ FUZZ = settings(
 
 
 def _valid() -> Profile:
-    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
-    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
-    return Profile(grid, ratios, model_id="org/tiny-llama", scorer="keydiff", head_dim=16)
+    return flat_profile(2, 2, grid=[0.25, 0.5, 0.75], model_id="org/tiny-llama", head_dim=16)
 
 
 VALID = _valid()

@@ -107,7 +107,7 @@ def test_concurrent_pushes_to_one_mirror_all_land_in_its_index(tmp_path):
     jobs = [(str(tmp_path), f"scorer{i % 4}", f"round{i}") for i in range(12)]
     ctx = multiprocessing.get_context("spawn")
     env = os.environ.copy()
-    sys_path = os.pathsep.join([str(Path(__file__).parent), str(ROOT)])
+    sys_path = os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1]), str(ROOT)])
     os.environ["PYTHONPATH"] = sys_path + os.pathsep + env.get("PYTHONPATH", "")
     try:
         with ctx.Pool(3) as pool:

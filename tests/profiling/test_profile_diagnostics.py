@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from factories import array_profile
 
 import lukv_cache.profiling.cli as profiling_cli
 from lukv_cache.cli import main
@@ -24,7 +25,7 @@ def _profile():
     ratios = np.stack([np.full((3, 2), g) for g in grid]).astype(np.float32)
     ratios[:, 0, 0] -= 0.1
     ratios[:, 0, 1] += 0.1
-    return Profile(grid, ratios, model_id="org/tiny", scorer="keydiff")
+    return array_profile(grid, ratios)
 
 
 def test_summary_names_the_least_and_most_kept_heads():
@@ -150,7 +151,7 @@ def test_lukv_build_with_two_scorers_and_one_file_is_an_error(tmp_path, capsys):
 
 def test_profile_correlation_is_one_for_itself_and_minus_one_for_a_mirror():
     a = _profile()
-    mirror = Profile(a.grid, 2 * a.grid[:, None, None] - a.evict_ratio, model_id="org/tiny", scorer="keydiff")
+    mirror = array_profile(a.grid, 2 * a.grid[:, None, None] - a.evict_ratio)
     assert profile_correlation(a, a, [0.5]) == {0.5: pytest.approx(1.0)}
     assert profile_correlation(a, mirror, [0.5])[0.5] == pytest.approx(-1.0)
 
