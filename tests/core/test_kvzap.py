@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from core_models import prompt, scorer_for, tiny_model
+from factories import flat_profile
 
 from lukv_cache import LUKVCache
 from lukv_cache.errors import ConfigurationError, ProfileFormatError
@@ -247,10 +248,8 @@ def test_an_unknown_surrogate_family_is_refused():
 
 
 def _profile(surrogate, **kw) -> Profile:
-    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
-    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
-    return Profile(
-        grid, ratios, model_id="org/tiny", scorer="kvzap", head_dim=16, window=32, surrogate=surrogate, **kw
+    return flat_profile(
+        2, 2, grid=[0.25, 0.5, 0.75], scorer="kvzap", head_dim=16, window=32, surrogate=surrogate, **kw
     )
 
 
@@ -434,13 +433,9 @@ def test_the_linear_window_attention_kvzap_profile_of_the_previous_release_still
 
 def test_from_pretrained_prefers_a_models_kvzap_profile_then_keydiff_and_takes_any_allocator(tmp_path):
     model = tiny_model("llama", "sdpa")
-    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
-    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
     mirror = tmp_path / "mirror" / "org" / "tiny"
     mirror.mkdir(parents=True)
-    Profile(grid, ratios, model_id="org/tiny", scorer="keydiff", head_dim=16).save(
-        mirror / "keydiff.safetensors"
-    )
+    flat_profile(2, 2, grid=[0.25, 0.5, 0.75], head_dim=16).save(mirror / "keydiff.safetensors")
     keydiff = LUKVCache.from_pretrained("org/tiny", 0.5, local_dir=tmp_path / "mirror")
     assert keydiff.scorer.name == "keydiff" and keydiff.allocator_name == "profile"  # LU-KV's budgets
     _profile(_trained(model)).save(mirror / "kvzap.safetensors")
@@ -689,14 +684,8 @@ def test_a_surrogate_whose_width_does_not_fit_the_model_is_a_typed_error_at_the_
     cache = LUKVCache(0.5, scorer, sink=4, window=1)
     with pytest.raises(ConfigurationError, match="layer 0"), torch.no_grad():
         model(prompt(1, 60, seed=1), past_key_values=cache)
-    profile = Profile(
-        np.array([0.5], np.float32),
-        np.full((1, 2, 2), 0.5, np.float32),
-        model_id="org/tiny",
-        scorer="kvzap",
-        head_dim=None,
-        window=1,
-        surrogate=wrong,
+    profile = flat_profile(
+        2, 2, grid=[0.5], scorer="kvzap", head_dim=None, window=1, surrogate=wrong
     )  # head_dim null: no width check on load
     cache = LUKVCache(0.5, kvzap_scorer(profile.surrogate), sink=4, window=1)
     with pytest.raises(ConfigurationError, match="layer 0"), torch.no_grad():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from core_models import greedy_with_logits, left_padded, prompt, scorer_for, tiny_model
+from factories import flat_profile
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -451,14 +452,10 @@ def _tiny_model():
 
 @pytest.mark.parametrize("allocator", ["global", "profile"])
 def test_a_cache_from_a_kvzap_profile_carries_the_profile_once(allocator, tmp_path):
-    from lukv_cache.profiles import Profile
-
     model = tiny_model("llama", "sdpa")
     surrogate = scorer_for("kvzap", model).params["surrogate"]
-    grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
-    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
-    profile = Profile(
-        grid, ratios, model_id="org/tiny", scorer="kvzap", head_dim=16, window=8, surrogate=surrogate
+    profile = flat_profile(
+        2, 2, grid=[0.25, 0.5, 0.75], scorer="kvzap", head_dim=16, window=8, surrogate=surrogate
     )
     source = profile.save(tmp_path / "kvzap.safetensors")
     # no config=: the layout is learned from the model at the first forward

@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import torch
+from factories import array_profile
 
 from lukv_cache.profiles import Profile
 from lukv_cache.texts import Article
@@ -91,4 +92,4 @@ def tiny_profile(model, scorer: str = "keydiff") -> Profile:
     # Head 0 of every layer gives up more than head 1: budgets that differ from uniform.
     tilt = np.array([1.2, 0.8], dtype=np.float32)[:heads]
     evict = np.stack([np.clip(np.tile(g * tilt, (layers, 1)), 0, 0.99) for g in grid]).astype(np.float32)
-    return Profile(grid, evict, model_id=model.config.name_or_path, scorer=scorer, head_dim=16)
+    return array_profile(grid, evict, model_id=model.config.name_or_path, scorer=scorer, head_dim=16)

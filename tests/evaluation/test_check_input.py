@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from demo_helpers import byte_tokenizer, tiny_llama
+from factories import flat_profile
 
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError, UnknownNameError
@@ -152,14 +153,15 @@ def test_check_refuses_an_empty_context_before_any_prefill(model, tokenizer):
 
 def _folder_profile(model_dir, scorer, out_dir, surrogate=None):
     """A profile built for the model folder (model_id = the folder, as `lukv build <folder>` writes it)."""
-    import numpy as np
-
-    from lukv_cache.profiles import Profile
-
-    grid = np.array([0.25, 0.5, 0.75, 0.95], dtype=np.float32)
-    ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
-    profile = Profile(
-        grid, ratios, model_id=str(model_dir), scorer=scorer, head_dim=16, window=1, surrogate=surrogate
+    profile = flat_profile(
+        2,
+        2,
+        grid=[0.25, 0.5, 0.75, 0.95],
+        model_id=str(model_dir),
+        scorer=scorer,
+        head_dim=16,
+        window=1,
+        surrogate=surrogate,
     )
     return profile.save(out_dir / f"{scorer}.safetensors")
 
@@ -250,14 +252,7 @@ def test_a_model_folder_whose_config_names_a_hub_model_reads_that_models_profile
 def test_a_profile_of_another_shape_in_the_profiles_given_is_skipped_with_the_reason(
     model_dir, tmp_path, capsys
 ):
-    import numpy as np
-
-    from lukv_cache.profiles import Profile
-
-    grid = np.array([0.5], dtype=np.float32)
-    Profile(grid, np.full((1, 5, 2), 0.5, np.float32), model_id="x", scorer="keydiff").save(
-        tmp_path / "p" / "keydiff.safetensors"
-    )
+    flat_profile(5, 2, grid=[0.5], model_id="x").save(tmp_path / "p" / "keydiff.safetensors")
     assert _check(model_dir, tmp_path, "--ratios", "0.5", "--profiles", str(tmp_path / "p")) == 0
     rows = _rows(capsys.readouterr().out)
     assert rows["profile"].startswith("skipped:") and "5 layers" in rows["profile"], rows
