@@ -256,6 +256,10 @@ def _floored_model_wide(
     return counts.view(b, num, h).transpose(0, 1)
 
 
+# how a score-to-gain table's scores were centred (lukv_cache.profiling.gains builds tables with these)
+GAIN_CENTRES = ("model", "head")
+
+
 def _gain_table(name: str, profile) -> tuple[torch.Tensor, torch.Tensor]:
     """A profile's score-to-gain table as float64 ``(knots, gains)`` ``[L, H, Q]``, or a ConfigurationError."""
     knots, gains = getattr(profile, "gain_scores", None), getattr(profile, "gain_values", None)
@@ -283,8 +287,8 @@ def expected_gains(
 
     ``scores``: ``[L, B, H, R]`` of the model layers ``layers``, ``-inf`` where not evictable (stays
     ``-inf``). Each row's scores are centred as the table's knots are: on the row's mean over its evictable
-    tokens of these layers (``centre="model"``) or over each head's own (``"head"``); between knots the gain is linear in the score, beyond the end knots it is the
-    end knot's. A slope of 1e-9 per score unit is added so that tokens of equal gain (a flat stretch of the
+    tokens of these layers (``centre="model"``) or over each head's own (``"head"``); between knots the
+    gain is linear in the score, beyond the end knots it is the end knot's. A slope of 1e-9 per score unit is added so that tokens of equal gain (a flat stretch of the
     table) are ranked by their scores, not by their position. ``blend < 1`` returns
     ``blend * log(gain) + (1 - blend) * centred score`` instead (ordered like a geometric mean of the table's
     gain and the score's own exponential: for log-scale scores such as kvzap's, the prompt's score shrunk
@@ -339,10 +343,10 @@ def calibrated(profile=None, floor: float = 0.0, evict_ratio=None, blend: float 
         raise ConfigurationError(f"calibrated: blend must be in [0, 1], got {blend}.")
     knots, gains = _gain_table("calibrated", profile)
     centre = ((getattr(profile, "extra", None) or {}).get("gains") or {}).get("centre", "model")
-    if centre not in ("model", "head"):
+    if centre not in GAIN_CENTRES:
         raise ConfigurationError(
             f"calibrated: the profile's score-to-gain table says its scores were centred by {centre!r}; this "
-            "lukv_cache knows 'model' and 'head'. Upgrade lukv_cache or rebuild the table."
+            f"lukv_cache knows {', '.join(map(repr, GAIN_CENTRES))}. Upgrade lukv_cache or rebuild the table."
         )
     budgets = _profile_budgets("calibrated", evict_ratio, profile)
 

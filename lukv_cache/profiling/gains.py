@@ -35,12 +35,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..allocation.builtin import GAIN_CENTRES as CENTRES
 from ..errors import ConfigurationError
 from .solver import pava
 
 DEFAULT_KNOTS = 32
 DEFAULT_TOP = 16  # each head's best tokens in the top bin (of ~15k pooled calibration tokens per head)
-CENTRES = ("model", "head")
 DEFAULT_CALIBRATIONS = ("planted", "default", "expository")  # facts asked back, a story, explanations
 
 

@@ -339,5 +339,16 @@ def test_calibrated_without_a_table_or_with_a_bad_floor_is_refused():
         get_allocator("calibrated")
     with pytest.raises(ConfigurationError, match="floor must be in"):
         get_allocator("calibrated", profile=_calibrated_profile(np.ones((1, 2, 4))), floor=2.0)
+    with pytest.raises(
+        ConfigurationError, match="centred by 'median'; this lukv_cache knows 'model', 'head'"
+    ):
+        table = _calibrated_profile(np.ones((1, 2, 4)))
+        table.extra = {"gains": {"centre": "median"}}
+        get_allocator("calibrated", profile=table)
+    with pytest.raises(ConfigurationError, match=r"table has shape \(1, 2\) but the model has 2 layers"):
+        req = _two_heads()
+        get_allocator("calibrated", profile=_calibrated_profile(np.ones((1, 2, 4))))(
+            AllocationRequest(req.scores.expand(2, -1, -1, -1), req.n_evictable, req.ratio, (0, 1), 2)
+        )
     with pytest.raises(ConfigurationError, match="blend must be in"):
         get_allocator("calibrated", profile=_calibrated_profile(np.ones((1, 2, 4))), blend=-1)

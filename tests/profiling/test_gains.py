@@ -48,6 +48,8 @@ def test_a_contexts_overall_score_level_cancels_out():
 def test_layers_not_compressed_keep_zero_rows_and_bad_settings_are_refused():
     knots, gains = score_gain_table([_context(0)], layers=[1], sink=4, window=2, knots=4)
     assert not knots[0].any() and not gains[0].any() and gains[1].any()
+    with pytest.raises(ConfigurationError, match="centre must be one of model, head, got 'median'"):
+        score_gain_table([_context(0)], [0], 4, 2, centre="median")
     with pytest.raises(ConfigurationError, match="knots must be at least 2"):
         score_gain_table([_context(0)], [0], 4, 2, knots=1)
     with pytest.raises(ConfigurationError, match="nothing to evict"):
