@@ -10,7 +10,7 @@ same cache. Several questions about one context share one prefill (each question
 * ``continuation``: the first ``context_tokens`` of a Wikipedia article are compressed, the next 128
   tokens are teacher-forced; the score is their mean negative log-likelihood (lower is better).
 * ``recall``: natural-text recall, nothing planted. The first ``context_tokens`` of an article are
-  compressed; then whole sentences of that context (default 4, spread over it) are asked back, each cued by
+  compressed; then whole sentences of that context (default 4, chosen at random) are asked back, each cued by
   its first five words, and the rest of the sentence (up to 48 tokens) is teacher-forced; the score is the
   fraction of those tokens the model predicts exactly (greedy copy accuracy, higher is better).
 
@@ -363,7 +363,6 @@ def _recall_samples(
     candidates = [a for a in articles if len(a.text) >= context_tokens * 3.5]
     rng.shuffle(candidates)
     samples: list[RecallSample] = []
-    prompt_of = {}
     for article in candidates:
         ids = tokenizer(article.text, add_special_tokens=False)["input_ids"]
         if len(ids) < context_tokens:
@@ -380,11 +379,8 @@ def _recall_samples(
             rest = whole[len(cue) : len(cue) + RECALL_MAX_TOKENS]
             if whole[: len(cue)] != cue or len(rest) < RECALL_MIN_TOKENS:
                 continue  # the cue's tokens are not the sentence's first ones, or too little is left
-            if cue_text not in prompt_of:
-                prompt_of[cue_text] = tokenizer(RECALL_PROMPT.format(cue=cue_text), add_special_tokens=False)[
-                    "input_ids"
-                ]
-            quotes.append((tuple(prompt_of[cue_text]), tuple(cue), tuple(rest)))
+            prompt = tokenizer(RECALL_PROMPT.format(cue=cue_text), add_special_tokens=False)["input_ids"]
+            quotes.append((tuple(prompt), tuple(cue), tuple(rest)))
         if len(quotes) < n_quotes:
             continue
         chosen = sorted(rng.sample(range(len(quotes)), n_quotes))
@@ -430,7 +426,9 @@ def make_samples(
             _continuation_samples(tokenizer, rng, articles, n_samples, context_tokens, continuation_tokens)
         )
     if task == "recall":
-        return list(_recall_samples(tokenizer, rng, articles, n_samples, context_tokens, n_needles))
+        return list(
+            _recall_samples(tokenizer, rng, articles, n_samples, context_tokens, n_needles)
+        )  # list[Sample]
     return [
         _retrieval_sample(task, tokenizer, rng, articles, context_tokens, n_needles) for _ in range(n_samples)
     ]
