@@ -257,6 +257,18 @@ class CalibrationRun:
         self.store.save(key, {str(layer): v for layer, v in scores.items()} or {"none": np.zeros(1)})
         return scores
 
+    def score_array(self, scorer: Scorer) -> tuple[np.ndarray, list[int]]:
+        """:meth:`scores` as one float32 ``[L, H_kv, T]`` array over every decoder layer (zeros where a layer
+        is never compressed), and the compressed layers, sorted."""
+        config = self.model.config.get_text_config()
+        per_layer = self.scores(scorer)
+        full = np.zeros(
+            (config.num_hidden_layers, config.num_key_value_heads, self.context_len), dtype=np.float32
+        )
+        for layer, values in per_layer.items():
+            full[layer] = values
+        return full, sorted(per_layer)
+
     def oracle(self, index: int) -> np.ndarray:
         """Oracle importance ``[L, H_kv, T]`` of the ``index``-th selected question (decoded once, then cached)."""
         ids = self.question_ids[index]
@@ -420,13 +432,7 @@ def build_profiles(
     was_training = model.training
     model.eval()
     try:
-        scores = {}
-        for s in scorer_objs:
-            layer_scores = run.scores(s)
-            full = np.zeros((config.num_hidden_layers, config.num_key_value_heads, t), dtype=np.float32)
-            for layer, v in layer_scores.items():
-                full[layer] = v
-            scores[s.name] = (full, sorted(layer_scores))
+        scores = {s.name: run.score_array(s) for s in scorer_objs}
         shape = (len(grid_arr), config.num_hidden_layers, config.num_key_value_heads)
         sums = {s.name: np.zeros(shape) for s in scorer_objs}
         progress = tqdm(

@@ -154,11 +154,7 @@ def with_score_gains(
             run = prepare_run(
                 model, tokenizer, calibration, k_max=k_max, cache_dir=cache_dir, aggregate=aggregate
             )
-            per_layer = run.scores(scorer)
-            layers = sorted(per_layer)
-            full = np.zeros((profile.num_layers, profile.num_kv_heads, run.context_len), dtype=np.float32)
-            for layer, values in per_layer.items():
-                full[layer] = values
+            full, layers = run.score_array(scorer)  # the profile's shape: validate_for checked it
             bar = tqdm(range(len(run.selected)), desc=f"gains ({calibration})", disable=not show_progress)
             contexts.append((full, [run.oracle(i) for i in bar]))
             described.append(f"{run.description.split(':')[0]} ({len(run.selected)} questions)")
