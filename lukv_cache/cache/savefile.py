@@ -13,7 +13,6 @@ import inspect
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
@@ -23,6 +22,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from ..errors import LUKVError, SavedContextError, SavedContextMismatchError, UnknownNameError
+from ..profiles.files import write_atomically
 from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
 from .layer import LUKVLayer
 from .ragged import RaggedStore
@@ -364,35 +364,12 @@ def _save_prefill_scores(cache: LUKVCache, tensors: dict[str, torch.Tensor]) -> 
 def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
     from safetensors.torch import save_file
 
-    if path.is_dir():
-        raise SavedContextError(
-            f"Cannot write {str(path)!r}: it is a folder. Give a file name (e.g. context.safetensors).",
-            path=str(path),
-        )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-    except OSError as err:
-        raise SavedContextError(
-            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path.", path=str(path)
-        ) from None
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)  # mkstemp creates 0600; give the file the mode a plain open() would
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise SavedContextError(
-            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path.", path=str(path)
-        ) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(
+        path,
+        lambda tmp: save_file(tensors, tmp, metadata=metadata),
+        lambda message: SavedContextError(message, path=str(path)),
+        example="context.safetensors",
+    )
 
 
 def _library_version() -> str:

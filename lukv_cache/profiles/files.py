@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ConfigurationError
@@ -24,22 +25,33 @@ def atomic_write(path: Path, data: bytes) -> None:
     An unwritable target (a folder, a read-only place, a parent that is a file) raises
     :class:`~lukv_cache.errors.ConfigurationError` naming it; nothing is left behind.
     """
+    write_atomically(
+        path,
+        lambda tmp: Path(tmp).write_bytes(data),
+        lambda message: ConfigurationError(message),
+        example="x.safetensors",
+    )
+
+
+def write_atomically(
+    path: Path, write: Callable[[str], object], error: Callable[[str], Exception], example: str
+) -> None:
+    """``write(tmp)`` fills a temp file beside ``path``, which is then synced, given the mode a plain
+    ``open()`` would give it and renamed over ``path``: a reader sees the old file or the new one. A folder
+    at ``path`` or an ``OSError`` raises ``error(message)`` (``example``: a file name the message suggests);
+    nothing is left behind, whatever is raised."""
     path = Path(path)
     if path.is_dir():
-        raise ConfigurationError(
-            f"Cannot write {str(path)!r}: it is a folder. Give a file name (e.g. x.safetensors)."
-        )
+        raise error(f"Cannot write {str(path)!r}: it is a folder. Give a file name (e.g. {example}).")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
     except OSError as err:
-        raise ConfigurationError(
-            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path."
-        ) from None
+        raise error(f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path.") from None
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         # mkstemp creates 0600; give the file the mode a plain open() would (0666 minus the umask)
         umask = os.umask(0)
@@ -48,9 +60,7 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
-        raise ConfigurationError(
-            f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path."
-        ) from None
+        raise error(f"Cannot write {str(path)!r}: {err.strerror or err}. Choose another path.") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
