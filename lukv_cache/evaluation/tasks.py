@@ -30,7 +30,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,6 +323,19 @@ def _retrieval_sample(
     return RetrievalSample(task, context, questions, source=title)
 
 
+def _long_articles(
+    tokenizer: Any, rng: random.Random, articles: Sequence[Article], tokens: int
+) -> Iterator[tuple[Article, list[int]]]:
+    """The articles of at least ``tokens`` tokens, in a seeded random order, with their token ids."""
+    # ~3.5 characters per token is a safe lower bound for English Wikipedia with this tokenizer family.
+    candidates = [a for a in articles if len(a.text) >= tokens * 3.5]
+    rng.shuffle(candidates)
+    for article in candidates:
+        ids = tokenizer(article.text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            yield article, ids
+
+
 def _continuation_samples(
     tokenizer: Any,
     rng: random.Random,
@@ -332,14 +345,8 @@ def _continuation_samples(
     continuation_tokens: int,
 ) -> list[ContinuationSample]:
     need = context_tokens + continuation_tokens
-    # ~3.5 characters per token is a safe lower bound for English Wikipedia with this tokenizer family.
-    candidates = [a for a in articles if len(a.text) >= need * 3.5]
-    rng.shuffle(candidates)
     samples: list[ContinuationSample] = []
-    for article in candidates:
-        ids = tokenizer(article.text, add_special_tokens=False)["input_ids"]
-        if len(ids) < need:
-            continue
+    for article, ids in _long_articles(tokenizer, rng, articles, need):
         samples.append(
             ContinuationSample(article.title, tuple(ids[:context_tokens]), tuple(ids[context_tokens:need]))
         )
@@ -360,13 +367,8 @@ def _recall_samples(
 ) -> list[RecallSample]:
     """Contexts of exactly ``context_tokens`` tokens from the articles' starts, each with ``n_quotes`` of its
     own whole sentences (chosen at random, in context order) to quote back."""
-    candidates = [a for a in articles if len(a.text) >= context_tokens * 3.5]
-    rng.shuffle(candidates)
     samples: list[RecallSample] = []
-    for article in candidates:
-        ids = tokenizer(article.text, add_special_tokens=False)["input_ids"]
-        if len(ids) < context_tokens:
-            continue
+    for article, ids in _long_articles(tokenizer, rng, articles, context_tokens):
         context = tokenizer.decode(ids[:context_tokens])
         quotes = []
         for sentence in _sentences(Article(article.title, context))[:-1]:  # the last may be cut
