@@ -13,7 +13,7 @@ random keys/values go through ``cache.update`` layer by layer and the LUKVCache 
 as after a prefill (keydiff scores, the allocator's budgets), through the same attention contract a model
 uses. Decode then runs the real model forward, one token at a time: the median ms/token is reported.
 
-    python benchmarks/cache_bench.py --contexts 8192 32768 --batch 1 8 --threads 1 2 --out results/cache_bench.json
+    python benchmarks/cache_bench.py --contexts 8192 32768 --batch 1 8 --threads 1 2 --out benchmarks/results/decode_speed/cache_bench_decode.json
     python benchmarks/cache_bench.py --contexts 512 --decode-steps 3 --small   # seconds, for a smoke run
 
 ``--interleave`` times the caches step by step in ONE process instead, a decode step of each in turn,
