@@ -11,7 +11,7 @@ shipped profiles (four scorers, 30 questions, ``k_max`` 64)::
 
     python benchmarks/build_memory.py --full
 
-Results: ``benchmarks/results/build_memory.md``.
+Results: ``benchmarks/results/build_memory/build_memory.md``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 quotes after it: tokens kept per (layer, KV head) against the prompt's length, and the cache's bytes against
 a full fp32 cache of the prompt.
 
-    python benchmarks/readme_one_line.py > benchmarks/results/readme_one_line.txt
+    python benchmarks/readme_one_line.py > benchmarks/results/readme_one_line/readme_one_line.txt
 """
 
 from __future__ import annotations
