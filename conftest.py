@@ -1,7 +1,7 @@
 """Docstring examples run as tests (``python -m pytest`` collects ``lukv_cache`` with --doctest-modules).
 
 Examples that need the real model or the network are marked ``# doctest: +SKIP``; the rest run against
-the tiny objects below, each example in a fresh temporary folder.
+the tiny objects below (``lukv_cache.testing``'s), each example in a fresh temporary folder.
 """
 
 from __future__ import annotations
@@ -14,35 +14,14 @@ import torch
 collect_ignore_glob = ["conftest.py", "tests/*/conftest.py", "tests/conftest.py"]
 
 
-def _tiny_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("sdpa")
-    model.config.name_or_path = "org/tiny-llama"
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 def _tiny_profile():
-    from lukv_cache.profiles import Profile
+    from lukv_cache.testing import array_profile
 
     grid = np.array([0.25, 0.5, 0.75], dtype=np.float32)
     ratios = np.stack([np.full((2, 2), r, dtype=np.float32) for r in grid])
     ratios[:, 0, 0] -= 0.1  # layer 0, head 0 keeps more
     ratios[:, 1, 1] += 0.1
-    return Profile(grid, ratios, model_id="org/tiny-llama", scorer="keydiff", head_dim=16)
+    return array_profile(grid, ratios, model_id="org/tiny-llama", head_dim=16)
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +31,9 @@ def _doctest_objects(request, doctest_namespace, tmp_path, monkeypatch):
     if not isinstance(request.node, DoctestItem):
         return
     monkeypatch.chdir(tmp_path)
-    model = _tiny_model()
+    from lukv_cache.testing import tiny_model
+
+    model = tiny_model(name_or_path="org/tiny-llama")
     doctest_namespace.update(
         torch=torch,
         np=np,

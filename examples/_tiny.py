@@ -10,53 +10,30 @@ from __future__ import annotations
 
 import atexit
 import os
-import random
 import shutil
 import tempfile
 
 import numpy as np
-import torch
 
 TINY_ID = "lukv-examples/tiny-llama"  # the tiny model's profiles are looked up under this id
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
-_WORDS = "river city harbour ferry market north south early later small large ancient modern famous".split()
 
 
 def tokenizer():
     """Every byte is one token (GPT-2's byte alphabet, no merges) plus an end-of-text token: 257 ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from lukv_cache.testing import byte_tokenizer
 
-    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<|endoftext|>"] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+    return byte_tokenizer()
 
 
 def model():
     """The tiny Llama, seeded (every call, and every tensor-parallel rank, gets the same weights)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from lukv_cache.testing import BYTE_VOCAB, tiny_model
 
-    config = LlamaConfig(
-        vocab_size=257,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=4096,
-        eos_token_id=None,  # random weights must not stop early
-        pad_token_id=256,
+    # eos_token_id None (the factory's): random weights must not stop early
+    return tiny_model(
+        vocab_size=BYTE_VOCAB, max_position_embeddings=4096, pad_token_id=256, name_or_path=TINY_ID
     )
-    torch.manual_seed(0)
-    tiny = LlamaForCausalLM(config).eval()
-    tiny.set_attn_implementation("sdpa")
-    tiny.config.name_or_path = TINY_ID
-    tiny.generation_config.pad_token_id = 256
-    return tiny
 
 
 def load():
@@ -67,21 +44,17 @@ def load():
 
 def text(chars: int = 1500, seed: int = 0) -> str:
     """Synthetic prose of about ``chars`` characters (one token a character with the byte tokenizer)."""
-    rng = random.Random(seed)
-    sentences = []
-    while sum(map(len, sentences)) < chars:
-        sentences.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 12))).capitalize() + ".")
-    return " ".join(sentences)[:chars]
+    from lukv_cache.testing import prose
+
+    return prose(chars, seed)
 
 
 def profile():
     """A keydiff profile for the tiny model whose evict ratio differs per (layer, KV head)."""
-    from lukv_cache import Profile
+    from lukv_cache.testing import curve_profile
 
     grid = np.linspace(0.05, 0.95, 19, dtype=np.float32)
-    spread = np.linspace(-0.04, 0.04, LAYERS * KV_HEADS, dtype=np.float32).reshape(LAYERS, KV_HEADS)
-    ratios = np.clip(grid[:, None, None] + spread, 0.0, 0.99).astype(np.float32)
-    return Profile(grid, ratios, model_id=TINY_ID, scorer="keydiff", head_dim=HEAD_DIM)
+    return curve_profile(LAYERS, KV_HEADS, grid, spread=0.04, model_id=TINY_ID, head_dim=HEAD_DIM)
 
 
 def publish_profile() -> str:

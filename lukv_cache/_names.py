@@ -3,7 +3,7 @@
 The registries (:data:`lukv_cache.scorers.SCORERS`, :data:`lukv_cache.allocation.ALLOCATORS`) import
 torch, about 2 s; the ``lukv`` command line reads these names instead to refuse a mistyped ``--scorer`` or
 ``--allocators`` at once, with the registries' own message (:func:`lukv_cache._registry.unknown_name`).
-``tests/core/test_builtin_names.py`` checks that they are the registries' names, exactly.
+``tests/test_builtin_names.py`` checks that they are the registries' names, exactly.
 
 Names registered outside the package: nothing in lukv_cache loads plugins (no entry points) and the
 commands import no user code, so in a ``lukv`` run the registries hold the built-in names and nothing else

@@ -2,10 +2,21 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# tests/ itself: factories.py (the tiny test profiles) is imported as ``factories`` from every folder
+# tests/ itself: helpers.py (the cached tiny models and the helpers only tests use) and sink_models.py are
+# imported by name from every folder
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # Tiny models are dominated by per-op overhead; one thread is faster and steadier on shared 2-core machines.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts on one torch thread and gives back what it found (a test may set its own)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from factories import array_profile
 
 from lukv_cache.cli import main
 from lukv_cache.profiles import Profile
+from lukv_cache.testing import array_profile
 
 
 def _profile(tmp_path) -> str:

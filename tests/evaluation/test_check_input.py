@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 from demo_helpers import byte_tokenizer, tiny_llama
-from factories import flat_profile
 
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError, UnknownNameError
 from lukv_cache.evaluation import cli as evaluation_cli
 from lukv_cache.evaluation.check import check
+from lukv_cache.testing import flat_profile
 
 POSITIONS = 2048  # tiny_llama's max_position_embeddings
 

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from demo_helpers import byte_tokenizer
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig
+from transformers import Gemma2Config, LlamaConfig
 
 from lukv_cache.models import load_model
+from lukv_cache.testing import BYTE_VOCAB, byte_tokenizer, tiny_model
 
 
 def test_a_gemma2_model_folder_loads_with_eager_attention(tmp_path):
-    config = Gemma2Config(
-        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-    )  # fmt: skip
-    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    tiny_model("gemma2", attn="eager", vocab_size=BYTE_VOCAB).save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
     model, _ = load_model(str(tmp_path))
     assert model.config._attn_implementation == "eager"

@@ -18,11 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 from lukv_cache import LUKVCache  # noqa: E402
 from lukv_cache.attention import _triton_ragged
 from lukv_cache.attention import kernels as cuda  # noqa: E402
+from lukv_cache.testing import tiny_model  # noqa: E402
 
 
 def main() -> None:
@@ -47,12 +46,7 @@ def main() -> None:
 
     calls["codes"] = 0
     _triton_quantized.triton_quantized_ragged_attention = counted_codes
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_model()  # seeds torch with 0: the prompt below is drawn after the weights
     ids = torch.randint(0, 128, (2, 60))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding: the mask reaches the kernels as key and suffix biases

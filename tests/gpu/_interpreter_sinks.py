@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "core")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from sink_models import dense_reference, sink_case  # noqa: E402
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from factories import curve_profile
 
 from lukv_cache.profiles import Profile
+from lukv_cache.testing import curve_profile
 
 MODEL_ID = "org/tiny-llama"
 

@@ -8,7 +8,6 @@ import os
 import numpy as np
 import pytest
 from safetensors.numpy import save
-from transformers import Gemma2Config, LlamaConfig
 
 from lukv_cache.errors import (
     ConfigurationError,
@@ -17,6 +16,7 @@ from lukv_cache.errors import (
     ProfileNotFoundError,
 )
 from lukv_cache.profiles import Profile
+from lukv_cache.testing import tiny_config
 
 
 def _write(path, profile: Profile, *, metadata: dict | None = None, **tensors) -> None:
@@ -26,32 +26,13 @@ def _write(path, profile: Profile, *, metadata: dict | None = None, **tensors) -
     path.write_bytes(save(arrays, metadata=profile._metadata() if metadata is None else metadata))
 
 
-def _tiny_llama_config(layers: int = 2, kv_heads: int = 2) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
+def _tiny_llama_config(layers: int = 2, kv_heads: int = 2):
+    return tiny_config(num_hidden_layers=layers, num_key_value_heads=kv_heads)
 
 
-def _gemma2_like_config() -> Gemma2Config:
+def _gemma2_like_config():
     # 4 layers alternating sliding / full attention, like Gemma2
-    return Gemma2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-    )
+    return tiny_config("gemma2", num_hidden_layers=4)
 
 
 # ------------------------------------------------------------------------------------------ round trips
@@ -145,18 +126,13 @@ def test_at_ratio_zero_keeps_everything_and_the_top_clamps_to_the_last_row(profi
 
 def test_a_cache_from_a_profile_at_ratio_zero_keeps_every_token(tmp_path, profile):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from lukv_cache import LUKVCache
+    from lukv_cache.testing import prompt, tiny_model
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16)
-    ).eval()  # fmt: skip
     cache = LUKVCache.from_pretrained(profile.save(tmp_path / "p.safetensors"), 0.0)
     with torch.no_grad():
-        model(torch.randint(0, 64, (1, 30)), past_key_values=cache)
+        tiny_model()(prompt(length=30), past_key_values=cache)
     assert (cache.stored_tokens() == 30).all()
 
 

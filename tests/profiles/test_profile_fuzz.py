@@ -14,15 +14,14 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from factories import flat_profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lukv_cache import LUKVCache
 from lukv_cache.errors import ProfileError
 from lukv_cache.profiles import Profile
+from lukv_cache.testing import flat_profile, tiny_model
 
 EXAMPLES = int(os.environ.get("LUKV_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -49,13 +48,7 @@ _MODEL = None
 def _model():
     global _MODEL
     if _MODEL is None:
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        )  # fmt: skip
-        _MODEL = LlamaForCausalLM(config).eval()
-        _MODEL.set_attn_implementation("sdpa")
+        _MODEL = tiny_model(vocab_size=64, hidden_size=32, intermediate_size=64, max_position_embeddings=256)
     return _MODEL
 
 

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from hub_server import HubServer
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lukv_cache.errors import (
     ConfigurationError,
@@ -30,6 +28,7 @@ from lukv_cache.profiles import (
     resolve_profile,
     save_to_local_dir,
 )
+from lukv_cache.testing import tiny_model
 
 REPO = "lukv-test/profiles"
 MODEL = "org/tiny-llama"
@@ -141,18 +140,7 @@ def test_download_by_pinned_revision_gets_that_commit(hub, hf_cache, make_profil
 
 def test_resolve_a_loaded_model_uses_its_name_or_path(hub, hf_cache, profile):
     profile.push_to_hub(repo_id=REPO, endpoint=hub.url)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_model()
     model.config.name_or_path = MODEL
     fetched = _resolve(hub, hf_cache, model)
     fetched.validate_for(model.config)

@@ -83,11 +83,10 @@ def test_tensors_of_other_dtypes_raise_a_format_error(profile, dtype):
 
 
 def test_sink_and_window_beyond_the_models_positions_do_not_fit_it(profile):
-    from transformers import LlamaConfig
+    from lukv_cache.testing import tiny_config
 
     big = Profile(profile.grid, profile.evict_ratio, model_id="org/tiny-llama", scorer="keydiff", window=600)
-    config = LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=4, hidden_size=64,
-                         head_dim=16, max_position_embeddings=512)  # fmt: skip
+    config = tiny_config(max_position_embeddings=512)
     with pytest.raises(Exception, match="positions") as info:
         big.validate_for(config)
     assert type(info.value).__name__ == "ProfileMismatchError"

@@ -8,13 +8,13 @@ import warnings
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import lukv_cache.profiling.oracle as oracle_module
 import lukv_cache.profiling.scores as scores_module
 from lukv_cache.cache import LUKVCache
 from lukv_cache.profiling.oracle import oracle_importance, prefill_context
 from lukv_cache.profiling.scores import prefill_scores
+from lukv_cache.testing import tiny_model
 
 
 def _largest_op_allocation(fn):
@@ -38,18 +38,9 @@ def _held_bytes() -> int:
 
 
 def _model(layers=4, vocab=128):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
+    return tiny_model(
+        num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=1024, pad_token_id=None
     )
-    return LlamaForCausalLM(config).eval()
 
 
 def _kv_bytes(model, tokens):

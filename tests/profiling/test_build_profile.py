@@ -118,23 +118,12 @@ def test_context_too_long_for_the_model_raises(make_tiny_model, byte_tokenizer, 
 
 
 def test_sliding_window_layers_keep_the_global_ratio(byte_tokenizer, tiny_calibration):
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from lukv_cache.testing import BYTE_VOCAB, tiny_model
 
-    torch.manual_seed(0)
-    config = Gemma2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=16,
-    )
+    # layer 0 slides over 16 tokens, layer 1 is full
+    model = tiny_model("gemma2", attn="eager", vocab_size=BYTE_VOCAB, num_hidden_layers=2, sliding_window=16)
     profile = build_profile(
-        Gemma2ForCausalLM(config).eval(),
+        model,
         byte_tokenizer,
         "keydiff",
         tiny_calibration,

@@ -2,9 +2,9 @@
 
 import numpy as np
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from lukv_cache.profiling.oracle import oracle_importance, prefill_context
+from lukv_cache.testing import tiny_model
 
 
 def _direct_oracle(model, context, question, answer, layers=None):
@@ -24,19 +24,8 @@ def test_streamed_oracle_matches_direct_eager_computation(tiny_model):
 
 
 def test_oracle_with_logit_softcap_and_sliding_layers_matches_eager_on_full_layers():
-    torch.manual_seed(0)
-    config = Gemma2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=16,
-    )  # layer 0 slides over 16 tokens, layer 1 is full; both softcap their logits
-    model = Gemma2ForCausalLM(config).eval()
+    # layer 0 slides over 16 tokens, layer 1 is full; both softcap their logits
+    model = tiny_model("gemma2", attn="eager", num_hidden_layers=2, sliding_window=16)
     context, question = torch.randint(0, 128, (1, 40)), torch.randint(0, 128, (1, 5))
     importance, answer = oracle_importance(model, prefill_context(model, context), question, k_max=4)
     assert not importance[0].any()  # a sliding layer is never compressed: nothing recorded
@@ -125,20 +114,9 @@ def test_unknown_aggregate_is_a_configuration_error(tiny_model):
 def test_softcap_oracle_reads_a_causal_context_prefill():
     """Two full layers in a row: the second one's context keys come from the first one's prefill output,
     which must be causal although the eager (softcap) path never gets sdpa's is_causal shortcut."""
-    torch.manual_seed(1)
-    config = Gemma2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "full_attention"],
+    model = tiny_model(
+        "gemma2", seed=1, attn="eager", layer_types=["sliding_attention", "full_attention", "full_attention"]
     )
-    model = Gemma2ForCausalLM(config).eval()
     context, question = torch.randint(0, 128, (1, 32)), torch.randint(0, 128, (1, 5))
     importance, answer = oracle_importance(model, prefill_context(model, context), question, k_max=4)
     expected = _direct_oracle(model, context, question, answer, layers=[1, 2])

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-from factories import array_profile
 
 import lukv_cache.profiling.cli as profiling_cli
 from lukv_cache.cli import main
@@ -18,6 +17,7 @@ from lukv_cache.profiling.diagnostics import (
     profile_correlation,
     profile_summary,
 )
+from lukv_cache.testing import array_profile
 
 
 def _profile():

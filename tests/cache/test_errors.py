@@ -1,0 +1,188 @@
+"""Bad input gives a clear, typed error; a compressed cache never meets an attention that cannot read it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_model
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from lukv_cache import ConfigurationError, IncompatibleAttentionError, LUKVCache, LUKVError, UnknownNameError
+from lukv_cache.testing import prompt
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1, -0.1, 1.5, float("nan"), "0.5", True, False])
+def test_ratio_outside_zero_to_one_raises_configuration_error(ratio):
+    with pytest.raises(ConfigurationError, match="ratio"):
+        LUKVCache(ratio)
+
+
+@pytest.mark.parametrize("ratio", [0, 0.0, 0.5, 0.999])
+def test_ratio_in_zero_to_one_is_accepted(ratio):
+    assert LUKVCache(ratio).ratio == ratio
+
+
+def test_configuration_error_is_a_value_error_and_a_lukv_error():
+    with pytest.raises(ValueError):
+        LUKVCache(1.0)
+    with pytest.raises(LUKVError):
+        LUKVCache(1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"sink": -1},
+        {"window": -1},
+        {"sink": 2.5},
+        {"prefill_chunk_size": 0},
+        {"prefill_chunk_size": -8},
+        {"min_keep": 1.0},
+        {"min_keep": -0.1},
+    ],
+)
+def test_bad_cache_option_raises_configuration_error(kwargs):
+    with pytest.raises(ConfigurationError):
+        LUKVCache(0.5, **kwargs)
+
+
+def test_unknown_scorer_raises_unknown_name_error_listing_known_names():
+    with pytest.raises(UnknownNameError) as info:
+        LUKVCache(0.5, scorer="h2o")
+    message = str(info.value)
+    assert "'h2o'" in message
+    for name in ("keydiff", "snapkv", "expected_attention", "knorm", "tova", "streaming", "random"):
+        assert name in message
+    assert isinstance(info.value, KeyError) and isinstance(info.value, LUKVError)
+
+
+def test_unknown_allocator_raises_unknown_name_error_listing_known_names():
+    with pytest.raises(UnknownNameError, match="uniform.*|.*adakv"):
+        LUKVCache(0.5, allocator="lukv")
+
+
+def test_profile_allocator_without_a_table_raises_configuration_error():
+    with pytest.raises(ConfigurationError, match="evict_ratio"):
+        LUKVCache(0.5, allocator="profile")
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        [0.5, 0.5],  # 1-D
+        [[[0.5, 0.5]]],  # 3-D
+        [[0.5, 1.5], [0.5, 0.5]],  # ratio > 1
+        [[0.5, float("nan")], [0.5, 0.5]],
+    ],
+)
+def test_profile_table_malformed_raises_configuration_error_at_construction(table):
+    with pytest.raises(ConfigurationError, match="evict_ratio"):
+        LUKVCache(allocator="profile", evict_ratio=table)
+
+
+def _prefill(cache, model=None):
+    model = model or tiny_model("llama", "sdpa")  # 2 layers, 2 KV heads
+    with torch.no_grad():
+        model(prompt(1, 30), past_key_values=cache)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 3), (2, 1), (1, 2)],  # wrong KV heads, too few heads, too few layers
+)
+def test_profile_table_of_the_wrong_shape_for_the_model_raises_configuration_error(shape):
+    cache = LUKVCache(allocator="profile", evict_ratio=torch.full(shape, 0.5))
+    with pytest.raises(ConfigurationError, match=r"shape"):
+        _prefill(cache)
+
+
+def test_profile_table_with_more_layers_than_the_model_raises_configuration_error():
+    """A [3, 2] table on a 2-layer model was built for another model: budgets would be wrong."""
+    cache = LUKVCache(allocator="profile", evict_ratio=torch.full((3, 2), 0.5))
+    with pytest.raises(ConfigurationError, match=r"shape"):
+        _prefill(cache)
+
+
+def test_profile_table_of_the_right_shape_works():
+    cache = LUKVCache(allocator="profile", evict_ratio=[[0.0, 0.9], [0.5, 0.5]], sink=0, window=1)
+    _prefill(cache)
+    stored = cache.stored_tokens()[:, 0]  # 29 evictable tokens per head, plus the window of 1
+    assert stored[0].tolist() == [30, 4]
+    assert sorted(stored[1].tolist()) == [15, 16]  # 14.5 each: the largest remainder breaks the tie
+
+
+@pytest.fixture
+def compressed():
+    """A copy of the tiny Llama (its attention implementation gets switched) and a compressed cache."""
+    model = tiny_model("llama", "sdpa", seed=3)
+    original = model.config._attn_implementation
+    cache = LUKVCache(0.5)
+    _prefill(cache, model)
+    yield model, cache
+    model.set_attn_implementation(original)
+
+
+def _custom_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # a user's attention written against the dense tensors it is handed: it would only see the suffix
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
+
+
+def test_custom_attention_registered_after_compression_raises_incompatible_attention_error(
+    monkeypatch, compressed
+):
+    model, cache = compressed
+    monkeypatch.setitem(AttentionInterface._global_mapping, "test_custom", _custom_attention)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "test_custom", sdpa_mask)
+    model.set_attn_implementation("test_custom")
+    with pytest.raises(IncompatibleAttentionError, match="sdpa"):
+        with torch.no_grad():
+            model(prompt(1, 3, seed=1), past_key_values=cache)
+
+
+def test_flex_attention_with_a_compressed_cache_raises_incompatible_attention_error(compressed):
+    """flex_attention is what transformers would call; called directly here because building its block
+    mask compiles for ~15 s on CPU. The cache's keys must make it raise, not attend to the suffix only."""
+    model, cache = compressed
+    module = model.model.layers[0].self_attn
+    query = torch.randn(1, 4, 1, 16)
+    key, value = cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
+    flex = AttentionInterface._global_mapping["flex_attention"]
+    with pytest.raises(IncompatibleAttentionError, match="flex_attention"):
+        flex(module, query, key, value, None, scaling=0.25)
+
+
+def test_generate_with_an_incompatible_attention_raises_instead_of_answering(monkeypatch, compressed):
+    model, cache = compressed
+    monkeypatch.setitem(AttentionInterface._global_mapping, "test_custom", _custom_attention)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "test_custom", sdpa_mask)
+    model.set_attn_implementation("test_custom")
+    ids = torch.cat([prompt(1, 30), prompt(1, 2, seed=4)], dim=1)
+    with pytest.raises(IncompatibleAttentionError):
+        model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+
+
+def test_a_fresh_cache_with_an_incompatible_attention_raises_at_the_first_forward(monkeypatch):
+    model = tiny_model("llama", "sdpa", seed=4)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "test_custom", _custom_attention)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "test_custom", sdpa_mask)
+    model.set_attn_implementation("test_custom")
+    try:
+        with pytest.raises(IncompatibleAttentionError):
+            _prefill(LUKVCache(0.8), model)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_positive_crop_is_rejected_like_dynamic_cache():
+    cache = LUKVCache(0.5)
+    _prefill(cache)
+    with pytest.raises(ValueError):
+        cache.layers[0].crop(3)
+
+
+def test_no_ratio_and_no_token_budget_means_the_default_ratio():
+    assert LUKVCache().ratio == LUKVCache(None).ratio == 0.5

@@ -1,0 +1,141 @@
+"""Sliding-window layers whose window holds the prompt are compressed like full-attention ones (issue 30):
+exact at ratio 0 while the window fills and slides during decoding, evicting at 0.5 (a padded row equals
+the row alone), bounded by about the window plus the fold interval, under ``max_tokens``; Gemma-2's
+sliding layers too when the prompt is shorter than their window."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import greedy_with_logits, tiny_model
+from transformers import DynamicCache
+
+from lukv_cache import LUKVCache
+from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.testing import left_padded, prompt
+
+WINDOW = 32  # longer than the prompts (24 tokens), shorter than prompt + new tokens
+FOLD = 16
+
+
+def _quiet(ratio=None, **kwargs) -> LUKVCache:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a window that holds the prompt leaves no layer alone: no warning
+        return LUKVCache(ratio, sink=2, window=3, **kwargs)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_ratio_0_equals_dynamic_cache_while_the_window_fills_and_slides(attn):
+    model = tiny_model("mistral", attn, sliding_window=WINDOW)
+    ids = prompt(1, 24)
+    cache = _quiet(0.0, fold_interval=FOLD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seq, logits = greedy_with_logits(model, ids, cache, new_tokens=3 * WINDOW)
+    ref_seq, ref_logits = greedy_with_logits(model, ids, DynamicCache(), new_tokens=3 * WINDOW)
+    assert all(isinstance(layer, LUKVLayer) and layer.compressed for layer in cache.layers)
+    assert torch.equal(seq, ref_seq)
+    assert (logits - ref_logits).abs().max() <= 1e-5
+    # folds dropped what fell out of the window: at most the window's last W - 1 plus the suffix
+    assert int(cache.stored_tokens().max()) < WINDOW - 1 + FOLD + 1
+
+
+def test_ratio_half_evicts_and_a_padded_row_equals_the_row_alone():
+    model = tiny_model("mistral", "sdpa", sliding_window=WINDOW)
+    ids, mask = left_padded((24, 17, 11))
+    cache = _quiet(0.5, fold_interval=FOLD)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=2 * WINDOW,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    after_prompt = _quiet(0.5)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=after_prompt)
+    assert int(after_prompt.stored_tokens()[:, 0].max()) < 24  # evicted
+    row = 1
+    alone = ids[row : row + 1, 24 - 17 :]
+    cache_alone = _quiet(0.5, fold_interval=FOLD)
+    with torch.no_grad():
+        out_alone = model.generate(
+            alone,
+            past_key_values=cache_alone,
+            max_new_tokens=2 * WINDOW,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    logits = torch.stack(out.logits)[:, row]
+    assert torch.equal(out.sequences[row, 24:], out_alone.sequences[0, 17:])
+    assert (logits - torch.stack(out_alone.logits)[:, 0]).abs().max() <= 1e-5
+
+
+def test_memory_stays_bounded_by_the_window_and_the_fold_interval():
+    model = tiny_model("mistral", "sdpa", sliding_window=WINDOW)
+    cache = _quiet(0.0, fold_interval=FOLD)
+    greedy_with_logits(model, prompt(1, 24), cache, new_tokens=10 * WINDOW)
+    assert cache.is_compressed  # the sliding layers are LUKVLayers, not the stock ones
+    text = model.config
+    layers, heads, dim = text.num_hidden_layers, text.num_key_value_heads, text.head_dim
+    per_token = heads * (2 * dim * 4 + 4)  # fp32 keys and values, an int32 position, per KV head
+    offsets = (heads + 1) * 8
+    bound = layers * ((WINDOW + FOLD + 1) * per_token + offsets)
+    assert cache.memory_bytes() <= bound
+    dense = DynamicCache()
+    greedy_with_logits(model, prompt(1, 24), dense, new_tokens=10 * WINDOW)
+    assert cache.memory_bytes() < dense.layers[0].keys.numel() * 4 * 2 * layers  # the stock layers'
+
+
+def test_max_tokens_holds_on_sliding_layers():
+    model = tiny_model("mistral", "sdpa", sliding_window=WINDOW)
+    ids, mask = left_padded((24, 17, 11))
+    cache = _quiet(max_tokens=10)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    assert cache.is_compressed
+    per_row = cache.stored_tokens().double().mean((0, 2))
+    assert bool((per_row <= 10).all()), per_row
+
+
+def test_decode_max_tokens_holds_and_drops_what_left_the_window():
+    model = tiny_model("mistral", "sdpa", sliding_window=WINDOW)
+    cache = _quiet(decode_max_tokens=20, fold_interval=FOLD)
+    greedy_with_logits(model, prompt(1, 24), cache, new_tokens=4 * WINDOW)
+    for layer in cache.layers:
+        oldest = layer.cumulative_length - WINDOW + 1
+        assert layer.store is None or int(layer.store.positions.min()) >= oldest - FOLD - 3
+    assert int(cache.stored_tokens().max()) <= 20 + FOLD + 3
+
+
+def test_a_prompt_longer_than_the_window_keeps_the_stock_sliding_layer_and_says_so():
+    model = tiny_model("mistral", "sdpa", sliding_window=16)
+    cache = LUKVCache(0.5)
+    with pytest.warns(UserWarning, match=r"compresses nothing.*|longer than their window"):
+        with torch.no_grad():
+            model(prompt(1, 24), past_key_values=cache)
+    assert not cache.is_compressed
+    cache.reset()  # a new, shorter prompt decides again
+    with torch.no_grad():
+        model(prompt(1, 12), past_key_values=cache)
+    assert cache.is_compressed
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_sliding_layers_compress_a_prompt_shorter_than_their_window(arch):
+    model = tiny_model(arch, "eager")  # windows of 8
+    ids = prompt(1, 6)
+    cache = _quiet(0.0, fold_interval=4)
+    seq, logits = greedy_with_logits(model, ids, cache, new_tokens=20)
+    ref_seq, ref_logits = greedy_with_logits(model, ids, DynamicCache(), new_tokens=20)
+    assert [type(layer).__name__ for layer in cache.layers] == ["LUKVLayer"] * 3
+    assert cache.layers[0].compressed and cache.layers[0].sliding_window == 8
+    assert torch.equal(seq, ref_seq)
+    assert (logits - ref_logits).abs().max() <= 1e-5
+    assert int(cache.stored_tokens()[[0, 2]].max()) < 8 + 4 + 1  # the sliding layers slid

@@ -1,0 +1,70 @@
+"""The core tests' tiny models: ``lukv_cache.testing``'s, cached, plus the helpers only tests use.
+
+Every model is seeded, so two calls give identical weights (an assistant model and a main model can
+share a vocabulary without sharing weights by passing another seed).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from lukv_cache.allocation import ALLOCATORS, allocators_reading_profile
+from lukv_cache.testing import tiny_model as _fresh_model
+
+# the allocators that read a profile's curves (registered with reads_profile=True); the adaptive one
+# (threshold) reads a kvzap profile's score thresholds instead, and takes value= in the tests
+PROFILE_FAMILY = tuple(a for a in allocators_reading_profile() if not ALLOCATORS.get(a).adaptive)
+
+
+@functools.cache
+def _cached(arch: str, attn: str, dtype: torch.dtype, seed: int, frozen: tuple):
+    return _fresh_model(arch, seed=seed, attn=attn, dtype=dtype, **dict(frozen))
+
+
+def tiny_model(
+    arch: str = "llama", attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+):
+    """``lukv_cache.testing.tiny_model``, cached per argument set: tests must not change a model they get
+    here (``copy.deepcopy`` it first if they do)."""
+    return _cached(arch, attn, dtype, seed, tuple(sorted(overrides.items())))
+
+
+def greedy_with_logits(
+    model, ids: torch.Tensor, cache, new_tokens: int = 6, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ``generate`` over ``cache``: the sequences and the stacked logits of every new token."""
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
+def scorer_for(name: str, model):
+    """A registered scorer by name, ready for ``model``: ``kvzap`` gets a seeded random surrogate of the
+    model's shape (a trained one needs the real model; the cache's contract does not) that reads every
+    input a surrogate can read, the context's length included (so a padded row must see its own length) and
+    the last queries' window attention (so a padded row must be scored from its own queries)."""
+    if name != "kvzap":
+        return name
+    from lukv_cache.scorers.kvzap import FEATURE_SETS, Surrogate, base_features, input_size, kvzap_scorer
+
+    text = model.config.get_text_config()
+    heads, head_dim = text.num_key_value_heads, getattr(text, "head_dim", None) or 16
+    features = FEATURE_SETS[-1]  # keys, values, the window attention, the length and their products
+    size = input_size(features, base_features(features, heads, head_dim))
+    surrogate = Surrogate.zeros(text.num_hidden_layers, heads, size)
+    surrogate.features = features
+    gen = torch.Generator().manual_seed(0)
+    surrogate.weight.copy_(torch.randn(surrogate.weight.shape, generator=gen))
+    surrogate.bias.copy_(torch.randn(surrogate.bias.shape, generator=gen))
+    surrogate.layers = list(range(text.num_hidden_layers))
+    return kvzap_scorer(surrogate)

@@ -1,0 +1,89 @@
+"""One context, many questions: LUKVCache.fork shares the compressed stores, and LUKVPipeline answers each
+question as a deep copy of the compressed context would, holding the stores once."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import greedy_with_logits, tiny_model
+
+from lukv_cache import LUKVCache, LUKVPipeline
+from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.errors import ConfigurationError
+from lukv_cache.testing import VOCAB, prompt
+
+
+def _filled(model, ratio=0.5):
+    cache = LUKVCache(ratio)
+    with torch.no_grad():
+        model(prompt(1, 40, seed=1), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def test_a_fork_shares_the_stores_and_answers_as_a_deep_copy_does():
+    model = tiny_model("llama")
+    cache = _filled(model)
+    question = torch.cat([prompt(1, 40, seed=1), prompt(1, 6, seed=2)], 1)
+    fork, deep = cache.fork(), copy.deepcopy(cache)
+    for mine, theirs in zip(fork.layers, cache.layers):
+        assert mine.store is theirs.store
+        assert mine.suffix_keys.data_ptr() != theirs.suffix_keys.data_ptr()
+    got, got_logits = greedy_with_logits(model, question, fork, new_tokens=20)  # folds nothing, appends
+    want, want_logits = greedy_with_logits(model, question, deep, new_tokens=20)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    # the original is untouched: a second fork answers the same
+    again, _ = greedy_with_logits(model, question, cache.fork(), new_tokens=20)
+    assert torch.equal(again, want)
+
+
+def test_a_fork_that_folds_or_crops_leaves_the_shared_store_alone():
+    model = tiny_model("llama")
+    cache = LUKVCache(0.5, fold_interval=4)
+    with torch.no_grad():
+        model(prompt(1, 40, seed=1), past_key_values=cache, use_cache=True)
+    before = [layer.store.keys.clone() for layer in cache.layers if isinstance(layer, LUKVLayer)]
+    fork = cache.fork()
+    greedy_with_logits(
+        model, torch.cat([prompt(1, 40, seed=1), prompt(1, 3, seed=2)], 1), fork, new_tokens=12
+    )
+    fork.crop(-30)
+    after = [layer.store.keys for layer in cache.layers if isinstance(layer, LUKVLayer)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+class _Tokenizer:
+    """Characters as token ids (tiny model vocabulary), enough for the pipeline's encode / decode."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = torch.tensor([[3 + ord(c) % (VOCAB - 3) for c in text]])
+        return type("Encoded", (), {"input_ids": ids})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+
+def test_the_pipeline_answers_like_a_deep_copy_per_question():
+    model, tokenizer = tiny_model("llama"), _Tokenizer()
+    context, questions = "a context of some length for the tiny model " * 2, ["who?", "when was it?"]
+    answers = LUKVPipeline(model, tokenizer, ratio=0.5)(context, questions, max_new_tokens=5)
+    context_ids = tokenizer(context).input_ids
+    cache = LUKVCache(0.5)
+    with torch.no_grad():
+        cache.prefill(model, context_ids)
+    for question, answer in zip(questions, answers):
+        ids = torch.cat([context_ids, tokenizer(f"\n\nQuestion: {question}\nAnswer:").input_ids], 1)
+        out, _ = greedy_with_logits(model, ids, copy.deepcopy(cache), new_tokens=5)
+        assert answer == tokenizer.decode(out[0, ids.shape[1] :])
+
+
+def test_the_pipeline_refuses_what_cannot_work():
+    model, tokenizer = tiny_model("llama"), _Tokenizer()
+    with pytest.raises(ConfigurationError, match="empty"):
+        LUKVPipeline(model, tokenizer)("  ", ["q"])
+    with pytest.raises(ConfigurationError, match="question"):
+        LUKVPipeline(model, tokenizer, question_template="no slot")
+    with pytest.raises(ConfigurationError, match="not both"):
+        LUKVPipeline(model, tokenizer, lambda: LUKVCache(0.5), ratio=0.5)
