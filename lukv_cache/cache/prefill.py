@@ -1,6 +1,7 @@
-"""Filling a cache with a context (``LUKVCache.prefill``), and the repeat passes of reconstruction scorers
-(KVzip): after the context's forward the model repeats it chunk by chunk, each pass scored into the
-round's scores and cropped afterwards, and only then is every layer compressed.
+"""Filling a cache with a context (``LUKVCache.prefill``), and the passes of reconstruction scorers (KVzip):
+after the context's forward the cache runs the model through the rounds the scorer's strategy plans
+(``scorer.reconstruction``: the prompt, the rounds, the scoring), each pass scored by the strategy and
+cropped afterwards, and only then is every layer compressed.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigurationError
-from ..scorers.kvzip import RepeatPrompt, chunk_scores, value_norms
+from ..scorers.kvzip import RepeatPrompt
+from .inputs import check_prefill_inputs
 from .layer import LUKVLayer
-from .reconstruction import check_prefill_inputs, plan_rounds
 from .state import in_phase
 
 
@@ -66,7 +67,7 @@ def prefill_context(
                 f"Scorer {cache.scorer.name!r} asks the model to repeat the context, in the model's own words: "
                 "pass tokenizer=<the model's tokenizer> (or repeat_prompt=RepeatPrompt(...))."
             )
-        repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer, recon.template)
+        repeat_prompt = recon.repeat_prompt(tokenizer)
     if isinstance(vocab, int):
         repeat_prompt.check_vocabulary(vocab)
     with in_phase(cache, "hold"):
@@ -100,7 +101,7 @@ def reconstruct(
         for i in held
     }
     stock = {i: layer for i, layer in enumerate(cache.layers) if not isinstance(layer, LUKVLayer)}
-    for round_ in plan_rounds(input_ids, mask, prompt, recon.chunk_size, recon.overlap, cache.policy.sink):
+    for round_ in recon.rounds(input_ids, mask, prompt, cache.policy.sink):
         cache.state.round = round_
         round_.scores = scores
         saved = {i: copy.deepcopy(layer) for i, layer in stock.items()}  # sliding layers would slide
@@ -127,22 +128,17 @@ def reconstruct(
 def score_round(
     cache: Any, idx: int, module: Any, query: torch.Tensor, scaling: float, softcap: float | None
 ) -> None:
+    """Layer ``idx``'s attention ran during a reconstruction pass: the strategy scores it into the round."""
     round_, layer = cache.state.round, cache.layers[idx]
     if round_ is None or idx not in round_.scores:
         return
-    weighted = cache.scorer.reconstruction.weighted
-    for row, bounds in enumerate(round_.chunks):
-        if bounds is None:
-            continue
-        start, end = bounds
-        weight = value_norms(module, layer.suffix_values[row, :, start:end]) if weighted else None
-        round_.scores[idx][row, :, start:end] = chunk_scores(
-            query[row],
-            layer.suffix_keys[row],
-            bounds,
-            round_.sinks[row],
-            round_.mask[row],
-            scaling=scaling,
-            softcap=softcap,
-            value_weight=weight,
-        )
+    cache.scorer.reconstruction.score(
+        round_,
+        round_.scores[idx],
+        module,
+        query,
+        layer.suffix_keys,
+        layer.suffix_values,
+        scaling=scaling,
+        softcap=softcap,
+    )

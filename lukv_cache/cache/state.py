@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from ..scorers.kvzip import ReconstructionRound
 from .compression import Region
-from .reconstruction import ReconstructionRound
 
 
 @dataclass

@@ -14,21 +14,9 @@ import torch
 
 from .._registry import Registry
 from ..errors import ConfigurationError
+from .kvzip import Reconstruction
 
 ScoreFn = Callable[..., torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Reconstruction:
-    """How a reconstruction scorer runs (KVzip): chunks of at most ``chunk_size`` context tokens, each
-    prompted with the previous chunk's last ``overlap`` tokens; ``template``: ``"auto"`` (the chat template
-    when the tokenizer has one), ``"chat"`` or ``"plain"``; ``weighted``: multiply each attention weight by
-    ``||v W_O||`` (KVzip+)."""
-
-    chunk_size: int = 2048
-    overlap: int = 8
-    template: str = "auto"
-    weighted: bool = False
 
 
 @dataclass(frozen=True)

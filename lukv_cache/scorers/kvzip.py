@@ -8,13 +8,17 @@ teacher-forced, through the full context cache. A context token's score is the l
 reconstruction query of its GQA group pays it. As in the authors' code and kvpress, the softmax runs over
 the sinks, the chunk's own context tokens and the reconstruction tokens (causal among themselves).
 
-This module holds the prompt and the score; :meth:`lukv_cache.LUKVCache.prefill` runs the passes.
+This module owns the method: the prompt (:class:`RepeatPrompt`), and :class:`Reconstruction`, the strategy a
+reconstruction scorer carries (``Scorer.reconstruction``): which tokens each round of passes feeds
+(:meth:`Reconstruction.rounds`) and how a round's attention scores the context (:meth:`Reconstruction.score`).
+:meth:`lukv_cache.LUKVCache.prefill` runs the model through the rounds, holding the context meanwhile, and
+evicts by the scores; it knows nothing of chunks, prompts or value norms.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -218,3 +222,125 @@ def value_norms(module: torch.nn.Module, values: torch.Tensor) -> torch.Tensor |
     v = v.repeat_interleave(hq // h, dim=0)  # [H_q, T, D]
     norms = ((v @ gram) * v).sum(-1).clamp_min(0).sqrt()
     return norms / norms.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+@dataclass(eq=False)
+class ReconstructionRound:
+    """One forward of reconstruction tokens: ``input_ids``/``mask``/``position_ids`` ``[B, R]``, and per row
+    the chunk it scores (positions in the layer's dense tokens, or None) and the sink positions always in
+    its softmax. ``scores`` (layer -> ``[B, H_kv, T]``): where the cache collects the round's scores."""
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    position_ids: torch.Tensor
+    chunks: list[tuple[int, int] | None]
+    sinks: list[torch.Tensor]
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def _plan_rounds(
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    prompt: RepeatPrompt,
+    chunk_size: int,
+    overlap: int,
+    sink: int,
+) -> Iterator[ReconstructionRound]:
+    """The rounds that reconstruct every row of the context ``input_ids [B, T]`` (``mask``: left padding).
+
+    Round ``k`` feeds every row its ``k``-th chunk (rows with fewer chunks feed only padding), right after the
+    row's own context and padded on the right to one length, at the positions that follow the row's own
+    context, so each row scores exactly as it would alone (a sliding-window layer sees the same keys too).
+    """
+    b, t = input_ids.shape
+    device = input_ids.device
+    lengths = mask.long().sum(-1).tolist()
+    pads = [t - n for n in lengths]
+    per_row = [prompt.chunks(input_ids[row, pads[row] :].tolist(), chunk_size, overlap) for row in range(b)]
+    for k in range(max((len(chunks) for chunks in per_row), default=0)):
+        seqs = [chunks[k][1] if k < len(chunks) else [] for chunks in per_row]
+        r = max(len(seq) for seq in seqs)
+        ids = torch.zeros(b, r, dtype=input_ids.dtype, device=device)
+        valid = torch.zeros(b, r, dtype=torch.bool, device=device)
+        bounds: list[tuple[int, int] | None] = []
+        sinks = []
+        for row, seq in enumerate(seqs):
+            if seq:
+                ids[row, : len(seq)] = torch.tensor(seq, dtype=input_ids.dtype, device=device)
+                valid[row, : len(seq)] = True
+                start, end = per_row[row][k][0]
+                bounds.append((pads[row] + start, pads[row] + end))
+            else:
+                bounds.append(None)
+                start = 0
+            # sinks: the row's first real tokens, when the chunk does not already hold them
+            n_sinks = min(sink, start)
+            sinks.append(torch.arange(pads[row], pads[row] + n_sinks, device=device))
+        positions = torch.tensor(lengths, device=device).view(b, 1) + (valid.long().cumsum(-1) - 1).clamp_min(
+            0
+        )
+        yield ReconstructionRound(ids, valid, positions, bounds, sinks)
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """How a reconstruction scorer runs (KVzip): chunks of at most ``chunk_size`` context tokens, each
+    prompted with the previous chunk's last ``overlap`` tokens; ``template``: ``"auto"`` (the chat template
+    when the tokenizer has one), ``"chat"`` or ``"plain"``; ``weighted``: multiply each attention weight by
+    ``||v W_O||`` (KVzip+).
+
+    The cache calls three methods, and a second reconstruction method is a class with the same three:
+    :meth:`repeat_prompt` (the prompt from a tokenizer), :meth:`rounds` (the passes to run) and
+    :meth:`score` (called by each compressed layer's attention during a pass).
+    """
+
+    chunk_size: int = 2048
+    overlap: int = 8
+    template: str = "auto"
+    weighted: bool = False
+
+    def repeat_prompt(self, tokenizer: Any) -> RepeatPrompt:
+        """The prompt around each chunk, in the words of ``tokenizer`` (its chat template per ``template``)."""
+        return RepeatPrompt.from_tokenizer(tokenizer, self.template)
+
+    def rounds(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, prompt: RepeatPrompt, sink: int
+    ) -> Iterator[ReconstructionRound]:
+        """The passes that score every row of the context ``input_ids [B, T]`` (``mask``: left padding), the
+        first ``sink`` tokens of each row always in the softmax; each round's ``scores`` is the cache's."""
+        return _plan_rounds(input_ids, mask, prompt, self.chunk_size, self.overlap, sink)
+
+    def score(
+        self,
+        round_: ReconstructionRound,
+        scores: torch.Tensor,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        scaling: float,
+        softcap: float | None,
+    ) -> None:
+        """Write one layer's scores of this round into ``scores`` ``[B, H_kv, T]``: ``query`` ``[B, H_q, R, D]``
+        (the round's tokens), ``keys`` / ``values`` ``[B, H_kv, S, D]`` (the layer's tokens: the context, then
+        the round's ``R``), ``module`` the attention (its ``o_proj`` weighs values when ``weighted``)."""
+        for row, bounds in enumerate(round_.chunks):
+            if bounds is None:
+                continue
+            start, end = bounds
+            weight = value_norms(module, values[row, :, start:end]) if self.weighted else None
+            scores[row, :, start:end] = chunk_scores(
+                query[row],
+                keys[row],
+                bounds,
+                round_.sinks[row],
+                round_.mask[row],
+                scaling=scaling,
+                softcap=softcap,
+                value_weight=weight,
+            )
