@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ._after_import import when_imported
 from ._lazy import lazy_names
+from ._version import __version__ as __version__
 from .errors import (
     BatchIndexError,
     BatchMismatchError,
@@ -24,6 +25,7 @@ from .errors import (
     IncompatibleAttentionError,
     LUKVError,
     ModelUnavailableError,
+    PlotUnavailableError,
     ProfileError,
     ProfileFormatError,
     ProfileMismatchError,
@@ -37,8 +39,6 @@ from .errors import (
     UnknownNameError,
     UnsupportedOperationError,
 )
-
-__version__ = "0.1.0"
 
 # public name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
@@ -107,6 +107,7 @@ __all__ = [
     "LUKVError",
     "LUKVPipeline",
     "ModelUnavailableError",
+    "PlotUnavailableError",
     "Profile",
     "ProfileError",
     "ProfileFormatError",

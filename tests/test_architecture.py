@@ -21,12 +21,13 @@ ALLOWED: dict[str, set[str]] = {
     "_registry": {"errors"},
     "_names": {"_registry"},  # the built-in scorer and allocator names, for the CLI without torch
     "_paths": set(),
+    "_version": set(),
     "_ops": set(),
     "scorers": {"_registry", "_ops", "errors"},
     "allocation": {"_registry", "errors"},
     "attention": {"_ops", "errors"},
     "cache": {"attention", "scorers", "allocation", "errors", "profiles"},
-    "profiles": {"errors", "scorers", "_lazy"},
+    "profiles": {"errors", "scorers", "_lazy", "_version"},
     "profiling": {
         "_lazy",
         "cache",
@@ -59,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"errors", "models", "profiles", "profiling", "evaluation", "_paths", "_names", "__init__"},
     "__init__": {
         "_after_import",
+        "_version",
         "_lazy",
         "allocation",
         "attention",
@@ -102,6 +104,8 @@ def _imported_areas(path: Path) -> set[str]:
             for alias in node.names:
                 if alias.name.startswith("lukv_cache."):
                     areas.add(alias.name.split(".")[1])
+                elif alias.name == "lukv_cache":  # the package root: its __init__
+                    areas.add("__init__")
     return areas
 
 
@@ -116,6 +120,15 @@ def test_module_imports_only_the_areas_below_it(path):
     assert imported <= ALLOWED[area], (
         f"{path.relative_to(PACKAGE)} imports {sorted(imported - ALLOWED[area])}"
     )
+
+
+def test_the_version_is_pyprojects():
+    import tomllib
+
+    from lukv_cache._version import __version__
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    assert __version__ == project["version"]
 
 
 def test_no_file_cites_the_design_notes_outside_the_repository():

@@ -7,7 +7,8 @@
 * :mod:`.dispatch`: which implementation serves a call (:class:`~.dispatch.AttentionPlan`), decided once;
 * :mod:`.masked`, :mod:`.windows`: the CPU paths (one masked product; fixed windows of the flat store);
 * :mod:`.partial`: the torch math (partial attentions and their log-sum-exp merge);
-* :mod:`.kernels`: the CUDA kernels (flash-attn, Triton: :mod:`._triton_ragged`) and which serves a call;
+* :mod:`.kernels`: the CUDA kernels (flash-attn; Triton: :mod:`._triton_ragged`, and :mod:`._triton_quantized`
+  over a quantized store's codes) and which serves a call;
 * :mod:`.limits`: the tuning limits of all of them, one frozen :class:`~.limits.AttentionLimits`.
 """
 

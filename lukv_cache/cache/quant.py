@@ -15,7 +15,8 @@ Per-token groups keep every row independent, which is what lets eviction at fold
 
 :class:`PackedRows` is the quantized counterpart of a store's ``[N, D]`` keys or values; its
 :meth:`PackedRows.dequantize` gives rows back in the model's dtype, a block at a time (the attention over a
-quantized store, :mod:`lukv_cache.attention.quantized`, never holds more than a bounded block).
+quantized store, in :mod:`lukv_cache.attention.compressed`, never holds more than a bounded block; the Triton
+kernel of :mod:`lukv_cache.attention._triton_quantized` reads the codes themselves).
 """
 
 from __future__ import annotations

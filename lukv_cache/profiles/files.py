@@ -10,13 +10,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .._version import __version__
 from ..errors import ConfigurationError
 
 
 def library_version() -> str:
-    import lukv_cache  # the package is importing or imported when this runs: no cycle at call time
-
-    return str(getattr(lukv_cache, "__version__", "0.1.0"))
+    """The library's version, as stamped in the files it writes."""
+    return __version__
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -13,7 +13,8 @@ the scorer's window excluded) gives one pair:
   question, divided by that question's mean importance over every compressed head and evictable token (so
   every question weighs alike, whatever its length), averaged over the context's questions.
 
-The pairs of all contexts are sorted by score and cut into ``knots`` bins of equal count; a knot is a bin's
+The pairs of all contexts are sorted by score and cut into ``knots`` bins, finest at the top (counted from
+the best token, their edges grow geometrically from ``top`` tokens to all of them); a knot is a bin's
 mean score and mean gain, and the gains are projected onto non-decreasing sequences (PAVA, as the solver
 does for its loss curves): ``E[gain | score]`` on the head's own scale. The ``calibrated`` allocator maps a
 prompt's scores through it and lets every token of the model compete on expected gain.
