@@ -33,7 +33,7 @@ class KVzapTraining:
     reference documentation). Long documents teach the surrogate long contexts, if it reads the length:
     trained on 1,024-token documents only, SmolLM2-135M's surrogate ranks 4,096-token contexts much worse
     than 1,024-token ones (Spearman 0.52 against 0.71); on 1k + 2k + 4k documents reading ``log T`` and
-    every feature times it, 0.68 at 4k and still 0.71 at 1k (``benchmarks/results/kvzap_lengths.md``).
+    every feature times it, 0.68 at 4k and still 0.71 at 1k (``benchmarks/results/kvzap_surrogate/kvzap_lengths.md``).
     ``family``: ``"mlp"`` (the default: ``hidden`` units, trained on ``samples`` rows per 1,024 tokens of
     each document, which wait on disk until their layer is fitted) or ``"linear"`` (ridge with strength
     ``alpha``, closed form; it ranks less well: ``docs/kvzap.md``). ``target``: the scores it learns, in log:
@@ -46,7 +46,7 @@ class KVzapTraining:
     whether the surrogate also reads how strongly the last 32 queries of the context read each token (one
     number per KV head, with ``length="interactions"``): the context a token's key and value lack (held-out
     Python docs, ridge: Spearman 0.66 -> 0.73 at 1k and 0.59 -> 0.79 at 4k,
-    ``benchmarks/results/kvzap_window_attention.md``).
+    ``benchmarks/results/kvzap_surrogate/kvzap_window_attention.md``).
 
     >>> KVzapTraining(documents=((48, 1024), (8, 4096))).describe()
     'news: 48 x 1,024 + 8 x 4,096 tokens'
