@@ -40,7 +40,9 @@ def main() -> int:
     parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", default=None, help="a kvzap profile file (default: the shipped one)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_budgets.md"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_budgets.md")
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()

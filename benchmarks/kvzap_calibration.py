@@ -51,7 +51,9 @@ def main() -> int:
     parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--power", type=float, nargs="+", default=[0.0, 0.5, 1.0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_calibration.md"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_calibration.md")
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()

@@ -27,7 +27,9 @@ def main() -> int:
     parser.add_argument("--documents", type=int, nargs="+", default=[8, 3])
     parser.add_argument("--profile", help="a kvzap profile file (default: the shipped SmolLM2 one)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_fidelity.md"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_fidelity.md")
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()

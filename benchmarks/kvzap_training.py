@@ -49,7 +49,9 @@ def main() -> int:
     parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--samples", type=int, default=512, help="MLP rows per 1k tokens of a document")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_training.md"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_training.md")
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
