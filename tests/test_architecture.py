@@ -278,7 +278,7 @@ def test_no_import_cycles():
 ATTENTION_LEAVES: dict[str, set[str]] = {
     "limits": set(),
     "partial": set(),
-    "windows": {"limits"},
+    "tiles": {"limits"},
     "masked": {"calls", "limits"},  # calls: the StoreView protocol
     "_triton_ragged": {"limits"},
     "kernels": {

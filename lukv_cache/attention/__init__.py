@@ -5,7 +5,7 @@
 * :mod:`.routing`: the wrapped ``sdpa`` / ``eager`` / ``lukv`` functions;
 * :mod:`.compressed`: store + dense suffix, exact: computes the plan of :mod:`.dispatch`;
 * :mod:`.dispatch`: which implementation serves a call (:class:`~.dispatch.AttentionPlan`), decided once;
-* :mod:`.masked`, :mod:`.windows`: the CPU paths (one masked product; fixed windows of the flat store);
+* :mod:`.masked`, :mod:`.tiles`: the CPU paths (one masked product; fixed-size tiles of the flat store);
 * :mod:`.partial`: the torch math (partial attentions and their log-sum-exp merge);
 * :mod:`.kernels`: the CUDA kernels (flash-attn; Triton: :mod:`._triton_ragged`, and :mod:`._triton_quantized`
   over a quantized store's codes) and which serves a call;

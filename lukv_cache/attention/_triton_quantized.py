@@ -66,8 +66,8 @@ def _online_update(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One online-softmax step of (acc, m_i, l_i) with a loaded key tile ``k_t [D, BLOCK_N]`` and value
-    tile ``v [BLOCK_N, D]`` (both already in q's dtype, zero where masked)."""
+    """One online-softmax step of (acc, m_i, l_i) with loaded keys ``k_t [D, BLOCK_N]`` and values
+    ``v [BLOCK_N, D]`` (both already in q's dtype, zero where masked)."""
     logits = tl.dot(q, k_t, input_precision=PRECISION) * scaling
     if HAS_SOFTCAP:
         # tanh from exp: portable across backends and the interpreter, stable for any |x|
@@ -244,7 +244,7 @@ def _attend_quantized(
     for i in range(0, tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)):
         offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        # [BLOCK_N, D] tiles of keys and values, dequantized in registers; keys transposed for q @ k
+        # [BLOCK_N, D] keys and values, dequantized in registers; keys transposed for q @ k
         k = _dequantize_rows(
             kc_ptr, ks_ptr, kz_ptr, stride_kcn, stride_ksn, stride_kzn, offs_n, n_valid, head_dim,
             BITS, GROUP, BLOCK_N, BLOCK_D,
@@ -447,7 +447,7 @@ def triton_quantized_ragged_attention(
     ``suffix_bias`` broadcastable to ``[B, H_kv, M, S]``, ``key_bias [N, Q]`` and ``num_splits`` as in
     :func:`~lukv_cache.attention._triton_ragged.triton_ragged_attention`.
 
-    On the GPU the dequantized tiles are cast to the query's dtype (as ``PackedRows.dequantize`` does for
+    On the GPU the dequantized keys and values are cast to the query's dtype (as ``PackedRows.dequantize`` does for
     the model's dtype) and multiplied on tensor cores with fp32 accumulation; an fp32 query, or the
     interpreter, keeps them in fp32.
 
@@ -546,7 +546,7 @@ def triton_quantized_ragged_attention(
         BLOCK_D=block_d,
         MIN_CHUNK=MIN_CHUNK,
         num_warps=4,
-        num_stages=2 if dot_fp32 else 3,  # fp32 tiles: keep shared memory well under 100 KB
+        num_stages=2 if dot_fp32 else 3,  # fp32 operands: keep shared memory well under 100 KB
     )  # fmt: skip
     if num_parts > 1:
         _merge_splits[(n_segments, m)](

@@ -242,7 +242,7 @@ def _merge_splits(
     lse_row = part_lse_ptr + seg * stride_pls + row
     top = tl.max(tl.load(lse_row + offs_p * stride_plp, mask=offs_p < num_parts, other=float("-inf")), 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    # One part at a time: a [parts, D] tile would not fit in registers at 128 parts x head_dim 128.
+    # One part at a time: a [parts, D] tensor would not fit in registers at 128 parts x head_dim 128.
     total = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for part in range(0, num_parts):
@@ -394,7 +394,7 @@ def triton_ragged_attention(
         BLOCK_D=block_d,
         MIN_CHUNK=limits.triton_min_chunk,
         num_warps=4,
-        num_stages=2 if dot_fp32 else 3,  # fp32 tiles: keep shared memory well under 100 KB
+        num_stages=2 if dot_fp32 else 3,  # fp32 operands: keep shared memory well under 100 KB
     )  # fmt: skip
     if num_parts > 1:
         _merge_splits[(n_segments, m)](

@@ -5,8 +5,8 @@ token's original position for the store and at the last ``S`` positions for the 
 
 Which implementation serves a call is decided once, by :func:`.dispatch.plan_attention` (an
 :class:`~.dispatch.AttentionPlan`): CUDA, the fused kernels of :mod:`.kernels`; CPU with a mask that
-hides nothing (decode), the masked product of :mod:`.masked` for a small fp32 layer, else the windows of
-:mod:`.windows`; otherwise the two parts (:mod:`.partial`, :func:`.dispatch.ragged_attention`) and their
+hides nothing (decode), the masked product of :mod:`.masked` for a small fp32 layer, else the tiles of
+:mod:`.tiles`; otherwise the two parts (:mod:`.partial`, :func:`.dispatch.ragged_attention`) and their
 log-sum-exp merge. This module computes what the plan says.
 
 A quantized store (``LUKVCache(kv_bits=...)``) on CUDA goes to the Triton kernel on its codes (each block
@@ -17,7 +17,7 @@ holds more than one block at full precision.
 
 Learned attention sinks (``s_aux [Hq]``, GPT-OSS and its kin: one logit per query head in the softmax's
 denominator, with no value) are honoured on every path. The masked product puts the sink in its softmax;
-every other path (the fused Triton kernel, the windows, the parts and merge, the flash-attn kernel inside
+every other path (the fused Triton kernel, the tiles, the parts and merge, the flash-attn kernel inside
 the merge) returns its log-sum-exp ``lse``, and the sink is applied after the fact in fp32:
 ``out * sigmoid(lse - s)``, which is ``out * e^lse / (e^lse + e^s)``.
 
@@ -33,7 +33,7 @@ from typing import cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import masked, windows
+from . import masked, tiles
 from .calls import StoreView, WholeStoreView
 from .dispatch import Impl, plan_attention, ragged_attention, run_store
 from .limits import AttentionLimits, resolve_limits
@@ -63,7 +63,7 @@ class _Block:
         return torch.repeat_interleave(ids, counts, output_size=self.num_tokens)
 
 
-# Per live quantized store (keyed by its offsets, as the window plans): its blocks' size, bounds and offsets.
+# Per live quantized store (keyed by its offsets, as the tile plans): its blocks' size, bounds and offsets.
 _BLOCKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -170,7 +170,7 @@ def compressed_attention(
             grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, sink=sink
         )
         return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
-    lse: torch.Tensor | None  # None only from the windows, when no sink reads it
+    lse: torch.Tensor | None  # None only from the tiles, when no sink reads it
     if plan.fused_kernel is not None:  # store + suffix in one kernel pass (Triton), no host sync
         out, lse = plan.fused_kernel(
             grouped,
@@ -185,8 +185,8 @@ def compressed_attention(
             suffix_bias=suffix_bias,
             limits=limits,
         )
-    elif plan.fused:  # the windows: store and suffix in three fused calls, one merge
-        out, lse = windows.windowed_ragged_attention(
+    elif plan.fused:  # the tiles: store and suffix in three fused calls, one merge
+        out, lse = tiles.tiled_ragged_attention(
             grouped,
             store.keys,
             store.values,

@@ -5,7 +5,7 @@
 :class:`~lukv_cache.attention.limits.AttentionLimits`) and returns an :class:`AttentionPlan`: which
 :class:`Impl` serves the store part, which the suffix, whether they are fused into one call, and which
 bias each part reads. :mod:`.compressed` then computes what the plan says with the leaf modules, which
-decide nothing: :mod:`.masked`, :mod:`.windows`, :mod:`.partial` (the torch math), :mod:`.kernels` (the
+decide nothing: :mod:`.masked`, :mod:`.tiles`, :mod:`.partial` (the torch math), :mod:`.kernels` (the
 CUDA kernels, and the choice among them). The plans, in the order they are tried:
 
 0. a quantized store on CUDA (or Triton's interpreter when forced): store and suffix in one Triton call
@@ -18,10 +18,10 @@ CUDA kernels, and the choice among them). The plans, in the order they are tried
    one: store and suffix in one Triton call, both biases as given (:attr:`Impl.TRITON`, fused);
 3. a mask that hides nothing (:func:`~.partial.hides_nothing`: the biases are dropped) and a small fp32
    layer on CPU (:func:`.masked.serves`): one masked product over both (:attr:`Impl.MASKED`, fused);
-4. a mask that hides nothing and a call the windows take (:func:`.windows.serves`: CPU, no softcap):
-   store and suffix in a few fused calls (:attr:`Impl.WINDOWS`, fused);
+4. a mask that hides nothing and a call the tiles take (:func:`.tiles.serves`: CPU, no softcap):
+   store and suffix in a few fused calls over tiles of the flat store (:attr:`Impl.TILES`, fused);
 5. otherwise the two parts: the suffix by the torch math (:attr:`Impl.TORCH`), the store by
-   :func:`store_path` (a CUDA kernel, the windows or the per-segment reference), merged.
+   :func:`store_path` (a CUDA kernel, the tiles or the per-segment reference), merged.
 
 :func:`ragged_attention` is the store part alone (store path, then the computation): what step 5 and
 each block of step 1 run.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels, masked, windows
+from . import kernels, masked, tiles
 from .calls import StoreView
 from .kernels import RaggedKernel, RaggedSuffixKernel
 from .limits import AttentionLimits
@@ -47,7 +47,7 @@ class Impl(enum.StrEnum):
     TRITON = "triton"  # the Triton kernel (:mod:`._triton_ragged`), store only or store + suffix
     FLASH_ATTN = "flash_attn"  # flash-attn's varlen kernel, store only (fp16/bf16, no key bias)
     MASKED = "masked"  # one masked product over store and suffix (:mod:`.masked`)
-    WINDOWS = "windows"  # fixed windows of the flat store, fused CPU calls (:mod:`.windows`)
+    TILES = "tiles"  # fixed-size tiles of the flat store, fused CPU calls (:mod:`.tiles`)
     TORCH = "torch"  # the torch math: the per-segment reference, partial_attention for the suffix
     BLOCKS = "blocks"  # a quantized store a block of rows at a time, each block by its own store path
 
@@ -142,8 +142,8 @@ def plan_attention(
     if not (reads_suffix_bias or reads_key_bias):
         if masked.serves(query, store, suffix_keys, limits):  # a small layer: one masked product
             return AttentionPlan(Impl.MASKED, Impl.MASKED, fused=True)
-        if windows.serves(query, store.keys, store.values, softcap):  # three fused calls, one merge
-            return AttentionPlan(Impl.WINDOWS, Impl.WINDOWS, fused=True)
+        if tiles.serves(query, store.keys, store.values, softcap):  # three fused calls, one merge
+            return AttentionPlan(Impl.TILES, Impl.TILES, fused=True)
     # a mask that hides something, or a softcap on a large layer: the two parts and their merge
     impl, kernel = store_path(
         query, store.keys, store.values, key_bias=key_bias if reads_key_bias else None, softcap=softcap
@@ -168,18 +168,18 @@ def store_path(
 ) -> tuple[Impl, RaggedKernel | None]:
     """Which implementation serves the store part alone, and its kernel when it is one: a CUDA kernel
     of :mod:`.kernels` when one serves (it reads ``key_bias`` as given), else, once a key bias that
-    hides nothing is dropped, the windows (no key bias, :func:`.windows.serves`), else the per-segment
+    hides nothing is dropped, the tiles (no key bias, :func:`.tiles.serves`), else the per-segment
     torch reference.
 
     >>> q, k = torch.randn(1, 2, 3, 8), torch.randn(10, 8)
     >>> store_path(q, k, k, key_bias=None, softcap=None), store_path(q, k, k, key_bias=None, softcap=5.0)
-    ((<Impl.WINDOWS: 'windows'>, None), (<Impl.TORCH: 'torch'>, None))
+    ((<Impl.TILES: 'tiles'>, None), (<Impl.TORCH: 'torch'>, None))
     """
     kernel = kernels.get_ragged_kernel(query, key_bias=key_bias, softcap=softcap)
     if kernel is not None:
         return (Impl.FLASH_ATTN if kernel is kernels.flash_attn_ragged_attention else Impl.TRITON), kernel
-    if hides_nothing(key_bias) and windows.serves(query, keys, values, softcap):
-        return Impl.WINDOWS, None
+    if hides_nothing(key_bias) and tiles.serves(query, keys, values, softcap):
+        return Impl.TILES, None
     return Impl.TORCH, None
 
 
@@ -202,10 +202,8 @@ def run_store(
         return kernel(
             query, keys, values, offsets, scaling=scaling, softcap=softcap, key_bias=key_bias, limits=limits
         )
-    if impl is Impl.WINDOWS:
-        out, lse = windows.windowed_ragged_attention(
-            query, keys, values, offsets, scaling=scaling, limits=limits
-        )
+    if impl is Impl.TILES:
+        out, lse = tiles.tiled_ragged_attention(query, keys, values, offsets, scaling=scaling, limits=limits)
         assert lse is not None  # with_lse, the default
         return out, lse
     return ragged_attention_reference(
@@ -232,7 +230,7 @@ def ragged_attention(
     limits: AttentionLimits | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped ``query [B, H_kv, M, D]`` over each segment of the flat store: a fused kernel for CUDA
-    tensors when one is available; on CPU the windowed fused calls of :mod:`lukv_cache.attention.windows`;
+    tensors when one is available; on CPU the fused calls over tiles of :mod:`lukv_cache.attention.tiles`;
     else (softcap, a masking key bias) the torch reference (:func:`store_path`). fp32 ``out`` and ``lse``.
 
     >>> q, k = torch.randn(1, 2, 3, 8), torch.randn(10, 8)

@@ -2,12 +2,12 @@
 :data:`LIMITS`.
 
 Every function that reads a limit takes ``limits=`` (``None``: :data:`LIMITS`, read at call time), so a
-caller that wants others passes them (``compressed_attention(..., limits=replace(LIMITS, window=128))``)
+caller that wants others passes them (``compressed_attention(..., limits=replace(LIMITS, tile_rows=128))``)
 and a test or benchmark that wants them for a whole model patches :data:`LIMITS` for a while
 (``monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, masked_limit=0))``).
 
 >>> from dataclasses import replace
->>> LIMITS.window, replace(LIMITS, window=128).window
+>>> LIMITS.tile_rows, replace(LIMITS, tile_rows=128).tile_rows
 (256, 128)
 """
 
@@ -25,8 +25,8 @@ class AttentionLimits:
     * ``masked_limit``: the masked product of :mod:`.masked` serves ragged segments while ``segments x
       stored rows`` stays at most this (``benchmarks/cache_bench.py --layer``);
     * ``masked_equal_limit``: ... and equal segments while the stored rows stay at most this (measured up
-      to 157k, all faster than the windows);
-    * ``window``: rows per window of :mod:`.windows` (``benchmarks/cache_bench.py``; 128-512 measure alike);
+      to 157k, all faster than the tiles);
+    * ``tile_rows``: rows per tile of :mod:`.tiles` (``benchmarks/cache_bench.py``; 128-512 measure alike);
     * ``block_rows``: rows of a quantized store dequantized at a time (4 MiB per tensor at fp32, head_dim
       64), :mod:`.compressed`; 16384 decodes a 4k batch of 4 in one block, 1.19x the fp32 store's ms/token
       at 8 bits where 4096 took 1.62x (``benchmarks/quantized_cost.py``);
@@ -37,7 +37,7 @@ class AttentionLimits:
 
     masked_limit: int = 16384
     masked_equal_limit: int = 262144
-    window: int = 256
+    tile_rows: int = 256
     block_rows: int = 16384
     triton_block_n: int = 64
     triton_min_chunk: int = 4 * 64

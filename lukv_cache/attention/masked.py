@@ -1,10 +1,10 @@
-"""The CPU decode step over a small compressed layer: one masked matrix product instead of windows.
+"""The CPU decode step over a small compressed layer: one masked matrix product instead of tiles.
 
-When a layer holds few rows (a batch of one at a few thousand tokens), the windowed attention of
-:mod:`.windows` spends its time on the fixed cost of its calls (three fused calls, the gathers, a dozen
+When a layer holds few rows (a batch of one at a few thousand tokens), the tiled attention of
+:mod:`.tiles` spends its time on the fixed cost of its calls (three fused calls, the gathers, a dozen
 merge ops), not on arithmetic. Here the queries of every segment meet the whole flat store in one matrix
 product, ``[S * M, D] @ [D, N]``, which reads the store once, as the exact computation does; the other
-segments' rows are masked out (a bool ``[S, 1, N]`` mask per store, built once and reused like a window
+segments' rows are masked out (a bool ``[S, 1, N]`` mask per store, built once and reused like a tile
 plan), and the dense suffix joins the same softmax. About ten small ops in all, in fp32. When every
 segment holds as many rows (uniform budgets), each segment's rows are read alone instead, a batched
 product with no mask and no extra arithmetic.
@@ -12,7 +12,7 @@ product with no mask and no extra arithmetic.
 With ragged segments the product does ``S`` times the arithmetic of the exact attention, so this serves a
 layer only while ``segments x stored rows`` stays at most ``AttentionLimits.masked_limit`` (equal
 segments: while the rows stay at most ``masked_equal_limit``; both measured with
-``benchmarks/cache_bench.py --layer``; :mod:`.limits`), and only in fp32 (in bf16/fp16 the product would round the logits; those take the windows, which accumulate in fp32).
+``benchmarks/cache_bench.py --layer``; :mod:`.limits`), and only in fp32 (in bf16/fp16 the product would round the logits; those take the tiles, which accumulate in fp32).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .calls import StoreView
 from .limits import AttentionLimits, resolve_limits
 
-# Per live store, keyed by its offsets tensor (a new store has new offsets), as windows' plans: whether
+# Per live store, keyed by its offsets tensor (a new store has new offsets), as the tiles' plans: whether
 # its segments are equal, and the mask of the others' rows (built on first use).
 _EQUAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -2,7 +2,7 @@
 
 A sink is one logit per query head added to the softmax's denominator with no value. After the prefill
 the prompt lives in the ragged store, so every decode step of a full-attention layer goes through
-``compressed_attention``, which must honour it on every path (masked product, windows, parts and merge).
+``compressed_attention``, which must honour it on every path (masked product, tiles, parts and merge).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from sink_models import dense_reference, sink_case, tiny_gpt_oss
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
-from lukv_cache.attention import compressed, masked, partial, routing, windows
+from lukv_cache.attention import compressed, masked, partial, routing, tiles
 from lukv_cache.testing import left_padded, prompt
 
 
@@ -102,8 +102,8 @@ def test_sdpa_routed_compressed_attention_honours_the_sinks():
 PATHS = {
     # path: (left padding, which CPU paths are switched off)
     "masked": (False, ()),
-    "windows": (False, ("masked",)),
-    "merge": (False, ("masked", "windows")),
+    "tiles": (False, ("masked",)),
+    "merge": (False, ("masked", "tiles")),
     "masked_padded": (True, ()),  # left padding: the padding is evicted, the kept tokens are all real
 }
 
@@ -119,11 +119,11 @@ def test_ratio_half_equals_a_float64_reference_with_the_sink(monkeypatch, path):
     else:
         ids, mask = prompt(batch=2, length=24, seed=5), None
     for name in off:
-        monkeypatch.setattr({"masked": masked, "windows": windows}[name], "serves", lambda *a: False)
-    used = {"masked": 0, "windows": 0, "merge": 0}
+        monkeypatch.setattr({"masked": masked, "tiles": tiles}[name], "serves", lambda *a: False)
+    used = {"masked": 0, "tiles": 0, "merge": 0}
     for module, fn, key in (
         (masked, "masked_ragged_attention", "masked"),
-        (windows, "windowed_ragged_attention", "windows"),
+        (tiles, "tiled_ragged_attention", "tiles"),
         (compressed, "merge_partials", "merge"),
     ):
         real = getattr(module, fn)
@@ -164,20 +164,20 @@ def _causal_mask(b, q_len, length, hidden=()):
     [
         ([30, 7, 0, 12], 2),  # an empty segment: the suffix and the sink alone
         ([20, 20, 20, 20], 2),  # equal segments
-        ([300, 260, 5, 1], 2),  # longer than one window
+        ([300, 260, 5, 1], 2),  # longer than one tile
     ],
 )
-# the windows take no softcap (compressed_attention sends soft-capped calls to the other paths)
+# the tiles take no softcap (compressed_attention sends soft-capped calls to the other paths)
 @pytest.mark.parametrize(
     ("path", "softcap"),
-    [("masked", None), ("masked", 5.0), ("windows", None), ("merge", None), ("merge", 5.0)],
+    [("masked", None), ("masked", 5.0), ("tiles", None), ("merge", None), ("merge", 5.0)],
 )
 def test_compressed_attention_with_sinks_equals_the_reference(monkeypatch, counts, heads, path, softcap):
     store, query, sk, sv, s_aux, _ = sink_case(counts, heads=heads)
     taken = []
     for module, fn, key in (
         (masked, "masked_ragged_attention", "masked"),
-        (windows, "windowed_ragged_attention", "windows"),
+        (tiles, "tiled_ragged_attention", "tiles"),
         (compressed, "merge_partials", "merge"),
     ):
         real = getattr(module, fn)
@@ -185,7 +185,7 @@ def test_compressed_attention_with_sinks_equals_the_reference(monkeypatch, count
     if path != "masked":
         monkeypatch.setattr(masked, "serves", lambda *a: False)
     if path == "merge":
-        monkeypatch.setattr(windows, "serves", lambda *a: False)
+        monkeypatch.setattr(tiles, "serves", lambda *a: False)
     out = compressed.compressed_attention(store, query, sk, sv, None, 0.25, softcap, s_aux=s_aux)
     assert taken == [path]
     ref = dense_reference(store, query, sk, sv, None, 0.25, s_aux, softcap)
@@ -212,10 +212,10 @@ def test_sinks_with_a_mask_that_hides_stored_and_suffix_tokens(softcap):
     torch.testing.assert_close(out_bool, out, atol=1e-6, rtol=1e-6)
 
 
-def test_bf16_sinks_through_the_windows():
-    """A bf16 layer (and bf16 sinks, the model's dtype) on CPU takes the windows; the sink is applied in fp32."""
+def test_bf16_sinks_through_the_tiles():
+    """A bf16 layer (and bf16 sinks, the model's dtype) on CPU takes the tiles; the sink is applied in fp32."""
     store, query, sk, sv, s_aux, _ = sink_case([300, 40, 90, 0], heads=2, dtype=torch.bfloat16, seed=4)
-    assert not masked.serves(query, store, sk) and windows.serves(query, store.keys, store.values, None)
+    assert not masked.serves(query, store, sk) and tiles.serves(query, store.keys, store.values, None)
     out = compressed.compressed_attention(store, query, sk, sv, None, 0.25, s_aux=s_aux)
     assert out.dtype == torch.bfloat16
     ref = dense_reference(store, query, sk, sv, None, 0.25, s_aux)

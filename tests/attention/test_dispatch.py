@@ -42,7 +42,7 @@ def test_cpu_decode_plans():
     store, query, suffix = _case()
     assert _plan(store, query, suffix) == AttentionPlan(Impl.MASKED, Impl.MASKED, fused=True)
     small = AttentionLimits(masked_limit=0)
-    assert _plan(store, query, suffix, limits=small) == AttentionPlan(Impl.WINDOWS, Impl.WINDOWS, fused=True)
+    assert _plan(store, query, suffix, limits=small) == AttentionPlan(Impl.TILES, Impl.TILES, fused=True)
     # a bias that hides nothing is no bias
     zeros = torch.zeros(store.num_tokens, 1)
     assert (
@@ -52,9 +52,9 @@ def test_cpu_decode_plans():
     assert _plan(store, query, suffix, softcap=5.0, limits=small) == AttentionPlan(
         Impl.TORCH, Impl.TORCH, fused=False
     )
-    # bf16 on CPU: the windows (the masked product is fp32 only)
+    # bf16 on CPU: the tiles (the masked product is fp32 only)
     store16, query16, suffix16 = _case(dtype=torch.bfloat16)
-    assert _plan(store16, query16, suffix16).store is Impl.WINDOWS
+    assert _plan(store16, query16, suffix16).store is Impl.TILES
 
 
 def test_a_mask_that_hides_something_takes_the_two_parts():
@@ -63,11 +63,11 @@ def test_a_mask_that_hides_something_takes_the_two_parts():
     key_bias[5] = NEG
     plan = _plan(store, query, suffix, key_bias=key_bias)
     assert plan == AttentionPlan(Impl.TORCH, Impl.TORCH, fused=False, key_bias=True)
-    # only the suffix hides (several query tokens, causal there): the store part takes the windows
+    # only the suffix hides (several query tokens, causal there): the store part takes the tiles
     suffix_bias = torch.zeros(2, 1, 6, 5)
     suffix_bias[..., -1] = NEG
     plan = _plan(store, query, suffix, key_bias=torch.zeros(store.num_tokens, 3), suffix_bias=suffix_bias)
-    assert plan == AttentionPlan(Impl.WINDOWS, Impl.TORCH, fused=False, suffix_bias=True)
+    assert plan == AttentionPlan(Impl.TILES, Impl.TORCH, fused=False, suffix_bias=True)
 
 
 def test_several_blocks_and_the_fused_kernel(monkeypatch):
@@ -90,7 +90,7 @@ def test_several_blocks_and_the_fused_kernel(monkeypatch):
 
 def test_limits_are_frozen_and_checked():
     assert LIMITS == AttentionLimits()
-    assert (LIMITS.masked_limit, LIMITS.masked_equal_limit, LIMITS.window, LIMITS.block_rows) == (
+    assert (LIMITS.masked_limit, LIMITS.masked_equal_limit, LIMITS.tile_rows, LIMITS.block_rows) == (
         16384,
         262144,
         256,
@@ -98,8 +98,14 @@ def test_limits_are_frozen_and_checked():
     )
     assert (LIMITS.triton_block_n, LIMITS.triton_min_chunk, LIMITS.triton_max_splits) == (64, 256, 128)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        LIMITS.window = 128  # type: ignore[misc]
-    for bad in ({"window": 0}, {"block_rows": -1}, {"masked_limit": -1}, {"window": 2.5}, {"window": True}):
+        LIMITS.tile_rows = 128  # type: ignore[misc]
+    for bad in (
+        {"tile_rows": 0},
+        {"block_rows": -1},
+        {"masked_limit": -1},
+        {"tile_rows": 2.5},
+        {"tile_rows": True},
+    ):
         with pytest.raises(ConfigurationError, match=next(iter(bad))):
             AttentionLimits(**bad)
     assert AttentionLimits(masked_limit=0).masked_limit == 0  # the masked product serves nothing
@@ -116,7 +122,7 @@ def test_passed_limits_and_a_patched_default_pick_the_same_path(monkeypatch):
     passed = compressed.compressed_attention(
         store, hq_query, suffix, suffix, None, 0.25, limits=AttentionLimits(masked_limit=0)
     )
-    assert calls == [1]  # the windows
+    assert calls == [1]  # the tiles
     monkeypatch.setattr(limits, "LIMITS", dataclasses.replace(LIMITS, masked_limit=0))
     patched = compressed.compressed_attention(store, hq_query, suffix, suffix, None, 0.25)
     assert calls == [1]

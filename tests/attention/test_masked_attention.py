@@ -9,7 +9,7 @@ import torch
 from helpers import greedy_with_logits, tiny_model
 
 from lukv_cache import LUKVCache
-from lukv_cache.attention import compressed, limits, masked, windows
+from lukv_cache.attention import compressed, limits, masked, tiles
 from lukv_cache.attention.kernels import ragged_with_suffix_reference
 from lukv_cache.cache.ragged import RaggedStore
 from lukv_cache.testing import prompt
@@ -102,12 +102,10 @@ def test_dispatch_small_fp32_layers_only(monkeypatch):
     assert masked.serves(query, equal, esk)
     monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, masked_equal_limit=599))
     assert not masked.serves(query, equal, esk)
-    # compressed_attention takes the windows above the limit, and gets the same result
+    # compressed_attention takes the tiles above the limit, and gets the same result
     calls = []
-    real = windows.windowed_ragged_attention
-    monkeypatch.setattr(
-        windows, "windowed_ragged_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+    real = tiles.tiled_ragged_attention
+    monkeypatch.setattr(tiles, "tiled_ragged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     hq_query = query.reshape(1, 2 * 3, 1, 16)  # [B, Hq, Q, D]: 3 query heads per KV head
     out = compressed.compressed_attention(store, hq_query, sk, sv, None, 0.25)
     assert calls == [1]
@@ -151,7 +149,7 @@ def test_generation_is_the_same_with_the_per_segment_reference(monkeypatch, arch
     assert calls, "the masked path was not used"
     assert masked._EQUAL[calls_stores[0]] == ("max_tokens" in budget)
     assert all((k["softcap"] is not None) == (arch == "gemma2") for k in calls)
-    monkeypatch.setattr(windows, "serves", lambda *a: False)
+    monkeypatch.setattr(tiles, "serves", lambda *a: False)
     monkeypatch.setattr(masked, "serves", lambda *a: False)
     ref_seq, ref_logits = run()
     assert torch.equal(seq, ref_seq)

@@ -3,7 +3,7 @@
 * the format: a round trip is within half a quantization step of each group (plus fp16 rounding of the
   group's scale and minimum), 4-bit codes take half the bytes of 8-bit ones;
 * attention over a quantized store equals attention over its dequantized copy on every path (masked,
-  windows, the parts and merge with a hiding mask or a softcap, several blocks);
+  tiles, the parts and merge with a hiding mask or a softcap, several blocks);
 * ``kv_bits`` changes no eviction decision at the prompt (same kept positions for every scorer and
   allocator), batch rows equal rows alone, folds and ``decode_max_tokens`` keep working, beam search
   reorders codes, and ``memory_bytes`` counts codes, scales, zeros, positions and offsets.
@@ -18,7 +18,7 @@ import torch
 from helpers import greedy_with_logits, scorer_for, tiny_model
 
 from lukv_cache import LUKVCache
-from lukv_cache.attention import compressed, limits, masked, windows
+from lukv_cache.attention import compressed, limits, masked, tiles
 from lukv_cache.cache.quant import PackedRows, check_kv_bits, group_size
 from lukv_cache.cache.ragged import RaggedStore
 from lukv_cache.errors import ConfigurationError
@@ -83,18 +83,18 @@ def _attend(store, query, suffix, mask, softcap=None):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize(
     "case",
-    ["masked", "windows", "hiding_mask", "softcap", "blocks", "blocks_hiding_mask"],
+    ["masked", "tiles", "hiding_mask", "softcap", "blocks", "blocks_hiding_mask"],
 )
 def test_attention_equals_attention_over_the_dequantized_copy(bits, case, monkeypatch):
     counts = [30, 50, 0, 41]
     if case.startswith("blocks"):
         # several blocks, cut inside segments
         monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, block_rows=37))
-    if case == "windows":
+    if case == "tiles":
         # a layer too large for the masked product
         monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, masked_limit=0))
     calls = {}
-    for module, name in ((masked, "masked_ragged_attention"), (windows, "windowed_ragged_attention")):
+    for module, name in ((masked, "masked_ragged_attention"), (tiles, "tiled_ragged_attention")):
         real = getattr(module, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -119,8 +119,8 @@ def test_attention_equals_attention_over_the_dequantized_copy(bits, case, monkey
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     expected = {
         "masked": "masked_ragged_attention",
-        "windows": "windowed_ragged_attention",
-        "blocks": "windowed_ragged_attention",
+        "tiles": "tiled_ragged_attention",
+        "blocks": "tiled_ragged_attention",
     }
     if case in expected:  # the path this case is for served it
         assert path.get(expected[case], 0) >= (2 if case == "blocks" else 1), path

@@ -1,14 +1,14 @@
-"""The CPU ragged attention: a few fused calls per layer over fixed windows of the flat store.
+"""The CPU ragged attention: a few fused calls per layer over fixed-size tiles of the flat store.
 
-The flat store ``keys [N, D]`` is viewed in place as ``N // C`` windows of ``C`` rows (no copy); a
-window that lies inside one segment is attended by that segment's queries. The rows left over (windows
-shared by several segments, and the last partial window) are gathered into a few extra windows, one per
-(window, segment), with a bias hiding the other segments' rows. The dense suffix, when given, is one more
-part per segment. Every window is one work item of torch's fused CPU attention, so a layer costs at most
-three calls that spread over all threads whatever the segment lengths, and the parts' log-sum-exps merge
-exactly into one result per segment (the flash-decoding merge, in fp32).
+The flat store ``keys [N, D]`` is viewed in place as ``N // C`` tiles of ``C`` rows (no copy); a tile
+that lies inside one segment is attended by that segment's queries. The rows left over (tiles shared by
+several segments, and the last partial tile) are gathered into a few extra tiles, one per (tile,
+segment), with a bias hiding the other segments' rows. The dense suffix, when given, is one more part per
+segment. Every tile is one work item of torch's fused CPU attention, so a layer costs at most three calls
+that spread over all threads whatever the segment lengths, and the parts' log-sum-exps merge exactly into
+one result per segment (the flash-decoding merge, in fp32).
 
-The plan (which window serves which segment, the biases, the gather, where each part lands in the merge)
+The plan (which tile serves which segment, the biases, the gather, where each part lands in the merge)
 depends only on the offsets: it is computed once per store (the cache rebuilds its store every few hundred
 decode steps) and reused.
 """
@@ -29,18 +29,18 @@ _NEG = torch.finfo(torch.float32).min
 
 
 @dataclass(frozen=True)
-class WindowPlan:
-    """How one store is cut into windows (see the module docstring).
+class TilePlan:
+    """How one store is cut into tiles (see the module docstring).
 
-    Parts are numbered in-place windows first, then gathered windows, then (if any) one suffix part per
+    Parts are numbered in-place tiles first, then gathered tiles, then (if any) one suffix part per
     segment; ``grid [segments, K]`` lists each segment's parts, padded with part 0 where ``padding``
     (bool ``[segments, K, 1]``) is True.
     """
 
     size: int
     in_place: int
-    owner: torch.Tensor  # int64 [in_place], the segment whose queries attend window j
-    gather_index: torch.Tensor  # int64 [extra * size], rows of the gathered windows
+    owner: torch.Tensor  # int64 [in_place], the segment whose queries attend tile j
+    gather_index: torch.Tensor  # int64 [extra * size], rows of the gathered tiles
     gather_bias: torch.Tensor  # fp32 [extra, 1, 1, size]
     gather_owner: torch.Tensor  # int64 [extra]
     grid: torch.Tensor  # int64 [segments, K] (without the suffix part)
@@ -49,43 +49,43 @@ class WindowPlan:
     suffix_padding: torch.Tensor  # bool [segments, K + 1, 1]
 
 
-def window_plan(offsets: torch.Tensor, total: int, size: int | None = None) -> WindowPlan:
-    """The windows of a store with ``offsets [S + 1]`` and ``total`` rows, ``size`` rows each (default:
-    ``AttentionLimits.window``).
+def tile_plan(offsets: torch.Tensor, total: int, size: int | None = None) -> TilePlan:
+    """The tiles of a store with ``offsets [S + 1]`` and ``total`` rows, ``size`` rows each (default:
+    ``AttentionLimits.tile_rows``).
 
-    >>> plan = window_plan(torch.tensor([0, 5, 12]), 12, size=4)
+    >>> plan = tile_plan(torch.tensor([0, 5, 12]), 12, size=4)
     >>> plan.in_place, plan.owner.tolist(), plan.gather_owner.tolist(), plan.grid.tolist()
     (3, [0, 0, 1], [0, 1], [[0, 3], [2, 4]])
     """
-    size = resolve_limits(None).window if size is None else size
+    size = resolve_limits(None).tile_rows if size is None else size
     segments = offsets.numel() - 1
     seg = torch.repeat_interleave(torch.arange(segments), offsets.diff(), output_size=total)
     in_place = total // size
     padded = torch.full(((in_place + 1) * size,), -1, dtype=torch.long)
     padded[:total] = seg
-    windows = padded.view(in_place + 1, size)
-    owner = windows[:in_place, 0].clone()
-    whole = (windows[:in_place] == owner[:, None]).all(-1)  # windows inside one segment
-    # Every (window, segment) pair of a shared window or of the partial last window is gathered.
+    tiles = padded.view(in_place + 1, size)
+    owner = tiles[:in_place, 0].clone()
+    whole = (tiles[:in_place] == owner[:, None]).all(-1)  # tiles inside one segment
+    # Every (tile, segment) pair of a shared tile or of the partial last tile is gathered.
     gathered = torch.cat([~whole, torch.tensor([True])])
-    rows = windows[gathered]
-    window_idx = torch.arange(in_place + 1)[gathered][:, None].expand_as(rows)
+    rows = tiles[gathered]
+    tile_idx = torch.arange(in_place + 1)[gathered][:, None].expand_as(rows)
     present = rows >= 0
     n_seg = max(segments, 1)
-    pairs = torch.unique(window_idx[present] * n_seg + rows[present])  # sorted by (window, segment)
-    gather_window, gather_owner = pairs // n_seg, pairs % n_seg
-    gather_index = (gather_window[:, None] * size + torch.arange(size)).clamp_(max=max(total - 1, 0))
-    hidden = windows[gather_window] != gather_owner[:, None]
+    pairs = torch.unique(tile_idx[present] * n_seg + rows[present])  # sorted by (tile, segment)
+    gather_tile, gather_owner = pairs // n_seg, pairs % n_seg
+    gather_index = (gather_tile[:, None] * size + torch.arange(size)).clamp_(max=max(total - 1, 0))
+    hidden = tiles[gather_tile] != gather_owner[:, None]
     gather_bias = torch.zeros(hidden.shape).masked_fill_(hidden, _NEG).view(-1, 1, 1, size)
 
-    # Which parts serve each segment; a shared in-place window serves nobody (it is gathered instead).
+    # Which parts serve each segment; a shared in-place tile serves nobody (it is gathered instead).
     part_segment = torch.cat([torch.where(whole, owner, -1), gather_owner])
     n_parts = part_segment.numel()
     grid = _grid(part_segment, segments, empty=-1)
     padding = (grid < 0).unsqueeze(-1)
     grid = grid.clamp_(min=0)
     suffix_part = torch.arange(n_parts, n_parts + segments)[:, None]  # the suffix parts follow the rest
-    return WindowPlan(
+    return TilePlan(
         size=size,
         in_place=in_place,
         owner=owner,
@@ -113,19 +113,19 @@ def _grid(part_segment: torch.Tensor, segments: int, *, empty: int) -> torch.Ten
 
 
 # One plan per live store: keyed by the store's offsets tensor (a new store has new offsets); a call with
-# another window size replaces it.
+# another tile size replaces it.
 _PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _plan_for(offsets: torch.Tensor, total: int, size: int) -> WindowPlan:
+def _plan_for(offsets: torch.Tensor, total: int, size: int) -> TilePlan:
     plan = _PLANS.get(offsets)
     if plan is None or plan.size != size:
-        plan = _PLANS[offsets] = window_plan(offsets.cpu(), total, size)
+        plan = _PLANS[offsets] = tile_plan(offsets.cpu(), total, size)
     return plan
 
 
 def serves(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softcap: float | None) -> bool:
-    """Whether :func:`windowed_ragged_attention` can take this call (CPU, fused kernel, no softcap)."""
+    """Whether :func:`tiled_ragged_attention` can take this call (CPU, fused kernel, no softcap)."""
     return (
         _flash_cpu is not None
         and softcap is None
@@ -135,7 +135,7 @@ def serves(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softca
     )
 
 
-def windowed_ragged_attention(
+def tiled_ragged_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -147,8 +147,8 @@ def windowed_ragged_attention(
     with_lse: bool = True,
     limits: AttentionLimits | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``ragged_attention_reference`` (no softcap, no key bias) in at most three fused calls, over windows
-    of ``limits.window`` rows (:data:`.limits.LIMITS` by default).
+    """``ragged_attention_reference`` (no softcap, no key bias) in at most three fused calls, over tiles
+    of ``limits.tile_rows`` rows (:data:`.limits.LIMITS` by default).
 
     ``query [B, H_kv, M, D]`` over each segment of ``keys/values [N, D]`` and, when given, its rows of
     the dense ``suffix_keys/values [B, H_kv, S, D]`` (all attended, no bias); fp32 ``out [B, H_kv, M, D]``
@@ -157,14 +157,14 @@ def windowed_ragged_attention(
 
     >>> from lukv_cache.attention.partial import ragged_attention_reference
     >>> q, k = torch.randn(1, 2, 3, 8), torch.randn(700, 8)
-    >>> out, lse = windowed_ragged_attention(q, k, k, torch.tensor([0, 300, 700]), scaling=0.35)
+    >>> out, lse = tiled_ragged_attention(q, k, k, torch.tensor([0, 300, 700]), scaling=0.35)
     >>> ref, ref_lse = ragged_attention_reference(q, k, k, [0, 300, 700], scaling=0.35)
     >>> bool(torch.allclose(out, ref, atol=1e-5)), bool(torch.allclose(lse, ref_lse, atol=1e-5))
     (True, True)
     """
     b, h, m, d = query.shape
     segments, dv = b * h, values.shape[-1]
-    plan = _plan_for(offsets, keys.shape[0], resolve_limits(limits).window)
+    plan = _plan_for(offsets, keys.shape[0], resolve_limits(limits).tile_rows)
     with_suffix = suffix_keys is not None and suffix_keys.shape[-2] > 0
     grid = plan.suffix_grid if with_suffix else plan.grid
     if grid.shape[1] == 0:  # nothing stored and no suffix
@@ -183,9 +183,9 @@ def windowed_ragged_attention(
 
     if plan.in_place:
         rows = plan.in_place * c
-        windows_k = keys[:rows].reshape(plan.in_place, 1, c, d)
-        windows_v = values[:rows].reshape(plan.in_place, 1, c, dv)
-        attend(q.index_select(0, plan.owner).unsqueeze(1), windows_k, windows_v)
+        tiles_k = keys[:rows].reshape(plan.in_place, 1, c, d)
+        tiles_v = values[:rows].reshape(plan.in_place, 1, c, dv)
+        attend(q.index_select(0, plan.owner).unsqueeze(1), tiles_k, tiles_v)
     if plan.gather_owner.numel():
         extra = plan.gather_owner.numel()
         attend(
