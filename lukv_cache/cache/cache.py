@@ -177,7 +177,7 @@ class LUKVCache(HybridRouting, CacheReport):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self._adopt_layout()
         if self.layout.undecided:
-            self.layout.decide_windows(self, key_states.shape[-2])
+            self.layout.decide_sliding(self, key_states.shape[-2])
         if layer_idx == 0:
             begin_forward(self)
         check_forward(self, key_states, layer_idx)
@@ -336,7 +336,7 @@ class LUKVCache(HybridRouting, CacheReport):
         self.state = ForwardState()
         if self.prefill_scores is not None:
             self.prefill_scores = {}
-        self.layout.reset_windows(self)
+        self.layout.reset_sliding(self)
 
     # ------------------------------------------------------------------ copies, files (reporting: report.py)
     def fork(self) -> LUKVCache:

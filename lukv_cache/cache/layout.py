@@ -60,8 +60,9 @@ class Layout:
         self.full_layers: list[int] = []
         self.kv_producers: list[int] = []  # layers whose KV later layers read (KV sharing): kept whole
         # sliding layers laid out as LUKVLayers until the first forward decides (its length vs the window):
-        # layer -> window; whether that forward is still to come; the layout's own full-attention layers
-        self.windows: dict[int, int] = {}
+        # layer -> its sliding_window; whether that forward is still to come; the layout's own full-attention
+        # layers
+        self.sliding_windows: dict[int, int] = {}
         self.undecided = False
         self.attention_layers: list[int] = []
         self.layout_warning: tuple | None = None  # what the warning, deferred to that decision, names
@@ -92,34 +93,34 @@ class Layout:
             layer if i in self.kv_producers else _lukv_layer(layer) for i, layer in enumerate(stock)
         ]
         # sliding-window layers: compressed like full ones when the prompt fits their window (decided at the
-        # first forward, _decide_windows); chunked layers share the stock class but not the mask: stock
-        self.windows = {
+        # first forward, decide_sliding); chunked layers share the stock class but not the mask: stock
+        self.sliding_windows = {
             i: layer.sliding_window
             for i, (layer, kind) in enumerate(zip(stock, kinds))
             if type(layer) is DynamicSlidingWindowLayer
             and kind == "sliding_attention"
             and i not in self.kv_producers
         }
-        self.pend_windows(cache)
+        self.pend_sliding(cache)
         cache.layer_class_to_replicate = None
         if self.record_past:  # assisted decoding asked before the layers existed
             record_in(cache.layers)
         self.learn_model(cache, config)
 
-    def pend_windows(self, cache: Any) -> None:
+    def pend_sliding(self, cache: Any) -> None:
         """Sliding layers become LUKVLayers that know their window, until the next first forward decides."""
-        for i, window in self.windows.items():
+        for i, window in self.sliding_windows.items():
             cache.layers[i] = LUKVLayer(sliding_window=window)
-        self.undecided = bool(self.windows)
+        self.undecided = bool(self.sliding_windows)
 
-    def decide_windows(self, cache: Any, length: int) -> None:
+    def decide_sliding(self, cache: Any, length: int) -> None:
         """The first forward (``length`` tokens, padding included) reached the cache: a sliding layer whose
         window holds it stays a compressed LUKVLayer (exact: transformers' sliding mask, built over the
         logical positions, hides what falls out of the window, and folds drop it); a longer prompt gives
         the layer to transformers' stock sliding layer, as a DynamicCache holds it."""
         self.undecided = False
-        kept = [i for i, window in self.windows.items() if length <= window]
-        for i, window in self.windows.items():
+        kept = [i for i, window in self.sliding_windows.items() if length <= window]
+        for i, window in self.sliding_windows.items():
             if i not in kept:
                 layer = DynamicSlidingWindowLayer(sliding_window=window)
                 if self.record_past:
@@ -130,13 +131,13 @@ class Layout:
         if self.layout_warning is not None:
             self.warn(cache, *self.layout_warning, kept=kept, length=length)
 
-    def reset_windows(self, cache: Any) -> None:
+    def reset_sliding(self, cache: Any) -> None:
         """A new prompt: its length decides again what the sliding layers become."""
-        if not self.windows:
+        if not self.sliding_windows:
             return
-        self.pend_windows(cache)
+        self.pend_sliding(cache)
         if self.record_past:
-            record_in([cache.layers[i] for i in self.windows])
+            record_in([cache.layers[i] for i in self.sliding_windows])
         self.full_layers = list(self.attention_layers)
         self.last_full_layer = self.full_layers[-1] if self.full_layers else None
 
@@ -193,11 +194,11 @@ class Layout:
                 kinds = sorted({layer_types[i] for i in stock})
                 why = ""
                 if length is not None:
-                    windows = sorted({self.windows[i] for i in stock if i in self.windows})
-                    if windows:
+                    sizes = sorted({self.sliding_windows[i] for i in stock if i in self.sliding_windows})
+                    if sizes:
                         why = (
                             f" (the prompt, {length} tokens with padding, is longer than their window of "
-                            f"{', '.join(map(str, windows))}; a prompt that fits is compressed in them)"
+                            f"{', '.join(map(str, sizes))}; a prompt that fits is compressed in them)"
                         )
                 parts.append(
                     f"layers {stock} ({', '.join(kinds)}) keep transformers' stock layers, bounded by their "

@@ -821,12 +821,12 @@ def _restore_layer(
     ):
         reader.fail(f"layer {i}'s entry is malformed (damaged file).", where)
     kind, attrs = entry["kind"], entry["attrs"]
-    windows = cache.layout.windows
-    window = windows.get(i)
+    sliding = cache.layout.sliding_windows
+    window = sliding.get(i)
     current = cache.layers[i]
     fresh: Any  # the restored layer, of the saved kind
-    if i in windows:  # a sliding layer: compressed (the prompt fit its window) or transformers' own
-        assert window is not None  # i is in windows
+    if i in sliding:  # a sliding layer: compressed (the prompt fit its window) or transformers' own
+        assert window is not None  # i is in sliding
         allowed = kind == "sliding" or (kind == "lukv" and attrs.get("sliding_window") == window)
         fresh = DynamicSlidingWindowLayer(sliding_window=window) if kind == "sliding" else LUKVLayer(window)
     else:
