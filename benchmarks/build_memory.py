@@ -12,6 +12,9 @@ shipped profiles (four scorers, 30 questions, ``k_max`` 64)::
     python benchmarks/build_memory.py --full
 
 Results: ``benchmarks/results/build_memory/build_memory.md``.
+
+``--smoke``: keydiff and snapkv, one question, ``k_max`` 4, ``--trim``, on the stand-ins of
+``benchmarks/_smoke.py`` (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import resource
 import sys
 import time
 
+import _smoke
 import numpy as np
 import torch
 
@@ -102,7 +106,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="diagnosis: after each phase call glibc's malloc_trim and report the RSS left (changes the peaks after)",
     )
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        _smoke.begin()
+        args.model, args.scorer, args.max_questions, args.all_questions = (
+            "smollm2",
+            ["keydiff", "snapkv"],
+            1,
+            False,
+        )
+        args.k_max, args.calibration, args.threads, args.full, args.trim = 4, "default", 1, False, True
     if args.full:
         args.scorer, args.all_questions, args.k_max = list(FULL_SCORERS), True, 64
     scorers = args.scorer or ["keydiff"]

@@ -36,6 +36,9 @@ where ``AttentionLimits.masked_limit`` (segments x stored rows; ``lukv_cache/att
 
 ``--prefill`` instead times a real prefill at each context (batch 1; DynamicCache vs LUKVCache): prefill
 seconds and peak RSS, the figures of the first version of this benchmark.
+
+``--smoke``: every mode in turn on the tiny model (``--small``), 256 tokens, batch 1, one thread, 2 decode
+steps, the measurements in this process, each mode's JSON in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ import resource
 import subprocess
 import sys
 import time
+
+import _smoke
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -414,6 +419,8 @@ def layer_rows(args) -> list[dict]:
 
 
 def _run(args, *child_args) -> dict:
+    if args.smoke:  # the --child path in this process: seconds, where a process per measurement takes minutes
+        return json.loads(json.dumps(_child_result(list(map(str, child_args)))))
     cmd = [sys.executable, __file__, "--child", *map(str, child_args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -473,6 +480,58 @@ def _print_decode(rows, args, header: bool) -> None:
         )
 
 
+def _child_result(child_args: list[str]) -> dict:
+    """One measurement, from the arguments ``--child`` gets (``_run``)."""
+    method, *rest = child_args
+    if method == "interleave":
+        tokens, batch, threads, ratio, steps, small, layers = rest
+        return interleave_child(
+            int(tokens), int(batch), int(threads), float(ratio), int(steps), bool(int(small)), int(layers)
+        )
+    if method.startswith("prefill-"):
+        tokens, ratio, small = int(rest[0]), float(rest[1]), bool(int(rest[2]))
+        return prefill_child(method.removeprefix("prefill-"), tokens, ratio, small)
+    tokens, batch, threads, ratio, steps, small, keep = rest
+    return child(
+        method,
+        int(tokens),
+        int(batch),
+        int(threads),
+        float(ratio),
+        int(steps),
+        bool(int(small)),
+        int(keep),
+    )
+
+
+def _result(args, mode: str) -> dict:
+    """The rows of one mode (``decode``, ``interleave``, ``layer`` or ``prefill``), printed as they come."""
+    if mode == "prefill":
+        rows = []
+        for tokens in args.contexts:
+            row = {"tokens": tokens}
+            for method in ("dynamic", "lukv"):
+                row[method] = _run(args, f"prefill-{method}", tokens, args.ratio, int(args.small))
+            rows.append(row)
+            d, lk = row["dynamic"], row["lukv"]
+            print(
+                f"{tokens} tokens: prefill s LUKV/Dynamic {lk['prefill_s']:.1f}/{d['prefill_s']:.1f}, "
+                f"peak RSS delta MiB {lk['prefill_peak_rss_delta_mib']:.0f}/{d['prefill_peak_rss_delta_mib']:.0f}, "
+                f"KV bytes ratio {lk['kv_bytes'] / d['kv_bytes']:.3f}",
+                flush=True,
+            )
+        return {"mode": "prefill", "ratio": args.ratio, "rows": rows}
+    if mode == "layer":
+        return {"mode": "layer", "ratio": args.ratio, "threads": args.threads[0], "rows": layer_rows(args)}
+    if mode == "interleave":
+        result = {"mode": "interleave", "ratio": args.ratio, "decode_steps": args.decode_steps}
+        result["rows"] = _interleave_rows(args)
+        return result
+    result = {"mode": "decode", "ratio": args.ratio, "decode_steps": args.decode_steps}
+    result["rows"] = _decode_rows(args)
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
@@ -487,60 +546,32 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="keep the model's first LAYERS layers")
     p.add_argument("--layer", action="store_true", help="time one layer's decode attention paths")
     p.add_argument("--out", default=None, help="write the raw numbers as JSON here")
+    p.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        method, *rest = args.child
-        if method == "interleave":
-            tokens, batch, threads, ratio, steps, small, layers = rest
-            row = interleave_child(
-                int(tokens), int(batch), int(threads), float(ratio), int(steps), bool(int(small)), int(layers)
-            )
-            print(json.dumps(row))
-            return 0
-        if method.startswith("prefill-"):
-            tokens, ratio, small = int(rest[0]), float(rest[1]), bool(int(rest[2]))
-            print(json.dumps(prefill_child(method.removeprefix("prefill-"), tokens, ratio, small)))
-            return 0
-        tokens, batch, threads, ratio, steps, small, keep = rest
-        print(
-            json.dumps(
-                child(
-                    method,
-                    int(tokens),
-                    int(batch),
-                    int(threads),
-                    float(ratio),
-                    int(steps),
-                    bool(int(small)),
-                    int(keep),
-                )
-            )
-        )
+        print(json.dumps(_child_result(args.child)))
         return 0
-    if args.prefill:
-        rows = []
-        for tokens in args.contexts:
-            row = {"tokens": tokens}
-            for method in ("dynamic", "lukv"):
-                row[method] = _run(args, f"prefill-{method}", tokens, args.ratio, int(args.small))
-            rows.append(row)
-            d, lk = row["dynamic"], row["lukv"]
-            print(
-                f"{tokens} tokens: prefill s LUKV/Dynamic {lk['prefill_s']:.1f}/{d['prefill_s']:.1f}, "
-                f"peak RSS delta MiB {lk['prefill_peak_rss_delta_mib']:.0f}/{d['prefill_peak_rss_delta_mib']:.0f}, "
-                f"KV bytes ratio {lk['kv_bytes'] / d['kv_bytes']:.3f}",
-                flush=True,
-            )
-        result = {"mode": "prefill", "ratio": args.ratio, "rows": rows}
-    elif args.layer:
-        result = {"mode": "layer", "ratio": args.ratio, "threads": args.threads[0], "rows": layer_rows(args)}
-    elif args.interleave:
-        result = {"mode": "interleave", "ratio": args.ratio, "decode_steps": args.decode_steps}
-        result["rows"] = _interleave_rows(args)
-    else:
-        result = {"mode": "decode", "ratio": args.ratio, "decode_steps": args.decode_steps}
-        result["rows"] = _decode_rows(args)
+    if args.smoke:  # every mode, tiny, each written as JSON into the temporary folder
+        folder = _smoke.begin(stand_ins=False).folder
+        _smoke.skipped(
+            "one process per measurement: in a smoke run they run in this one (its RSS, its threads)"
+        )
+        args.small, args.contexts, args.batch, args.threads, args.decode_steps = True, [256], [1], [1], 2
+        args.layers, args.skip_full, args.ratio = None, False, 0.8
+        for mode in ("decode", "interleave", "layer", "prefill"):
+            (folder / f"cache_bench_{mode}.json").write_text(json.dumps(_result(args, mode), indent=2))
+        return 0
+    mode = (
+        "prefill"
+        if args.prefill
+        else "layer"
+        if args.layer
+        else "interleave"
+        if args.interleave
+        else "decode"
+    )
+    result = _result(args, mode)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -7,6 +7,10 @@ sets (planted facts, a story, explanations), the oracle decodes their questions,
 tuning runs' news texts are read.
 
     python benchmarks/calibrated_profile.py --scorers kvzap keydiff --threads 1 --write-shipped
+
+``--smoke``: kvzap and keydiff, the stand-ins of ``benchmarks/_smoke.py`` (their profiles in place of the
+shipped ones, tiny calibration sets), written in a temporary folder, never over the shipped profiles
+(``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 
 from lukv_cache import Profile
@@ -38,13 +43,19 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="a profiles folder (Hub layout) for the new files"
     )
     parser.add_argument("--write-shipped", action="store_true", help="replace the shipped profiles")
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    shipped = SHIPPED
+    if args.smoke:
+        smoke = _smoke.begin()
+        shipped, args.out, args.write_shipped = smoke.profile("kvzap").parent, smoke.out("calibrated"), False
+        args.scorers, args.calibrations, args.threads = ["kvzap", "keydiff"], list(DEFAULT_CALIBRATIONS), 1
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2")
     for scorer in args.scorers:
         started = time.perf_counter()
-        profile = Profile.load(SHIPPED / f"{scorer}.safetensors")
+        profile = Profile.load(shipped / f"{scorer}.safetensors")
         new = with_score_gains(
             profile, model, tokenizer, args.calibrations, knots=args.knots, centre=args.centre
         )

@@ -23,6 +23,9 @@ N // 4); ``--skip K`` leaves out the K longest documents (tuning runs use other 
 ones). Also the cache's bytes after every forward (peak and last, against the full cache's; the first
 document's over time in the json) and the seconds per fold (median; a timing, so run it on a quiet
 machine). Writes ``decode_nll.{md,json,png}`` under ``--out``.
+
+``--smoke``: one document, a 32-token prompt and 96 tokens of continuation, N = 48, every default method,
+on the stand-ins of ``benchmarks/_smoke.py``, written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -292,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="decode_nll")
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.out, args.methods, args.threads = str(_smoke.begin().out("decode_nll")), list(DEFAULT_METHODS), 1
+        args.prompt, args.continuation, args.budgets, args.documents, args.skip = 32, [96], [48], 1, 0
+        args.fold_interval, args.nll_window, args.decode_window = 16, 32, None
     command = shlex.join(
         ["python", "benchmarks/decode_nll.py", *(argv if argv is not None else sys.argv[1:])]
     )

@@ -7,6 +7,9 @@ the same number of tokens in every head (sinks + window + the scorer's top token
 
     python benchmarks/efficiency.py                       # 8k tokens (SmolLM2's longest), ratios 0.5 0.8 0.9
     python benchmarks/efficiency.py --tokens 2048 --decode-steps 16 --threads 1
+
+``--smoke``: 256 tokens, ratio 0.8, 2 decode steps on the stand-ins of ``benchmarks/_smoke.py``, written in
+a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _smoke
 import torch
 from transformers import DynamicCache  # noqa: E402
 
@@ -97,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default="benchmarks/results", help="where to write efficiency_<tokens>.{md,json}"
     )
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.out = str(_smoke.begin().out("efficiency"))
+        args.tokens, args.ratios, args.decode_steps, args.threads = 256, [0.8], 2, 1
 
     model, tokenizer = load_model(args.model, threads=args.threads)
     ids = real_text_ids(tokenizer, args.tokens)

@@ -10,6 +10,9 @@ Each family runs in a child of a ``forkserver`` that has imported torch, transfo
 never run a model, one child at a time on one torch thread, so a family's failure (today a failed
 LUKVCache forward can poison later forwards of the same process) cannot change another's result. A child
 that dies or runs past ``--timeout`` seconds is a ``raw_crash`` row.
+
+``--smoke``: the ``llama`` row alone, its JSON written in a temporary folder and its docs' table printed from
+it (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import _smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "families"))
@@ -138,7 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per family")
     parser.add_argument("--docs", type=Path, help="print the docs' table of a results file, run nothing")
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        out = _smoke.begin(stand_ins=False).out("families.json")
+        _smoke.skipped("every family but llama (the whole matrix: tests/families, -m families)")
+        main(["llama", "--json", str(out), "--timeout", str(args.timeout)])  # the table and the file
+        print(docs_table(json.loads(out.read_text())["results"]))  # what --docs prints
+        return 0
     if args.docs:
         print(docs_table(json.loads(args.docs.read_text())["results"]))
         return 0

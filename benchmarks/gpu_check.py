@@ -12,6 +12,9 @@ short still leaves what it measured).
 
     python benchmarks/gpu_check.py --device cuda --out gpu_check.json
     python benchmarks/gpu_check.py --toy --device cpu --out /tmp/gpu_check_toy.json   # CI, seconds
+
+``--smoke``: the toy model (``--toy``) at a 64-token context, 2 decode steps, on CUDA when torch sees a
+device, else on CPU; the report in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import _smoke
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -496,7 +500,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.out = _smoke.begin(stand_ins=False).out("gpu_check.json")
+        args.toy, args.contexts, args.decode_steps, args.check_context, args.skip_check = (
+            True,
+            [64],
+            2,
+            64,
+            False,
+        )
     args.contexts = args.contexts or ([128, 256] if args.toy else [32768, 131072])
     args.decode_steps = args.decode_steps if args.decode_steps is not None else (4 if args.toy else 64)
     args.check_context = args.check_context or (128 if args.toy else 4096)
@@ -513,6 +527,17 @@ def main(argv: list[str] | None = None) -> int:
         # A toy model gains nothing from intra-op threads, and on a busy machine their barriers turn a
         # 1 ms decode step into hundreds of ms.
         torch.set_num_threads(1)
+    if args.smoke:
+        if device.type == "cpu":
+            _smoke.skipped(
+                "the GPU: no CUDA device, so the toy model on CPU (Llama-3.1-8B's shape needs one)"
+            )
+            if not _backend_importable("triton"):
+                _smoke.skipped(
+                    "the Triton kernel's checks: triton is not installed (pip install -e '.[gpu-test]')"
+                )
+        elif not _backend_importable("flash_attn"):
+            _smoke.skipped("flash-attn's kernel: flash-attn is not installed")
     started = time.perf_counter()
     report: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     report["environment"] = _environment(device)

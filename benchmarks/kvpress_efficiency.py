@@ -13,12 +13,18 @@ kvpress's head-wise presses *mask* evicted keys (the cache keeps every token), s
 full cache's. LUKVPress needs a budget curve ``[99, L, H_kv]``; kvpress only ships Llama-3.1-8B's, so the
 curve comes from a LU-KV profile (``--profile``, interpolated to 0.01 ... 0.99) or, without one, is flat
 (every head evicts the global ratio: uniform budgets, the same mechanism and cost).
+
+``--smoke`` (in the main interpreter, ``benchmarks/smoke.py``): what runs without kvpress, on the stand-ins
+of ``benchmarks/_smoke.py``: the budget curves (flat, and from a profile file) and the no-press row
+(prefill and decode timing of a DynamicCache); it says what it skipped: the presses and the context
+fetched from the main interpreter (real SmolLM2 and Wikipedia).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,6 +32,7 @@ import sys
 import time
 from typing import Any
 
+import _smoke
 import numpy as np
 import torch
 
@@ -102,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="a LU-KV profile (.safetensors) for LUKVPress's budget curve")
     parser.add_argument("--main-python", default="python3", help="the interpreter that has lukv_cache's deps")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke()
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -189,6 +199,41 @@ def main(argv: list[str] | None = None) -> int:
     ]
     with open(os.path.join(args.out, f"kvpress_efficiency_{t}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def smoke() -> int:
+    """``--smoke``: the parts that need no kvpress, on the stand-ins (see the module docstring)."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    from lukv_cache.testing import prompt
+
+    run = _smoke.begin()
+    torch.set_num_threads(1)
+    model = LlamaForCausalLM.from_pretrained(
+        run.model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    for source in (None, str(run.profile("keydiff"))):
+        curve = budget_curve(source, layers, heads)
+        assert curve.shape == (99, layers, heads) and curve.dtype == np.float32, curve.shape
+        print(f"budget curve from {source or 'nothing (flat)'}: {curve.shape}, at 0.5: {curve[49].ravel()}")
+    input_ids = prompt(1, 256, vocab=256)
+    t = input_ids.shape[1]
+    print(f"{'method':<44} {'KV MB':>8} {'prefill s':>9} {'ms/token':>9}")
+    cache = DynamicCache()
+    started = time.perf_counter()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    prefill = time.perf_counter() - started
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    ms = decode_ms(model, cache, int(logits[0, -1].argmax()), t, 2)
+    print(f"{'no press (DynamicCache)':<44} {held / 1e6:8.1f} {prefill:9.1f} {ms:9.1f}", flush=True)
+    why = (
+        "not installed" if importlib.util.find_spec("kvpress") is None else "run the script in kvpress's venv"
+    )
+    _smoke.skipped(f"kvpress's AdaKVPress and LUKVPress rows ({why}: kvpress pins transformers<5.3)")
+    _smoke.skipped("the context from the main interpreter (the real SmolLM2 folder and Wikipedia ids)")
     return 0
 
 

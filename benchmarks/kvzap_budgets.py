@@ -8,6 +8,9 @@ counts ("true ranking"). Each row reports the share of the target's tokens the s
 and the last 32 tokens excluded, as the cache does).
 
     python benchmarks/kvzap_budgets.py --threads 2
+
+``--smoke``: one document of 1k and one of 4k tokens (one token a character), the stand-ins' kvzap profile
+(``benchmarks/_smoke.py``), written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 from kvzap_lengths import WINDOW, global_keep  # the benchmark next to this one
 
@@ -43,7 +47,11 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_budgets.md")
     )
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.out = _smoke.begin().out("kvzap_budgets.md")
+        args.test, args.threads, args.profile = [1, 1], 1, None
     torch.set_num_threads(args.threads)
     started = time.time()
     model, tokenizer = load_smollm2()

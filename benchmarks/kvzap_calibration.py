@@ -16,6 +16,9 @@ and the share of the tokens KVzip+'s own `global` selection keeps at ratio r tha
 selection keeps too (sinks and the last 32 tokens excluded, as the cache does).
 
     python benchmarks/kvzap_calibration.py --threads 2
+
+``--smoke``: trained on one 1k-token news document (one token a character), tested on one of 1k and one of
+4k, on the stand-ins of ``benchmarks/_smoke.py``, written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 from kvzap_lengths import (  # the benchmark next to this one
     WINDOW,
@@ -54,12 +58,17 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_calibration.md")
     )
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    training_set = KVzapTraining()  # the shipped surrogate's 64 news documents
+    if args.smoke:
+        args.out = _smoke.begin().out(Path(__file__).stem + ".md")
+        args.test, args.threads, training_set = [1, 1], 1, KVzapTraining(documents=((1, 1024),))
     torch.set_num_threads(args.threads)
     started = time.time()
     model, tokenizer, targets = smollm2_with_targets()
 
-    training = KVzapTraining().corpus(tokenizer)  # the shipped surrogate's 64 news documents
+    training = training_set.corpus(tokenizer)
     stats: dict[int, RidgeStats] = {}
     for ids in training:
         maps = token_feature_maps(model, ids)

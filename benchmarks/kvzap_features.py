@@ -12,6 +12,9 @@ documents (Spearman correlation per head and document, averaged per layer):
   tensor-parallel rank holds its heads' features).
 
     python benchmarks/kvzap_features.py --train 24 --test 8 --threads 1 --out benchmarks/results/kvzap_features.md
+
+``--smoke``: 2 training and 1 test documents of 128 tokens on the stand-ins of ``benchmarks/_smoke.py``,
+written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 
 from lukv_cache.models import load_smollm2
@@ -88,7 +92,11 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_features.md"))
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.out = _smoke.begin().out("kvzap_features.md")
+        args.train, args.test, args.tokens, args.threads = 2, 1, 128, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     started = time.time()

@@ -3,6 +3,9 @@ Wikipedia documents it was not trained on (it trains on news), at several contex
 
     python benchmarks/kvzap_fidelity.py --tokens 1024 4096 --documents 8 3 --threads 2 \
         --out benchmarks/results/kvzap_surrogate/kvzap_fidelity.md
+
+``--smoke``: one document of 128 tokens, the stand-ins' kvzap profile (``benchmarks/_smoke.py``), written in
+a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
@@ -30,7 +34,11 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_fidelity.md")
     )
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.out = _smoke.begin().out("kvzap_fidelity.md")
+        args.tokens, args.documents, args.threads, args.profile = [128], [1], 1, None
     torch.set_num_threads(args.threads)
     started = time.time()
     model, tokenizer = load_smollm2()

@@ -18,6 +18,9 @@ surrogate's own `global` selection keeps too (sinks and the last 32 tokens exclu
 and the smallest share of a head's tokens its `global` selection keeps.
 
     python benchmarks/kvzap_lengths.py --threads 2
+
+``--smoke``: one document of each length (1k, 2k, 4k tokens: one token a character) to train on and to test,
+on the stand-ins of ``benchmarks/_smoke.py``, written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
@@ -101,7 +105,11 @@ def main() -> int:
     parser.add_argument("--test", type=int, nargs=2, default=[4, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_lengths.md"))
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.out = _smoke.begin().out("kvzap_lengths.md")
+        args.docs, args.test, args.threads = [1, 1, 1], [1, 1], 1
     torch.set_num_threads(args.threads)
     started = time.time()
     model, tokenizer, targets = smollm2_with_targets()

@@ -14,6 +14,9 @@ targets on the first 1,024 / 4,096 tokens of Wikipedia articles (never trained o
 KVzip+ targets are cached where ``lukv build`` caches them, so a build on the same documents reuses them.
 
     python benchmarks/kvzap_training.py --news-4k 2 --docs-1k 8 --test 4 2 --threads 1
+
+``--smoke``: one document of each training set and length (one token a character), 64 MLP rows per 1k
+tokens, on the stand-ins of ``benchmarks/_smoke.py``, written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
@@ -52,7 +56,12 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_training.md")
     )
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.out = _smoke.begin().out("kvzap_training.md")
+        args.news_1k, args.news_4k, args.docs_1k, args.docs_4k, args.test = 1, 1, 1, 1, [1, 1]
+        args.samples, args.threads = 64, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     started = time.time()

@@ -13,6 +13,9 @@ the texts the quality benchmarks report on: Spearman per (layer, head), and the 
 KVzip+'s own `global` selection keeps at ratio r that the surrogate's `global` selection keeps too.
 
     python benchmarks/kvzap_window_attention.py --threads 2
+
+``--smoke``: trained on one 1k-token news document (one token a character), tested on one of 1k and one of
+4k, on the stand-ins of ``benchmarks/_smoke.py``, written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 from kvzap_lengths import (  # the benchmark next to this one
     WINDOW,
@@ -47,7 +51,12 @@ def main() -> int:
     parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_window_attention.md"))
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    training_set = KVzapTraining()  # the shipped surrogate's 64 news documents
+    if args.smoke:
+        args.out = _smoke.begin().out(Path(__file__).stem + ".md")
+        args.test, args.threads, training_set = [1, 1], 1, KVzapTraining(documents=((1, 1024),))
     torch.set_num_threads(args.threads)
     started = time.time()
     model, tokenizer, targets = smollm2_with_targets()
@@ -64,7 +73,7 @@ def main() -> int:
                 out[name][layer] = surrogate_inputs(x, None, feature_set)[0]
         return out
 
-    training = KVzapTraining().corpus(tokenizer)  # the shipped surrogate's 64 news documents
+    training = training_set.corpus(tokenizer)
     stats: dict[str, dict[int, RidgeStats]] = {name: {} for name in SETS}
     for ids in training:
         xs = inputs(ids)

@@ -5,6 +5,9 @@ contexts, with its standard error (the samples are paired: every method saw the 
 and recall in points of accuracy (higher is better), continuation in nats/token (lower is better).
 
     python benchmarks/paired_table.py benchmarks/results/calibrated/grid_1000.json --reference global
+
+``--smoke``: the table of a tiny ``lukv bench`` run on the stand-ins of ``benchmarks/_smoke.py`` (keydiff
+under global and uniform), written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 import math
 import sys
 from pathlib import Path
+
+import _smoke
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -56,10 +61,17 @@ def table(path: Path, reference: str, scorer: str | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("files", nargs="*", type=Path)
     parser.add_argument("--reference", default="global")
     parser.add_argument("--scorer", default=None)
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        folder = _smoke.begin().out("bench")
+        args.files = [_smoke.bench_results(folder, "paired", allocators=("global", "uniform"))]
+        args.reference = "global"
+    elif not args.files:
+        parser.error("the following arguments are required: files")
     print("\n\n".join(table(path, args.reference, args.scorer) for path in args.files))
     return 0
 

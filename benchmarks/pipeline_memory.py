@@ -5,6 +5,8 @@ Counts the bytes of every distinct tensor storage the caches hold (a shared stor
 question caches kept alive (as a server answering them together would) and per question.
 
     python benchmarks/pipeline_memory.py --threads 2 > benchmarks/results/pipeline_memory/smollm2.txt
+
+``--smoke``: 2 new tokens per question, on the stand-ins of ``benchmarks/_smoke.py`` (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 
+import _smoke
 import torch
 
 from lukv_cache import LUKVCache
@@ -58,7 +61,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        _smoke.begin()
+        args.threads, args.new_tokens = 1, 2
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2")
     context = wikipedia_articles()[0].text[:6000]

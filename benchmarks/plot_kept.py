@@ -6,12 +6,16 @@
 The packaged SmolLM2-135M-Instruct, its shipped profile (no network), the first paragraph of the first
 gensim Wikipedia article of at least 600 characters, cut to 160 tokens; prints the text with its most-kept
 tokens in [brackets] (as many as the cache holds on average: lukv_cache.plot.highlighted) and how many.
+
+``--smoke``: on the stand-ins of ``benchmarks/_smoke.py``, the image written in a temporary folder
+(``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 
+import _smoke
 import matplotlib
 
 matplotlib.use("Agg")
@@ -30,7 +34,10 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.8)
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.out, args.threads = str(_smoke.begin().out("kept.png")), 1
     model, tokenizer = load_model("smollm2", threads=args.threads)
     article = wikipedia_articles(min_chars=600)[0]
     paragraph = next(p for p in article.text.split("\n") if len(p) >= 600)

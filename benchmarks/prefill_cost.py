@@ -6,6 +6,9 @@ whole context held, then the repeat passes), on real text.
 
 ``--kvzap-profile FILE`` adds a row for another kvzap profile (e.g. an MLP surrogate's from ``lukv build
 smollm2 --scorer kvzap --kvzap-family mlp``) under `global`. Prints and writes ``prefill_cost.{md,json}``: the median seconds of each prefill and its ratio to keydiff's.
+
+``--smoke``: 128 tokens, once, every method (``--kvzap-profile`` too) on the stand-ins of
+``benchmarks/_smoke.py``, written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 from transformers import DynamicCache
 
@@ -71,7 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kvzap-profile", default=None, help="also time kvzap / global with this profile file"
     )
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        smoke = _smoke.begin()
+        args.out, args.kvzap_profile = str(smoke.out("prefill_cost")), str(smoke.profile("kvzap"))
+        args.tokens, args.repeats, args.threads, args.skip_kvzip = [128], 1, 1, False
     methods = [m for m in METHODS if not (args.skip_kvzip and m[1] and m[1][0] == "kvzip")]
     if args.kvzap_profile:
         methods.insert(

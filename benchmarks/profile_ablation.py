@@ -13,6 +13,9 @@ was never used to choose anything else in this repository's profiles.
 
 Oracles are decoded once per (calibration set, k_max, aggregation) and cached under the usual build cache,
 so a rerun takes seconds; a first run decodes 30-50 questions per new setting (minutes each on 2 cores).
+
+``--smoke``: three variants (the paper's, smoothing, the early third) with keydiff on the stand-ins of
+``benchmarks/_smoke.py`` (tiny calibration sets), written in a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import sys
 import time
 
+import _smoke
 import numpy as np
 import torch
 
@@ -41,6 +45,11 @@ VARIANTS: dict[str, dict] = {
     "calibration: 24 planted facts, asked back": {"truncate": "planted"},
 }
 RATIOS = (0.5, 0.8, 0.9)
+SMOKE_VARIANTS = [
+    next(iter(VARIANTS)),
+    "smoothed over 5 grid points",
+    "calibration: first 1.4k tokens, 10 early questions",
+]
 
 
 def _runs(model, tokenizer, spec: dict, cache_dir):
@@ -217,7 +226,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.out = str(_smoke.begin().out("profile_ablation.json"))
+        args.scorer, args.variants, args.threads, args.cache_dir = "keydiff", SMOKE_VARIANTS, 1, None
 
     from lukv_cache.models import load_model
     from lukv_cache.profiling.build import prepare_run

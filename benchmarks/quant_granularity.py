@@ -11,6 +11,8 @@ excess over the exact cache. Asymmetric min/max codes with an fp16 scale and min
 * ``norm``: keys divided by each head's per-channel absolute maximum, then per token.
 
     PYTHONPATH=. python benchmarks/quant_granularity.py --threads 1
+
+``--smoke``: on the stand-ins of ``benchmarks/_smoke.py`` (head_dim 32), one thread (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import _smoke
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,7 +64,11 @@ MODES = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        _smoke.begin()
+        args.threads = 1
     torch.set_num_threads(args.threads)
     from transformers import DynamicCache
 

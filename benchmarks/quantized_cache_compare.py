@@ -17,17 +17,23 @@ dependency; install it in a separate environment):
 
     python -m venv --system-site-packages <venv> && <venv>/bin/pip install optimum-quanto
     PYTHONPATH=. <venv>/bin/python benchmarks/quantized_cache_compare.py --samples 12 --threads 1
+
+``--smoke``: two samples of 200 tokens per task on the stand-ins of ``benchmarks/_smoke.py``, the table
+written in a temporary folder; without ``optimum-quanto``, every cache but the QuantizedCache
+(``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import _smoke
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-tokens", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", help="write the table here too")
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    quanto = True
+    if args.smoke:
+        args.out = str(_smoke.begin().out("quantized_cache_compare.md"))
+        args.samples, args.context_tokens, args.threads = 2, 200, 1
+        quanto = bool(importlib.util.find_spec("optimum")) and bool(
+            importlib.util.find_spec("optimum.quanto")
+        )
+        if not quanto:
+            _smoke.skipped(
+                "transformers' QuantizedCache: optimum-quanto is not installed (a benchmark-only dependency)"
+            )
     torch.set_num_threads(args.threads)
 
     from transformers import DynamicCache, QuantizedCache
@@ -81,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def methods():
         yield "full (DynamicCache)", lambda: DynamicCache()
-        yield (
-            "QuantizedCache int4 (quanto)",
-            lambda: QuantizedCache(backend="quanto", config=model.config, nbits=4),
-        )
+        if quanto:
+            yield (
+                "QuantizedCache int4 (quanto)",
+                lambda: QuantizedCache(backend="quanto", config=model.config, nbits=4),
+            )
         yield "LUKVCache int4 @0", lambda: LUKVCache(0.0, kv_bits=4, config=model.config)
         yield "one line @0.8 (fp32)", lambda: LUKVCache.from_pretrained(model_id, 0.8, local_files_only=True)
         yield (

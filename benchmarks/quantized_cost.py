@@ -14,6 +14,9 @@ plus the dense suffix's used part at full precision; the rest is positions, offs
 room to grow.
 
     python benchmarks/quantized_cost.py --tokens 4096 --batch 1 4 --threads 2 --decode-steps 64
+
+``--smoke``: cache_bench's tiny model (``--small``), 256 tokens, batch 1, 2 decode steps, the table written in
+a temporary folder (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+import _smoke  # noqa: E402
 import cache_bench  # noqa: E402  (benchmarks/cache_bench.py: the model and the fill)
 
 
@@ -53,11 +57,11 @@ def ideal_bytes(cache) -> tuple[int, int]:
     return store, suffix
 
 
-def run(tokens: int, batch: int, threads: int, ratio: float, steps: int) -> dict:
+def run(tokens: int, batch: int, threads: int, ratio: float, steps: int, small: bool = False) -> dict:
     from lukv_cache import LUKVCache
 
     torch.set_num_threads(threads)
-    model = cache_bench._model(False, max(tokens, 2048) + steps + 8)
+    model = cache_bench._model(small, max(tokens, 2048) + steps + 8)
     table = cache_bench._profile_table(ratio, model.config)
     specs = {
         "fp32": dict(ratio=ratio, scorer="keydiff", allocator="uniform", config=model.config),
@@ -104,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--block-rows", type=int, help="AttentionLimits.block_rows (default: the library's)")
     parser.add_argument("--out", help="write the table here too")
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.out = str(_smoke.begin(stand_ins=False).out("quantized_cost.md"))
+        args.tokens, args.batch, args.threads, args.decode_steps = [256], [1], 1, 2
     if args.block_rows:
         from dataclasses import replace
 
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for tokens in args.tokens:
         for batch in args.batch:
-            row = run(tokens, batch, args.threads, args.ratio, args.decode_steps)
+            row = run(tokens, batch, args.threads, args.ratio, args.decode_steps, small=args.smoke)
             for name in ("fp32", "int8", "int4", "ragged fp32", "ragged int4"):
                 r = row[name]
                 base = row["ragged fp32" if name.startswith("ragged") else "fp32"]

@@ -8,23 +8,36 @@ run has seed 0, so every run has the same samples and its own full-cache row; th
 are taken against the run's own full cache.
 
     python benchmarks/quantized_grid_table.py 1000 > benchmarks/results/quantized/equal_bytes_1000.md
+
+``--smoke``: the table of two tiny ``lukv bench`` runs on the stand-ins of ``benchmarks/_smoke.py`` (full
+precision and 4 bits), written in a temporary folder instead of ``results/quantized`` (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
+
+import _smoke
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quantized"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    tokens = argv[0] if argv else "1000"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tokens", nargs="?", default="1000", help="the runs' context tokens (1000)")
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    tokens, results = args.tokens, RESULTS
+    if args.smoke:
+        tokens, results = "200", _smoke.begin().out("quantized")
+        for name, bits in (("full", None), ("int4", 4)):
+            _smoke.bench_results(results, f"grid_{tokens}_{name}", kv_bits=(bits,), samples=1)
     rows = {}
     commands = []
-    for index, path in enumerate(sorted(RESULTS.glob(f"grid_{tokens}_*.json"))):
+    for index, path in enumerate(sorted(results.glob(f"grid_{tokens}_*.json"))):
         data = json.loads(path.read_text())
         commands.append(data["command"])
         by = {(r["task"], r["method"]): r for r in data["results"]}

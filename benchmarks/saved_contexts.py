@@ -9,6 +9,9 @@ once per store precision (``--kv-bits``: the model's, 8 and 4 bits).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/saved_contexts.py --threads 1 \\
         > benchmarks/results/saved_contexts/smollm2_4k.txt
+
+``--smoke``: 128 tokens, once, 2 answer tokens, every precision, on the stand-ins of ``benchmarks/_smoke.py``
+(``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smoke
 import torch
 
 from lukv_cache import LUKVCache, load_cache, save_cache
@@ -73,7 +77,12 @@ def main() -> None:
         default=["none", "8", "4"],
         help="store precisions to measure (none: the model's)",
     )
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        _smoke.begin()
+        args.threads, args.tokens, args.repeats, args.new_tokens = 1, 128, 1, 2
+        args.kv_bits = ["none", "8", "4"]
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2")
     title, ids = context_ids(tokenizer, args.tokens)

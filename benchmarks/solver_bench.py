@@ -3,6 +3,8 @@
 Target (issue 4): under 1 s for one calibration question, every ratio of the grid solved in one pass.
 
     python benchmarks/solver_bench.py [--layers 32] [--heads 8] [--tokens 4096] [--repeat 3]
+
+``--smoke``: 2 layers x 2 heads x 256 tokens, once (``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _smoke
 import numpy as np
 
 from lukv_cache.profiling.solver import DEFAULT_GRID, solve_evict_ratios
@@ -48,7 +51,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        _smoke.begin(stand_ins=False)
+        args.layers, args.heads, args.tokens, args.repeat = 2, 2, 256, 1
     r = bench_solver(args.layers, args.heads, args.tokens, args.repeat)
     print(
         f"solver: {r['layers']} layers x {r['heads']} KV heads x {r['tokens']} tokens x {r['ratios']} ratios: "

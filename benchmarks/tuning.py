@@ -6,6 +6,10 @@ longer documents), another seed, and the same task code. Results go to ``benchma
 
     python benchmarks/tuning.py --tasks niah_multikey --scorers kvzip --allocators global adakv \\
         --ratios 0.5 0.8 0.9 --samples 8 --name mk_kvzip
+
+``--smoke``: multikey retrieval, one sample of 200 tokens, keydiff and ``kvzip_w1`` under ``global`` and
+``calibrated_b50`` at 0.8, on the stand-ins of ``benchmarks/_smoke.py``, written in a temporary folder
+(``benchmarks/smoke.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import functools
 import sys
 
+import _smoke
 import torch
 
 from lukv_cache.allocation import ALLOCATORS, register_allocator
@@ -80,8 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profiles", help="a folder of profiles searched first")
     parser.add_argument("--context-tokens", type=int, default=1000)
-    parser.add_argument("--name", required=True)
+    parser.add_argument("--name")
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
+    out = "benchmarks/results/tuning"
+    if args.smoke:
+        out = _smoke.begin().out("tuning")
+        args.tasks, args.samples, args.context_tokens, args.ratios = ["niah_multikey"], 1, 200, [0.8]
+        args.scorers, args.allocators, args.name = (
+            ["keydiff", "kvzip_w1"],
+            ["global", "calibrated_b50"],
+            "smoke",
+        )
+    elif args.name is None:
+        parser.error("the following arguments are required: --name")
     register_variants()
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2")
@@ -105,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     results.command = command_line(
         ["python benchmarks/tuning.py", *(argv if argv is not None else sys.argv[1:])]
     )
-    paths = write_results(results, "benchmarks/results/tuning", args.name)
+    paths = write_results(results, out, args.name)
     print(paths["md"].read_text())
     return 0
 
