@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .errors import UnknownNameError
 from .profiles import Profile
 
 if TYPE_CHECKING:
@@ -81,7 +82,12 @@ def tiny_config(arch: str = "llama", vocab_size: int = VOCAB, **overrides: Any) 
         fields.update(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING)
         fields["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention"]
     elif arch not in ("qwen2", "phi3"):
-        raise ValueError(f"unknown tiny architecture {arch!r}: use one of {', '.join(ARCHS)}")
+        raise UnknownNameError(
+            f"Unknown tiny architecture {arch!r}. Known tiny architectures: {', '.join(ARCHS)}.",
+            kind="tiny architecture",
+            name=arch,
+            known=ARCHS,
+        )
     classes = {
         "llama": LlamaConfig,
         "mistral": MistralConfig,

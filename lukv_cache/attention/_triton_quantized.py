@@ -459,6 +459,8 @@ def triton_quantized_ragged_attention(
     n_segments = b * h
     if bits not in BITS:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if (suffix_keys is None) != (suffix_values is None):
+        raise ValueError("suffix_keys and suffix_values go together: pass both or neither")
     if dim != d:
         raise ValueError(f"the store's rows have {dim} channels, the query's head_dim is {d}")
     if bits == 4 and d % 2:

@@ -324,6 +324,8 @@ def triton_ragged_attention(
     """
     b, h, m, d = query.shape
     n_segments = b * h
+    if (suffix_keys is None) != (suffix_values is None):
+        raise ValueError("suffix_keys and suffix_values go together: pass both or neither")
     limits = resolve_limits(limits)
     has_suffix = suffix_keys is not None
     out = query.new_empty((b, h, m, d), dtype=torch.float32)

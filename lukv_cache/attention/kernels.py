@@ -351,7 +351,12 @@ def flash_attn_ragged_attention(
         raise ValueError(
             "flash_attn_ragged_attention takes no key_bias; use the Triton kernel or the reference"
         )
-    flash_attn_varlen_func = cast(Callable, _flash_attn_varlen())  # chosen only where flash-attn imports
+    flash_attn_varlen_func = _flash_attn_varlen()
+    if flash_attn_varlen_func is None:  # the dispatcher never picks it then; a direct call gets this
+        raise ImportError(
+            "flash_attn_ragged_attention needs the flash-attn package (the optional gpu extra: "
+            'pip install -e ".[gpu]"); without it use triton_ragged_attention or ragged_attention_reference'
+        )
     b, h, m, d = query.shape
     n_segments = b * h
     if keys.shape[0] == 0:

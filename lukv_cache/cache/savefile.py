@@ -660,8 +660,12 @@ def _build_cache(
 def _saved_scorer(entry: Any, profiles: dict, reader: _Reader) -> Scorer:
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         reader.fail("its scorer entry is malformed (damaged file).", "options.scorer")
-    window: Any  # as saved (save_cache writes the scorer's int)
-    name, window = entry["name"], entry.get("window")
+    name, window = entry["name"], entry.get("window")  # save_cache writes the scorer's window, an int
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        reader.fail(
+            f"its scorer's window is {window!r}, not a count of tokens (damaged file).",
+            "options.scorer.window",
+        )
     surrogate = entry.get("surrogate")
     learned = SCORERS.get(name).from_surrogate if name in SCORERS else None  # kvzap's kvzap_scorer
     if learned is not None and surrogate is not None:

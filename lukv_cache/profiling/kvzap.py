@@ -38,7 +38,7 @@ from ..scorers.kvzip import RepeatPrompt
 from .kvzap_corpora import CORPORA as CORPORA  # the training documents, importable from here as before
 from .kvzap_corpora import news_documents as news_documents
 from .kvzap_corpora import python_docs_documents as python_docs_documents
-from .kvzap_options import FAMILIES, SKIP_FIRST, TARGETS
+from .kvzap_options import FAMILIES, HIDDEN, SKIP_FIRST, TARGETS
 from .scores import prefill_scores
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def train_surrogate(
     features: str = FEATURES,
     alpha: float = 1.0,
     samples: int = 512,
-    hidden: int = 512,
+    hidden: int = HIDDEN,
     seed: int = 0,
     progress: Callable[[int], object] | None = None,
     meta: dict | None = None,
@@ -249,8 +249,9 @@ def fit_mlp(
     seed: int = 0,
 ) -> torch.nn.Sequential:
     """An MLP ``Linear(F, hidden) - GELU - Linear(hidden, H)`` fitted to rows ``x [N, F]`` -> ``y [N, H]``
-    (MSE, AdamW, cosine-decayed learning rate, as kvpress' KVzap MLP), with the inputs' standardisation
-    folded into its first layer: it reads raw features.
+    (MSE, AdamW, cosine-decayed learning rate, as kvpress' KVzap MLP, 512 wide unless ``hidden`` says
+    otherwise; :func:`train_surrogate` passes the build's width), with the inputs' standardisation folded
+    into its first layer: it reads raw features.
 
     >>> x = torch.randn(2000, 4)
     >>> mlp = fit_mlp(x * 3 + 5, x[:, :1] ** 2, hidden=32, epochs=20, batch=64, lr=1e-2)

@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
 
+# the MLP surrogate's width wherever none is given (lukv build, train_surrogate): SmolLM2's shipped one;
+# kvpress's KVzap MLPs are 512 wide (fit_mlp's default, which benchmarks/kvzap_training.py measured)
+HIDDEN = 128
+
 if TYPE_CHECKING:
     import torch
 
@@ -65,7 +69,7 @@ class KVzapTraining:
     window_attention: bool = True
     alpha: float = 1.0
     samples: int = 512
-    hidden: int = 128
+    hidden: int = HIDDEN
     target: str = "kvzip"
 
     def __post_init__(self) -> None:
@@ -115,7 +119,7 @@ class KVzapTraining:
         if self.hidden > MAX_HIDDEN:
             raise ConfigurationError(
                 f"kvzap hidden is the MLP's width and a profile holds at most {MAX_HIDDEN}; got {self.hidden}. "
-                "Pass a smaller --kvzap-hidden (default 128; kvpress uses 512)."
+                f"Pass a smaller --kvzap-hidden (default {HIDDEN}; kvpress uses 512)."
             )
         if not (isinstance(self.alpha, int | float) and not isinstance(self.alpha, bool) and self.alpha >= 0):
             raise ConfigurationError(f"kvzap alpha must be a number >= 0; got {self.alpha!r}.")

@@ -332,6 +332,20 @@ def test_a_bad_file_is_refused_with_a_typed_error(kind, saved_file, tmp_path):
     assert not isinstance(err.value, SavedContextMismatchError)
 
 
+@pytest.mark.parametrize("name", ["llama-keydiff", "llama-kvzip", "llama-padded-kvzap-folds"])
+@pytest.mark.parametrize("window", [-1, "4", 2.5, True, None])
+def test_a_scorer_window_that_is_not_a_count_is_refused(name, window, tmp_path):
+    # kvzip's and kvzap's scorers are rebuilt from the file with its window: it must be checked first
+    model, cache, _, _ = _filled(name)
+    good = save_cache(cache, tmp_path / "good.safetensors")
+    bad = _rewrite(
+        good, tmp_path / "bad.safetensors", meta_edit=lambda m: m["options"]["scorer"].update(window=window)
+    )
+    with pytest.raises(SavedContextError, match="not a count of tokens") as err:
+        load_cache(bad, model)
+    assert err.value.field == "options.scorer.window"
+
+
 def test_a_missing_file_is_refused(tmp_path):
     with pytest.raises(SavedContextError, match="no such file"):
         load_cache(tmp_path / "nothing.safetensors", tiny_model("llama", "sdpa"))

@@ -6,6 +6,7 @@ contract (one lse per head and query row, ``+inf`` for an empty sequence).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 
@@ -203,3 +204,26 @@ def test_cpu_tensors_reach_triton_only_when_forced_under_the_interpreter(no_back
     no_backends.delenv("TRITON_INTERPRET")
     assert cuda.get_ragged_kernel(cpu_query) is None
     assert cuda.get_ragged_suffix_kernel(cpu_query) is None
+
+
+def test_flash_attn_adapter_without_flash_attn_says_what_to_install(no_backends):
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(5, 8)
+    with pytest.raises(ImportError, match=r"flash-attn package .*\[gpu\]"):
+        cuda.flash_attn_ragged_attention(q, k, k, torch.tensor([0, 2, 5]), scaling=0.3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("given", ["suffix_keys", "suffix_values"])
+def test_triton_wrappers_refuse_one_half_of_a_suffix(given):
+    from lukv_cache.attention._triton_quantized import triton_quantized_ragged_attention
+    from lukv_cache.attention._triton_ragged import triton_ragged_attention
+
+    q, k, offsets = torch.randn(1, 2, 4, 8), torch.randn(5, 8), torch.tensor([0, 2, 5])
+    half = {given: torch.randn(1, 2, 3, 8)}
+    with pytest.raises(ValueError, match="suffix_keys and suffix_values go together"):
+        triton_ragged_attention(q, k, k, offsets, scaling=0.3, **half)
+    codes, scale = torch.zeros(5, 8, dtype=torch.uint8), torch.ones(5, 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="suffix_keys and suffix_values go together"):
+        triton_quantized_ragged_attention(
+            q, codes, scale, scale, codes, scale, scale, offsets, bits=8, dim=8, scaling=0.3, **half
+        )
