@@ -44,7 +44,10 @@ ALLOWED: dict[str, set[str]] = {
     "texts": {"errors"},
     "plot": {"errors"},
     "pipeline": {"cache", "errors"},
-    "testing": {"profiles", "errors"},  # tiny models, tokenizers and profiles for tests, doctests and examples
+    "testing": {
+        "profiles",
+        "errors",
+    },  # tiny models, tokenizers and profiles for tests, doctests and examples
     "evaluation": {
         "cache",
         "attention",
