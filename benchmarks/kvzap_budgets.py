@@ -27,7 +27,7 @@ from kvzap_lengths import WINDOW, global_keep  # the benchmark next to this one
 
 from lukv_cache import LUKVCache
 from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import cached_kvzip_plus_targets
+from lukv_cache.profiling.build import cached_kvzip_targets
 from lukv_cache.profiling.kvzap import SKIP_FIRST, python_docs_documents, token_feature_maps
 
 
@@ -58,7 +58,7 @@ def main() -> int:
     source = args.profile or model
     cache = LUKVCache.from_pretrained(source, ratio=0.8, scorer="kvzap", local_files_only=True)
     surrogate = cache.profile.surrogate
-    cached = cached_kvzip_plus_targets(model, tokenizer)
+    cached = cached_kvzip_targets(model, tokenizer)
     ratios = (0.5, 0.8, 0.9)
     kinds = ("surrogate", "true budgets", "true ranking")
     rows: dict[tuple[int, float, str], list[float]] = {}

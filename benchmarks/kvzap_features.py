@@ -30,7 +30,7 @@ import torch
 from lukv_cache.models import load_smollm2
 from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
-    kvzip_plus_targets,
+    kvzip_targets,
     news_documents,
     spearman,
     token_feature_maps,
@@ -79,7 +79,7 @@ def feature_sets(model, ids) -> tuple[dict[str, dict[int, torch.Tensor]], dict[i
         for name, x in (("hidden", h), ("query", query), ("kv_all", kv_all)):
             sets[name][layer] = x.unsqueeze(0).expand(heads, -1, -1)
         sets["kv_head"][layer] = both
-    targets = {layer: t[0] for layer, t in kvzip_plus_targets(model, tokenizer_, ids).items()}
+    targets = {layer: t[0] for layer, t in kvzip_targets(model, tokenizer_, ids).items()}
     return sets, targets
 
 

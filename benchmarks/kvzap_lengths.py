@@ -37,7 +37,7 @@ import torch
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import cached_kvzip_plus_targets
+from lukv_cache.profiling.build import cached_kvzip_targets
 from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
     news_documents,
@@ -69,7 +69,7 @@ def smollm2_with_targets():
     """SmolLM2-135M-Instruct, its tokenizer and ``targets(ids)``: a document's log KVzip+ scores
     ``{layer: [T, H]}``, cached across runs (the build's cache)."""
     model, tokenizer = load_smollm2()
-    cached = cached_kvzip_plus_targets(model, tokenizer)
+    cached = cached_kvzip_targets(model, tokenizer)
 
     def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
         return {layer: t[0] for layer, t in cached(ids).items()}

@@ -32,7 +32,7 @@ import torch
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import cached_kvzip_plus_targets
+from lukv_cache.profiling.build import cached_kvzip_targets
 from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
     fit_mlp,
@@ -66,7 +66,7 @@ def main() -> int:
     torch.manual_seed(0)
     started = time.time()
     model, tokenizer = load_smollm2()
-    cached = cached_kvzip_plus_targets(model, tokenizer)
+    cached = cached_kvzip_targets(model, tokenizer)
 
     def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
         return {layer: t[0] for layer, t in cached(ids).items()}  # [T, H]

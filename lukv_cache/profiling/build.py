@@ -497,14 +497,14 @@ def _targets_root(cache_dir) -> Path | None:
     return default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
 
 
-def cached_kvzip_plus_targets(
+def cached_kvzip_targets(
     model, tokenizer, cache_dir=None, target: str = "kvzip_plus"
 ) -> Callable[[torch.Tensor], dict]:
-    """``targets(ids)``: :func:`~lukv_cache.profiling.kvzap.kvzip_plus_targets` of a document ``[1, T]``
+    """``targets(ids)``: :func:`~lukv_cache.profiling.kvzap.kvzip_targets` of a document ``[1, T]``
     (``{layer: [1, T, H]}``; ``target``: ``"kvzip_plus"`` or ``"kvzip"``), kept in ``cache_dir`` (default
     :func:`default_cache_dir`, ``False``: not kept) under the model's fingerprint, the target and the
     tokens, so a build that stops resumes without the repeat passes it ran, and benchmarks share them."""
-    from .kvzap import kvzip_plus_targets
+    from .kvzap import kvzip_targets
 
     root = _targets_root(cache_dir)
     store = _ResultStore(None if root is None else root / "kvzap")
@@ -514,9 +514,7 @@ def cached_kvzip_plus_targets(
         key = _sha(f"{target}_targets", fingerprint, ids.tolist())
         saved = store.load(key)
         if saved is None:
-            computed = {
-                layer: t.numpy() for layer, t in kvzip_plus_targets(model, tokenizer, ids, target).items()
-            }
+            computed = {layer: t.numpy() for layer, t in kvzip_targets(model, tokenizer, ids, target).items()}
             store.save(key, {str(layer): t for layer, t in computed.items()})
             return {layer: torch.from_numpy(t) for layer, t in computed.items()}
         return {int(layer): torch.from_numpy(t) for layer, t in saved.items()}
@@ -536,7 +534,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
     if not isinstance(training, KVzapTraining):
         raise ConfigurationError(f"kvzap must be a KVzapTraining, got {type(training).__name__}.")
     docs = training.corpus(tokenizer, seed, max_positions(model.config))
-    targets = cached_kvzip_plus_targets(model, tokenizer, cache_dir, training.target)
+    targets = cached_kvzip_targets(model, tokenizer, cache_dir, training.target)
 
     # the MLP's rows wait on disk, next to the cached targets, one file per layer (memory: one layer's rows);
     # the folder goes when training ends, fails or is stopped by SIGTERM, and a killed build's at the next

@@ -57,14 +57,14 @@ def token_feature_maps(
     impl = model.config._attn_implementation
     stock = ALL_ATTENTION_FUNCTIONS[impl]
     features: dict[int, torch.Tensor] = {}
-    window = reads_window(feature_set)
+    with_window_attention = reads_window(feature_set)
 
     def observe(module, query, key, value, attention_mask, **kwargs):
         b, _, t, _ = key.shape
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(t, device=key.device).expand(b, t)
-        attention = module_window_attention(module, key, query) if window else None
+        attention = module_window_attention(module, key, query) if with_window_attention else None
         maps = token_features(rope_inverse(module)(key, positions), value, attention)
         features[module.layer_idx] = maps.flatten(2)
         return stock(module, query, key, value, attention_mask, **kwargs)
@@ -74,11 +74,12 @@ def token_feature_maps(
     return features
 
 
-def kvzip_plus_targets(
+def kvzip_targets(
     model: Any, tokenizer: Any, input_ids: torch.Tensor, target: str = "kvzip_plus"
 ) -> dict[int, torch.Tensor]:
-    """fp32 ``{layer: [B, T, H_kv]}``: log KVzip+ scores (full-attention layers only; ``target="kvzip"``:
-    KVzip's, without ``||v W_O||``). ``tokenizer`` gives the repeat prompt (a
+    """fp32 ``{layer: [B, T, H_kv]}``: the log reconstruction scores a surrogate learns, full-attention layers
+    only: KVzip+'s (``target="kvzip_plus"``) or KVzip's (``target="kvzip"``, without ``||v W_O||``).
+    ``tokenizer`` gives the repeat prompt (a
     :class:`~lukv_cache.scorers.kvzip.RepeatPrompt` works too)."""
     if target not in TARGETS:
         raise ConfigurationError(f"kvzap target must be one of {list(TARGETS)}, got {target!r}.")
@@ -109,7 +110,7 @@ def train_surrogate(
     ``hidden`` units on ``samples`` random positions per 1,024 tokens of each document, drawn with
     ``seed``). ``features``: one of :data:`~lukv_cache.scorers.kvzap.FEATURE_SETS` (whether the document's
     length is an input). ``targets_of(ids)``: the log KVzip+ scores of a document (default
-    :func:`kvzip_plus_targets`; a build passes one that caches them, so an interrupted build resumes
+    :func:`kvzip_targets`; a build passes one that caches them, so an interrupted build resumes
     without the repeat passes it already ran). ``spill``: an empty folder where the MLP's
     rows wait on disk until their layer is fitted (:class:`TrainingRows`), so memory holds one layer's rows
     at a time instead of every layer's; ``None`` keeps them in memory. Both train the same surrogate."""
@@ -117,7 +118,7 @@ def train_surrogate(
         raise ConfigurationError(f"Unknown kvzap surrogate family {family!r}; use 'linear' or 'mlp'.")
     if features not in FEATURE_SETS:
         raise ConfigurationError(f"Unknown kvzap feature set {features!r}; use one of {list(FEATURE_SETS)}.")
-    targets_of = targets_of or (lambda ids: kvzip_plus_targets(model, tokenizer, ids))
+    targets_of = targets_of or (lambda ids: kvzip_targets(model, tokenizer, ids))
     generator = torch.Generator().manual_seed(seed)
     stats: dict[int, RidgeStats] = {}
     rows = TrainingRows(spill)
@@ -332,7 +333,7 @@ def fidelity(
     sums: dict[int, list[float]] = {}
     for ids in documents:
         features = token_feature_maps(model, ids, surrogate.features)
-        for layer, targets in kvzip_plus_targets(model, tokenizer, ids).items():
+        for layer, targets in kvzip_targets(model, tokenizer, ids).items():
             predicted = surrogate.predict(layer, features[layer])[0]  # [H, T]
             for h in range(targets.shape[-1]):
                 rho = spearman(predicted[h, SKIP_FIRST:], targets[0, SKIP_FIRST:, h])

@@ -14,7 +14,7 @@ from lukv_cache import LUKVCache
 from lukv_cache.errors import ConfigurationError, ProfileFormatError
 from lukv_cache.profiles import Profile
 from lukv_cache.profiling.kvzap import (
-    kvzip_plus_targets,
+    kvzip_targets,
     token_feature_maps,
     train_surrogate,
 )
@@ -191,7 +191,7 @@ def test_training_end_to_end_on_a_tiny_model_fits_its_own_corpus(family):
     assert surrogate.family == family == surrogate.meta["family"]
     ids = prompt(1, 48, seed=0)
     predicted = surrogate.predict(0, token_feature_maps(model, ids)[0])[0, :, 4:]
-    target = kvzip_plus_targets(model, PROMPT, ids)[0][0, 4:].T
+    target = kvzip_targets(model, PROMPT, ids)[0][0, 4:].T
     # a random tiny model's KVzip+ is far from linear in its keys and values: 0.45 here, 0 for no fit
     assert torch.corrcoef(torch.stack([predicted.flatten(), target.flatten()]))[0, 1] > 0.3
 
@@ -232,12 +232,12 @@ def test_kvzip_targets_are_the_log_of_kvzips_own_scores_not_kvzip_plus():
 
     model = tiny_model("llama", "sdpa")
     ids = prompt(1, 40, seed=2)
-    plain = kvzip_plus_targets(model, PROMPT, ids, target="kvzip")
+    plain = kvzip_targets(model, PROMPT, ids, target="kvzip")
     kvzip = prefill_scores(model, ids, "kvzip", repeat_prompt=PROMPT)
     assert torch.allclose(plain[1], kvzip[1].clamp_min(1e-12).log().transpose(1, 2))
-    assert not torch.allclose(plain[1], kvzip_plus_targets(model, PROMPT, ids)[1])
+    assert not torch.allclose(plain[1], kvzip_targets(model, PROMPT, ids)[1])
     with pytest.raises(ConfigurationError, match="kvzap target"):
-        kvzip_plus_targets(model, PROMPT, ids, target="snapkv")
+        kvzip_targets(model, PROMPT, ids, target="snapkv")
     with pytest.raises(ConfigurationError, match="kvzap target"):
         KVzapTraining(target="h2o")
 
