@@ -28,8 +28,9 @@ work shrinks with it, so the ratio gets stricter):
     python benchmarks/cache_bench.py --interleave --contexts 4096 --batch 1 4 --threads 2 --layers 8 --decode-steps 300
 
 ``--layer`` times one layer's decode attention alone (SmolLM2's 3 KV heads, 9 query heads, head_dim 64, a
-128-token suffix): the masked product, the windows and stock sdpa over a DynamicCache of the same tokens,
-for each context and batch, with budgets equal per head and ragged (uniform in 0.2-1.8x the mean). It is
+128-token suffix): the masked product, the tiles (JSON key ``tiles``; ``windows`` in runs recorded before
+the rename) and stock sdpa over a DynamicCache of the same tokens, for each context and batch, with
+budgets equal per head and ragged (uniform in 0.2-1.8x the mean). It is
 where ``AttentionLimits.masked_limit`` (segments x stored rows; ``lukv_cache/attention/limits.py``) comes from:
 
     python benchmarks/cache_bench.py --layer --contexts 1024 2048 4096 8192 16384 --batch 1 2 4 8 --threads 2
@@ -359,7 +360,7 @@ def _time_layer_paths(store, query, suffix, dense, module, steps: int) -> dict[s
 
     paths = {
         "masked": ours(1 << 62),
-        "windows": ours(0),
+        "tiles": ours(0),  # runs recorded before the rename call this path "windows"
         "sdpa": lambda: sdpa_attention_forward(module, query, *dense, None, scaling=0.125),
     }
     times = {name: [] for name in paths}
@@ -390,9 +391,7 @@ def layer_rows(args) -> list[dict]:
         f"\nOne layer's decode attention, ms (median of {args.decode_steps}), {args.threads[0]} thread(s), "
         f"ratio {args.ratio}; sdpa = stock sdpa over a DynamicCache of the same tokens per head"
     )
-    print(
-        "context | batch | budgets | segments x rows | masked | windows | sdpa | masked/sdpa | windows/sdpa"
-    )
+    print("context | batch | budgets | segments x rows | masked | tiles | sdpa | masked/sdpa | tiles/sdpa")
     for tokens in args.contexts:
         for batch in args.batch:
             for budgets in ("equal", "ragged"):
@@ -411,8 +410,8 @@ def layer_rows(args) -> list[dict]:
                 rows.append(row)
                 print(
                     f"{tokens} | {batch} | {budgets} | {row['segments_x_rows']} | {row['masked']:.3f} | "
-                    f"{row['windows']:.3f} | {row['sdpa']:.3f} | {row['masked'] / row['sdpa']:.2f} | "
-                    f"{row['windows'] / row['sdpa']:.2f}",
+                    f"{row['tiles']:.3f} | {row['sdpa']:.3f} | {row['masked'] / row['sdpa']:.2f} | "
+                    f"{row['tiles'] / row['sdpa']:.2f}",
                     flush=True,
                 )
     return rows
