@@ -41,6 +41,7 @@ from pathlib import Path
 import _smoke
 import torch
 import torch.nn.functional as F
+from _out import default_out
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=str(default_out("decode_nll")))
     parser.add_argument("--name", default="decode_nll")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)

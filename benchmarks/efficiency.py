@@ -23,6 +23,7 @@ from typing import Any
 
 import _smoke
 import torch
+from _out import default_out
 from transformers import DynamicCache  # noqa: E402
 
 from lukv_cache import LUKVCache, ProfileError, get_scorer
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument(
-        "--out", default="benchmarks/results", help="where to write efficiency_<tokens>.{md,json}"
+        "--out", default=str(default_out("efficiency")), help="where to write efficiency_<tokens>.{md,json}"
     )
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _out import default_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 if not torch.cuda.is_available() and "triton" not in sys.modules:
@@ -499,7 +500,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--check-context", type=int, default=None, help="model check context (default 4096, toy 128)"
     )
     parser.add_argument("--skip-check", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    parser.add_argument("--out", type=Path, default=default_out("gpu_check") / "gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
     if args.smoke:

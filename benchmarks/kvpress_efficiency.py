@@ -35,6 +35,7 @@ from typing import Any
 import _smoke
 import numpy as np
 import torch
+from _out import default_out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--profile", help="a LU-KV profile (.safetensors) for LUKVPress's budget curve")
     parser.add_argument("--main-python", default="python3", help="the interpreter that has lukv_cache's deps")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--out", default=str(default_out("kvpress_efficiency")))
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
     if args.smoke:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _out import default_out
 from kvzap_lengths import WINDOW, global_keep  # the benchmark next to this one
 
 from lukv_cache import LUKVCache
@@ -44,9 +45,7 @@ def main() -> int:
     parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", default=None, help="a kvzap profile file (default: the shipped one)")
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_budgets.md")
-    )
+    parser.add_argument("--out", type=Path, default=default_out("kvzap_surrogate") / "kvzap_budgets.md")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.smoke:
@@ -104,8 +103,10 @@ def main() -> int:
         for ratio in ratios:
             cells = [f"{statistics.mean(rows[(tokens, ratio, k)]):.3f}" for k in kinds]
             lines.append(f"| {tokens:,} | {ratio} | " + " | ".join(cells) + " |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {args.out}")
     return 0
 
 

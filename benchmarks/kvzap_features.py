@@ -26,6 +26,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _out import default_out
 
 from lukv_cache.models import load_smollm2
 from lukv_cache.profiling.kvzap import (
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_features.md"))
+    parser.add_argument("--out", type=Path, default=default_out("kvzap_surrogate") / "kvzap_features.md")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.smoke:
@@ -150,8 +151,10 @@ def main() -> None:
     lines += ["", "Per layer:", "", "| layer | " + " | ".join(SETS) + " |", "|---" * (len(SETS) + 1) + "|"]
     for i, layer in enumerate(layers):
         lines.append(f"| {layer} | " + " | ".join(f"{per_layer[name][i]:.3f}" for name in SETS) + " |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {args.out}")
 
 
 tokenizer_ = None

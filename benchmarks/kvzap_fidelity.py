@@ -18,6 +18,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _out import default_out
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
@@ -31,9 +32,7 @@ def main() -> int:
     parser.add_argument("--documents", type=int, nargs="+", default=[8, 3])
     parser.add_argument("--profile", help="a kvzap profile file (default: the shipped SmolLM2 one)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_fidelity.md")
-    )
+    parser.add_argument("--out", type=Path, default=default_out("kvzap_surrogate") / "kvzap_fidelity.md")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.smoke:
@@ -73,8 +72,10 @@ def main() -> int:
     for layer in layers:
         lines.append(f"| {layer} | " + " | ".join(f"{rho[layer]:.3f}" for rho in per_length.values()) + " |")
     lines.append(f"\nTotal {time.time() - started:.0f} s on {args.threads} thread(s).")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _out import default_out
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
@@ -104,7 +105,7 @@ def main() -> int:
     parser.add_argument("--docs", type=int, nargs=3, default=[48, 8, 8], metavar=("N1K", "N2K", "N4K"))
     parser.add_argument("--test", type=int, nargs=2, default=[4, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_lengths.md"))
+    parser.add_argument("--out", type=Path, default=default_out("kvzap_surrogate") / "kvzap_lengths.md")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.smoke:
@@ -178,8 +179,10 @@ def main() -> int:
             f"| {name} | {tokens:,} | {statistics.mean(cell['rho']):.3f} | {statistics.mean(cell[0.5]):.3f} | "
             f"{statistics.mean(cell[0.8]):.3f} | {statistics.mean(cell[0.9]):.3f} | {statistics.mean(cell['min']):.3f} |"
         )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _out import default_out
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
@@ -53,9 +54,7 @@ def main() -> int:
     parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--samples", type=int, default=512, help="MLP rows per 1k tokens of a document")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/kvzap_surrogate/kvzap_training.md")
-    )
+    parser.add_argument("--out", type=Path, default=default_out("kvzap_surrogate") / "kvzap_training.md")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.smoke:
@@ -160,8 +159,10 @@ def main() -> int:
             per_layer = [statistics.mean(v) for v in results[name, tokens].values()]
             cells += [f"{statistics.mean(per_layer):.3f}", f"{min(per_layer):.3f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _out import default_out
 from kvzap_lengths import (  # the benchmark next to this one
     WINDOW,
     kept_share,
@@ -50,7 +51,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--test", type=int, nargs=2, default=[8, 2], metavar=("N1K", "N4K"))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvzap_window_attention.md"))
+    parser.add_argument(
+        "--out", type=Path, default=default_out("kvzap_surrogate") / "kvzap_window_attention.md"
+    )
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     training_set = KVzapTraining()  # the shipped surrogate's 64 news documents
@@ -122,8 +125,10 @@ def main() -> int:
             f"| {name} | {tokens:,} | {statistics.mean(cell['rho']):.3f} | {statistics.mean(cell[0.5]):.3f} | "
             f"{statistics.mean(cell[0.8]):.3f} | {statistics.mean(cell[0.9]):.3f} |"
         )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -1,7 +1,9 @@
 """Makes docs/images/kept_smollm2.png: what LUKVCache keeps of a Wikipedia paragraph in SmolLM2-135M.
 
-    OMP_NUM_THREADS=2 python benchmarks/plot_kept.py  [--out docs/images/kept_smollm2.png] [--ratio 0.8]
-                                                       [--threads 2]
+    OMP_NUM_THREADS=2 python benchmarks/plot_kept.py --out docs/images/kept_smollm2.png [--ratio 0.8]
+                                                      [--threads 2]
+
+(without ``--out`` the image goes to ``<lukv cache>/bench/plot_kept/``, outside the repository).
 
 The packaged SmolLM2-135M-Instruct, its shipped profile (no network), the first paragraph of the first
 gensim Wikipedia article of at least 600 characters, cut to 160 tokens; prints the text with its most-kept
@@ -14,9 +16,11 @@ tokens in [brackets] (as many as the cache holds on average: lukv_cache.plot.hig
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import _smoke
 import matplotlib
+from _out import default_out
 
 matplotlib.use("Agg")
 
@@ -30,7 +34,7 @@ from lukv_cache.texts import wikipedia_articles  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="docs/images/kept_smollm2.png")
+    parser.add_argument("--out", default=str(default_out("plot_kept") / "kept_smollm2.png"))
     parser.add_argument("--ratio", type=float, default=0.8)
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -49,6 +53,7 @@ def main() -> None:
     fig.axes[0].set_title(
         f"SmolLM2-135M, {cache.scorer.name} at ratio {args.ratio}: {article.title}", fontsize=9
     )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=80)
     print(text)
     share = kept_map(cache, [i for i in range(len(cache.layers)) if cache.kept_positions(i).numel()]).mean(0)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _out import default_out
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=str(default_out("prefill_cost")))
     parser.add_argument(
         "--skip-kvzip", action="store_true", help="leave out kvzip (its repeat passes are long)"
     )

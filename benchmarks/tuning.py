@@ -2,7 +2,8 @@
 
 The reported benchmark (``lukv bench``) uses Wikipedia articles; choosing settings on the same texts would
 tune to the report. These runs use gensim's 300 news articles instead (grouped, consecutive ones, into
-longer documents), another seed, and the same task code. Results go to ``benchmarks/results/tuning/``.
+longer documents), another seed, and the same task code. Results go to ``--out`` (default
+``<lukv cache>/bench/tuning``, outside the repository; the cited runs: ``--out benchmarks/results/tuning``).
 
     python benchmarks/tuning.py --tasks niah_multikey --scorers kvzip --allocators global adakv \\
         --ratios 0.5 0.8 0.9 --samples 8 --name mk_kvzip
@@ -20,6 +21,7 @@ import sys
 
 import _smoke
 import torch
+from _out import default_out
 
 from lukv_cache.allocation import ALLOCATORS, register_allocator
 from lukv_cache.evaluation.report import command_line, write_results
@@ -86,9 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", help="a folder of profiles searched first")
     parser.add_argument("--context-tokens", type=int, default=1000)
     parser.add_argument("--name")
+    parser.add_argument(
+        "--out", default=str(default_out("tuning")), help="output folder (default: %(default)s)"
+    )
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
-    out = "benchmarks/results/tuning"
+    out = args.out
     if args.smoke:
         out = _smoke.begin().out("tuning")
         args.tasks, args.samples, args.context_tokens, args.ratios = ["niah_multikey"], 1, 200, [0.8]

@@ -344,9 +344,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_threads_argument(parser)
     parser.add_argument(
         "--out",
-        default="benchmarks/results",
-        help="output folder, created if needed; the files written are printed (`lukv bench`: under the lukv "
-        "cache, $LUKV_CACHE_DIR or $XDG_CACHE_HOME/lukv_cache or ~/.cache/lukv_cache)",
+        default=str(cache_root() / "bench"),
+        help="output folder, created if needed; the files written are printed (default: %(default)s, under the "
+        "lukv cache: $LUKV_CACHE_DIR or $XDG_CACHE_HOME/lukv_cache or ~/.cache/lukv_cache)",
     )
     parser.add_argument("--name", help="output file stem (default: from tasks, context and samples)")
 
@@ -387,7 +387,6 @@ def _evaluation_commands(subparsers: Any) -> None:
         "Wikipedia text; writes markdown, JSON and a plot under --out.",
     )
     add_bench_arguments(bench)
-    bench.set_defaults(out=str(cache_root() / "bench"))  # not the current folder: the paths are printed
     bench.set_defaults(func=_command(run, "run_bench", _precheck_bench))
 
     check = _add(

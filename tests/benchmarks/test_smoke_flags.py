@@ -5,34 +5,9 @@ but ``benchmarks/smoke.py`` itself (standard library only)."""
 from __future__ import annotations
 
 import ast
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _runner():
-    spec = importlib.util.spec_from_file_location("benchmarks_smoke_runner", BENCHMARKS / "smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SCRIPTS = _runner().scripts()
-
-
-def _declares_smoke(tree: ast.Module) -> bool:
-    return any(
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "add_argument"
-        and node.args
-        and isinstance(node.args[0], ast.Constant)
-        and node.args[0].value == "--smoke"
-        for node in ast.walk(tree)
-    )
+from benchmark_scripts import BENCHMARKS, SCRIPTS, argument
 
 
 def test_the_runner_finds_every_script_but_itself_and_the_helpers():
@@ -47,7 +22,7 @@ def test_the_runner_finds_every_script_but_itself_and_the_helpers():
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_every_script_has_a_smoke_flag_and_says_so(script):
     tree = ast.parse(script.read_text(), filename=str(script))
-    assert _declares_smoke(tree), (
+    assert argument(tree, "--smoke") is not None, (
         f"{script.name}: no add_argument('--smoke', ...): benchmarks/smoke.py fails it"
     )
     assert "--smoke" in (ast.get_docstring(tree) or ""), (
