@@ -372,9 +372,9 @@ class LUKVCache(HybridRouting, CacheReport):
 
         >>> cache = LUKVCache.load("context.safetensors", model)  # doctest: +SKIP
         """
-        from .savefile import read_context
+        from .savefile import LoadOptions, read_context
 
-        return read_context(LUKVCache, path, model, **kwargs)
+        return read_context(cls, path, model, LoadOptions(**kwargs))
 
     def __repr__(self) -> str:
         return (

@@ -30,6 +30,7 @@ from .savefile import (
     FORMAT_NAME,
     FORMAT_VERSION,
     METADATA_KEY,
+    LoadOptions,
     checksum,
     fingerprint_fields,
     read_context,
@@ -82,15 +83,7 @@ def load_cache(
     Every problem raises :class:`~lukv_cache.errors.SavedContextError` (the file) or
     :class:`~lukv_cache.errors.SavedContextMismatchError` (another model), naming what is wrong.
     """
-    return read_context(
-        LUKVCache,
-        path,
-        model,
-        device=device,
-        scorer=scorer,
-        allocator=allocator,
-        allow_other_model_id=allow_other_model_id,
-    )
+    return read_context(LUKVCache, path, model, LoadOptions(device, scorer, allocator, allow_other_model_id))
 
 
 __all__ = [

@@ -379,23 +379,27 @@ def _library_version() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- loading
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """What :func:`lukv_cache.cache.saved.load_cache` takes besides the path and the model (its keywords,
+    documented there)."""
+
+    device: Any = None
+    scorer: str | Scorer | None = None
+    allocator: Any = None
+    allow_other_model_id: bool = False
+
+
 def read_context(
-    cache_class: type[LUKVCache],
-    path: str | os.PathLike,
-    model: Any,
-    *,
-    device: Any = None,
-    scorer: str | Scorer | None = None,
-    allocator: Any = None,
-    allow_other_model_id: bool = False,
+    cache_class: type[LUKVCache], path: str | os.PathLike, model: Any, options: LoadOptions = LoadOptions()
 ) -> LUKVCache:
     """The ``cache_class`` (LUKVCache) saved at ``path`` (see :func:`lukv_cache.cache.saved.load_cache`)."""
     path = Path(path)
     reader = _Reader(path)
     meta = reader.read()
-    _check_model(meta, model, reader, allow_other_model_id)
-    cache = _build_cache(cache_class, meta, model, reader, scorer, allocator)
-    devices = _layer_devices(model, len(cache.layers), device)
+    _check_model(meta, model, reader, options.allow_other_model_id)
+    cache = _build_cache(cache_class, meta, model, reader, options.scorer, options.allocator)
+    devices = _layer_devices(model, len(cache.layers), options.device)
     _restore_layers(cache, meta, reader, devices)
     return cache
 

@@ -508,3 +508,18 @@ def test_cache_save_and_load_are_the_module_functions(tmp_path):
     _, want = greedy_with_logits(model, full, cache, new_tokens=4)
     _, got = greedy_with_logits(model, full, loaded, new_tokens=4)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_a_subclass_loads_as_itself_and_load_takes_only_load_caches_keywords(tmp_path):
+    class MyCache(LUKVCache):
+        pass
+
+    model = tiny_model("llama")
+    cache = MyCache(0.5, "keydiff")
+    with torch.no_grad():
+        model(prompt(1, 40, seed=3), past_key_values=cache)
+    path = cache.save(tmp_path / "c.safetensors")
+    loaded = MyCache.load(path, model, allow_other_model_id=True)
+    assert type(loaded) is MyCache and torch.equal(loaded.stored_tokens(), cache.stored_tokens())
+    with pytest.raises(TypeError, match="ratio"):
+        MyCache.load(path, model, ratio=0.5)
