@@ -25,12 +25,12 @@ def test_an_out_default_lies_under_the_lukv_cache(script):
     )
 
 
-@pytest.mark.parametrize("env", [{"LUKV_CACHE_DIR": "/tmp/lukv-x"}, {"XDG_CACHE_HOME": "/tmp/xdg"}, {}])
-def test_default_out_follows_the_library_cache_root(env, monkeypatch):
+@pytest.mark.parametrize("env", ["LUKV_CACHE_DIR", "XDG_CACHE_HOME", None])
+def test_default_out_follows_the_library_cache_root(env, monkeypatch, tmp_path):
     for name in ("LUKV_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    if env is not None:
+        monkeypatch.setenv(env, str(tmp_path / env))
     assert module("_out").default_out("decode_nll") == cache_root() / "bench" / "decode_nll"
 
 

@@ -56,7 +56,7 @@ def test_missing_file_raises_configuration_error(tmp_path):
         load_calibration(tmp_path / "missing.jsonl")
 
 
-def test_planted_set_asks_back_each_planted_fact_once_and_matches_its_generator(tmp_path):
+def test_planted_set_asks_back_each_planted_fact_once_and_matches_its_generator(tmp_path, monkeypatch):
     import importlib.util
     from pathlib import Path
 
@@ -77,6 +77,7 @@ def test_planted_set_asks_back_each_planted_fact_once_and_matches_its_generator(
     assert NEEDLE.split("{")[0].strip() not in context
     # the shipped file is what the ablation script generates (only the description was written by hand)
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_ablation.py"
+    monkeypatch.syspath_prepend(str(script.parent))  # its sibling helpers (_smoke, _out), as when it runs
     spec = importlib.util.spec_from_file_location("profile_ablation", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
