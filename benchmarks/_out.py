@@ -22,3 +22,12 @@ def default_out(script: str) -> Path:
     else:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lukv_cache"
     return root / "bench" / script
+
+
+def write_table(path: str | os.PathLike, lines: list[str]) -> None:
+    """Print a result table's ``lines`` and write them to ``path`` (its folder made if needed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {path}")

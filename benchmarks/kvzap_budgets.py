@@ -23,7 +23,7 @@ from pathlib import Path
 
 import _smoke
 import torch
-from _out import default_out
+from _out import default_out, write_table
 from kvzap_lengths import WINDOW, global_keep  # the benchmark next to this one
 
 from lukv_cache import LUKVCache
@@ -103,10 +103,7 @@ def main() -> int:
         for ratio in ratios:
             cells = [f"{statistics.mean(rows[(tokens, ratio, k)]):.3f}" for k in kinds]
             lines.append(f"| {tokens:,} | {ratio} | " + " | ".join(cells) + " |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_table(args.out, lines)
     return 0
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import _smoke
 import torch
-from _out import default_out
+from _out import default_out, write_table
 
 from lukv_cache.models import load_smollm2
 from lukv_cache.profiling.kvzap import (
@@ -151,10 +151,7 @@ def main() -> None:
     lines += ["", "Per layer:", "", "| layer | " + " | ".join(SETS) + " |", "|---" * (len(SETS) + 1) + "|"]
     for i, layer in enumerate(layers):
         lines.append(f"| {layer} | " + " | ".join(f"{per_layer[name][i]:.3f}" for name in SETS) + " |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_table(args.out, lines)
 
 
 tokenizer_ = None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import _smoke
 import torch
-from _out import default_out
+from _out import default_out, write_table
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
@@ -72,10 +72,7 @@ def main() -> int:
     for layer in layers:
         lines.append(f"| {layer} | " + " | ".join(f"{rho[layer]:.3f}" for rho in per_length.values()) + " |")
     lines.append(f"\nTotal {time.time() - started:.0f} s on {args.threads} thread(s).")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_table(args.out, lines)
     return 0
 
 

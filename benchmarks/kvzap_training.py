@@ -29,7 +29,7 @@ from pathlib import Path
 
 import _smoke
 import torch
-from _out import default_out
+from _out import default_out, write_table
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
@@ -159,10 +159,7 @@ def main() -> int:
             per_layer = [statistics.mean(v) for v in results[name, tokens].values()]
             cells += [f"{statistics.mean(per_layer):.3f}", f"{min(per_layer):.3f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_table(args.out, lines)
     return 0
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import _smoke
 import torch
-from _out import default_out
+from _out import default_out, write_table
 from kvzap_lengths import (  # the benchmark next to this one
     WINDOW,
     kept_share,
@@ -125,10 +125,7 @@ def main() -> int:
             f"| {name} | {tokens:,} | {statistics.mean(cell['rho']):.3f} | {statistics.mean(cell[0.5]):.3f} | "
             f"{statistics.mean(cell[0.8]):.3f} | {statistics.mean(cell[0.9]):.3f} |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_table(args.out, lines)
     return 0
 
 
