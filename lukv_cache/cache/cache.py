@@ -29,7 +29,7 @@ from .prefill import prefill_context, score_round
 from .pretrained import from_pretrained as _from_pretrained
 from .report import CacheReport
 from .report import kv_cache_bytes as kv_cache_bytes  # re-exported: it lived here
-from .state import ForwardState, in_phase
+from .state import ForwardState, Phase, in_phase
 
 if TYPE_CHECKING:
     from ..attention.calls import WholeStoreView
@@ -222,7 +222,7 @@ class LUKVCache(HybridRouting, CacheReport):
         layer = cast(LUKVLayer, self.layers[idx])  # only a LUKVLayer announces a call
         if idx not in self.state.readers:
             self.state.readers[idx] = weakref.ref(module)
-        if self.state.phase == "reconstruct":
+        if self.state.phase is Phase.RECONSTRUCT:
             score_round(self, idx, module, query, scaling, softcap)
             return
         self.layout.learn_model(self, getattr(module, "config", None))
@@ -287,7 +287,7 @@ class LUKVCache(HybridRouting, CacheReport):
     def holding(self) -> Iterator[LUKVCache]:
         """Within this block, multi-token forwards fill the cache without compressing it; then rank the
         held tokens with your own scores (:meth:`evict_held`). ``prefill`` uses it for KVzip."""
-        with in_phase(self, "hold"):
+        with in_phase(self, Phase.HOLD):
             yield self
 
     def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:

@@ -26,6 +26,7 @@ from .compression import (
 )
 from .folding import fold_due, keeps_scores, scorer_context, suffix_valid
 from .layer import LUKVLayer
+from .state import Phase
 
 if TYPE_CHECKING:
     from .cache import LUKVCache
@@ -67,7 +68,7 @@ def attended(
                 cache._fold_evict()
         return
     region = plan_region(layer, policy, attention_mask)
-    if state.phase == "hold":
+    if state.phase is Phase.HOLD:
         state.held[idx] = region
         return
     scores = None

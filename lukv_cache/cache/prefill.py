@@ -15,7 +15,7 @@ from ..errors import ConfigurationError
 from ..scorers.kvzip import RepeatPrompt
 from .inputs import check_prefill_inputs
 from .layer import LUKVLayer
-from .state import in_phase
+from .state import Phase, in_phase
 
 
 def _positions(mask: torch.Tensor, length: int, past: int) -> torch.Tensor | None:
@@ -70,7 +70,7 @@ def prefill_context(
         repeat_prompt = recon.repeat_prompt(tokenizer)
     if isinstance(vocab, int):
         repeat_prompt.check_vocabulary(vocab)
-    with in_phase(cache, "hold"):
+    with in_phase(cache, Phase.HOLD):
         out = model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -106,7 +106,7 @@ def reconstruct(
         round_.scores = scores
         saved = {i: copy.deepcopy(layer) for i, layer in stock.items()}  # sliding layers would slide
         try:
-            with in_phase(cache, "reconstruct"):
+            with in_phase(cache, Phase.RECONSTRUCT):
                 model(
                     input_ids=round_.input_ids,
                     attention_mask=torch.cat([mask, round_.mask.long()], dim=1),

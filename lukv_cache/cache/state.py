@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,6 +15,16 @@ import torch
 
 from ..scorers.kvzip import ReconstructionRound
 from .compression import Region
+
+
+class Phase(enum.Enum):
+    """What the forwards into a cache are for while a :meth:`~lukv_cache.LUKVCache.holding` block or a
+    reconstruction scorer's passes run (``ForwardState.phase``; ``None`` outside them: ordinary forwards)."""
+
+    HOLD = (
+        "hold"  # multi-token forwards plan their regions into ``held``; everything stays until evict_held()
+    )
+    RECONSTRUCT = "reconstruct"  # a reconstruction scorer's pass: scored into ``round.scores``, then cropped
 
 
 @dataclass
@@ -26,9 +37,9 @@ class ForwardState:
     attends in its own code, never through the attention interface; ``deferred``: layers waiting for the
     end of the prefill to be evicted (a whole-model allocator) -> (region, masked scores or None);
     ``folding``: with ``decode_max_tokens``, layers whose fold is due in this forward -> (attention module,
-    mask); ``phase``: ``"hold"`` (multi-token forwards plan their regions into ``held`` and keep
-    everything until ``evict_held()``) or ``"reconstruct"`` (a reconstruction scorer's pass, scored into
-    ``round.scores`` and cropped afterwards); ``cap_ratio``: with ``max_tokens``, each row's ratio in
+    mask); ``phase``: a :class:`Phase` (``HOLD``: multi-token forwards plan their regions into ``held`` and
+    keep everything until ``evict_held()``; ``RECONSTRUCT``: a reconstruction scorer's pass, scored into
+    ``round.scores`` and cropped afterwards), ``None`` for ordinary forwards; ``cap_ratio``: with ``max_tokens``, each row's ratio in
     this forward (fixed at its first eviction).
     """
 
@@ -37,7 +48,7 @@ class ForwardState:
     unrouted: bool = False
     deferred: dict[int, tuple[Region, torch.Tensor | None]] = field(default_factory=dict)
     folding: dict[int, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
-    phase: str | None = None
+    phase: Phase | None = None
     held: dict[int, Region] = field(default_factory=dict)
     round: ReconstructionRound | None = None
     cap_ratio: torch.Tensor | None = None
@@ -56,7 +67,7 @@ class ForwardState:
 
 
 @contextlib.contextmanager
-def in_phase(cache: Any, phase: str) -> Iterator[None]:
+def in_phase(cache: Any, phase: Phase) -> Iterator[None]:
     """Within this block the forwards into ``cache`` run in ``phase`` (``ForwardState.phase``); the phase
     before it comes back afterwards, also into a state that ``reset`` replaced meanwhile."""
     previous, cache.state.phase = cache.state.phase, phase
