@@ -142,9 +142,9 @@ def _surrogate():
     """A seeded random kvzap surrogate of the stand-in's shape, on the shipped profile's features."""
     import torch
 
-    from lukv_cache.scorers.kvzap import FEATURE_SETS, Surrogate, base_features, input_size
+    from lukv_cache.scorers.kvzap import WINDOW_FEATURES, Surrogate, base_features, input_size
 
-    features = FEATURE_SETS[3]  # keys, values, the window attention, log T and x log T: SmolLM2's
+    features = WINDOW_FEATURES  # keys, values, the window attention, log T and x log T: SmolLM2's
     layers, heads = SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"]
     surrogate = Surrogate.zeros(
         layers, heads, input_size(features, base_features(features, heads, SHAPE["head_dim"]))

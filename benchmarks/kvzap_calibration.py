@@ -46,9 +46,10 @@ from lukv_cache.profiling.kvzap import (
     token_feature_maps,
 )
 from lukv_cache.profiling.kvzap_options import KVzapTraining
-from lukv_cache.scorers.kvzap import FEATURE_SETS, RidgeStats, surrogate_inputs
+from lukv_cache.profiling.ridge import RidgeStats
+from lukv_cache.scorers.kvzap import INTERACTION_FEATURES, surrogate_inputs
 
-FEATURES = FEATURE_SETS[2]  # keys, values, log T and their products with log T: the shipped set
+FEATURES = INTERACTION_FEATURES  # keys, values, log T and their products with log T: the shipped set
 
 
 def main() -> int:

@@ -36,7 +36,7 @@ from lukv_cache.profiling.kvzap import (
     spearman,
     token_feature_maps,
 )
-from lukv_cache.scorers.kvzap import RidgeStats
+from lukv_cache.profiling.ridge import RidgeStats
 
 SETS = ("hidden", "query", "kv_all", "kv_head")
 

@@ -42,7 +42,7 @@ from lukv_cache.profiling.kvzap import (
     spearman,
     token_feature_maps,
 )
-from lukv_cache.scorers.kvzap import RidgeStats
+from lukv_cache.profiling.ridge import RidgeStats
 
 
 def main() -> int:

@@ -42,9 +42,10 @@ from lukv_cache.profiling.kvzap import (
     token_feature_maps,
 )
 from lukv_cache.profiling.kvzap_options import KVzapTraining
-from lukv_cache.scorers.kvzap import FEATURE_SETS, RidgeStats, surrogate_inputs
+from lukv_cache.profiling.ridge import RidgeStats
+from lukv_cache.scorers.kvzap import INTERACTION_FEATURES, WINDOW_FEATURES, surrogate_inputs
 
-SETS = {"keys, values, log T, x log T": FEATURE_SETS[2], "+ window attention": FEATURE_SETS[3]}
+SETS = {"keys, values, log T, x log T": INTERACTION_FEATURES, "+ window attention": WINDOW_FEATURES}
 
 
 def main() -> int:
@@ -66,12 +67,14 @@ def main() -> int:
     heads = model.config.num_key_value_heads
 
     def inputs(ids: torch.Tensor) -> dict[str, dict[int, torch.Tensor]]:
-        maps = token_feature_maps(model, ids, FEATURE_SETS[3])  # keys, values, then the window attention
+        maps = token_feature_maps(model, ids, WINDOW_FEATURES)  # keys, values, then the window attention
         out = {}
         for name, feature_set in SETS.items():
             out[name] = {}
             for layer, x in maps.items():
-                if feature_set == FEATURE_SETS[2]:  # drop each head's window attention (its last feature)
+                if (
+                    feature_set == INTERACTION_FEATURES
+                ):  # drop each head's window attention (its last feature)
                     x = x.view(*x.shape[:2], heads, -1)[..., :-1].flatten(2)
                 out[name][layer] = surrogate_inputs(x, None, feature_set)[0]
         return out

@@ -55,11 +55,11 @@ def scorer_for(name: str, model):
     the last queries' window attention (so a padded row must be scored from its own queries)."""
     if name != "kvzap":
         return name
-    from lukv_cache.scorers.kvzap import FEATURE_SETS, Surrogate, base_features, input_size, kvzap_scorer
+    from lukv_cache.scorers.kvzap import WINDOW_FEATURES, Surrogate, base_features, input_size, kvzap_scorer
 
     text = model.config.get_text_config()
     heads, head_dim = text.num_key_value_heads, getattr(text, "head_dim", None) or 16
-    features = FEATURE_SETS[-1]  # keys, values, the window attention, the length and their products
+    features = WINDOW_FEATURES  # keys, values, the window attention, the length and their products
     size = input_size(features, base_features(features, heads, head_dim))
     surrogate = Surrogate.zeros(text.num_hidden_layers, heads, size)
     surrogate.features = features

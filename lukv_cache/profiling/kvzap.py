@@ -24,9 +24,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.swap import attention_swapped
 from ..errors import ConfigurationError
 from ..scorers.kvzap import (
-    FEATURE_SETS,
     FEATURES,
-    RidgeStats,
+    FeatureSet,
     Surrogate,
     module_window_attention,
     reads_window,
@@ -39,6 +38,7 @@ from .kvzap_corpora import CORPORA as CORPORA  # the training documents, importa
 from .kvzap_corpora import news_documents as news_documents
 from .kvzap_corpora import python_docs_documents as python_docs_documents
 from .kvzap_options import FAMILIES, HIDDEN, SKIP_FIRST, TARGETS
+from .ridge import RidgeStats
 from .scores import prefill_scores
 
 if TYPE_CHECKING:
@@ -116,8 +116,7 @@ def train_surrogate(
     at a time instead of every layer's; ``None`` keeps them in memory. Both train the same surrogate."""
     if family not in FAMILIES:
         raise ConfigurationError(f"Unknown kvzap surrogate family {family!r}; use 'linear' or 'mlp'.")
-    if features not in FEATURE_SETS:
-        raise ConfigurationError(f"Unknown kvzap feature set {features!r}; use one of {list(FEATURE_SETS)}.")
+    FeatureSet.named(features)  # an unknown name is refused before any work
     targets_of = targets_of or (lambda ids: kvzip_targets(model, tokenizer, ids))
     generator = torch.Generator().manual_seed(seed)
     stats: dict[int, RidgeStats] = {}

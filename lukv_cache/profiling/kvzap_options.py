@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 CORPORA = ("news", "python_docs")  # lukv_cache.profiling.kvzap_corpora.CORPORA reads them
 FAMILIES = ("linear", "mlp")
 TARGETS = ("kvzip_plus", "kvzip")  # the reconstruction scores a surrogate learns (their log)
-LENGTH_INPUTS = ("none", "log", "interactions")  # -> lukv_cache.scorers.kvzap.FEATURE_SETS, in order
+LENGTH_INPUTS = ("none", "log", "interactions")  # lukv_cache.scorers.kvzap.FeatureSet.length
 SKIP_FIRST = 4  # attention sinks: always kept, and their scores are outliers a surrogate need not learn
 # the recent window kvzap protects (lukv_cache.scorers.kvzap.KVZAP_WINDOW; a test checks they agree): the
 # score thresholds are read past the sinks and before it, so a document needs more than both
@@ -203,10 +203,13 @@ class KVzapTraining:
 
     @property
     def features(self) -> str:
-        """The surrogate's feature set (:data:`lukv_cache.scorers.kvzap.FEATURE_SETS`)."""
-        from ..scorers.kvzap import FEATURE_SETS
+        """The name of the surrogate's feature set (:class:`lukv_cache.scorers.kvzap.FeatureSet`): the window
+        attention reads the length with its interactions."""
+        from ..scorers.kvzap import FeatureSet
 
-        return FEATURE_SETS[3] if self.window_attention else FEATURE_SETS[LENGTH_INPUTS.index(self.length)]
+        if self.window_attention:
+            return FeatureSet(window_attention=True, length="interactions").name
+        return FeatureSet(length=self.length).name
 
     def describe(self) -> str:
         groups = " + ".join(f"{count} x {tokens:,}" for count, tokens in self.documents)
@@ -224,13 +227,14 @@ def _shape(config: Any, feature_set: str) -> tuple[int, int, int]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    base = heads * (2 * head_dim + (1 if "+window_attention" in feature_set else 0))
-    inputs = (
-        base
-        if feature_set.endswith("values")
-        else (base + 1 if feature_set.endswith("+log_length") else 2 * base + 1)
+    from ..scorers.kvzap import FeatureSet
+
+    features = FeatureSet.named(feature_set)
+    return (
+        int(text.num_hidden_layers),
+        int(heads),
+        features.input_size(features.base_features(heads, head_dim)),
     )
-    return int(text.num_hidden_layers), int(heads), int(inputs)
 
 
 def _physical_memory() -> int | None:

@@ -32,35 +32,86 @@ import torch
 from ..errors import ConfigurationError
 from .base import Scorer, _group_queries
 
-FEATURES = "keys_prerope_values"  # every surrogate reads these; the feature sets below may add the length
+FEATURES = "keys_prerope_values"  # every surrogate reads these; the feature sets below may add more
 WINDOW_ATTENTION = (
     "+window_attention"  # one more feature per KV head: what the last queries read of the token
 )
 WINDOW_QUERIES = 32  # the last queries the window attention reads (as SnapKV's observation window)
-# what a surrogate's inputs are: the features alone, plus log(context length), or plus that and every feature
-# times it (a surrogate trained on several lengths learns how each head's scores move with the length); the
-# last set adds each KV head's window attention to the features (context a token's key and value lack)
-FEATURE_SETS = (
-    FEATURES,
-    FEATURES + "+log_length",
-    FEATURES + "+log_length+interactions",
-    FEATURES + WINDOW_ATTENTION + "+log_length+interactions",
+# how a surrogate reads the context's length T: not at all, log T as one more input, or log T and every
+# feature times it (a surrogate trained on several lengths learns how each head's scores move with T)
+_LENGTH_SUFFIXES = {"none": "", "log": "+log_length", "interactions": "+log_length+interactions"}
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """What a surrogate reads: per KV head the token's pre-RoPE key and value, its window attention if
+    ``window_attention`` (context its key and value lack), and the context's length as ``length`` says
+    (``"none"``, ``"log"`` or ``"interactions"``). Profile files store :attr:`name`; :meth:`named` reads
+    one back.
+
+    >>> FeatureSet.named("keys_prerope_values+log_length")
+    FeatureSet(window_attention=False, length='log')
+    >>> WINDOW_FEATURES == FeatureSet(window_attention=True, length="interactions").name
+    True
+    """
+
+    window_attention: bool = False
+    length: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.length not in _LENGTH_SUFFIXES:
+            raise ConfigurationError(
+                f"A kvzap feature set reads the length as one of {list(_LENGTH_SUFFIXES)}, not {self.length!r}."
+            )
+
+    @property
+    def name(self) -> str:
+        """The set's name, as profile files store it."""
+        return FEATURES + (WINDOW_ATTENTION if self.window_attention else "") + _LENGTH_SUFFIXES[self.length]
+
+    @staticmethod
+    def named(name: str) -> FeatureSet:
+        """The feature set called ``name`` (one of :data:`FEATURE_SETS`)."""
+        if name not in _BY_NAME:
+            raise ConfigurationError(f"Unknown kvzap feature set {name!r}; use one of {list(FEATURE_SETS)}.")
+        return _BY_NAME[name]
+
+    def base_features(self, kv_heads: int, head_dim: int) -> int:
+        """The token features read before the length: per KV head the key, the value (``head_dim`` each)
+        and the window attention if the set has it."""
+        return kv_heads * (2 * head_dim + (1 if self.window_attention else 0))
+
+    def input_size(self, features: int) -> int:
+        """The surrogate's inputs for ``features`` token features."""
+        return {"none": features, "log": features + 1, "interactions": 2 * features + 1}[self.length]
+
+
+_KNOWN = (  # the sets a surrogate can read
+    FeatureSet(),
+    FeatureSet(length="log"),
+    FeatureSet(length="interactions"),
+    FeatureSet(window_attention=True, length="interactions"),  # the richest: SmolLM2's shipped surrogate's
 )
+_BY_NAME = {s.name: s for s in _KNOWN}
+FEATURE_SETS = tuple(_BY_NAME)  # their names, as profile files store them
+LOG_LENGTH_FEATURES = FeatureSet(length="log").name
+INTERACTION_FEATURES = FeatureSet(length="interactions").name
+WINDOW_FEATURES = FeatureSet(window_attention=True, length="interactions").name
 
 
 def reads_window(feature_set: str) -> bool:
     """Whether surrogates of ``feature_set`` read the window attention (and so the last queries)."""
-    return WINDOW_ATTENTION in feature_set
+    return FeatureSet.named(feature_set).window_attention
 
 
 def base_features(feature_set: str, kv_heads: int, head_dim: int) -> int:
     """The token features a surrogate of ``feature_set`` reads before the length: per KV head its pre-RoPE
     key and value, and its window attention if the set has it.
 
-    >>> base_features(FEATURE_SETS[2], 3, 64), base_features(FEATURE_SETS[3], 3, 64)
+    >>> base_features(INTERACTION_FEATURES, 3, 64), base_features(WINDOW_FEATURES, 3, 64)
     (384, 387)
     """
-    return kv_heads * (2 * head_dim + (1 if reads_window(feature_set) else 0))
+    return FeatureSet.named(feature_set).base_features(kv_heads, head_dim)
 
 
 def input_size(feature_set: str, features: int) -> int:
@@ -69,27 +120,24 @@ def input_size(feature_set: str, features: int) -> int:
     >>> [input_size(s, 384) for s in FEATURE_SETS]
     [384, 385, 769, 769]
     """
-    return (
-        features
-        if feature_set == FEATURES
-        else (features + 1 if feature_set.endswith("+log_length") else 2 * features + 1)
-    )
+    return FeatureSet.named(feature_set).input_size(features)
 
 
 def surrogate_inputs(features: torch.Tensor, lengths: torch.Tensor | None, feature_set: str) -> torch.Tensor:
     """fp32 ``[B, T, input_size]``: a surrogate's inputs from token features ``[B, T, F]`` and each row's
     context length ``lengths [B]`` (tokens the row holds; ``None``: ``T``).
 
-    >>> surrogate_inputs(torch.ones(1, 2, 3), torch.tensor([8]), FEATURE_SETS[2])[0, 0]
+    >>> surrogate_inputs(torch.ones(1, 2, 3), torch.tensor([8]), INTERACTION_FEATURES)[0, 0]
     tensor([1.0000, 1.0000, 1.0000, 2.0794, 2.0794, 2.0794, 2.0794])
     """
     x = features.float()
-    if feature_set == FEATURES:
+    length = FeatureSet.named(feature_set).length
+    if length == "none":
         return x
     b, t, _ = x.shape
     lengths = torch.full((b,), t) if lengths is None else lengths
     log_t = lengths.to(x.device, torch.float32).clamp_min(1).log()[:, None, None].expand(b, t, 1)
-    return torch.cat([x, log_t, x * log_t] if feature_set.endswith("+interactions") else [x, log_t], dim=-1)
+    return torch.cat([x, log_t, x * log_t] if length == "interactions" else [x, log_t], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- features
@@ -315,74 +363,6 @@ class Surrogate:
         hidden_bias = cast(torch.Tensor, self.hidden_bias)  # an MLP surrogate has both
         hidden = x @ first.T + (hidden_bias[layer].to(device) - first @ mean)
         return (torch.nn.functional.gelu(hidden) @ weight.T + bias).transpose(1, 2)
-
-
-class RidgeStats:
-    """Sufficient statistics of a ridge regression, summed over batches of rows (float64, ``O(F^2)``
-    memory whatever the number of rows): a layer's surrogate is trained from a corpus without holding it.
-
-    >>> stats = RidgeStats(3, 1)
-    >>> x = torch.randn(500, 3)
-    >>> stats.add(x[:200], x[:200, :1] * 2 + 1)
-    >>> stats.add(x[200:], x[200:, :1] * 2 + 1)
-    >>> weight, bias, mean, std = stats.solve(alpha=0.0)
-    >>> torch.allclose((x - mean) / std @ weight + bias, x[:, :1] * 2 + 1, atol=1e-4)
-    True
-    """
-
-    def __init__(self, features: int, targets: int):
-        self.n = 0
-        self.sx = torch.zeros(features, dtype=torch.float64)
-        self.sy = torch.zeros(targets, dtype=torch.float64)
-        self.sxx = torch.zeros(features, features, dtype=torch.float64)
-        self.sxy = torch.zeros(features, targets, dtype=torch.float64)
-        self.syy = torch.zeros(targets, dtype=torch.float64)
-
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add rows ``x [N, F]`` with targets ``y [N, H]``."""
-        x, y = x.double().cpu(), y.double().cpu()
-        self.n += x.shape[0]
-        self.sx += x.sum(0)
-        self.sy += y.sum(0)
-        self.sxx += x.T @ x
-        self.sxy += x.T @ y
-        self.syy += (y * y).sum(0)
-
-    def _moments(self) -> tuple[torch.Tensor, ...]:
-        """float64 input mean ``[F]``, target mean ``[H]``, input covariance ``[F, F]`` and input std ``[F]``."""
-        mean, y_mean = self.sx / self.n, self.sy / self.n
-        cov = self.sxx / self.n - torch.outer(mean, mean)
-        return mean, y_mean, cov, cov.diagonal().clamp_min(0).sqrt().clamp_min(1e-6)
-
-    def solve(self, alpha: float = 1.0) -> tuple[torch.Tensor, ...]:
-        """fp32 ``weight [F, H]``, ``bias [H]``, ``mean [F]``, ``std [F]``: ridge on standardised inputs
-        (``alpha`` per row of data, so its strength does not depend on the corpus size)."""
-        if self.n < 2:
-            raise ConfigurationError("A surrogate needs at least two scored tokens to train on.")
-        mean, y_mean, cov, std = self._moments()
-        cov_xy = self.sxy / self.n - torch.outer(mean, y_mean)
-        gram = cov / torch.outer(std, std) + alpha / self.n * torch.eye(len(std), dtype=torch.float64)
-        weight = torch.linalg.solve(gram, cov_xy / std[:, None])
-        return weight.float(), y_mean.float(), mean.float(), std.float()
-
-    def prediction_scale(self, weight: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[H]``: ``std(target) / std(prediction)`` on the rows added, for a ``weight [F, H]`` from
-        :meth:`solve`. Ridge predictions spread less than their targets (by ``R``, less where the fit is
-        worse); multiplying a head's weights by this makes them spread as much, leaving its ranking and its
-        mean as they are (what `global`, which compares heads, needs).
-
-        >>> stats = RidgeStats(2, 1)
-        >>> x = torch.randn(4000, 2)
-        >>> stats.add(x, x[:, :1] + torch.randn(4000, 1))  # R^2 = 1/2: predictions spread sqrt(2) less
-        >>> scale = stats.prediction_scale(stats.solve(alpha=0.0)[0])
-        >>> bool(abs(scale.item() - 2**0.5) < 0.1)
-        True
-        """
-        _, y_mean, cov, std = self._moments()
-        w = weight.double()
-        predicted = ((cov / torch.outer(std, std)) @ w * w).sum(0)  # variance of the centred predictions
-        target = (self.syy / self.n - y_mean * y_mean).clamp_min(0)
-        return (target / predicted.clamp_min(1e-12)).sqrt().float()
 
 
 # ---------------------------------------------------------------------------------------------- the scorer

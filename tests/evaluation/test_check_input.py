@@ -169,9 +169,9 @@ def _folder_profile(model_dir, scorer, out_dir, surrogate=None):
 def _kvzap_surrogate():
     import torch
 
-    from lukv_cache.scorers.kvzap import FEATURE_SETS, Surrogate, base_features, input_size
+    from lukv_cache.scorers.kvzap import WINDOW_FEATURES, Surrogate, base_features, input_size
 
-    features = FEATURE_SETS[3]
+    features = WINDOW_FEATURES
     surrogate = Surrogate.zeros(2, 2, input_size(features, base_features(features, 2, 16)))
     surrogate.features, surrogate.layers = features, [0, 1]
     surrogate.weight.copy_(torch.randn(surrogate.weight.shape, generator=torch.Generator().manual_seed(0)))

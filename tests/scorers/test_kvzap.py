@@ -19,10 +19,12 @@ from lukv_cache.profiling.kvzap import (
     train_surrogate,
 )
 from lukv_cache.profiling.kvzap_options import KVzapTraining
+from lukv_cache.profiling.ridge import RidgeStats
 from lukv_cache.scorers.kvzap import (
-    FEATURE_SETS,
+    FEATURES,
+    INTERACTION_FEATURES,
     KVZAP_ALLOCATOR,
-    RidgeStats,
+    WINDOW_FEATURES,
     RopeInverse,
     Surrogate,
     base_features,
@@ -140,9 +142,9 @@ def test_kvzap_scores_are_the_surrogate_on_each_tokens_key_and_value():
     with torch.no_grad():
         cache.prefill(model, ids)
     surrogate = scorer.params["surrogate"]
-    assert surrogate.features == FEATURE_SETS[3] and scorer.n_queries == 32
+    assert surrogate.features == WINDOW_FEATURES and scorer.n_queries == 32
     features = token_feature_maps(model, ids, surrogate.features)  # what training reads
-    assert features[0].shape[-1] == base_features(FEATURE_SETS[3], 2, 16)
+    assert features[0].shape[-1] == base_features(WINDOW_FEATURES, 2, 16)
     for layer, scores in cache.prefill_scores.items():
         want = surrogate.predict(layer, features[layer], lengths=torch.tensor([40]))
         torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-4)
@@ -153,8 +155,8 @@ def test_kvzap_scores_are_the_surrogate_on_each_tokens_key_and_value():
 
 def test_a_length_aware_surrogate_reads_log_length_and_its_products_with_the_features():
     gen = torch.Generator().manual_seed(5)
-    s = Surrogate.zeros(num_layers=1, heads=2, features=input_size(FEATURE_SETS[2], 3))
-    s.features = FEATURE_SETS[2]
+    s = Surrogate.zeros(num_layers=1, heads=2, features=input_size(INTERACTION_FEATURES, 3))
+    s.features = INTERACTION_FEATURES
     for t in (s.weight, s.bias, s.mean):
         t.copy_(torch.randn(t.shape, generator=gen))
     x = torch.randn(2, 4, 3, generator=gen)
@@ -411,7 +413,7 @@ def test_a_kvzap_profile_of_the_previous_release_still_loads_and_scores():
 
     old = Path(__file__).parent.parent / "data" / "kvzap_smollm2_keys_values_length.safetensors"
     surrogate = Profile.load(old).surrogate
-    assert surrogate.features == FEATURE_SETS[2] and tuple(surrogate.weight.shape) == (30, 3, 769)
+    assert surrogate.features == INTERACTION_FEATURES and tuple(surrogate.weight.shape) == (30, 3, 769)
     assert kvzap_scorer(surrogate).n_queries == 0
     scores = surrogate.predict(5, torch.randn(2, 7, 384), lengths=torch.tensor([7, 900]))
     assert scores.shape == (2, 3, 7) and bool(torch.isfinite(scores).all())
@@ -424,7 +426,7 @@ def test_the_linear_window_attention_kvzap_profile_of_the_previous_release_still
 
     old = Path(__file__).parent.parent / "data" / "kvzap_smollm2_linear_window.safetensors"
     surrogate = Profile.load(old).surrogate
-    assert surrogate.family == "linear" and surrogate.features == FEATURE_SETS[3]
+    assert surrogate.family == "linear" and surrogate.features == WINDOW_FEATURES
     assert tuple(surrogate.weight.shape) == (30, 3, 775)
     assert kvzap_scorer(surrogate).n_queries == 32
     scores = surrogate.predict(5, torch.randn(2, 7, 387), lengths=torch.tensor([7, 900]))
@@ -529,7 +531,7 @@ def test_an_mlp_surrogate_of_no_width_is_refused():
 def test_a_window_attention_surrogate_is_checked_against_its_own_input_count():
     """2 KV heads x head dim 16: keys and values give 64 features, the window attention 2 more; with the
     length and the products, 129 inputs without it and 133 with it."""
-    window_set = FEATURE_SETS[3]
+    window_set = WINDOW_FEATURES
     fits = Surrogate.zeros(2, 2, input_size(window_set, base_features(window_set, 2, 16)))
     fits.features, fits.layers = window_set, [0, 1]
     assert fits.num_features == 133
@@ -557,7 +559,7 @@ def test_a_window_attention_surrogate_without_queries_is_a_typed_error():
 
 
 def _with_thresholds(table) -> Surrogate:
-    surrogate = Surrogate.zeros(2, 2, input_size(FEATURE_SETS[0], 64))
+    surrogate = Surrogate.zeros(2, 2, input_size(FEATURES, 64))
     surrogate.layers = [0, 1]
     surrogate.meta["thresholds"] = table
     return surrogate
@@ -674,7 +676,7 @@ def test_a_surrogate_whose_width_does_not_fit_the_model_is_a_typed_error_at_the_
     """A surrogate built for another head dim (or a profile with head_dim null, which skips the check on
     load) names the layer, the inputs it expects and the ones the model gives."""
     model = tiny_model("llama", "sdpa")  # 2 KV heads x head dim 16
-    features = FEATURE_SETS[3]
+    features = WINDOW_FEATURES
     wrong = Surrogate.zeros(2, 2, input_size(features, base_features(features, 2, 32)))
     wrong.features, wrong.layers = features, [0, 1]
     scorer = kvzap_scorer(wrong)
@@ -694,7 +696,7 @@ def test_a_surrogate_whose_width_does_not_fit_the_model_is_a_typed_error_at_the_
 
 def test_a_surrogate_with_too_few_layers_or_heads_is_a_typed_error():
     model = tiny_model("llama", "sdpa")
-    features = FEATURE_SETS[3]
+    features = WINDOW_FEATURES
     width = input_size(features, base_features(features, 2, 16))
     keys, values = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     one_layer = Surrogate.zeros(1, 2, width)
@@ -725,3 +727,24 @@ def test_a_thresholds_table_edited_after_loading_is_refused_by_the_allocator():
     profile.surrogate.meta["thresholds"] = {"grid": [0.25, 0.5, 0.75], "values": [1.0, 0.0, float("nan")]}
     with pytest.raises(ConfigurationError, match="score thresholds must be finite"):
         threshold(profile=profile)
+
+
+def test_feature_sets_are_read_back_by_the_names_profiles_store():
+    from lukv_cache.scorers.kvzap import FEATURE_SETS, FeatureSet
+
+    assert [FeatureSet.named(name).name for name in FEATURE_SETS] == list(FEATURE_SETS)
+    assert FeatureSet.named(WINDOW_FEATURES).window_attention and FeatureSet.named(FEATURES).length == "none"
+    with pytest.raises(ConfigurationError, match="Unknown kvzap feature set"):
+        FeatureSet.named("keys_prerope_values+log")
+    with pytest.raises(ConfigurationError, match="length"):
+        FeatureSet(length="sqrt")
+
+
+@pytest.mark.parametrize(
+    "window, length", [(False, "none"), (False, "log"), (False, "interactions"), (True, "interactions")]
+)
+def test_the_build_options_name_a_known_feature_set(window, length):
+    from lukv_cache.scorers.kvzap import FEATURE_SETS, reads_window
+
+    features = KVzapTraining(window_attention=window, length=length).features
+    assert features in FEATURE_SETS and reads_window(features) == window
