@@ -15,6 +15,7 @@ from .._lazy import lazy_names
 # the light ones (.kvzap_options, which the CLI's help reads) do not pull in torch and transformers
 _LAZY = {
     "CalibrationFormatError": "..errors",
+    "BuildSettings": ".build",
     "build_profile": ".build",
     "build_profiles": ".build",
     "default_cache_dir": ".build",
@@ -30,7 +31,7 @@ _LAZY = {
 # the same names from the same modules, for type checkers and editors (kept equal: tests/test_lazy_names.py)
 if TYPE_CHECKING:
     from ..errors import CalibrationFormatError
-    from .build import build_profile, build_profiles, default_cache_dir
+    from .build import BuildSettings, build_profile, build_profiles, default_cache_dir
     from .calibration import load_calibration, shipped_calibrations
     from .scores import prefill_scores
     from .solver import DEFAULT_GRID, exact_keep_counts, greedy_keep_counts, pava, solve_evict_ratios
@@ -41,6 +42,7 @@ __getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 __all__ = [
     "DEFAULT_GRID",
+    "BuildSettings",
     "CalibrationFormatError",
     "build_profile",
     "build_profiles",

@@ -353,30 +353,77 @@ def prepare_run(
     )
 
 
+@dataclass(frozen=True, eq=False)
+class BuildSettings:
+    """How :func:`build_profiles` and :func:`build_profile` build: every option but the model, its tokenizer,
+    the scorers and the calibration set. Pass one (``settings=``), or its fields as keywords of either
+    function (``build_profile(model, tokenizer, k_max=32)``); keywords win over ``settings``' fields.
+
+    ``k_max``: answer tokens decoded per question. ``aggregate``: how a token's oracle importance combines
+    the decode steps, ``"max"`` (the paper) or ``"mean"``. ``grid``: global ratios (default 0.01 ... 0.99).
+    ``sink``/``window``: protected tokens, never counted (``window=None``: the scorer's own window).
+    ``min_keep``: fraction of its evictable tokens every head keeps. ``scope``: ``"all"`` (one budget over
+    all layers) or ``"layer"``. ``max_questions``: use a seeded random subset. ``seed``: that subset's and
+    the build's seed. ``cache_dir``: where per-question results are kept (``False`` disables, default
+    :func:`default_cache_dir`). ``show_progress``: a progress bar. ``model_id``: defaults to
+    ``model.config.name_or_path``. ``extra``: free JSON metadata stored in the profile (e.g. where the
+    weights came from). ``kvzap``: for the ``kvzap`` scorer, how its surrogate is trained
+    (:class:`~lukv_cache.profiling.kvzap_options.KVzapTraining`: documents, corpora, family; the profile
+    records it).
+
+    >>> BuildSettings(k_max=32).scope
+    'all'
+    """
+
+    k_max: int = 64
+    aggregate: str = "max"
+    grid: Sequence[float] | np.ndarray | None = None
+    sink: int = 4
+    window: int | None = None
+    min_keep: float = 0.01
+    scope: str = "all"
+    max_questions: int | None = None
+    seed: int = 0
+    cache_dir: str | os.PathLike | None | Literal[False] = None
+    show_progress: bool = True
+    model_id: str | None = None
+    extra: dict | None = None
+    kvzap: KVzapTraining | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in ("all", "layer"):
+            raise ConfigurationError(f"scope must be 'all' or 'layer', got {self.scope!r}.")
+        if self.sink < 0 or (self.window is not None and self.window < 0):
+            raise ConfigurationError(
+                f"sink and window must be >= 0, got sink={self.sink}, window={self.window}."
+            )
+
+
+def _settings(settings: BuildSettings | None, options: dict[str, Any]) -> BuildSettings:
+    """``settings`` (default :class:`BuildSettings`'s) with ``options``, its fields by name, in place."""
+    names = [f.name for f in dataclasses.fields(BuildSettings)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ConfigurationError(
+            f"build_profile has no option {', '.join(map(repr, unknown))}; its options are BuildSettings' "
+            f"fields: {', '.join(names)}."
+        )
+    return dataclasses.replace(settings or BuildSettings(), **options)
+
+
 def build_profiles(
     model,
     tokenizer,
     scorers: Sequence[str | Scorer] = ("keydiff",),
     calibration: str | os.PathLike = "planted",
     *,
-    k_max: int = 64,
-    aggregate: str = "max",
-    grid: Sequence[float] | np.ndarray | None = None,
-    sink: int = 4,
-    window: int | None = None,
-    min_keep: float = 0.01,
-    scope: str = "all",
-    max_questions: int | None = None,
-    seed: int = 0,
-    cache_dir: str | os.PathLike | None | Literal[False] = None,
-    show_progress: bool = True,
-    model_id: str | None = None,
-    extra: dict | None = None,
-    kvzap: KVzapTraining | None = None,
+    settings: BuildSettings | None = None,
+    **options: Any,
 ) -> dict:
     """Build one LU-KV profile per scorer from one oracle pass: ``{scorer_name: Profile}``.
 
-    Same arguments as :func:`build_profile`, with ``scorers`` a list. The full-cache decoding of each
+    Same arguments as :func:`build_profile`, with ``scorers`` a list (``settings`` / ``options``:
+    :class:`BuildSettings`). The full-cache decoding of each
     question (the expensive part) is shared by all scorers. ``kvzap`` first learns its surrogate as
     ``kvzap`` says (:class:`~lukv_cache.profiling.kvzap_options.KVzapTraining`: KVzip targets on real
     text, then an MLP or ridge regression) and stores it in its profile.
@@ -389,6 +436,7 @@ def build_profiles(
 
     from ..profiles.profile import Profile
 
+    settings = _settings(settings, options)
     scorer_objs = list({s.name: s for s in map(get_scorer, scorers)}.values())
     if not scorer_objs:
         raise ConfigurationError("build_profiles needs at least one scorer.")
@@ -396,15 +444,16 @@ def build_profiles(
     if any(s.name == "kvzap" for s in scorer_objs):  # learn KVzap's surrogate first (unless given one)
         given = next(s for s in scorer_objs if s.name == "kvzap").params.get("surrogate")
         surrogate = given or _train_kvzap(
-            model, tokenizer, kvzap or KVzapTraining(), seed, cache_dir, show_progress
+            model,
+            tokenizer,
+            settings.kvzap or KVzapTraining(),
+            settings.seed,
+            settings.cache_dir,
+            settings.show_progress,
         )
         scorer_objs = [kvzap_scorer(surrogate) if s.name == "kvzap" else s for s in scorer_objs]
-    grid_arr = check_grid(DEFAULT_GRID if grid is None else grid)
-    if scope not in ("all", "layer"):
-        raise ConfigurationError(f"scope must be 'all' or 'layer', got {scope!r}.")
-    if sink < 0 or (window is not None and window < 0):
-        raise ConfigurationError(f"sink and window must be >= 0, got sink={sink}, window={window}.")
-    model_id = model_id or getattr(model.config, "name_or_path", "") or ""
+    grid_arr = check_grid(DEFAULT_GRID if settings.grid is None else settings.grid)
+    model_id = settings.model_id or getattr(model.config, "name_or_path", "") or ""
     if not model_id:
         raise ConfigurationError(
             "The model has no name_or_path; pass model_id='org/name' so the profile says which model it is for."
@@ -413,22 +462,22 @@ def build_profiles(
         model,
         tokenizer,
         calibration,
-        k_max=k_max,
-        max_questions=max_questions,
-        seed=seed,
-        cache_dir=cache_dir,
-        aggregate=aggregate,
+        k_max=settings.k_max,
+        max_questions=settings.max_questions,
+        seed=settings.seed,
+        cache_dir=settings.cache_dir,
+        aggregate=settings.aggregate,
     )
     t = run.context_len
-    windows = {s.name: s.window if window is None else window for s in scorer_objs}
+    windows = {s.name: s.window if settings.window is None else settings.window for s in scorer_objs}
     for name, w in windows.items():
-        if t - sink - w < 1:
+        if t - settings.sink - w < 1:
             raise ConfigurationError(
-                f"The calibration context has {t} tokens: nothing left to evict after {sink} sinks and a "
+                f"The calibration context has {t} tokens: nothing left to evict after {settings.sink} sinks and a "
                 f"window of {w} (scorer {name!r}). Use a longer context."
             )
     config = model.config.get_text_config()
-    torch.manual_seed(seed)
+    torch.manual_seed(settings.seed)
     was_training = model.training
     model.eval()
     try:
@@ -436,7 +485,7 @@ def build_profiles(
         shape = (len(grid_arr), config.num_hidden_layers, config.num_key_value_heads)
         sums = {s.name: np.zeros(shape) for s in scorer_objs}
         progress = tqdm(
-            total=len(run.selected), desc="LU-KV profile", unit="question", disable=not show_progress
+            total=len(run.selected), desc="LU-KV profile", unit="question", disable=not settings.show_progress
         )
         with progress:
             for index in range(len(run.selected)):
@@ -447,10 +496,10 @@ def build_profiles(
                         importance,
                         full,
                         grid=grid_arr,
-                        sink=sink,
+                        sink=settings.sink,
                         window=windows[s.name],
-                        min_keep=min_keep,
-                        scope=scope,
+                        min_keep=settings.min_keep,
+                        scope=settings.scope,
                         layers=layers,
                     )
                 progress.update(1)
@@ -461,16 +510,16 @@ def build_profiles(
     selected = run.selected
     provenance = {
         "prompt_format": "context" + QUESTION_TEMPLATE,
-        "scope": scope,
-        "oracle_aggregate": aggregate,
+        "scope": settings.scope,
+        "oracle_aggregate": settings.aggregate,
         "questions": len(selected),
         "question_indices": selected if len(selected) < run.total_questions else "all",
-        "seed": seed,
+        "seed": settings.seed,
         "context_tokens": t,
         "calibration_sha256": run.context_sha,
         "model_fingerprint": run.fingerprint,
         "ratio_of": "evictable tokens (sinks and window excluded)",
-        **(extra or {}),
+        **(settings.extra or {}),
     }
     return {
         s.name: Profile(
@@ -480,10 +529,10 @@ def build_profiles(
             scorer=s.name,
             head_dim=int(head_dim),
             scorer_params=_scorer_params(s),
-            sink=sink,
+            sink=settings.sink,
             window=windows[s.name],
-            min_keep=min_keep,
-            k_max=k_max,
+            min_keep=settings.min_keep,
+            k_max=settings.k_max,
             calibration=run.description,
             extra=provenance,
             surrogate=surrogate if s.name == "kvzap" else None,
@@ -570,35 +619,17 @@ def build_profile(
     scorer: str | Scorer = "keydiff",
     calibration: str | os.PathLike = "planted",
     *,
-    k_max: int = 64,
-    aggregate: str = "max",
-    grid: Sequence[float] | np.ndarray | None = None,
-    sink: int = 4,
-    window: int | None = None,
-    min_keep: float = 0.01,
-    scope: str = "all",
-    max_questions: int | None = None,
-    seed: int = 0,
-    cache_dir: str | os.PathLike | None | Literal[False] = None,
-    show_progress: bool = True,
-    model_id: str | None = None,
-    extra: dict | None = None,
-    kvzap: KVzapTraining | None = None,
+    settings: BuildSettings | None = None,
+    **options: Any,
 ):
     """Build the LU-KV profile of ``model`` for ``scorer`` from a calibration set.
 
     ``calibration``: a shipped set (``"planted"``, the default: a narrative with planted facts asked back;
     ``"default"``, the narrative with questions about its story; ``"expository"``) or a JSONL file (format
-    in ``lukv_cache/profiling/calibration/README.md``). ``k_max``: answer tokens decoded per question.
-    ``aggregate``: how a token's oracle importance combines the decode steps, ``"max"`` (the paper) or
-    ``"mean"``. ``grid``: global ratios (default 0.01 ... 0.99). ``sink``/``window``: protected tokens, never counted
-    (``window=None``: the scorer's own window). ``min_keep``: fraction of its evictable tokens every head
-    keeps. ``scope``: ``"all"`` (one budget over all layers) or ``"layer"``. ``max_questions``: use a seeded
-    random subset. ``cache_dir``: where per-question results are kept (``False`` disables, default
-    :func:`default_cache_dir`). ``model_id``: defaults to ``model.config.name_or_path``. ``extra``: free JSON
-    metadata stored in the profile (e.g. where the weights came from). ``kvzap``: for ``scorer="kvzap"``,
-    how its surrogate is trained (:class:`~lukv_cache.profiling.kvzap_options.KVzapTraining`: documents,
-    corpora, family; the profile records it).
+    in ``lukv_cache/profiling/calibration/README.md``). Every other option (``k_max``, ``grid``, ``sink``,
+    ``window``, ``min_keep``, ``scope``, ``cache_dir``, ``model_id``, ``kvzap``, ...) is a field of
+    :class:`BuildSettings`, given as a keyword or in ``settings=``; an unknown one is a
+    :class:`~lukv_cache.errors.ConfigurationError` that lists them.
 
     >>> from lukv_cache import build_profile
     >>> profile = build_profile(model, tokenizer, scorer="keydiff")  # doctest: +SKIP
@@ -606,26 +637,5 @@ def build_profile(
     (30, 3)
     """
     return next(
-        iter(
-            build_profiles(
-                model,
-                tokenizer,
-                [scorer],
-                calibration,
-                k_max=k_max,
-                aggregate=aggregate,
-                grid=grid,
-                sink=sink,
-                window=window,
-                min_keep=min_keep,
-                scope=scope,
-                max_questions=max_questions,
-                seed=seed,
-                cache_dir=cache_dir,
-                show_progress=show_progress,
-                model_id=model_id,
-                extra=extra,
-                kvzap=kvzap,
-            ).values()
-        )
+        iter(build_profiles(model, tokenizer, [scorer], calibration, settings=settings, **options).values())
     )

@@ -104,6 +104,36 @@ def test_build_is_deterministic_with_a_seeded_question_subset(
     )
 
 
+def test_settings_and_keywords_are_one_set_of_options(
+    tiny_model, byte_tokenizer, tmp_path, calibration_writer
+):
+    from lukv_cache.profiling import BuildSettings
+
+    path = calibration_writer(tmp_path / "six.jsonl", n_questions=6)
+    settings = BuildSettings(
+        k_max=2, model_id="org/tiny", cache_dir=False, show_progress=False, max_questions=2
+    )
+    by_keywords = build_profile(tiny_model, byte_tokenizer, "knorm", path, **dataclasses.asdict(settings))
+    by_settings = build_profile(tiny_model, byte_tokenizer, "knorm", path, settings=settings)
+    np.testing.assert_array_equal(by_settings.evict_ratio, by_keywords.evict_ratio)
+    # a keyword wins over the settings' field
+    other = build_profile(tiny_model, byte_tokenizer, "knorm", path, settings=settings, model_id="org/other")
+    assert (other.model_id, by_settings.model_id) == ("org/other", "org/tiny")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(kmax=2), "no option 'kmax'; its options are BuildSettings' fields: k_max, aggregate"),
+        (dict(scope="heads"), "scope must be 'all' or 'layer'"),
+        (dict(sink=-1), "sink and window must be >= 0"),
+    ],
+)
+def test_an_unknown_or_bad_build_option_is_refused_before_any_work(options, message, byte_tokenizer):
+    with pytest.raises(ConfigurationError, match=message):
+        build_profile(None, byte_tokenizer, "keydiff", **options)  # no model needed to refuse
+
+
 def test_model_without_name_needs_model_id(tiny_model, byte_tokenizer, tiny_calibration):
     with pytest.raises(ConfigurationError, match="model_id"):
         build_profile(
