@@ -6,6 +6,7 @@ package both import it; the package re-exports every public name, registered bui
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -151,7 +152,25 @@ def get_allocator(name: str | Allocator | AllocateFn, **kwargs: Any) -> Allocato
     if callable(name) and not isinstance(name, str):
         return Allocator(getattr(name, "__name__", "custom"), name)
     entry = ALLOCATORS.get(name)
+    _check_options(name, entry.factory, kwargs)
     return Allocator(name, entry.factory(**kwargs), entry.whole_model, dict(kwargs), entry.adaptive)
+
+
+def _check_options(name: str, factory: _Factory, kwargs: dict[str, Any]) -> None:
+    """Refuse options the factory does not take, and required ones missing, before it is called."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(kwargs) - set(params))
+    missing = [n for n, p in params.items() if p.default is p.empty and p.kind != p.VAR_POSITIONAL]
+    missing = [n for n in missing if n not in kwargs]
+    if unknown or missing:
+        problem = f"has no option {', '.join(map(repr, unknown))}" if unknown else f"needs {missing}"
+        raise ConfigurationError(
+            f"Allocator {name!r} {problem} (its options: {', '.join(params) or 'none'}). Pass an allocator's "
+            "own options in allocator_kwargs= (evict_ratio= and profile= are the 'profile' allocator's), or "
+            "choose the allocator they belong to."
+        )
 
 
 def allocators_reading_profile() -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any, overload
 
 import numpy as np
@@ -151,6 +152,11 @@ def build_policy(
     >>> build_policy(0.8, sink=2).window, build_policy(max_tokens=64).ratio
     (1, 0.0)
     """
+    if allocator_kwargs is not None and not isinstance(allocator_kwargs, Mapping):
+        raise ConfigurationError(
+            f"allocator_kwargs must be a dict of the allocator's options (e.g. {{'profile': profile}}), got "
+            f"{type(allocator_kwargs).__name__}."
+        )
     kwargs = dict(allocator_kwargs or {})
     if evict_ratio is not None:
         kwargs["evict_ratio"] = evict_ratio
@@ -186,6 +192,10 @@ def build_policy(
     if decode_max_tokens is not None:
         _check_decodes(scorer_obj)
     sink = _check_count("sink", sink)
+    if sink is None:
+        raise ConfigurationError(
+            "sink must be a non-negative integer (the first tokens every head keeps), got None."
+        )
     window = _check_count("window", window)
     prefill_chunk_size = _check_count("prefill_chunk_size", prefill_chunk_size, positive=True)
     if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Real) or not 0.0 <= min_keep < 1.0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import tiny_model
@@ -46,6 +47,36 @@ def test_configuration_error_is_a_value_error_and_a_lukv_error():
 def test_bad_cache_option_raises_configuration_error(kwargs):
     with pytest.raises(ConfigurationError):
         LUKVCache(0.5, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sink": None}, "sink must be a non-negative integer"),  # was a TypeError inside torch.full
+        ({"allocator_kwargs": "profile"}, "allocator_kwargs must be a dict"),
+        ({"allocator_kwargs": 3}, "allocator_kwargs must be a dict"),
+        # evict_ratio= belongs to the 'profile' allocator; with the default one it was a raw TypeError
+        ({"evict_ratio": np.full((2, 2), 0.5)}, "Allocator 'uniform' has no option 'evict_ratio'"),
+        ({"allocator": "adakv", "allocator_kwargs": {"alpha": 0.1}}, "its options: alpha_safeguard"),
+    ],
+)
+def test_options_that_cannot_apply_are_refused_when_the_cache_is_built(kwargs, message):
+    ratio = None if "evict_ratio" in kwargs else 0.5
+    with pytest.raises(ConfigurationError, match=message):
+        LUKVCache(ratio, **kwargs)
+
+
+def test_a_registered_allocator_missing_a_required_option_is_refused_by_name(monkeypatch):
+    from lukv_cache.allocation import ALLOCATORS, register_allocator
+
+    monkeypatch.setattr(ALLOCATORS, "_items", dict(ALLOCATORS._items))  # the registration ends with the test
+
+    @register_allocator("needs_weights")
+    def needs_weights(weights):
+        return lambda request: None
+
+    with pytest.raises(ConfigurationError, match=r"Allocator 'needs_weights' needs \['weights'\]"):
+        LUKVCache(0.5, allocator="needs_weights")
 
 
 def test_unknown_scorer_raises_unknown_name_error_listing_known_names():
