@@ -24,7 +24,7 @@ from .hybrid import HybridRouting
 from .layer import FOLD_AT, LUKVLayer
 from .layout import Layout
 from .parallel import HeadShard, mesh_shard
-from .policy import build_policy, policy_property
+from .policy import build_policy, check_flag, policy_property
 from .prefill import prefill_context, score_round
 from .pretrained import from_pretrained as _from_pretrained
 from .report import CacheReport
@@ -128,7 +128,9 @@ class LUKVCache(HybridRouting, CacheReport):
         self.layer_class_to_replicate = LUKVLayer  # until the layout is known (config=, or the model's)
         self.profile: Profile | None = None  # the Profile the budgets come from (set by from_pretrained)
         self.layout = Layout(None if device_mesh is None else mesh_shard(device_mesh))
-        self.prefill_scores: dict[int, torch.Tensor] | None = {} if keep_scores else None
+        self.prefill_scores: dict[int, torch.Tensor] | None = (
+            {} if check_flag("keep_scores", keep_scores) else None
+        )
         self.state = ForwardState()  # what a forward leaves pending: reset() replaces it whole
         if config is not None:
             self.layout.set_layout(self, config)

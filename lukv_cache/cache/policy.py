@@ -44,6 +44,17 @@ def check_ratio(ratio: Any) -> float:
     return float(ratio)
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool (Python or numpy); anything else raises a ConfigurationError naming ``name``.
+
+    >>> check_flag("keep_scores", True)
+    True
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise ConfigurationError(f"{name} must be True or False, got {value!r}.")
+
+
 _MAX_TOKENS_LIMIT = 2**40  # far beyond any context; larger numbers are a mistake (None means no cap)
 
 

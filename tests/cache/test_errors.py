@@ -55,6 +55,8 @@ def test_bad_cache_option_raises_configuration_error(kwargs):
         ({"sink": None}, "sink must be a non-negative integer"),  # was a TypeError inside torch.full
         ({"allocator_kwargs": "profile"}, "allocator_kwargs must be a dict"),
         ({"allocator_kwargs": 3}, "allocator_kwargs must be a dict"),
+        # a saved context stores it and refuses anything but a bool when loaded: refuse it here already
+        ({"keep_scores": "yes"}, "keep_scores must be True or False"),
         # evict_ratio= belongs to the 'profile' allocator; with the default one it was a raw TypeError
         ({"evict_ratio": np.full((2, 2), 0.5)}, "Allocator 'uniform' has no option 'evict_ratio'"),
         ({"allocator": "adakv", "allocator_kwargs": {"alpha": 0.1}}, "its options: alpha_safeguard"),
