@@ -140,20 +140,10 @@ def _model(folder: Path) -> Path:
 
 def _surrogate():
     """A seeded random kvzap surrogate of the stand-in's shape, on the shipped profile's features."""
-    import torch
+    from lukv_cache.testing import random_surrogate
 
-    from lukv_cache.scorers.kvzap import WINDOW_FEATURES, Surrogate, base_features, input_size
-
-    features = WINDOW_FEATURES  # keys, values, the window attention, log T and x log T: SmolLM2's
     layers, heads = SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"]
-    surrogate = Surrogate.zeros(
-        layers, heads, input_size(features, base_features(features, heads, SHAPE["head_dim"]))
-    )
-    surrogate.features = features
-    generator = torch.Generator().manual_seed(0)
-    surrogate.weight.copy_(0.1 * torch.randn(surrogate.weight.shape, generator=generator))
-    surrogate.bias.copy_(torch.randn(surrogate.bias.shape, generator=generator))
-    surrogate.layers = list(range(layers))
+    surrogate = random_surrogate(layers, heads, SHAPE["head_dim"], scale=0.1)  # SmolLM2's feature set
     surrogate.meta = {"corpus": "none (smoke stand-in: random weights)", "family": "linear"}
     return surrogate
 

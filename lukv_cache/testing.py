@@ -32,6 +32,8 @@ from .profiles import Profile
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
+    from .scorers.kvzap import Surrogate
+
 VOCAB = 128  # the models' vocabulary unless told otherwise (byte_tokenizer() needs BYTE_VOCAB)
 BYTE_VOCAB = 257  # byte_tokenizer(): 256 bytes and an end-of-text token
 PAD = 0
@@ -206,3 +208,34 @@ def with_gains(profile: Profile, knots: int = 8) -> Profile:
     gain_scores = np.broadcast_to(np.linspace(-1.0, 1.0, knots, dtype=np.float32), (layers, heads, knots))
     gain_values = np.linspace(0.0, 1.0, knots, dtype=np.float32) * scale
     return dataclasses.replace(profile, gain_scores=gain_scores.copy(), gain_values=gain_values)
+
+
+def random_surrogate(
+    layers: int = 2,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    *,
+    scale: float = 1.0,
+    bias: bool = True,
+    seed: int = 0,
+) -> Surrogate:
+    """A seeded random kvzap surrogate for a model of ``layers`` layers of ``kv_heads`` KV heads of ``head_dim``,
+    on the richest feature set (keys, values, the window attention, the length and their products: every input
+    a surrogate can read). Weights ``scale * N(0, 1)``, then the biases ``N(0, 1)`` unless ``bias`` is False,
+    from one generator seeded with ``seed``. Its scores mean nothing; ``kvzap_scorer(random_surrogate())``
+    scores as a trained one would be called.
+
+    >>> random_surrogate(layers=3).weight.shape  # [layers, KV heads, inputs]
+    torch.Size([3, 2, 133])
+    """
+    from .scorers.kvzap import WINDOW_FEATURES, FeatureSet, Surrogate
+
+    surrogate = Surrogate.zeros(
+        layers, kv_heads, FeatureSet.named(WINDOW_FEATURES).inputs(kv_heads, head_dim)
+    )
+    surrogate.features, surrogate.layers = WINDOW_FEATURES, list(range(layers))
+    generator = torch.Generator().manual_seed(seed)
+    surrogate.weight.copy_(scale * torch.randn(surrogate.weight.shape, generator=generator))
+    if bias:
+        surrogate.bias.copy_(torch.randn(surrogate.bias.shape, generator=generator))
+    return surrogate

@@ -55,16 +55,9 @@ def scorer_for(name: str, model):
     the last queries' window attention (so a padded row must be scored from its own queries)."""
     if name != "kvzap":
         return name
-    from lukv_cache.scorers.kvzap import WINDOW_FEATURES, Surrogate, base_features, input_size, kvzap_scorer
+    from lukv_cache.scorers.kvzap import kvzap_scorer
+    from lukv_cache.testing import random_surrogate
 
     text = model.config.get_text_config()
-    heads, head_dim = text.num_key_value_heads, getattr(text, "head_dim", None) or 16
-    features = WINDOW_FEATURES  # keys, values, the window attention, the length and their products
-    size = input_size(features, base_features(features, heads, head_dim))
-    surrogate = Surrogate.zeros(text.num_hidden_layers, heads, size)
-    surrogate.features = features
-    gen = torch.Generator().manual_seed(0)
-    surrogate.weight.copy_(torch.randn(surrogate.weight.shape, generator=gen))
-    surrogate.bias.copy_(torch.randn(surrogate.bias.shape, generator=gen))
-    surrogate.layers = list(range(text.num_hidden_layers))
-    return kvzap_scorer(surrogate)
+    head_dim = getattr(text, "head_dim", None) or 16
+    return kvzap_scorer(random_surrogate(text.num_hidden_layers, text.num_key_value_heads, head_dim))

@@ -46,6 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"cache", "errors"},
     "testing": {
         "profiles",
+        "scorers",
         "errors",
     },  # tiny models, tokenizers and profiles for tests, doctests and examples
     "evaluation": {

@@ -205,11 +205,9 @@ class KVzapTraining:
     def features(self) -> str:
         """The name of the surrogate's feature set (:class:`lukv_cache.scorers.kvzap.FeatureSet`): the window
         attention reads the length with its interactions."""
-        from ..scorers.kvzap import FeatureSet
+        from ..scorers.kvzap import WINDOW_FEATURES, FeatureSet
 
-        if self.window_attention:
-            return FeatureSet(window_attention=True, length="interactions").name
-        return FeatureSet(length=self.length).name
+        return WINDOW_FEATURES if self.window_attention else FeatureSet(length=self.length).name
 
     def describe(self) -> str:
         groups = " + ".join(f"{count} x {tokens:,}" for count, tokens in self.documents)
@@ -224,17 +222,12 @@ def _positions(config: Any) -> int | None:
 
 def _shape(config: Any, feature_set: str) -> tuple[int, int, int]:
     """(layers, KV heads, a surrogate's inputs) for a model of ``config`` and ``feature_set``."""
+    from ..scorers.kvzap import FeatureSet
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    from ..scorers.kvzap import FeatureSet
-
-    features = FeatureSet.named(feature_set)
-    return (
-        int(text.num_hidden_layers),
-        int(heads),
-        features.input_size(features.base_features(heads, head_dim)),
-    )
+    return int(text.num_hidden_layers), int(heads), FeatureSet.named(feature_set).inputs(heads, head_dim)
 
 
 def _physical_memory() -> int | None:

@@ -85,18 +85,28 @@ class FeatureSet:
         """The surrogate's inputs for ``features`` token features."""
         return {"none": features, "log": features + 1, "interactions": 2 * features + 1}[self.length]
 
+    def inputs(self, kv_heads: int, head_dim: int) -> int:
+        """The surrogate's inputs for a layer of ``kv_heads`` KV heads of ``head_dim``.
 
-_KNOWN = (  # the sets a surrogate can read
-    FeatureSet(),
-    FeatureSet(length="log"),
-    FeatureSet(length="interactions"),
-    FeatureSet(window_attention=True, length="interactions"),  # the richest: SmolLM2's shipped surrogate's
-)
-_BY_NAME = {s.name: s for s in _KNOWN}
-FEATURE_SETS = tuple(_BY_NAME)  # their names, as profile files store them
-LOG_LENGTH_FEATURES = FeatureSet(length="log").name
-INTERACTION_FEATURES = FeatureSet(length="interactions").name
-WINDOW_FEATURES = FeatureSet(window_attention=True, length="interactions").name
+        >>> FeatureSet.named(WINDOW_FEATURES).inputs(3, 64)  # 2 * (3 * (2 * 64 + 1)) + 1
+        775
+        """
+        return self.input_size(self.base_features(kv_heads, head_dim))
+
+
+_BY_NAME = {  # the sets a surrogate can read, by the names profile files store
+    s.name: s
+    for s in (
+        FeatureSet(),  # named FEATURES
+        FeatureSet(length="log"),
+        FeatureSet(length="interactions"),
+        FeatureSet(
+            window_attention=True, length="interactions"
+        ),  # the richest: SmolLM2's shipped surrogate's
+    )
+}
+FEATURE_SETS = tuple(_BY_NAME)
+_, LOG_LENGTH_FEATURES, INTERACTION_FEATURES, WINDOW_FEATURES = FEATURE_SETS
 
 
 def reads_window(feature_set: str) -> bool:

@@ -167,14 +167,9 @@ def _folder_profile(model_dir, scorer, out_dir, surrogate=None):
 
 
 def _kvzap_surrogate():
-    import torch
+    from lukv_cache.testing import random_surrogate
 
-    from lukv_cache.scorers.kvzap import WINDOW_FEATURES, Surrogate, base_features, input_size
-
-    features = WINDOW_FEATURES
-    surrogate = Surrogate.zeros(2, 2, input_size(features, base_features(features, 2, 16)))
-    surrogate.features, surrogate.layers = features, [0, 1]
-    surrogate.weight.copy_(torch.randn(surrogate.weight.shape, generator=torch.Generator().manual_seed(0)))
+    surrogate = random_surrogate(2, 2, 16, bias=False)
     surrogate.meta["thresholds"] = {"grid": [0.25, 0.5, 0.75], "values": [-1.0, 0.0, 1.0]}
     return surrogate
 
