@@ -24,7 +24,7 @@ from .hybrid import HybridRouting
 from .layer import FOLD_AT, LUKVLayer
 from .layout import Layout
 from .parallel import HeadShard, mesh_shard
-from .policy import build_policy, check_flag, policy_property
+from .policy import SINK, build_policy, check_flag, policy_property
 from .prefill import prefill_context, score_round
 from .pretrained import from_pretrained as _from_pretrained
 from .report import CacheReport
@@ -94,7 +94,7 @@ class LUKVCache(HybridRouting, CacheReport):
         allocator: Any = "uniform",
         *,
         max_tokens: int | None = None,
-        sink: int = 4,
+        sink: int = SINK,
         window: int | None = None,
         min_keep: float = 0.01,
         prefill_chunk_size: int | None = None,

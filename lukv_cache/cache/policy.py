@@ -55,16 +55,25 @@ def check_flag(name: str, value: Any) -> bool:
     raise ConfigurationError(f"{name} must be True or False, got {value!r}.")
 
 
+SINK = 4  # the first tokens every head keeps, by default
 _MAX_TOKENS_LIMIT = 2**40  # far beyond any context; larger numbers are a mistake (None means no cap)
 
 
 @overload
-def _check_count(name: str, value: int, *, positive: bool = False) -> int: ...
+def _check_count(name: str, value: int, *, positive: bool = False, default: int | None = None) -> int: ...
 @overload
-def _check_count(name: str, value: Any, *, positive: bool = False) -> int | None: ...
-def _check_count(name: str, value: Any, *, positive: bool = False) -> int | None:
-    """``value`` as an int (Python or numpy integers), or a ConfigurationError naming ``name``."""
+def _check_count(name: str, value: Any, *, positive: bool = False, default: int) -> int: ...
+@overload
+def _check_count(name: str, value: Any, *, positive: bool = False, default: None = None) -> int | None: ...
+def _check_count(name: str, value: Any, *, positive: bool = False, default: int | None = None) -> int | None:
+    """``value`` as an int (Python or numpy integers), or a ConfigurationError naming ``name``. ``None``
+    passes through (an option that ``None`` turns off), unless the option has a ``default`` instead."""
+    kind = "a positive" if positive else "a non-negative"
     if value is None:
+        if default is not None:
+            raise ConfigurationError(
+                f"{name} must be {kind} integer, got None; leave it out for its default ({default})."
+            )
         return None
     if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
         value = value.item()
@@ -74,7 +83,6 @@ def _check_count(name: str, value: Any, *, positive: bool = False) -> int | None
         or not isinstance(value, numbers.Integral)
         or value < (1 if positive else 0)
     ):
-        kind = "a positive" if positive else "a non-negative"
         raise ConfigurationError(f"{name} must be {kind} integer, got {value!r}.")
     return int(value)
 
@@ -146,7 +154,7 @@ def build_policy(
     allocator: Any = "uniform",
     *,
     max_tokens: int | None = None,
-    sink: int = 4,
+    sink: int = SINK,
     window: int | None = None,
     min_keep: float = 0.01,
     prefill_chunk_size: int | None = None,
@@ -173,11 +181,7 @@ def build_policy(
         kwargs["evict_ratio"] = evict_ratio
     _check_table_alone(kwargs.get("evict_ratio"), ratio, max_tokens)
     decode_max_tokens = _check_count("decode_max_tokens", decode_max_tokens, positive=True)
-    if fold_interval is None:
-        raise ConfigurationError(
-            f"fold_interval must be a positive integer (tokens between folds; default {FOLD_AT}), got None."
-        )
-    fold_interval = _check_count("fold_interval", fold_interval, positive=True)
+    fold_interval = _check_count("fold_interval", fold_interval, positive=True, default=FOLD_AT)
     kv_bits = check_kv_bits(kv_bits)
     if decode_max_tokens is not None:
         if decode_max_tokens > _MAX_TOKENS_LIMIT:
@@ -202,11 +206,7 @@ def build_policy(
         raise ConfigurationError(scorer_obj.missing)
     if decode_max_tokens is not None:
         _check_decodes(scorer_obj)
-    sink = _check_count("sink", sink)
-    if sink is None:
-        raise ConfigurationError(
-            "sink must be a non-negative integer (the first tokens every head keeps), got None."
-        )
+    sink = _check_count("sink", sink, default=SINK)
     window = _check_count("window", window)
     prefill_chunk_size = _check_count("prefill_chunk_size", prefill_chunk_size, positive=True)
     if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Real) or not 0.0 <= min_keep < 1.0:
