@@ -3,6 +3,7 @@ its hybrids, calibrated (the profile's score-to-gain table, competed model-wide)
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import numpy as np
@@ -10,6 +11,23 @@ import torch
 
 from ..errors import ConfigurationError
 from .base import AllocationRequest, largest_remainder, register_allocator
+
+
+def _option_number(
+    allocator: str, name: str, value: object, low: float = 0.0, high: float = 1.0, valid: str = ""
+) -> float:
+    """An allocator's numeric option as a float in ``[low, high]``: Python, numpy and 0-d torch numbers;
+    bools, NaN, strings, ``None`` and values out of range are a ConfigurationError naming the option."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype != torch.bool:
+        value = value.item()
+    elif isinstance(value, np.generic) and not isinstance(value, np.bool_):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ConfigurationError(
+            f"{allocator}: {name} must be in [{low:g}, {high:g}] (a number, not NaN), got {value!r}"
+            + (f"; use {valid}." if valid else ".")
+        )
+    return float(value)
 
 
 @register_allocator("uniform")
@@ -34,9 +52,10 @@ def pyramid(beta: float = 20.0):
     With an average budget k per head, the top layer keeps k / beta and the bottom one 2k - k / beta; heads
     of a layer share its budget uniformly. Layer totals are rounded model-wide by largest remainder, so
     the model keeps round((1 - ratio) * n * H * L) tokens (less only where a layer's share exceeds n).
+    ``beta`` must be at least 1: ``beta=1`` is uniform, and below 1 the top layer would keep more than the
+    bottom one (an inverted pyramid).
     """
-    if beta <= 0:
-        raise ConfigurationError(f"pyramid: beta must be > 0, got {beta}.")
+    beta = _option_number("pyramid", "beta", beta, 1.0, math.inf, "1 (uniform) or more; PyramidKV uses 20")
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
         num_layers = req.num_layers
@@ -86,8 +105,7 @@ def adakv(alpha_safeguard: float = 0.2):
     """AdaKV (arXiv 2407.11550): within a layer, keep the globally top-scored tokens across heads, with a
     safeguard: each head first keeps ``alpha_safeguard`` of its uniform share. Scores of different heads
     are compared directly, so this suits scorers whose scale means the same for every head."""
-    if not 0.0 <= alpha_safeguard <= 1.0:
-        raise ConfigurationError(f"adakv: alpha_safeguard must be in [0, 1], got {alpha_safeguard}.")
+    alpha_safeguard = _option_number("adakv", "alpha_safeguard", alpha_safeguard)
 
     def layer_counts(req: AllocationRequest, scores: torch.Tensor) -> torch.Tensor:
         total = req.layer_total()  # [B]
@@ -204,8 +222,7 @@ def hybrid(evict_ratio=None, floor: float = 0.5, profile=None):
     of its profile budget, and the rest of the layer's total goes to the highest scores across its heads
     (AdaKV's competition). ``floor=1`` is the profile exactly; ``floor=0`` is AdaKV with the profile's
     layer totals."""
-    if not 0.0 <= floor <= 1.0:
-        raise ConfigurationError(f"hybrid: floor must be in [0, 1], got {floor}.")
+    floor = _option_number("hybrid", "floor", floor)
     budgets = _profile_budgets("hybrid", evict_ratio, profile)
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
@@ -230,8 +247,7 @@ def hybrid_global(evict_ratio=None, floor: float = 0.5, profile=None):
     Every head first keeps ``floor`` of its profile budget; the rest of the model's total goes to the highest
     scores across every layer and head, as ``global`` does. Needs every layer's scores at once (like
     ``global``), so the cache holds the prefill's KV until the last layer has attended."""
-    if not 0.0 <= floor <= 1.0:
-        raise ConfigurationError(f"hybrid_global: floor must be in [0, 1], got {floor}.")
+    floor = _option_number("hybrid_global", "floor", floor)
     budgets = _profile_budgets("hybrid_global", evict_ratio, profile)
 
     def allocate(req: AllocationRequest) -> torch.Tensor:
@@ -337,10 +353,8 @@ def calibrated(profile=None, floor: float = 0.0, evict_ratio=None, blend: float 
     The model keeps the profile's total (as ``hybrid_global`` does); ``floor``: every head first keeps that
     share of its profile budget (0, the default: only its minimum). Needs every layer's scores at once
     (like ``global``), and a profile with a score-to-gain table (format version 2)."""
-    if not 0.0 <= floor <= 1.0:
-        raise ConfigurationError(f"calibrated: floor must be in [0, 1], got {floor}.")
-    if not 0.0 <= blend <= 1.0:
-        raise ConfigurationError(f"calibrated: blend must be in [0, 1], got {blend}.")
+    floor = _option_number("calibrated", "floor", floor)
+    blend = _option_number("calibrated", "blend", blend)
     knots, gains = _gain_table("calibrated", profile)
     centre = ((getattr(profile, "extra", None) or {}).get("gains") or {}).get("centre", "model")
     if centre not in GAIN_CENTRES:
@@ -385,7 +399,9 @@ def threshold(value: float | None = None, profile=None):
     ``value``: a fixed threshold on the scorer's scale. Or ``profile``: a ``kvzap`` profile, whose
     surrogate records for each global ratio the threshold that removes that share of its training tokens
     (``meta["thresholds"]``); each row reads it at its ratio, so ``ratio`` is the *average* removed share
-    on text like the training corpus. Every head keeps at least its minimum; ``max_tokens`` still caps it.
+    on text like the training corpus. Below the table's first ratio the evicted share is scaled down
+    linearly to none at ratio 0 (as :meth:`Profile.at` interpolates). Every head keeps at least its minimum;
+    ``max_tokens`` still caps it.
     """
     if (value is None) == (profile is None):
         raise ConfigurationError("threshold: pass value= (a score threshold) or profile= (a kvzap profile).")
@@ -426,7 +442,13 @@ def threshold(value: float | None = None, profile=None):
                 np.interp(req.ratio.numpy(), cast(torch.Tensor, grid).numpy(), values.numpy())
             )
         above = req.scores >= tau.to(req.scores).view(1, -1, 1, 1)  # -inf (not evictable) never is
-        counts = above.sum(-1).cpu()
+        counts = above.sum(-1).cpu()  # [L, B, H]
+        if grid is not None and float(grid[0]) > 0:
+            # below the first grid point the evicted share shrinks linearly to none at ratio 0, as
+            # Profile.at does, instead of holding the first point's threshold
+            scale = (req.ratio.double() / float(grid[0])).clamp_max(1.0).view(1, -1, 1)
+            n = req.n_evictable.view(1, -1, 1)
+            counts = n - torch.round((n - counts).double() * scale).long()
         low = req.min_counts().view(1, -1, 1)
         return torch.minimum(torch.maximum(counts, low), req.n_evictable.view(1, -1, 1))
 

@@ -352,3 +352,47 @@ def test_calibrated_without_a_table_or_with_a_bad_floor_is_refused():
         )
     with pytest.raises(ConfigurationError, match="blend must be in"):
         get_allocator("calibrated", profile=_calibrated_profile(np.ones((1, 2, 4))), blend=-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "option"),
+    [("pyramid", "beta"), ("adakv", "alpha_safeguard"), ("hybrid", "floor"), ("calibrated", "floor")]
+    + [("calibrated", "blend"), ("hybrid_global", "floor")],
+)
+@pytest.mark.parametrize("value", [float("nan"), "0.5", None, True, [0.5]])
+def test_allocator_options_that_are_not_numbers_raise_configuration_error_naming_the_option(
+    name, option, value
+):
+    table = _calibrated_profile(np.ones((1, 2, 4)))
+    kwargs = {} if name in ("pyramid", "adakv") else {"profile": table}
+    with pytest.raises(ConfigurationError, match=f"{name}: {option} must be in"):
+        get_allocator(name, **kwargs, **{option: value})
+
+
+@pytest.mark.parametrize("beta", [0.25, 0.999])
+def test_pyramid_refuses_a_beta_below_one_which_would_invert_the_pyramid(beta):
+    with pytest.raises(ConfigurationError, match=r"beta must be in \[1, inf\]"):
+        get_allocator("pyramid", beta=beta)
+
+
+def test_pyramid_with_beta_one_is_uniform_and_larger_betas_shrink_the_top_layer():
+    req = whole_model((100,), heads=2, ratio=0.5, num_layers=4)
+    flat = get_allocator("pyramid", beta=1.0)(req)
+    assert (flat == 50).all()
+    steep = get_allocator("pyramid", beta=np.float64(20.0))(req)
+    assert steep[0, 0, 0] > steep[-1, 0, 0]
+
+
+def test_threshold_below_its_first_grid_point_evicts_a_proportional_share_as_a_profile_does():
+    """A table whose first point is ratio 0.5: at ratio 0.25 half of that point's evictions happen, and a
+    ratio near 0 keeps (nearly) every token, as Profile.at interpolates towards ratio 0."""
+    from types import SimpleNamespace
+
+    table = {"grid": [0.5, 0.9], "values": [0.0, 1.0]}
+    profile = SimpleNamespace(surrogate=SimpleNamespace(meta={"thresholds": table}))
+    scores = torch.linspace(-1, 1, 100).view(1, 1, 1, 100).expand(1, 3, 2, 100).contiguous()
+    ratios = torch.tensor([1e-6, 0.25, 0.5], dtype=torch.float64)
+    req = AllocationRequest(scores, torch.tensor([100, 100, 100]), ratios, (0,), 1, 0.0)
+    counts = get_allocator("threshold", profile=profile)(req)[0, :, 0]  # [B]
+    at_first = int((torch.linspace(-1, 1, 100) >= 0.0).sum())  # 50 kept at ratio 0.5
+    assert counts.tolist() == [100, 100 - round((100 - at_first) / 2), at_first]
