@@ -63,23 +63,24 @@ class _Block:
         return torch.repeat_interleave(ids, counts, output_size=self.num_tokens)
 
 
-# Per live quantized store (keyed by its offsets, as the tile plans): its blocks' size, bounds and offsets.
+# Per live quantized store of several blocks (keyed by its offsets, as the tile plans): the blocks' size,
+# bounds and offsets. A value must never hold its key (nor anything that holds it): the entry would keep
+# the key alive, and every store read would stay in the process for good.
 _BLOCKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _block_bounds(store: StoreView, rows: int) -> list[tuple[int, int, torch.Tensor, tuple[int, ...]]]:
+    total = store.offsets_list[-1]
+    if total <= rows:  # one block: the store's own offsets (plans cached on them are reused), not cached
+        return [(0, total, store.offsets, store.offsets_list)]
     cached = _BLOCKS.get(store.offsets)
     if cached is None or cached[0] != rows:
-        total = store.offsets_list[-1]
-        if total <= rows:  # one block: the store's own offsets (plans cached on them are reused)
-            bounds = [(0, total, store.offsets, store.offsets_list)]
-        else:
-            bounds = []
-            for start in range(0, total, rows):
-                stop = min(start + rows, total)
-                clipped = tuple(min(max(o, start), stop) - start for o in store.offsets_list)
-                offsets = torch.tensor(clipped, dtype=torch.long, device=store.offsets.device)
-                bounds.append((start, stop, offsets, clipped))
+        bounds = []
+        for start in range(0, total, rows):
+            stop = min(start + rows, total)
+            clipped = tuple(min(max(o, start), stop) - start for o in store.offsets_list)
+            offsets = torch.tensor(clipped, dtype=torch.long, device=store.offsets.device)
+            bounds.append((start, stop, offsets, clipped))
         cached = _BLOCKS[store.offsets] = (rows, bounds)
     return cached[1]
 

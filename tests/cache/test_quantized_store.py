@@ -3,7 +3,8 @@
 * the format: a round trip is within half a quantization step of each group (plus fp16 rounding of the
   group's scale and minimum), 4-bit codes take half the bytes of 8-bit ones;
 * attention over a quantized store equals attention over its dequantized copy on every path (masked,
-  tiles, the parts and merge with a hiding mask or a softcap, several blocks);
+  tiles, the parts and merge with a hiding mask or a softcap, several blocks), and keeps nothing of the
+  store alive once the store is gone;
 * ``kv_bits`` changes no eviction decision at the prompt (same kept positions for every scorer and
   allocator), batch rows equal rows alone, folds and ``decode_max_tokens`` keep working, beam search
   reorders codes, and ``memory_bytes`` counts codes, scales, zeros, positions and offsets.
@@ -11,6 +12,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -126,6 +129,25 @@ def test_attention_equals_attention_over_the_dequantized_copy(bits, case, monkey
         assert path.get(expected[case], 0) >= (2 if case == "blocks" else 1), path
     elif case.endswith("hiding_mask"):  # the parts and their merge
         assert "masked_ragged_attention" not in path, path
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [{}, {"masked_limit": 0}, {"block_rows": 37}],
+    ids=["one block, masked", "one block, tiles", "several blocks"],
+)
+def test_attention_keeps_nothing_of_a_quantized_store_alive(limit, monkeypatch):
+    """What attention derives from a store (block bounds, masks, tile plans) dies with the store: a cache
+    builds a new store at every eviction and fold, so anything kept would leak without end."""
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, **limit))
+    quantized, _ = _stores(8, [30, 50, 0, 41])
+    gen = torch.Generator().manual_seed(1)
+    query, suffix = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen)
+    _attend(quantized, query, suffix, None)
+    offsets = weakref.ref(quantized.offsets)
+    del quantized
+    gc.collect()
+    assert offsets() is None
 
 
 @pytest.mark.parametrize("bits", BITS)
