@@ -6,7 +6,7 @@ import contextlib
 import copy
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,7 +21,7 @@ from .eviction import attended, evict, evict_held
 from .folding import fold_evict, set_fold
 from .forward import begin_forward, check_forward
 from .hybrid import HybridRouting
-from .layer import FOLD_AT, LUKVLayer
+from .layer import FOLD_AT, LUKVLayer, select_rows
 from .layout import Layout
 from .parallel import HeadShard, mesh_shard
 from .policy import SINK, build_policy, check_flag, policy_property
@@ -58,7 +58,9 @@ class LUKVCache(HybridRouting, CacheReport):
             ``hybrid``); they set the ratio (their mean), so ``ratio``/``max_tokens`` cannot be given too.
             ``allocator_kwargs={"profile": profile}`` reads a profile's curve at the ratio instead.
         config: the model config; lets sliding-window layers use the stock sliding layer from the start.
-        keep_scores: keep each layer's prefill scores (fp32 ``[B, H_kv, T]``) in :attr:`prefill_scores`.
+        keep_scores: keep each layer's prefill scores (fp32 ``[B, H_kv, T]``) in :attr:`prefill_scores`; the
+            batch operations (``reorder_cache``, ``batch_repeat_interleave``, ``batch_select_indices``) move them
+            with their rows.
         decode_max_tokens: bound the whole generation, not just the prompt: every ``fold_interval`` tokens
             after the prompt, the budgets are applied again to everything the cache holds, so that each row
             keeps at most this many tokens per (full-attention layer, KV head) on average (sinks and window
@@ -339,6 +341,31 @@ class LUKVCache(HybridRouting, CacheReport):
         if self.prefill_scores is not None:
             self.prefill_scores = {}
         self.layout.reset_sliding(self)
+
+    # ------------------------------------------------------------------ batch rows: the layers', then the scores'
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch rows (beam search): every layer's, and the kept :attr:`prefill_scores`."""
+        super().reorder_cache(beam_idx)
+        self._score_rows(lambda batch: beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times: every layer's, and the kept :attr:`prefill_scores`."""
+        super().batch_repeat_interleave(repeats)
+        self._score_rows(lambda batch: torch.arange(batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep the batch rows ``indices`` selects (see :meth:`LUKVLayer.batch_select_indices`): every
+        layer's, and the kept :attr:`prefill_scores`."""
+        super().batch_select_indices(indices)
+        self._score_rows(lambda batch: select_rows(indices, batch))
+
+    def _score_rows(self, rows: Callable[[int], torch.Tensor]) -> None:
+        # prefill_scores [B, H_kv, T] per layer: the same row operation as the layers (rows(B) -> row indices)
+        if self.prefill_scores:
+            self.prefill_scores = {
+                idx: scores.index_select(0, rows(scores.shape[0]).to(scores.device))
+                for idx, scores in self.prefill_scores.items()
+            }
 
     # ------------------------------------------------------------------ copies, files (reporting: report.py)
     def fork(self) -> LUKVCache:

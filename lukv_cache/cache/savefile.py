@@ -125,6 +125,35 @@ def _check_savable(cache: LUKVCache, path: Path) -> None:
             "or generate with past_key_values=cache), then save it.",
             path=str(path),
         )
+    stored = [layer for layer in cast("list[Any]", cache.layers) if type(layer) in _KINDS.values()]
+    lengths = [layer.get_seq_length() for layer in stored]
+    if len(set(lengths)) > 1:
+        raise SavedContextError(
+            f"Cannot save this LUKVCache: its layers have seen different numbers of tokens ({_seen_tokens(lengths)}"
+            "): a forward stopped part-way through the model (an exception, Ctrl-C or out of memory in a layer), "
+            "so the later layers lack tokens the earlier ones hold. Re-run the prompt: cache.reset(), fill the "
+            "cache again, then save it.",
+            path=str(path),
+            field="layers",
+        )
+
+
+def _seen_tokens(lengths: list[int]) -> str:
+    """Per-layer token counts in words, runs of equal layers merged.
+
+    >>> _seen_tokens([40, 40, 0, 0, 0])
+    'layers 0-1: 40 tokens, layers 2-4: 0 tokens'
+    """
+    runs: list[list[int]] = []  # [first layer, last layer] of each run of equal counts
+    for i, n in enumerate(lengths):
+        if runs and lengths[runs[-1][0]] == n:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(
+        f"layer {a}: {lengths[a]} tokens" if a == b else f"layers {a}-{b}: {lengths[a]} tokens"
+        for a, b in runs
+    )
 
 
 def _config_of(cache: LUKVCache, model: Any, path: Path) -> Any:
@@ -750,12 +779,16 @@ def _restore_layers(cache: LUKVCache, meta: dict, reader: _Reader, devices: list
     shape = _Shape(fields, reader)
     for i, entry in enumerate(layers):
         cache.layers[i] = _restore_layer(cache, i, entry, reader, shape, devices[i])
-    attention_layers = cast("list[Any]", cache.layers)  # those with is_initialized have a length
-    lengths = {
-        layer.get_seq_length() for layer in attention_layers if getattr(layer, "is_initialized", False)
-    }
-    if len(lengths) > 1:
-        reader.fail(f"its layers hold different lengths {sorted(lengths)} (damaged file).", "layers")
+    # every layer, empty ones included: a cache saved after a forward that stopped part-way through the
+    # model holds e.g. [40, 40, 0, 0] tokens
+    lengths = [layer.get_seq_length() for layer in cast("list[Any]", cache.layers)]
+    if len(set(lengths)) > 1:
+        reader.fail(
+            f"its layers have seen different numbers of tokens ({_seen_tokens(lengths)}): it was saved after a "
+            "forward stopped part-way through the model, or damaged. Re-run the prompt and save the context "
+            "again.",
+            "layers",
+        )
     full = state.get("full_layers")
     if not isinstance(full, list) or not all(
         isinstance(i, int) and 0 <= i < len(cache.layers) and isinstance(cache.layers[i], LUKVLayer)
