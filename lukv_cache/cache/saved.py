@@ -4,9 +4,11 @@ later questions in any process without being recomputed.
 
 * :func:`save_cache` writes every layer's ragged store, the used part of its dense suffix, the per-layer
   state the cache reads later (lengths, sinks still to protect, fold settings, recorded queries), the stock
-  layers' keys and values, and the cache's options, with the model's id and a fingerprint of its shape;
+  layers' keys and values, and the cache's options, with the model's id, a fingerprint of its shape and
+  one of its attention weights (sampled);
 * :func:`load_cache` checks the file (a safetensors file, complete, its checksum, this format version, the
-  same model, every tensor's shape and dtype against the metadata) and rebuilds the cache as
+  same model and weights, every layer having seen the same tokens, every tensor's shape and dtype against
+  the metadata) and rebuilds the cache as
   ``LUKVCache(..., config=model.config)`` does, then restores the layers.
 
 ``model.generate(continuation, past_key_values=load_cache(path, model))`` then continues exactly as the saved
@@ -46,12 +48,16 @@ def save_cache(cache: LUKVCache, path: str | os.PathLike, *, model: Any = None) 
 
     ``model``: the model the cache was filled by; needed only when the cache cannot tell its config itself
     (a model that attends in its own code); by default the config of the attention modules that read the
-    cache. The file is written to a temporary file in the same folder and renamed: a reader sees the old
-    file or the new one, and a failed write leaves nothing behind.
+    cache. The weight fingerprint is taken from those attention modules, else from ``model`` (pass it for a
+    loaded cache that has not run yet). The file is written to a temporary file in the same folder and
+    renamed: a reader sees the old file or the new one, and a failed write leaves nothing behind; a symlink
+    is written through, a missing folder is refused.
 
     Refused with :class:`~lukv_cache.errors.SavedContextError`: a cache that holds nothing, one inside a
-    forward (or a ``holding()`` block not yet evicted), a tensor-parallel shard, and layers the format does
-    not store (linear-attention / SSM states of hybrid models).
+    forward (or a ``holding()`` block not yet evicted), one whose layers have seen different numbers of
+    tokens (a forward interrupted part-way through the model: re-run the prompt), a tensor-parallel shard,
+    layers the format does not store (linear-attention / SSM states of hybrid models), and a path that
+    cannot be written.
     """
     path = Path(path)
     if not isinstance(cache, LUKVCache):
@@ -81,7 +87,9 @@ def load_cache(
     (``config.name_or_path``) differs while its fingerprint matches (the same model in another folder).
 
     Every problem raises :class:`~lukv_cache.errors.SavedContextError` (the file) or
-    :class:`~lukv_cache.errors.SavedContextMismatchError` (another model), naming what is wrong.
+    :class:`~lukv_cache.errors.SavedContextMismatchError` (another model, or the same shapes with other
+    weights), naming what is wrong; a ``device`` this process cannot use raises
+    :class:`~lukv_cache.errors.ConfigurationError`.
     """
     return read_context(LUKVCache, path, model, LoadOptions(device, scorer, allocator, allow_other_model_id))
 

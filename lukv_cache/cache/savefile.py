@@ -21,7 +21,13 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from ..errors import LUKVError, SavedContextError, SavedContextMismatchError, UnknownNameError
+from ..errors import (
+    ConfigurationError,
+    LUKVError,
+    SavedContextError,
+    SavedContextMismatchError,
+    UnknownNameError,
+)
 from ..profiles.files import write_atomically
 from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
 from .layer import LUKVLayer
@@ -84,6 +90,7 @@ def write_context(cache: LUKVCache, path: Path, model: Any = None) -> Path:
             "model_id": str(getattr(config, "name_or_path", "") or ""),
             "fingerprint": _hash(fields),
             "fields": fields,
+            "weights": _weights_entry(cache, model),
         },
         "options": _save_options(cache, tensors, path),
         "cache": {
@@ -202,6 +209,63 @@ def fingerprint_fields(config: Any, dtype: str) -> dict[str, Any]:
 
 def _hash(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+_WEIGHT_SAMPLES = 64  # elements read from each parameter, evenly spaced: cheap, and any dense change shows
+
+
+def _weights_entry(cache: LUKVCache, model: Any) -> dict[str, Any] | None:
+    """The file's weight fingerprint: which attention modules it covers (the first and the last layer's, by
+    ``layer_idx`` and class name) and the hash of their weights (:func:`_weights_hash`). The modules are the
+    ones that read the cache, else ``model``'s; ``None`` when neither has attention modules with a
+    ``layer_idx`` (a model that attends in its own code)."""
+    modules: dict[int, torch.nn.Module] = {}
+    for ref in cache.state.readers.values():
+        module = ref()
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(module, torch.nn.Module) and isinstance(idx, int):
+            modules.setdefault(idx, module)
+    if not modules:
+        modules = _attention_modules(model, None)
+    if not modules:
+        return None
+    chosen = {i: modules[i] for i in sorted({min(modules), max(modules)})}
+    return {"modules": {str(i): type(m).__name__ for i, m in chosen.items()}, "sha256": _weights_hash(chosen)}
+
+
+def _attention_modules(model: Any, classes: dict[int, str] | None) -> dict[int, torch.nn.Module]:
+    """``model``'s modules with an int ``layer_idx``, by it: those of the class ``classes`` names for
+    that layer, or (``classes=None``) those whose class name ends in ``Attention`` (transformers' own)."""
+    found: dict[int, torch.nn.Module] = {}
+    if not isinstance(model, torch.nn.Module):
+        return found
+    for module in model.modules():
+        idx, name = getattr(module, "layer_idx", None), type(module).__name__
+        if not isinstance(idx, int) or idx in found:
+            continue
+        if (classes.get(idx) == name) if classes is not None else name.endswith("Attention"):
+            found[idx] = module
+    return found
+
+
+def _weights_hash(modules: dict[int, torch.nn.Module]) -> str:
+    """sha256 over each module's parameters (name, dtype, shape, and ``_WEIGHT_SAMPLES`` evenly spaced
+    elements): two checkpoints of one architecture differ in it, at a few small reads per parameter.
+    Parameters not held here (on the meta device, offloaded; sharded tensor subclasses) count by name and
+    shape only."""
+    digest = hashlib.sha256()
+    for i, module in sorted(modules.items()):
+        digest.update(f"\0{i}\0{type(module).__name__}".encode())
+        for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
+            digest.update(f"\0{name}\0{_dtype_name(p.dtype)}\0{list(p.shape)}\0".encode())
+            if p.device.type == "meta" or type(p.data) is not torch.Tensor or not p.numel():
+                continue
+            flat = p.detach().reshape(-1)
+            k = min(flat.numel(), _WEIGHT_SAMPLES)
+            at = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
+            sample = flat[at.to(flat.device)].cpu().contiguous()
+            digest.update(sample.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def checksum(metadata: str, tensors: dict[str, torch.Tensor]) -> str:
@@ -602,6 +666,36 @@ def _check_model(meta: dict, model: Any, reader: _Reader, allow_other_id: bool) 
             saved=saved.get("model_id"),
             got=model_id,
         )
+    _check_weights(saved.get("weights"), model, reader)
+
+
+def _check_weights(weights: Any, model: Any, reader: _Reader) -> None:
+    """The weight fingerprint, when the file has one (files written before it, or saved from a model that
+    attends in its own code, are checked by shape and id only)."""
+    if weights is None:
+        return
+    modules = weights.get("modules") if isinstance(weights, dict) else None
+    if not (
+        isinstance(modules, dict)
+        and modules
+        and all(isinstance(i, str) and i.isdigit() and isinstance(c, str) for i, c in modules.items())
+    ):
+        reader.fail("its weight fingerprint is malformed (damaged file). Save the context again.", "weights")
+    classes = {int(i): c for i, c in modules.items()}
+    found = _attention_modules(model, classes)
+    got = _weights_hash(found) if found.keys() == classes.keys() else None
+    if got != weights.get("sha256"):
+        layers = ", ".join(f"{c} of layer {i}" for i, c in sorted(classes.items()))
+        reader.fail(
+            f"saved from a model with other weights (the sampled weights of {layers} differ, or this model "
+            "lacks such modules): another checkpoint of the same architecture, e.g. another fine-tune. A saved "
+            "context fits only the weights that computed it: load that checkpoint, or compress the context "
+            "again with this model.",
+            "weights",
+            SavedContextMismatchError,
+            saved=weights.get("sha256"),
+            got=got,
+        )
 
 
 def _option(options: dict, key: str, kinds: tuple, reader: _Reader, *, low: float | None = None) -> Any:
@@ -756,7 +850,15 @@ def _saved_scorer(entry: Any, profiles: dict, reader: _Reader) -> Scorer:
 
 def _layer_devices(model: Any, count: int, device: Any) -> list[torch.device]:
     if device is not None:
-        return [torch.device(device)] * count
+        try:
+            where = torch.device(device)
+            torch.empty(0, device=where)  # a device this torch has and can allocate on
+        except (RuntimeError, TypeError, ValueError, AssertionError) as err:
+            raise ConfigurationError(
+                f"load_cache: device={device!r} is not a device this process can use ({err}). Pass a torch device "
+                "such as 'cpu', 'cuda' or 'cuda:0', or None for each decoder layer's own device."
+            ) from None
+        return [where] * count
     default = getattr(model, "device", None) or torch.device("cpu")
     try:
         layers = list(model.get_decoder().layers)

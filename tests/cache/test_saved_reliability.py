@@ -4,12 +4,18 @@ refuses a model with the same shapes but other weights, and a bad path or device
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
 from helpers import tiny_model
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from lukv_cache import LUKVCache, SavedContextError, load_cache, save_cache
-from lukv_cache.cache import savefile
+from lukv_cache import LUKVCache, SavedContextError, SavedContextMismatchError, load_cache, save_cache
+from lukv_cache.cache import saved, savefile
+from lukv_cache.errors import ConfigurationError
 from lukv_cache.testing import prompt
 
 
@@ -92,3 +98,80 @@ def test_a_cache_with_kept_scores_saves_and_loads_after_a_batch_operation(op, tm
     assert torch.equal(loaded.stored_tokens(), cache.stored_tokens())
     for idx, scores in cache.prefill_scores.items():
         assert torch.equal(loaded.prefill_scores[idx], scores)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _filled_file(model, tmp_path):
+    cache = LUKVCache(0.5, "keydiff", config=model.config)
+    with torch.no_grad():
+        model(prompt(1, 40), past_key_values=cache, use_cache=True)
+    return save_cache(cache, tmp_path / "context.safetensors")
+
+
+def _other_checkpoint(model):
+    """The same architecture, id and shapes, other weights (as two checkpoints of one fine-tune)."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    return other
+
+
+@pytest.mark.parametrize("allow_other_model_id", [False, True])
+def test_a_context_refuses_a_model_with_the_same_shapes_and_other_weights(allow_other_model_id, tmp_path):
+    model = tiny_model("llama", "sdpa")
+    path = _filled_file(model, tmp_path)
+    with pytest.raises(SavedContextMismatchError, match="other weights") as err:
+        load_cache(path, _other_checkpoint(model), allow_other_model_id=allow_other_model_id)
+    assert err.value.field == "weights" and err.value.saved != err.value.got
+    load_cache(path, copy.deepcopy(model))  # the same weights in another object load
+
+
+def test_a_cache_that_no_module_read_takes_the_weights_from_the_model_given_to_save(tmp_path):
+    model = tiny_model("llama", "sdpa")
+    loaded = load_cache(_filled_file(model, tmp_path), model)  # no forward yet: no attention module read it
+    path = save_cache(loaded, tmp_path / "again.safetensors", model=model)
+    with pytest.raises(SavedContextMismatchError, match="other weights"):
+        load_cache(path, _other_checkpoint(model))
+
+
+def test_a_file_without_a_weight_fingerprint_still_loads(tmp_path):
+    # files written before the weight fingerprint have shapes and the model id only
+    model = tiny_model("llama", "sdpa")
+    path = _filled_file(model, tmp_path)
+    tensors = load_file(path)
+    with safe_open(str(path), "pt") as f:
+        metadata = dict(f.metadata())
+    meta = json.loads(metadata[saved.METADATA_KEY])
+    del meta["model"]["weights"]
+    text = json.dumps(meta, sort_keys=True)
+    metadata[saved.METADATA_KEY], metadata[saved.CHECKSUM_KEY] = text, saved.checksum(text, tensors)
+    save_file(tensors, tmp_path / "old.safetensors", metadata=metadata)
+    loaded = load_cache(tmp_path / "old.safetensors", _other_checkpoint(model))
+    assert loaded.get_seq_length() == 40
+
+
+# ------------------------------------------------------------------------------------------ paths, devices
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("a\0b.safetensors", "NUL byte"),
+        ("x" * 300 + ".safetensors", "too long"),
+        ("no/c.safetensors", "no' does not exist"),
+    ],
+)
+def test_a_path_the_os_cannot_take_is_a_typed_error(name, message, tmp_path):
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.5, "keydiff", config=model.config)
+    with torch.no_grad():
+        model(prompt(1, 40), past_key_values=cache, use_cache=True)
+    with pytest.raises(SavedContextError, match=message):
+        save_cache(cache, str(tmp_path) + "/" + name)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("device", ["nonsense", 3.5])
+def test_a_device_load_cannot_use_is_a_typed_error(device, tmp_path):
+    model = tiny_model("llama", "sdpa")
+    with pytest.raises(ConfigurationError, match="not a device this process can use"):
+        load_cache(_filled_file(model, tmp_path), model, device=device)
