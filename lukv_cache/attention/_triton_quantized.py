@@ -7,8 +7,8 @@ M, D]`` fp32 normalised over the keys attended and ``lse [B, H_kv, M]`` fp32, no
 
 The store is what :class:`lukv_cache.cache.quant.PackedRows` holds for keys and for values: uint8
 ``codes [N, D * bits / 8]`` (8 bits: one code per byte; 4 bits: two per byte, the even channel in the low
-nibble) and fp16 ``scale``, ``zero`` ``[N, D / G]`` with ``G = group_size(D)`` channels per pair; a
-stored entry is ``code * scale + zero``. No full-precision copy of the store is ever made: each program
+nibble) and ``scale``, ``zero`` ``[N, D / G]`` (bf16, or fp16 for an fp16 model: any float dtype is
+read) with ``G = group_size(D)`` channels per pair; a stored entry is ``code * scale + zero``. No full-precision copy of the store is ever made: each program
 loads a block of ``BLOCK_N`` rows of codes together with their scales and zeros, dequantizes the block
 to fp32 in registers (then to the query's dtype for the tensor-core dot on the GPU) and runs the same
 online softmax as the full-precision kernel. The flash-decoding scheme (splits per segment, one extra

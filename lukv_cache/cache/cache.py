@@ -69,10 +69,12 @@ class LUKVCache(HybridRouting, CacheReport):
             (not ``kvzip``). Off by default.
         fold_interval: the dense suffix of decoded tokens is folded into the ragged store every this many
             tokens (default 256), and with ``decode_max_tokens`` evicted there.
-        kv_bits: store the kept keys and values in 8 or 4 bits (per token, groups of 32 channels with an
-            fp16 scale and zero each; :mod:`lukv_cache.cache.quant`) instead of the model's dtype; the dense
-            suffix (window, new tokens) stays at full precision until it folds. Scores are computed before
-            quantization, so the prompt's eviction is the same for every ``kv_bits``. Default ``None``.
+        kv_bits: store the kept keys and values in 8 or 4 bits (per token, groups of 32 channels with a
+            2-byte scale and zero each, bf16 or an fp16 model's fp16; :mod:`lukv_cache.cache.quant`) instead
+            of the model's dtype; the dense suffix (window, new tokens) stays at full precision until it
+            folds. Scores are computed before quantization, so the prompt's eviction is the same for every
+            ``kv_bits``. A cache that evicts nothing (``ratio=0``) still quantizes: its logits are no longer
+            the full cache's (on a tiny fp32 model about 1e-3 off at 8 bits, 1e-2 at 4). Default ``None``.
         decode_window: with ``decode_max_tokens``, the most recent tokens each head keeps at every fold
             (part of the bound). Default: a quarter of ``decode_max_tokens`` (at least ``window``); recent
             tokens matter most to the next ones, and a quarter measured best for kvzap and keydiff

@@ -1,9 +1,10 @@
 """Quantized rows for the ragged store (``LUKVCache(kv_bits=8)`` or ``kv_bits=4``).
 
 Every row (one kept token of one KV head) is quantized on its own: its ``D`` channels in groups of
-:data:`GROUP` (32), each group with an fp16 ``scale`` and fp16 ``zero`` (the group's minimum), codes
-``round((x - zero) / scale)`` in ``bits`` bits (a ``D`` that 32 does not divide: groups of 16 or 8), two 4-bit codes per byte (the even channel in the low
-nibble). Because a row needs nothing but itself, everything the store does to rows (keep some, reorder
+:data:`GROUP` (32; a ``D`` that 32 does not divide: groups of 16 or 8), each group with a ``scale`` and
+a ``zero`` (the group's minimum, rounded down) of two bytes each, in a dtype that holds the model's range
+(:func:`scale_dtype`: bf16, fp16 for an fp16 model), codes ``round((x - zero) / scale)`` in ``bits``
+bits, two 4-bit codes per byte (the even channel in the low nibble). Because a row needs nothing but itself, everything the store does to rows (keep some, reorder
 batch rows, append a fold, rebuild at fold time) is the same indexing on codes, scales and zeros, with no
 re-quantization and no drift.
 
@@ -21,6 +22,7 @@ kernel of :mod:`lukv_cache.attention._triton_quantized` reads the codes themselv
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +58,23 @@ def group_size(dim: int) -> int:
     return next((g for g in (GROUP, 16, 8) if dim % g == 0), dim)
 
 
+def scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the scales and zeros of rows in ``dtype``: two bytes that hold the rows' range, bf16
+    (fp32's range; fp16 would turn an entry near 1e5 into inf), fp16 for fp16 rows (finer).
+
+    >>> scale_dtype(torch.float32), scale_dtype(torch.float16)
+    (torch.bfloat16, torch.float16)
+    """
+    return torch.float16 if dtype == torch.float16 else torch.bfloat16
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.Tensor:
+    """fp32 ``x`` in ``dtype``, rounded toward ``toward`` (``inf``: up, ``-inf``: down) where inexact."""
+    y = x.to(dtype)
+    inexact = y.float() > x if toward < 0 else y.float() < x
+    return torch.where(inexact, torch.nextafter(y, y.new_tensor(toward)), y)
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 ``[N, D * bits / 8]`` from integer codes ``[N, D]``."""
     codes = codes.to(torch.uint8)
@@ -78,8 +97,9 @@ def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 class PackedRows:
     """``[N, D]`` rows in ``bits`` bits (see the module docstring).
 
-    ``codes`` uint8 ``[N, D * bits / 8]``; ``scale``, ``zero`` fp16 ``[N, D / 32]``; ``dtype``: what
-    :meth:`dequantize` returns.
+    ``codes`` uint8 ``[N, D * bits / 8]``; ``scale``, ``zero`` ``[N, D / 32]`` in
+    ``scale_dtype(dtype)`` (bf16, or fp16 for fp16 rows); ``dtype``: the rows', what :meth:`dequantize`
+    returns.
 
     >>> rows = torch.randn(5, 64)
     >>> packed = PackedRows.quantize(rows, 8)
@@ -104,13 +124,15 @@ class PackedRows:
             )
         g = group_size(d)
         groups = rows.float().reshape(n, d // g, g)
-        lo = groups.amin(-1).half()
-        hi = groups.amax(-1).half()
+        lo, hi = groups.amin(-1), groups.amax(-1)
         top = (1 << bits) - 1
-        # fp16 scale, never 0 (a constant group codes to 0 and comes back as its minimum)
-        scale = ((hi.float() - lo.float()) / top).clamp_min(1e-7).half()
-        codes = ((groups - lo.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, top)
-        return cls(_pack(codes.flatten(1), bits), scale, lo, bits, rows.shape[1], rows.dtype)
+        kind = scale_dtype(rows.dtype)
+        # the zero rounded down and the scale up, so that every entry codes into 0..top; the scale never 0
+        # (a constant group codes to 0 and comes back as its minimum); hi / top - zero / top cannot overflow
+        zero = _rounded(lo, kind, -math.inf)
+        scale = _rounded((hi / top - zero.float() / top).clamp_min(1e-7), kind, math.inf)
+        codes = ((groups - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, top)
+        return cls(_pack(codes.flatten(1), bits), scale, zero, bits, d, rows.dtype)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """The quantized ragged store (``LUKVCache(kv_bits=8 / 4)``).
 
-* the format: a round trip is within half a quantization step of each group (plus fp16 rounding of the
-  group's scale and minimum), 4-bit codes take half the bytes of 8-bit ones;
+* the format: a round trip is within half a quantization step of each group (plus the rounding of the
+  group's scale and minimum), 4-bit codes take half the bytes of 8-bit ones; scales and zeros are two
+  bytes that hold the rows' range, so entries beyond fp16's range come back finite, in a model too;
 * attention over a quantized store equals attention over its dequantized copy on every path (masked,
   tiles, the parts and merge with a hiding mask or a softcap, several blocks), and keeps nothing of the
   store alive once the store is gone;
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from dataclasses import replace
@@ -40,7 +42,7 @@ def test_round_trip_within_half_a_step(bits, dim):
     g = group_size(dim)
     groups = rows.view(200, -1, g)
     step = (groups.amax(-1) - groups.amin(-1)) / ((1 << bits) - 1)
-    # half a step, plus the fp16 rounding of the minimum and of the scale times the largest code
+    # half a step, plus the rounding of the minimum and of the scale times the largest code
     bound = step / 2 + groups.abs().amax(-1) * 2e-3 + 1e-6
     error = (back - rows).abs().view(200, -1, g).amax(-1)
     assert bool((error <= bound).all()), float((error - bound).max())
@@ -53,6 +55,29 @@ def test_constant_rows_and_dtype_come_back():
     back = PackedRows.quantize(rows, 4).dequantize()
     assert back.dtype == torch.bfloat16
     assert torch.equal(back, rows)
+
+
+@pytest.mark.parametrize(
+    "dtype,kind",
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)],
+)
+def test_scales_and_zeros_are_two_bytes_that_hold_the_rows_range(dtype, kind):
+    packed = PackedRows.quantize(torch.randn(4, 64).to(dtype), 8)
+    assert packed.scale.dtype == packed.zero.dtype == kind
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("magnitude", [1e5, 1e30])
+def test_entries_beyond_fp16s_range_come_back_finite(bits, dtype, magnitude):
+    gen = torch.Generator().manual_seed(bits)
+    rows = (torch.randn(50, 64, generator=gen) * magnitude).to(dtype)
+    back = PackedRows.quantize(rows, bits).dequantize()
+    assert bool(back.isfinite().all())
+    groups = rows.float().view(50, -1, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / ((1 << bits) - 1)
+    error = (back.float() - rows.float()).view(50, -1, 32).abs().amax(-1)
+    assert bool((error <= 0.51 * step + groups.abs().amax(-1) * 8e-3).all())
 
 
 @pytest.mark.parametrize("value", [3, 16, 0, "4", True, 4.0])
@@ -190,6 +215,44 @@ def test_generation_stays_close_and_memory_shrinks(bits):
     held = sum(t.numel() * t.element_size() for t in (*store.keys.tensors(), *store.values.tensors()))
     held += store.positions.numel() * 4 + store.offsets.numel() * 8
     assert store.memory_bytes() == held
+
+
+def _scaled_model(dtype, projections, factor=3e5):
+    """The tiny model with these attention projections scaled: keys or values near 1.4e5, fine in an fp32
+    or bf16 model (beyond fp16's range)."""
+    model = copy.deepcopy(tiny_model("llama", dtype=dtype))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in projections:
+                getattr(layer.self_attn, name).weight.mul_(factor)
+    return model
+
+
+def _decode_logits(model, cache, steps=6):
+    """The logits of ``steps`` fixed tokens decoded one by one after a 40-token prompt (the same tokens for
+    every cache, so a quantization error cannot change what is decoded)."""
+    tokens = prompt(1, steps, seed=7)
+    with torch.no_grad():
+        model(prompt(1, 40, seed=6), past_key_values=cache)
+        return torch.cat([model(tokens[:, [i]], past_key_values=cache).logits for i in range(steps)], 1)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_and_values_beyond_fp16s_range_give_finite_logits(bits, ratio, dtype):
+    """They once turned the fp16 scales into inf and every logit into NaN, without a word."""
+    model = _scaled_model(dtype, ("k_proj", "v_proj"))
+    logits = _decode_logits(model, LUKVCache(ratio, fold_interval=2, kv_bits=bits))
+    assert bool(logits.isfinite().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_beyond_fp16s_range_give_the_unquantized_logits_at_8_bits(dtype):
+    model = _scaled_model(dtype, ("v_proj",))
+    ref = _decode_logits(model, LUKVCache(0.5, fold_interval=2))
+    got = _decode_logits(model, LUKVCache(0.5, fold_interval=2, kv_bits=8))
+    assert (got.float() - ref.float()).abs().max() < 5e-3
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -162,7 +162,7 @@ def _compile_for_cuda(bits: int, block_d: int, group: int, capability: int, half
     types = {
         **{name: f"*{half}" for name in ("q_ptr", "sk_ptr", "sv_ptr")},
         **{name: "*u8" for name in ("kc_ptr", "vc_ptr")},
-        **{name: "*fp16" for name in ("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr")},
+        **{name: f"*{half}" for name in ("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr")},  # the rows' dtype
         **{name: "*fp32" for name in ("bias_ptr", "sbias_ptr", "out_ptr", "lse_ptr")},
         "offsets_ptr": "*i64",
         "scaling": "fp32",
