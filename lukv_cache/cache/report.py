@@ -83,8 +83,9 @@ class CacheReport(DynamicCache):
 
     def memory_bytes(self) -> int:
         """Bytes held by every tensor of the cache (ragged stores, positions, offsets, suffix buffers,
-        stock sliding layers)."""
-        return kv_cache_bytes(self)
+        stock sliding layers, and with ``keep_scores=True`` the prompt's scores)."""
+        scores = getattr(self, "prefill_scores", None) or {}  # LUKVCache's, kept with keep_scores=True
+        return kv_cache_bytes(self) + sum(t.numel() * t.element_size() for t in scores.values())
 
     def stored_tokens(self) -> torch.Tensor:
         """int64 ``[layers, batch, kv_heads]``: tokens stored per (layer, row, KV head), one row per layer that

@@ -101,6 +101,18 @@ def test_memory_bytes_counts_every_tensor_the_cache_holds():
     assert cache.memory_bytes() >= unique_storage_bytes(held)
 
 
+def test_memory_bytes_counts_the_kept_prefill_scores():
+    model = model_with_head_dim_64()
+    ids = prompt(1, PROMPT, seed=21)
+    plain, keeping = LUKVCache(0.8), LUKVCache(0.8, keep_scores=True)
+    with torch.no_grad():
+        model(ids, past_key_values=plain)
+        model(ids, past_key_values=keeping)
+    scores = len(keeping.layers) * 2 * PROMPT * 4  # fp32 [1, 2, PROMPT] per layer
+    assert sum(t.numel() * t.element_size() for t in keeping.prefill_scores.values()) == scores
+    assert keeping.memory_bytes() == plain.memory_bytes() + scores
+
+
 def test_store_tensors_are_compact_and_not_views_of_the_prefill():
     _, cache = compressed_cache(0.8)
     for layer in cache.layers:
