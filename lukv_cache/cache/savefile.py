@@ -30,7 +30,9 @@ from ..errors import (
 )
 from ..profiles.files import write_atomically
 from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
+from .folding import set_fold
 from .layer import LUKVLayer
+from .quant import PackedRows, group_size
 from .ragged import RaggedStore
 
 if TYPE_CHECKING:
@@ -67,6 +69,9 @@ _ITEMSIZE = {
 _LUKV_SPECIAL = {"store", "_kbuf", "_vbuf", "suffix_keys", "suffix_values", "dtype", "device"}
 _STOCK_SPECIAL = {"dtype", "device"}
 _DERIVED = {"_sliding_window_tensor"}  # rebuilt from sliding_window, on the layer's device
+# layer attributes that are None or a count (every other attribute whose default is None holds a tensor)
+_OPTIONAL_COUNTS = {"kv_bits", "sliding_window"}
+_SUFFIX_ROOM = 16  # a loaded suffix buffer's room beyond its tokens (LUKVLayer's smallest decoding buffer)
 _KINDS = {"lukv": LUKVLayer, "sliding": DynamicSlidingWindowLayer, "dynamic": DynamicLayer}
 _SCALARS = (bool, int, float, str, type(None))
 _DATACLASS_MODULES = ("lukv_cache.cache.",)  # the only classes a file may name (rebuilt from their fields)
@@ -493,7 +498,10 @@ def read_context(
     _check_model(meta, model, reader, options.allow_other_model_id)
     cache = _build_cache(cache_class, meta, model, reader, options.scorer, options.allocator)
     devices = _layer_devices(model, len(cache.layers), options.device)
-    _restore_layers(cache, meta, reader, devices)
+    text = model.config.get_text_config(decoder=True)
+    positions = getattr(text, "max_position_embeddings", None)
+    max_length = positions if isinstance(positions, int) and positions > 0 else _MAX_LENGTH
+    _restore_layers(cache, meta, reader, devices, max_length)
     return cache
 
 
@@ -869,7 +877,11 @@ def _layer_devices(model: Any, count: int, device: Any) -> list[torch.device]:
     return [torch.device(default)] * count
 
 
-def _restore_layers(cache: LUKVCache, meta: dict, reader: _Reader, devices: list[torch.device]) -> None:
+def _restore_layers(
+    cache: LUKVCache, meta: dict, reader: _Reader, devices: list[torch.device], max_length: int
+) -> None:
+    """The file's layers into ``cache``, each checked against its tensors, the model and the cache's options;
+    no layer may be longer than ``max_length`` (the model's ``max_position_embeddings``)."""
     layers, state = meta.get("layers"), meta.get("cache")
     if not isinstance(layers, list) or len(layers) != len(cache.layers) or not isinstance(state, dict):
         reader.fail(
@@ -879,6 +891,10 @@ def _restore_layers(cache: LUKVCache, meta: dict, reader: _Reader, devices: list
         )
     fields = meta["model"]["fields"]
     shape = _Shape(fields, reader)
+    folding = LUKVLayer()
+    set_fold(folding, cache.policy)
+    shape.fold_state = {name: getattr(folding, name) for name in ("fold_at", "bounded", "kv_bits")}
+    shape.max_length = max_length
     for i, entry in enumerate(layers):
         cache.layers[i] = _restore_layer(cache, i, entry, reader, shape, devices[i])
     # every layer, empty ones included: a cache saved after a forward that stopped part-way through the
@@ -907,6 +923,18 @@ def _restore_layers(cache: LUKVCache, meta: dict, reader: _Reader, devices: list
         if not isinstance(value, bool):
             reader.fail(f"malformed cache state {key}={value!r} (damaged file).", f"cache.{key}")
         flags[key] = value
+    if flags["unrouted"] and any(getattr(layer, "compressed", False) for layer in cache.layers):
+        reader.fail(
+            "it says the model attends in its own code (unrouted), which only a cache that compressed nothing "
+            "can have, but it holds compressed layers (altered file).",
+            "cache.unrouted",
+        )
+    if not flags["record_past"] and any(getattr(layer, "keeps_past", False) for layer in cache.layers):
+        reader.fail(
+            "a layer keeps the past its window hides, which only assisted decoding (record_past) asks for, "
+            "and the file says it did not (altered file).",
+            "cache.record_past",
+        )
     cache.state.unrouted = flags["unrouted"]
     cache.layout.other_keys, cache.layout.record_past = flags["other_keys"], flags["record_past"]
     scores = state.get("prefill_scores") or []
@@ -945,12 +973,23 @@ class _Shape:
             reader.fail(f"unknown dtype {fields['dtype']!r} (damaged file).", "dtype")
         self.dtype = dtype
         self.batch: int | None = None
+        self.fold_state: dict[str, Any] = {}  # what the cache's options set on a layer it compresses
+        self.max_length = _MAX_LENGTH  # the model's positions (max_position_embeddings)
 
     def row_count(self, b: int, reader: _Reader, field: str) -> None:
         if self.batch is None:
             self.batch = b
         elif b != self.batch:
             reader.fail(f"{field} holds {b} batch rows, other layers {self.batch} (damaged file).", field)
+
+
+def _fits(name: str, value: Any, default: Any) -> bool:
+    """Whether a saved layer attribute has the type of a fresh layer's: an attribute that is ``None`` on a
+    fresh layer is ``None`` in the file (a tensor travels as a tensor), or a count for ``kv_bits`` and
+    ``sliding_window``."""
+    if default is None:
+        return value is None or (name in _OPTIONAL_COUNTS and type(value) is int)
+    return type(value) is type(default)
 
 
 def _restore_layer(
@@ -973,7 +1012,7 @@ def _restore_layer(
         allowed = kind == "sliding" or (kind == "lukv" and attrs.get("sliding_window") == window)
         fresh = DynamicSlidingWindowLayer(sliding_window=window) if kind == "sliding" else LUKVLayer(window)
     else:
-        allowed = type(current) is _KINDS[kind]
+        allowed = type(current) is _KINDS[kind] and (kind != "lukv" or attrs.get("sliding_window") is None)
         fresh = current
     if not allowed:
         reader.fail(
@@ -995,7 +1034,7 @@ def _restore_layer(
             default is KeyError
             or name in _LUKV_SPECIAL | _DERIVED
             or not isinstance(value, _SCALARS)
-            or (default is not None and type(value) is not type(default))
+            or not _fits(name, value, default)
         ):
             reader.fail(
                 f"layer {i} has an attribute {name}={value!r} this lukv_cache does not know or expects of another "
@@ -1007,13 +1046,18 @@ def _restore_layer(
         if (
             not isinstance(name, str)
             or name in _LUKV_SPECIAL | _DERIVED
+            or name in _OPTIONAL_COUNTS
             or not (default is None or isinstance(default, torch.Tensor))
         ):
             reader.fail(f"layer {i} has a tensor {name!r} this lukv_cache does not know.", f"{where}.{name}")
     values = dict(attrs)
     length = values.get("cumulative_length", 0)
-    if not isinstance(length, int) or not 0 <= length <= _MAX_LENGTH:
-        reader.fail(f"layer {i}'s length {length!r} is out of range.", f"{where}.cumulative_length")
+    if not isinstance(length, int) or not 0 <= length <= shape.max_length:
+        reader.fail(
+            f"layer {i}'s length {length!r} is out of range [0, {shape.max_length}] (the model's "
+            "max_position_embeddings: it has no positions beyond).",
+            f"{where}.cumulative_length",
+        )
     dims = (shape.kv_heads, shape.head_dim)
     if initialized:
         if entry.get("dtype") != _dtype_name(shape.dtype):
@@ -1068,6 +1112,20 @@ def _restore_lukv(
         reader.fail(f"layer {i}'s suffix length {s!r} is out of range [0, {length}].", f"{where}._suffix_len")
     if not 0 <= settled <= length or fold_at < 1:
         reader.fail(f"layer {i}'s fold state (settled_length, fold_at) is out of range.", where)
+    compressed = values.get("compressed")
+    if compressed != (entry.get("store") is not None) or not compressed and length != s:
+        reader.fail(
+            f"layer {i} says compressed={compressed!r} but holds {'a' if entry.get('store') else 'no'} store and "
+            f"{s} of its {length} tokens in its suffix (an uncompressed layer holds them all there).",
+            f"{where}.compressed",
+        )
+    if compressed:  # what the cache's options set on a layer it compresses
+        for name, want in shape.fold_state.items():
+            if values.get(name) != want:
+                reader.fail(
+                    f"layer {i} has {name}={values.get(name)!r}, its cache's options give {want!r} (altered file).",
+                    f"{where}.{name}",
+                )
     keys = reader.tensor(
         f"{where}.suffix_keys", dtype=shape.dtype, shape=(None, shape.kv_heads, s, shape.head_dim)
     )
@@ -1077,6 +1135,9 @@ def _restore_lukv(
     capacity = entry.get("suffix_capacity")
     if not isinstance(capacity, int) or not s <= capacity <= 2 * length + fold_at + 17:
         reader.fail(f"layer {i}'s suffix capacity {capacity!r} is out of range.", f"{where}.suffix_capacity")
+    # the buffers are room to decode into, not data: never more than the stored suffix implies (a larger
+    # saved capacity, after a fold or a crop, regrows on demand as decoding needs it)
+    capacity = min(capacity, max(2 * s, s + _SUFFIX_ROOM))
     kbuf = keys.new_empty((b, shape.kv_heads, capacity, keys.shape[-1]), device=device)
     vbuf = vals.new_empty((b, shape.kv_heads, capacity, vals.shape[-1]), device=device)
     kbuf[:, :, :s] = keys
@@ -1099,7 +1160,11 @@ def _restore_lukv(
             f"layer {i}'s recorded queries {list(queries.shape)} do not fit the model.", f"{where}.queries"
         )
     store = entry.get("store")
-    layer.store = None if store is None else _restore_store(i, store, reader, shape, b, length - s, device)
+    layer.store = (
+        None
+        if store is None
+        else _restore_store(i, store, reader, shape, b, length - s, int(vals.shape[-1]), device)
+    )
 
 
 def _decode(spec: Any, name: str, reader: _Reader, device: torch.device) -> Any:
@@ -1158,12 +1223,39 @@ def _rows(value: Any, n: int) -> bool:
     return value is None
 
 
+def _packed_fits(value: Any, bits: int | None, dim: int, n: int, dtype: torch.dtype) -> bool:
+    """Whether a quantized store field (:class:`PackedRows`) holds ``n`` rows of ``dim`` channels in the
+    cache's ``bits``: its codes ``[n, dim * bits / 8]`` uint8, a scale and a zero per channel group."""
+    if not isinstance(value, PackedRows) or value.bits != bits or value.dim != dim or value.dtype != dtype:
+        return False
+    groups = dim // group_size(dim)
+    codes, scale, zero = value.codes, value.scale, value.zero
+    return (
+        isinstance(codes, torch.Tensor)
+        and codes.dtype == torch.uint8
+        and dim * bits % 8 == 0
+        and tuple(codes.shape) == (n, dim * bits // 8)
+        and isinstance(scale, torch.Tensor)
+        and isinstance(zero, torch.Tensor)
+        and scale.is_floating_point()
+        and tuple(scale.shape) == tuple(zero.shape) == (n, groups)
+    )
+
+
 def _restore_store(
-    i: int, entry: Any, reader: _Reader, shape: _Shape, batch: int, before: int, device: torch.device
+    i: int,
+    entry: Any,
+    reader: _Reader,
+    shape: _Shape,
+    batch: int,
+    before: int,
+    value_dim: int,
+    device: torch.device,
 ) -> RaggedStore:
     """Layer ``i``'s store, checked: offsets over ``batch * kv_heads`` segments ending at its length, every
     position below ``before`` (the suffix follows the store) and ascending inside its segment, every field
-    with a row per token (keys and values of the model's head dim and dtype)."""
+    with a row per token (keys and values of the model's head dim, ``value_dim`` and dtype; in the cache's
+    ``kv_bits`` when it quantizes)."""
     where = f"layers.{i}.store"
     if not isinstance(entry, dict) or not isinstance(entry.get("fields"), dict):
         reader.fail(f"layer {i}'s store entry is malformed (damaged file).", where)
@@ -1223,10 +1315,17 @@ def _restore_store(
         value = values.get(name)
         dims = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(getattr(value, "shape", ()))
         dtype = getattr(value, "dtype", None)
-        if len(dims) != 2 or (name == "keys" and dims[1] != shape.head_dim) or dtype != shape.dtype:
+        dim = shape.head_dim if name == "keys" else value_dim
+        bits = shape.fold_state.get("kv_bits")
+        fits = (
+            _packed_fits(value, bits, dim, n, shape.dtype)
+            if bits is not None
+            else isinstance(value, torch.Tensor)
+        )
+        if not fits or len(dims) != 2 or dims[1] != dim or dtype != shape.dtype:
             reader.fail(
-                f"layer {i}'s store {name} ({list(dims)}, {dtype}) do not fit the model ([{n}, {shape.head_dim}], "
-                f"{shape.dtype}).",
+                f"layer {i}'s store {name} ({list(dims)}, {dtype}, {getattr(value, 'bits', None)} bits) do not fit "
+                f"the model and the cache ([{n}, {dim}], {shape.dtype}, kv_bits={bits}).",
                 f"{where}.{name}",
             )
     scores = values.get("scores")
