@@ -8,6 +8,7 @@ runs longer.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tracemalloc
 
@@ -19,9 +20,9 @@ from hypothesis import strategies as st
 from safetensors.numpy import save
 
 from lukv_cache import LUKVCache
-from lukv_cache.errors import ProfileError
+from lukv_cache.errors import LUKVError, ProfileError
 from lukv_cache.profiles import Profile
-from lukv_cache.testing import flat_profile, tiny_model
+from lukv_cache.testing import flat_profile, random_surrogate, tiny_model, with_gains
 
 EXAMPLES = int(os.environ.get("LUKV_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -149,3 +150,107 @@ def test_any_float_values_load_cleanly_or_raise_a_profile_error(values):
 def test_absurd_header_lengths_raise_a_profile_error(header_len):
     with pytest.raises(ProfileError):
         Profile.from_bytes(header_len.to_bytes(8, "little") + VALID_BYTES[8:])
+
+
+# ------------------------------------------------------------------ every metadata field, edited one by one
+# A profile has no checksum: an edited file needs no re-signing, and a valid edit is a valid profile (its
+# sink, window, ...). So the property is the one above, for every field of the metadata, recursively into
+# its JSON values (scorer_params, extra, head_dim, a kvzap surrogate's features, layers and thresholds):
+# a ProfileError, or a profile that saves back to itself and drives a cache (and, for kvzap, the threshold
+# allocator) without a raw error, within its memory bound.
+def _kvzap_profile() -> Profile:
+    surrogate = random_surrogate(2, 2, 16)
+    surrogate.meta["thresholds"] = {"grid": [0.25, 0.5, 0.75], "values": [-1.0, 0.0, 1.0]}
+    return flat_profile(2, 2, scorer="kvzap", head_dim=16, window=32, surrogate=surrogate)
+
+
+PROFILES = {
+    "flat": VALID,
+    "with a score-to-gain table": with_gains(VALID),
+    "kvzap with thresholds": _kvzap_profile(),
+}
+_TEXT_EDITS = ["", "x", "0", "-1", str(2**23), str(2**50), "nan", "inf", "null", "true", "[]", "{}", "1.5"]
+
+
+def _json_edits(value) -> list:
+    if isinstance(value, bool):
+        return [not value, 0, None]
+    if isinstance(value, int | float):
+        return [0, -1, 2**23, 2**50, math.nan, str(value), None, True, [value], 0.5]
+    if isinstance(value, str):
+        return ["", "x", 0, None]
+    if value is None:
+        return [0, "x", True, []]
+    if isinstance(value, list):
+        return [value[:-1], value + value[-1:] if value else [0], None, {}]
+    return [{}, None, []]
+
+
+def _json_leaves(value, path=()):
+    yield path, value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _json_leaves(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _json_leaves(item, (*path, i))
+
+
+def _replaced(value, path: tuple, new):
+    if not path:
+        return new
+    value = json.loads(json.dumps(value))
+    target = value
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = new
+    return value
+
+
+def _metadata_edits(metadata: dict) -> list[tuple[str, str | None]]:
+    """(key, new text or None to remove it) for every metadata entry and every leaf of a JSON entry."""
+    edits: list[tuple[str, str | None]] = []
+    for key, text in metadata.items():
+        edits += [(key, edit) for edit in [*_TEXT_EDITS, text + "x", None]]
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(parsed, dict | list):
+            for path, value in _json_leaves(parsed):
+                edits += [(key, json.dumps(_replaced(parsed, path, new))) for new in _json_edits(value)]
+    return edits
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_every_metadata_field_edited_loads_cleanly_or_raises_a_profile_error(name, capsys):
+    from lukv_cache.allocation.builtin import threshold
+
+    data = PROFILES[name].to_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    payload = data[8 + int.from_bytes(data[:8], "little") :]
+    counts = {"profile error": 0, "loads": 0}
+    for key, text in _metadata_edits(header["__metadata__"]):
+        edited = json.loads(json.dumps(header))
+        if text is None:
+            del edited["__metadata__"][key]
+        else:
+            edited["__metadata__"][key] = text
+        blob = _with_header(edited, payload)
+        try:
+            profile = Profile.from_bytes(blob)
+        except ProfileError:
+            counts["profile error"] += 1
+            continue
+        counts["loads"] += 1
+        again = Profile.from_bytes(profile.to_bytes())  # it saves back to itself
+        assert again._metadata() == profile._metadata(), (key, text)
+        assert np.array_equal(again.evict_ratio, profile.evict_ratio), (key, text)
+        _check(blob)
+        if profile.surrogate is not None:
+            try:
+                threshold(profile=profile)
+            except LUKVError:
+                pass
+    with capsys.disabled():
+        print(f"\nprofile {name}: {sum(counts.values())} edits: {counts}")
