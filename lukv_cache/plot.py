@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigurationError, PlotUnavailableError
+from .errors import BatchIndexError, ConfigurationError, PlotUnavailableError
 
 PIP_PLOTS = 'pip install -e ".[plots]"'
 
@@ -27,14 +27,23 @@ def _pyplot():
 
 
 def kept_map(cache: Any, layers: list[int], row: int = 0) -> torch.Tensor:
-    """float ``[len(layers) * kv_heads, T]``: 1 where (layer, KV head) holds the position (layers with
-    fewer heads or positions padded with 0)."""
-    maps = [cache.kept_positions(i)[row].float() for i in layers]
+    """float ``[len(layers) * kv_heads, T]``: 1 where (layer, KV head) holds the position; column ``j`` is
+    position ``j`` of the input (layers with fewer heads or positions padded with 0)."""
+    full = [cache.kept_positions(i) for i in layers]
+    batch = max(m.shape[0] for m in full)
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < batch:
+        raise BatchIndexError(
+            f"plot_kept: row {row!r} is out of range for a cache of {batch} batch row(s); pass row=0 to "
+            f"{batch - 1}.",
+            index=row if isinstance(row, int) else -1,
+            batch=batch,
+        )
+    maps = [m[row].float() for m in full]
     heads = max(m.shape[0] for m in maps)
     width = max(m.shape[1] for m in maps)
     out = torch.zeros(len(maps) * heads, width)
     for n, m in enumerate(maps):
-        out[n * heads : n * heads + m.shape[0], width - m.shape[1] :] = m
+        out[n * heads : n * heads + m.shape[0], : m.shape[1]] = m
     return out
 
 
@@ -117,9 +126,11 @@ def plot_kept(
     bottom.set_xlabel("position")
     if input_ids is None or tokenizer is None:
         return fig
-    ids = input_ids[row].tolist()[-share.numel() :]
+    # id j is position j: the prompt's ids label the first columns, generate's output (one token past the
+    # cache: the last one was never fed back) every column
+    ids = input_ids[row].tolist()[: share.numel()]
     decode = getattr(tokenizer, "decode", None)
     tokens = [decode([i]) for i in ids] if decode else tokenizer.convert_ids_to_tokens(ids)
     if len(tokens) <= 80:
         bottom.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=7)
-    return fig, _bracketed(tokens, marked[-len(tokens) :])
+    return fig, _bracketed(tokens, marked[: len(tokens)])

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
+from ..errors import ConfigurationError
 from .layer import LUKVLayer
 
 if TYPE_CHECKING:
@@ -57,7 +58,10 @@ class CacheReport(DynamicCache):
         """bool ``[batch, kv_heads, T]``: which logical positions (absolute columns of the input, ``T`` so
         far, padding included) each (row, KV head) of layer ``layer_idx`` still holds, in its ragged store
         or its dense suffix. Padding is never held by a compressed layer; transformers' own layers (e.g. a
-        sliding window shorter than the prompt) report their last columns, as they hold them.
+        sliding window shorter than the prompt) report their last columns, as they hold them. A compressed
+        sliding-window layer reports only the positions its window lets the next token read (older ones
+        may stay stored until its next fold, unread). ``layer_idx`` out of range raises a
+        :class:`~lukv_cache.errors.ConfigurationError`.
 
         >>> from lukv_cache import LUKVCache
         >>> cache = LUKVCache(ratio=0.0)
@@ -65,6 +69,14 @@ class CacheReport(DynamicCache):
         >>> cache.kept_positions(0).int().tolist()
         [[[1, 1, 1], [1, 1, 1]]]
         """
+        count = len(self.layers)
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not -count <= layer_idx < count:
+            holds = (
+                f"has {count} layers: pass 0 to {count - 1}" if count else "has no layers yet: run a forward"
+            )
+            raise ConfigurationError(
+                f"kept_positions: layer {layer_idx!r} is out of range; this cache {holds}."
+            )
         layer = self.layers[layer_idx]
         if not getattr(layer, "is_initialized", False):
             return torch.zeros(0, 0, 0, dtype=torch.bool)
@@ -73,6 +85,8 @@ class CacheReport(DynamicCache):
             for row in range(layer.batch_size):
                 for head in range(layer.num_heads):
                     kept[row, head, layer.head_tokens(row, head)[0].cpu()] = True
+            if layer.sliding_window is not None:  # the next token reads only its window: older ones are gone
+                kept[..., : max(0, layer.cumulative_length - layer.sliding_window + 1)] = False
             return kept
         stock = cast("DynamicLayer", layer)  # transformers' own attention layer
         assert stock.keys is not None  # initialized

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import tiny_model
@@ -130,3 +132,73 @@ def test_plot_kept_without_matplotlib_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # import fails as if not installed
     with pytest.raises(LUKVError, match=r'pip install -e "\.\[plots\]"'):
         plot_kept(LUKVCache(ratio=0.5))
+
+
+def _labelled(text: str) -> tuple[list[int], list[bool]]:
+    """The token ids of plot_kept's text (each decoded as ``<id>``) and whether each is marked."""
+    found = re.findall(r"(\[?)<(\d+)>", text)
+    return [int(i) for _, i in found], [bool(bracket) for bracket, _ in found]
+
+
+class _Tok:
+    def decode(self, ids):
+        return f"<{ids[0]}>"
+
+
+def _generated(new_tokens: int = 6):
+    model = tiny_model()
+    ids = torch.arange(3, 63).view(1, 60)  # 60 distinct ids: a label names its position
+    cache = LUKVCache(ratio=0.5)
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+    return ids, out, cache
+
+
+@pytest.mark.parametrize("given", ["prompt", "generate's output"])
+def test_plot_kept_labels_each_position_with_its_own_token_after_generate(given):
+    """Column j of the kept map is position j: the prompt's ids label the first columns, generate's output
+    (one token longer than the cache, whose last token was never fed back) every column."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lukv_cache.plot import highlighted, kept_map, plot_kept
+
+    prompt_ids, out, cache = _generated()
+    ids = prompt_ids if given == "prompt" else out
+    _, text = plot_kept(cache, input_ids=ids, tokenizer=_Tok())
+    tokens, marks = _labelled(text)
+    width = cache.get_seq_length()  # 65: the prompt and 5 of the 6 new tokens
+    assert tokens == ids[0, :width].tolist()
+    held = kept_map(cache, list(range(len(cache.layers))))
+    assert marks == highlighted(held.mean(0))[: len(tokens)].tolist()
+
+
+def test_kept_positions_and_plot_kept_refuse_a_layer_or_row_out_of_range():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lukv_cache.errors import BatchIndexError, ConfigurationError
+    from lukv_cache.plot import plot_kept
+
+    _, _, cache = _generated(1)
+    with pytest.raises(ConfigurationError, match="layer 99 is out of range; this cache has 2 layers"):
+        cache.kept_positions(99)
+    with pytest.raises(ConfigurationError, match="layer 99 is out of range"):
+        plot_kept(cache, layer=99)
+    with pytest.raises(BatchIndexError, match="row 3 is out of range for a cache of 1 batch row"):
+        plot_kept(cache, row=3)
+
+
+def test_a_compressed_sliding_layer_lists_only_the_positions_its_window_can_still_read():
+    model = tiny_model("gemma2", "eager")  # layers 0 and 2 slide over 8 tokens
+    cache = LUKVCache(ratio=0.5, config=model.config)
+    with torch.no_grad():
+        model.generate(prompt(1, 8), past_key_values=cache, max_new_tokens=8, do_sample=False)
+    layer, length = cache.layers[0], cache.get_seq_length()  # 15 tokens; the next one reads from 8 on
+    oldest = length - layer.sliding_window + 1
+    assert layer.sliding_window == 8 and int(layer.store.positions.min()) < oldest  # still stored
+    kept = cache.kept_positions(0)
+    assert not bool(kept[..., :oldest].any())
+    assert bool(kept[..., oldest:].all())  # the window's tokens sit in the dense suffix
