@@ -12,6 +12,7 @@ transformers' own ``pipeline("text-generation", model=model, tokenizer=tokenizer
 
 from __future__ import annotations
 
+import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,35 @@ import torch
 
 from .cache import LUKVCache
 from .errors import ConfigurationError
+
+
+def _check_template(template: object) -> None:
+    """A question template is a string whose only field is ``{question}`` (other braces doubled)."""
+    try:
+        fields = (
+            {name for _, name, _, _ in string.Formatter().parse(template)}
+            if isinstance(template, str)
+            else None
+        )
+    except ValueError:  # a lone brace
+        fields = None
+    if fields is None or "question" not in fields or fields - {"question", None}:
+        raise ConfigurationError(
+            f"LUKVPipeline: question_template must be a string with the field '{{question}}' and no other "
+            f"(write a literal brace twice: '{{{{' or '}}}}'), got {template!r}."
+        )
+
+
+def _check_questions(questions: object) -> list[str]:
+    """One question (a string) or a list or tuple of them, as a list."""
+    if isinstance(questions, str):
+        return [questions]
+    if isinstance(questions, list | tuple) and all(isinstance(q, str) for q in questions):
+        return list(questions)
+    raise ConfigurationError(
+        "LUKVPipeline: questions must be a string or a list of strings, got "
+        f"{type(questions).__name__}{' holding ' + repr(questions)[:80] if isinstance(questions, list | tuple) else ''}."
+    )
 
 
 class LUKVPipeline:
@@ -44,8 +74,7 @@ class LUKVPipeline:
             raise ConfigurationError(
                 "LUKVPipeline: pass make_cache= or LUKVCache keyword arguments, not both."
             )
-        if "{question}" not in question_template:
-            raise ConfigurationError("LUKVPipeline: question_template must contain '{question}'.")
+        _check_template(question_template)
         self.model, self.tokenizer = model, tokenizer
         self.make_cache = make_cache or (lambda: LUKVCache(**cache_kwargs))
         self.question_template = question_template
@@ -62,11 +91,11 @@ class LUKVPipeline:
     ) -> list[str]:
         """The answer to each question (a list, in order), each decoded from a fork of one compressed
         context. A single question string gives a list of one."""
-        if isinstance(questions, str):
-            questions = [questions]
-        if not context or not context.strip():
+        questions = _check_questions(questions)
+        if not isinstance(context, str) or not context.strip():
             raise ConfigurationError(
-                "LUKVPipeline: the context is empty; pass the text the questions are about."
+                f"LUKVPipeline: the context is empty or not text ({type(context).__name__}); pass the text the "
+                "questions are about."
             )
         device = getattr(self.model, "device", None)
         context_ids = self.tokenizer(context, return_tensors="pt").input_ids.to(device)

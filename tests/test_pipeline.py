@@ -87,3 +87,31 @@ def test_the_pipeline_refuses_what_cannot_work():
         LUKVPipeline(model, tokenizer, question_template="no slot")
     with pytest.raises(ConfigurationError, match="not both"):
         LUKVPipeline(model, tokenizer, lambda: LUKVCache(0.5), ratio=0.5)
+
+
+@pytest.mark.parametrize("questions", [None, ["a", None], b"bytes", 3, {"q": "a"}])
+def test_the_pipeline_refuses_questions_that_are_not_strings_before_compressing(questions):
+    calls = []
+    ask = LUKVPipeline(tiny_model("llama"), _Tokenizer(), lambda: calls.append(1) or LUKVCache(0.5))
+    with pytest.raises(ConfigurationError, match="questions must be a string or a list of strings"):
+        ask("some context", questions)
+    assert not calls  # refused before the context is compressed
+
+
+@pytest.mark.parametrize(
+    "template", ["Q: {other} {question}", "{question} {}", "{question} {0}", "{question", 3]
+)
+def test_a_question_template_with_another_field_or_a_lone_brace_is_refused(template):
+    with pytest.raises(ConfigurationError, match="question_template must be a string with the field"):
+        LUKVPipeline(tiny_model("llama"), _Tokenizer(), question_template=template)
+
+
+def test_a_question_template_with_doubled_braces_is_accepted():
+    ask = LUKVPipeline(tiny_model("llama"), _Tokenizer(), question_template="{{json}}: {question}")
+    assert ask.question_template.format(question="q") == "{json}: q"
+
+
+@pytest.mark.parametrize("context", [None, b"bytes"])
+def test_a_context_that_is_not_text_is_refused(context):
+    with pytest.raises(ConfigurationError, match="not text"):
+        LUKVPipeline(tiny_model("llama"), _Tokenizer())(context, "q")
