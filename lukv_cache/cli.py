@@ -285,7 +285,8 @@ def _profiling_commands(subparsers: Any) -> None:
     show.add_argument(
         "--png",
         type=Path,
-        help="write heatmaps at the ratios (and curves, as <name>-curves.png) (default: no plots)",
+        help="write heatmaps at the ratios to this image (and curves, as <name>-curves.png); a .png, .pdf, "
+        ".svg, ... file, .png added to a name without a suffix (default: no plots)",
     )
     show.add_argument("--json", action="store_true", help="print the metadata as JSON")
     show.add_argument(
@@ -579,9 +580,33 @@ SHOW_LEGEND = (
 )
 
 
+# the image formats matplotlib's savefig writes, by the file's suffix
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
+
+
+def _plot_path(option: str, path: Path | None) -> Path | None:
+    """An image file to write: not a folder, with a suffix matplotlib writes (none: ``.png``, as it would
+    add itself, so that what is reported is the file written)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise ConfigurationError(
+            f"{option} {path} is a folder; give a file name, e.g. {path / 'heatmap.png'}."
+        )
+    if not path.suffix:
+        return path.with_suffix(".png")
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise ConfigurationError(
+            f"{option} {path}: matplotlib cannot write a {path.suffix!r} image; end the name in .png (or "
+            f"{', '.join(PLOT_SUFFIXES[1:])})."
+        )
+    return path
+
+
 def _show(args: argparse.Namespace) -> int:
     """``lukv show``; with ``--model``, a progress line on stderr first and a legend under the tables."""
     _model_exists(args.model, "--model")
+    args.png = _plot_path("--png", args.png)
     if args.model:
         ratios = " ".join(f"{r:g}" for r in (args.ratio or [0.5, 0.8, 0.9]))
         print(

@@ -102,3 +102,41 @@ def test_cli_mistake_prints_one_error_line_and_exits_2(case, tmp_path, capsys):
     if case.startswith("convert"):
         assert not list(tmp_path.rglob("*.safetensors")), "a half-made or unreadable file was written"
     del before
+
+
+@pytest.mark.parametrize("name", ["out.v2", "heatmap.plot"])
+def test_show_png_with_a_suffix_matplotlib_cannot_write_is_one_error_line(name, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["show", _profile(tmp_path), "--png", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --png") and "end the name in .png" in err and "\n" not in err
+    assert not list(tmp_path.glob("*.v2")) and not list(tmp_path.glob("*.plot"))
+
+
+def test_show_png_given_a_folder_is_refused_and_writes_nothing(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "plots").mkdir()
+    assert main(["show", _profile(tmp_path), "--png", str(tmp_path / "plots")]) == 2
+    assert "is a folder; give a file name" in capsys.readouterr().err
+    assert not list(tmp_path.glob("plots*.png"))
+
+
+def test_show_png_without_a_suffix_writes_a_png_and_says_so(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["show", _profile(tmp_path), "--png", str(tmp_path / "heatmap")]) == 0
+    err = capsys.readouterr().err
+    assert (tmp_path / "heatmap.png").is_file() and (tmp_path / "heatmap-curves.png").is_file()
+    assert f"wrote {tmp_path / 'heatmap.png'} and {tmp_path / 'heatmap-curves.png'}" in err
+
+
+def test_convert_a_curve_claiming_petabytes_is_one_error_line(tmp_path, capsys):
+    import io
+
+    header = np.lib.format.header_data_from_array_1_0(np.zeros(1, np.float32))
+    header["shape"] = (10**6, 10**6, 1000)
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    (tmp_path / "curve.npy").write_bytes(buf.getvalue() + b"\0" * 64)
+    code = main(["convert", str(tmp_path / "curve.npy"), "--model", "org/m", "--scorer", "keydiff"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "truncated or damaged" in err and "\n" not in err

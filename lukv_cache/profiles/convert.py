@@ -7,6 +7,7 @@ rho = 0.01, 0.02, ..., 0.99. That is exactly Phi(rho) in a profile, without the 
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,30 @@ def _default_window(scorer: str) -> int:
         return SCORERS.get(scorer).window if scorer in SCORERS else 1
     except ImportError:  # the scorers need torch; a converter should not
         return 1
+
+
+def _check_claimed_size(path: Path) -> None:
+    """A ``.npy`` file's header names its array's shape and dtype: refuse an array larger than the bytes the
+    file holds after the header (a truncated or crafted file) before numpy allocates it. Other files
+    (``.npz``, not numpy at all) are left to ``np.load``."""
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        try:
+            version = fmt.read_magic(f)
+        except ValueError:
+            return
+        try:
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(f)
+        except (ValueError, SyntaxError, TypeError) as err:
+            raise ProfileFormatError(f"{path} has a malformed .npy header ({err}). Check the file.") from None
+        held = path.stat().st_size - f.tell()
+    claimed = math.prod(shape) * dtype.itemsize
+    if claimed > held and not dtype.hasobject:  # an object array is pickled: np.load refuses it below
+        raise ProfileFormatError(
+            f"{path}: its header describes a {dtype} array of shape {list(shape)} ({claimed:,} bytes) but the "
+            f"file holds {held:,} bytes of data: it is truncated or damaged. Save the curve again (np.save)."
+        )
 
 
 def convert_curve(
@@ -56,6 +81,7 @@ def convert_curve(
     path = Path(path)
     if not path.is_file():
         raise ProfileNotFoundError(f"No curve file at {str(path)!r}. Check the path.")
+    _check_claimed_size(path)
     try:
         curve = np.load(path, allow_pickle=False)
     except ValueError as err:

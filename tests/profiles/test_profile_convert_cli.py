@@ -84,7 +84,7 @@ def test_truncated_npy_raises_format_error(tmp_path):
     np.save(tmp_path / "curve.npy", _curve())
     data = (tmp_path / "curve.npy").read_bytes()
     (tmp_path / "curve.npy").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ProfileFormatError, match="not a readable .npy"):
+    with pytest.raises(ProfileFormatError, match="truncated or damaged"):
         convert_curve(tmp_path / "curve.npy", MODEL, "keydiff")
 
 
@@ -143,3 +143,24 @@ def test_cli_push_to_local_dir_updates_its_index(tmp_path, profile, capsys):
     assert [e["path"] for e in list_profiles(local_dir=mirror)] == ["org/tiny-llama/keydiff.safetensors"]
     assert _run("list", "--local-dir", str(mirror)) == 0
     assert "org/tiny-llama" in capsys.readouterr().out
+
+
+def _claiming(path, shape, data: bytes = b"\0" * 64):
+    """A .npy file whose header claims a float32 array of ``shape`` and holds ``data`` after it."""
+    import io
+
+    header = np.lib.format.header_data_from_array_1_0(np.zeros(1, np.float32))
+    header["shape"] = shape
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    path.write_bytes(buf.getvalue() + data)
+    return path
+
+
+@pytest.mark.parametrize("shape", [(10**6, 10**6, 1000), (99, 2, 2)])
+def test_a_curve_whose_header_claims_more_than_the_file_holds_is_refused_before_allocating(tmp_path, shape):
+    # 4 PB (or 1,584 bytes) claimed by a file of about 200 bytes: numpy would try to allocate the claim
+    path = _claiming(tmp_path / "curve.npy", shape)
+    assert path.stat().st_size < 300
+    with pytest.raises(ProfileFormatError, match="truncated or damaged"):
+        convert_curve(path, MODEL, "keydiff")
