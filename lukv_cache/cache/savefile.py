@@ -501,8 +501,25 @@ def read_context(
     text = model.config.get_text_config(decoder=True)
     positions = getattr(text, "max_position_embeddings", None)
     max_length = positions if isinstance(positions, int) and positions > 0 else _MAX_LENGTH
-    _restore_layers(cache, meta, reader, devices, max_length)
+    heads = _layer_kv_heads(model, len(cache.layers), meta)
+    _restore_layers(cache, meta, reader, devices, max_length, heads)
     return cache
+
+
+def _layer_kv_heads(model: Any, count: int, meta: dict) -> list[Any]:
+    """Each layer's KV heads: the config's ``num_key_value_heads``, unless the layer's attention module
+    projects to another count (``k_proj.out_features // head_dim``: MiMo-V2-Flash's sliding layers have
+    twice the global layers' KV heads)."""
+    fields = meta.get("model", {}).get("fields", {}) if isinstance(meta.get("model"), dict) else {}
+    default = fields.get("num_key_value_heads") if isinstance(fields, dict) else None
+    heads = [default] * count
+    for idx, module in _attention_modules(model, None).items():
+        k_proj, head_dim = getattr(module, "k_proj", None), getattr(module, "head_dim", None)
+        out = getattr(k_proj, "out_features", None)
+        if 0 <= idx < count and isinstance(out, int) and isinstance(head_dim, int) and head_dim > 0:
+            if out % head_dim == 0:
+                heads[idx] = out // head_dim
+    return heads
 
 
 class _Reader:
@@ -878,10 +895,16 @@ def _layer_devices(model: Any, count: int, device: Any) -> list[torch.device]:
 
 
 def _restore_layers(
-    cache: LUKVCache, meta: dict, reader: _Reader, devices: list[torch.device], max_length: int
+    cache: LUKVCache,
+    meta: dict,
+    reader: _Reader,
+    devices: list[torch.device],
+    max_length: int,
+    heads: list[Any],
 ) -> None:
     """The file's layers into ``cache``, each checked against its tensors, the model and the cache's options;
-    no layer may be longer than ``max_length`` (the model's ``max_position_embeddings``)."""
+    no layer may be longer than ``max_length`` (the model's ``max_position_embeddings``), and layer ``i``
+    holds ``heads[i]`` KV heads."""
     layers, state = meta.get("layers"), meta.get("cache")
     if not isinstance(layers, list) or len(layers) != len(cache.layers) or not isinstance(state, dict):
         reader.fail(
@@ -896,6 +919,7 @@ def _restore_layers(
     shape.fold_state = {name: getattr(folding, name) for name in ("fold_at", "bounded", "kv_bits")}
     shape.max_length = max_length
     for i, entry in enumerate(layers):
+        shape.kv_heads = heads[i]
         cache.layers[i] = _restore_layer(cache, i, entry, reader, shape, devices[i])
     # every layer, empty ones included: a cache saved after a forward that stopped part-way through the
     # model holds e.g. [40, 40, 0, 0] tokens
@@ -949,9 +973,7 @@ def _restore_layers(
             reader.fail(
                 f"prefill scores for layer {idx!r}, which is not a compressed layer.", "cache.prefill_scores"
             )
-        t = reader.tensor(
-            f"prefill_scores.{idx}", dtype=torch.float32, shape=(shape.batch, shape.kv_heads, None)
-        )
+        t = reader.tensor(f"prefill_scores.{idx}", dtype=torch.float32, shape=(shape.batch, heads[idx], None))
         assert cache.prefill_scores is not None  # refused above when there are scores
         cache.prefill_scores[idx] = t.to(devices[idx])
     unused = set(reader.tensors) - reader.used

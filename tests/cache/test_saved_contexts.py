@@ -523,3 +523,26 @@ def test_a_subclass_loads_as_itself_and_load_takes_only_load_caches_keywords(tmp
     assert type(loaded) is MyCache and torch.equal(loaded.stored_tokens(), cache.stored_tokens())
     with pytest.raises(TypeError, match="ratio"):
         MyCache.load(path, model, ratio=0.5)
+
+
+def test_a_model_whose_layers_have_different_kv_heads_saves_and_loads(tmp_path):
+    # MiMo-V2-Flash's sliding layers project to twice the KV heads of its global layers; the file was
+    # written but refused at load ("layer 1's keys do not fit the model's KV heads")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
+    import families
+
+    built = families.build_model("mimo_v2_flash", "eager")
+    model = built[0] if isinstance(built, tuple) else built
+    ids, mask = families.inputs()
+    cache = LUKVCache(0.5)
+    with pytest.warns(UserWarning, match="leaves some layers of this model alone"):
+        seq, _ = greedy_with_logits(model, ids, cache, new_tokens=2, attention_mask=mask)
+    assert cache.layers[0].store.num_heads == 2 and cache.layers[1].keys.shape[1] == 4
+    loaded = load_cache(save_cache(cache, tmp_path / "context.safetensors"), model)
+    full_mask = torch.cat(
+        [mask, torch.ones(mask.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1
+    )
+    want, want_logits = greedy_with_logits(model, seq, cache, new_tokens=4, attention_mask=full_mask)
+    got, got_logits = greedy_with_logits(model, seq, loaded, new_tokens=4, attention_mask=full_mask)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-6)
