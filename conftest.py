@@ -6,12 +6,19 @@ the tiny objects below (``lukv_cache.testing``'s), each example in a fresh tempo
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 
-# conftest files are loaded as conftests, never collected as doctest modules (their names would clash)
-collect_ignore_glob = ["conftest.py", "tests/*/conftest.py", "tests/conftest.py"]
+# conftest files are loaded as conftests, never collected as doctest modules (their names would clash);
+# tests/gpu/_*.py are the scripts its tests run in child processes, not test modules
+collect_ignore_glob = ["conftest.py", "tests/*/conftest.py", "tests/conftest.py", "tests/gpu/_*.py"]
+if (
+    importlib.util.find_spec("triton") is None
+):  # the Triton kernels' doctests need triton (the gpu-test extra)
+    collect_ignore_glob.append("lukv_cache/attention/_triton_*.py")
 
 
 def _tiny_profile():
