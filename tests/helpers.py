@@ -61,3 +61,17 @@ def scorer_for(name: str, model):
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or 16
     return kvzap_scorer(random_surrogate(text.num_hidden_layers, text.num_key_value_heads, head_dim))
+
+
+class CharTokenizer:
+    """Characters as token ids of the tiny models' vocabulary (``lukv_cache.testing.VOCAB``): enough for
+    the pipeline's encode and decode."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        from lukv_cache.testing import VOCAB
+
+        ids = torch.tensor([[3 + ord(c) % (VOCAB - 3) for c in text]])
+        return type("Encoded", (), {"input_ids": ids})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-from helpers import greedy_with_logits, tiny_model
+from helpers import CharTokenizer, greedy_with_logits, tiny_model
 
 from lukv_cache import LUKVCache, LUKVPipeline
 from lukv_cache.cache.layer import LUKVLayer
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.testing import VOCAB, prompt
+from lukv_cache.testing import prompt
 
 
 def _filled(model, ratio=0.5):
@@ -54,19 +54,8 @@ def test_a_fork_that_folds_or_crops_leaves_the_shared_store_alone():
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-class _Tokenizer:
-    """Characters as token ids (tiny model vocabulary), enough for the pipeline's encode / decode."""
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        ids = torch.tensor([[3 + ord(c) % (VOCAB - 3) for c in text]])
-        return type("Encoded", (), {"input_ids": ids})()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(int(i)) for i in ids)
-
-
 def test_the_pipeline_answers_like_a_deep_copy_per_question():
-    model, tokenizer = tiny_model("llama"), _Tokenizer()
+    model, tokenizer = tiny_model("llama"), CharTokenizer()
     context, questions = "a context of some length for the tiny model " * 2, ["who?", "when was it?"]
     answers = LUKVPipeline(model, tokenizer, ratio=0.5)(context, questions, max_new_tokens=5)
     context_ids = tokenizer(context).input_ids
@@ -80,7 +69,7 @@ def test_the_pipeline_answers_like_a_deep_copy_per_question():
 
 
 def test_the_pipeline_refuses_what_cannot_work():
-    model, tokenizer = tiny_model("llama"), _Tokenizer()
+    model, tokenizer = tiny_model("llama"), CharTokenizer()
     with pytest.raises(ConfigurationError, match="empty"):
         LUKVPipeline(model, tokenizer)("  ", ["q"])
     with pytest.raises(ConfigurationError, match="question"):
@@ -92,7 +81,7 @@ def test_the_pipeline_refuses_what_cannot_work():
 @pytest.mark.parametrize("questions", [None, ["a", None], b"bytes", 3, {"q": "a"}])
 def test_the_pipeline_refuses_questions_that_are_not_strings_before_compressing(questions):
     calls = []
-    ask = LUKVPipeline(tiny_model("llama"), _Tokenizer(), lambda: calls.append(1) or LUKVCache(0.5))
+    ask = LUKVPipeline(tiny_model("llama"), CharTokenizer(), lambda: calls.append(1) or LUKVCache(0.5))
     with pytest.raises(ConfigurationError, match="questions must be a string or a list of strings"):
         ask("some context", questions)
     assert not calls  # refused before the context is compressed
@@ -103,15 +92,15 @@ def test_the_pipeline_refuses_questions_that_are_not_strings_before_compressing(
 )
 def test_a_question_template_with_another_field_or_a_lone_brace_is_refused(template):
     with pytest.raises(ConfigurationError, match="question_template must be a string with the field"):
-        LUKVPipeline(tiny_model("llama"), _Tokenizer(), question_template=template)
+        LUKVPipeline(tiny_model("llama"), CharTokenizer(), question_template=template)
 
 
 def test_a_question_template_with_doubled_braces_is_accepted():
-    ask = LUKVPipeline(tiny_model("llama"), _Tokenizer(), question_template="{{json}}: {question}")
+    ask = LUKVPipeline(tiny_model("llama"), CharTokenizer(), question_template="{{json}}: {question}")
     assert ask.question_template.format(question="q") == "{json}: q"
 
 
 @pytest.mark.parametrize("context", [None, b"bytes"])
 def test_a_context_that_is_not_text_is_refused(context):
     with pytest.raises(ConfigurationError, match="not text"):
-        LUKVPipeline(tiny_model("llama"), _Tokenizer())(context, "q")
+        LUKVPipeline(tiny_model("llama"), CharTokenizer())(context, "q")

@@ -16,25 +16,14 @@ import warnings
 from dataclasses import replace
 
 import torch
-from helpers import tiny_model
+from helpers import CharTokenizer, tiny_model
 
 from lukv_cache import LUKVCache, LUKVPipeline, load_cache, save_cache
 from lukv_cache.attention import compressed, limits, masked, tiles
-from lukv_cache.testing import VOCAB, prompt
+from lukv_cache.testing import prompt
 
 CONTEXT = 40
 NEW_TOKENS = 6
-
-
-class _Tokenizer:
-    """Characters as token ids (the tiny model's vocabulary), enough for the pipeline."""
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        ids = torch.tensor([[3 + ord(c) % (VOCAB - 3) for c in text]])
-        return type("Encoded", (), {"input_ids": ids})()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(int(i)) for i in ids)
 
 
 def _generate(model, ids, cache, kept: list) -> None:
@@ -73,7 +62,7 @@ def _requests(model, bf16_model, tmp_path, seed: int, kept: list | None = None) 
     for q in range(2):
         _generate(model, _question(ids, seed + q), context.fork(), kept)
     # the pipeline: one context, two questions
-    pipeline = LUKVPipeline(model, _Tokenizer(), ratio=0.5, kv_bits=8)
+    pipeline = LUKVPipeline(model, CharTokenizer(), ratio=0.5, kv_bits=8)
     pipeline("a context for the tiny model " * 2, ["who?", "when?"], max_new_tokens=3)
     kept.append(pipeline.cache)
     # a saved context: saved, loaded, answered from, dropped
