@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ._compat import cache_kwarg
 from .cache import LUKVCache
 from .errors import ConfigurationError
 
@@ -117,8 +118,8 @@ class LUKVPipeline:
             out = self.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=cache.fork(),
                 max_new_tokens=max_new_tokens,
+                **{cache_kwarg(self.model): cache.fork()},
                 **generate_kwargs,
             )
             answers.append(self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))

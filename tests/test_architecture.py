@@ -23,12 +23,14 @@ ALLOWED: dict[str, set[str]] = {
     "_paths": set(),
     "_version": set(),
     "_ops": set(),
+    "_compat": set(),  # what differs between the supported transformers releases
     "scorers": {"_registry", "_ops", "errors"},
     "allocation": {"_registry", "errors"},
     "attention": {"_ops", "errors"},
-    "cache": {"attention", "scorers", "allocation", "errors", "profiles"},
+    "cache": {"_compat", "attention", "scorers", "allocation", "errors", "profiles"},
     "profiles": {"errors", "scorers", "_lazy", "_version"},
     "profiling": {
+        "_compat",
         "_lazy",
         "cache",
         "attention",
@@ -43,13 +45,14 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"errors", "_paths"},
     "texts": {"errors"},
     "plot": {"errors"},
-    "pipeline": {"cache", "errors"},
+    "pipeline": {"_compat", "cache", "errors"},
     "testing": {
         "profiles",
         "scorers",
         "errors",
     },  # tiny models, tokenizers and profiles for tests, doctests and examples
     "evaluation": {
+        "_compat",
         "cache",
         "attention",
         "scorers",

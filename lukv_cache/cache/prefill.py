@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .._compat import cache_kwarg
 from ..errors import ConfigurationError
 from ..scorers.kvzip import RepeatPrompt
 from .inputs import check_prefill_inputs
@@ -52,8 +53,8 @@ def prefill_context(
         return model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kwarg(model): cache},
             **model_kwargs,
         )
     if cache.get_seq_length() > 0:
@@ -74,8 +75,8 @@ def prefill_context(
         out = model(
             input_ids=input_ids,
             attention_mask=mask,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kwarg(model): cache},
             **model_kwargs,
         )
     scores = reconstruct(cache, model, input_ids, mask, repeat_prompt)
@@ -111,9 +112,9 @@ def reconstruct(
                     input_ids=round_.input_ids,
                     attention_mask=torch.cat([mask, round_.mask.long()], dim=1),
                     position_ids=round_.position_ids,
-                    past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
+                    **{cache_kwarg(model): cache},
                 )
         finally:
             cache.state.round = None

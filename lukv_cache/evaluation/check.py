@@ -44,6 +44,7 @@ from typing import Any, cast
 
 import torch
 
+from .._compat import cache_kwarg
 from ..allocation import ALLOCATORS, allocators_reading_profile
 from ..cache import check_ratio
 from ..cache.quant import check_kv_bits
@@ -369,7 +370,7 @@ def _predictions(
     target = torch.tensor([answer], dtype=prompt.dtype, device=prompt.device)
     ids = torch.cat([prompt, target], dim=1)
     logits = model(
-        input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=len(answer) + 1
+        input_ids=ids, use_cache=True, logits_to_keep=len(answer) + 1, **{cache_kwarg(model): cache}
     ).logits
     logits = logits[0].float()
     predicted = [_STOP if t in stops else t for t in logits.argmax(-1).tolist()]

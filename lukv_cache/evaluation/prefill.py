@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .._compat import cache_kwarg
 from ..attention.swap import attention_swapped
 from ..errors import ConfigurationError
 from .methods import Method, make_cache
@@ -72,7 +73,7 @@ class SharedPrefill:
         cache = DynamicCache()
         started = time.perf_counter()
         with attention_swapped(model, _RECORD_IMPL, observe, mask=impl):
-            out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
         recording.seconds = time.perf_counter() - started
         recording.last_logits = out.logits[:, -1, :]
         recording.input_ids = input_ids

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import torch
 
+from .._compat import cache_kwarg
 from ..allocation import allocators_reading_profile
 from ..cache import LUKVCache, kv_cache_bytes
 from ..errors import ConfigurationError, ProfileError
@@ -169,7 +170,10 @@ def run_benchmark(
                     else:
                         with torch.no_grad():
                             out = model(
-                                input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1
+                                input_ids=ids,
+                                use_cache=True,
+                                logits_to_keep=1,
+                                **{cache_kwarg(model): cache},
                             )
                     last_logits = out.logits[:, -1, :]
                 held = kv_cache_bytes(cache)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .._compat import cache_kwarg
 from ..cache import kv_cache_bytes
 from ..errors import ConfigurationError
 from ..texts import Article, wikipedia_articles
@@ -449,7 +450,7 @@ def prefill(model: Any, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
 
     >>> last_logits = prefill(model, ids, cache)  # doctest: +SKIP
     """
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     return out.logits[:, -1, :]
 
 
@@ -473,8 +474,9 @@ def greedy_decode(
     generated: list[list[int]] = [[] for _ in range(rows)]
     active = [True] * rows
     inputs = prompt_ids
+    passed = {cache_kwarg(model): cache}
     for _ in range(max_new_tokens):
-        logits = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=inputs, use_cache=True, logits_to_keep=1, **passed).logits
         tokens = logits[:, -1].argmax(-1).tolist()
         for row, token in enumerate(tokens):
             if not active[row]:
@@ -537,7 +539,7 @@ def score_prefilled(
     if isinstance(sample, ContinuationSample):
         target = torch.tensor([sample.continuation_ids], dtype=torch.long, device=device)
         # Position 0 of the continuation is predicted by the prefill's last logits; the rest by the forward.
-        logits = model(input_ids=target[:, :-1], past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=target[:, :-1], use_cache=True, **{cache_kwarg(model): cache}).logits
         logits = torch.cat([last_logits[:, None, :].to(logits.dtype), logits], dim=1).float()
         nll = torch.nn.functional.cross_entropy(logits[0], target[0], reduction="mean")
         return float(nll), [], []
@@ -579,7 +581,7 @@ def _score_recall(
     for index, (prompt_ids, cue, rest) in enumerate(sample.quotes):
         working = cache if index == len(sample.quotes) - 1 else copy.deepcopy(cache)
         ids = torch.tensor([prompt_ids + cue + rest[:-1]], dtype=torch.long, device=device)
-        logits = model(input_ids=ids, past_key_values=working, use_cache=True).logits  # [1, q, V]
+        logits = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): working}).logits  # [1, q, V]
         predicted = logits[0, len(prompt_ids) + len(cue) - 1 :].argmax(-1)  # predicts rest[0 ...]
         target = torch.tensor(rest, device=device)
         scores.append(float((predicted == target).double().mean()))

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from .._compat import cache_kwarg
 from ..attention.swap import attention_swapped
 from ..errors import ConfigurationError
 
@@ -289,7 +290,12 @@ def prefill_context(model, context_ids: torch.Tensor, *, reserve: int = 256) -> 
     with _recording(model, rec), torch.inference_mode():
         # logits_to_keep=1: the context's logits are never read; all of them would be [T, vocab] fp32
         # (0.8 GB for SmolLM2 at 4.3k tokens, more than its KV cache)
-        model(input_ids=context_ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(
+            input_ids=context_ids.to(model.device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_kwarg(model): cache},
+        )
     return ContextState(
         cache=cache,
         context_len=rec.context_len,
@@ -336,9 +342,10 @@ def oracle_importance(
     answer: list[int] = []
     ids = question_ids.to(model.device)
     rec.kv_len = state.context_len + ids.shape[1]
+    passed = {cache_kwarg(model): cache}
     with _recording(model, rec), torch.inference_mode():
         for _ in range(k_max):
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **passed).logits
             token = int(logits[0, -1].argmax())
             answer.append(token)
             if token in eos or len(answer) == k_max:

@@ -1,0 +1,36 @@
+"""What differs between the transformers releases the library supports (5.23 and 5.24), decided from public
+facts (a model's signature), never from transformers' private names."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword ``model``'s forward and ``generate`` take the cache by: ``"cache"`` when the forward has a
+    ``cache`` parameter (transformers 5.24 renamed ``past_key_values``; the old name still works there, with
+    a FutureWarning), else ``"past_key_values"`` (5.23, and models whose own code predates the rename).
+
+    >>> out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})  # doctest: +SKIP
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):  # not a module with a readable forward
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def takes_cache(model: Any) -> bool:
+    """Whether ``model``'s forward takes a cache at all, under either name (``cache`` from transformers 5.24,
+    ``past_key_values`` before it, ``past_key_value`` in older remote code). RWKV takes none (it keeps a state
+    of its own), nor does Mamba before 5.24 (its ``cache_params`` is a cache of its own class).
+
+    >>> takes_cache(model)  # doctest: +SKIP
+    True
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):  # not a module with a readable forward
+        return False
+    return not {"cache", "past_key_values", "past_key_value"}.isdisjoint(parameters)
