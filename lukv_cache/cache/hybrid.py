@@ -11,13 +11,13 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
+from .._compat import takes_cache
 from ..errors import ConfigurationError, IncompatibleAttentionError
 from .callstack import calling_model
 from .layer import LUKVLayer
@@ -99,11 +99,10 @@ class HybridRouting(DynamicCache):
             return
         from transformers import PreTrainedModel
 
-        accepts = inspect.signature(type(model).forward).parameters
-        if isinstance(model, PreTrainedModel) and not {"past_key_values", "past_key_value"} & set(accepts):
+        if isinstance(model, PreTrainedModel) and not takes_cache(model):
             warnings.warn(
-                f"{type(model).__name__} takes no past_key_values (it keeps a state of its own, as RWKV and Mamba "
-                "do): this LUKVCache stays empty and compresses nothing.",
+                f"{type(model).__name__} takes no cache (neither cache nor past_key_values: it keeps a state of its "
+                "own, as RWKV does): this LUKVCache stays empty and compresses nothing.",
                 stacklevel=4,
             )
         self.layout.set_layout(self, model.config)
@@ -111,6 +110,23 @@ class HybridRouting(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         self._adopt_layout()
         return super().get_seq_length(layer_idx)
+
+    # what kind each layer is: a cache that has not learned the layout yet has no layers, and transformers
+    # 5.24's generate reads an empty is_linear as "all linear" and then never asks get_seq_length
+    @property
+    def is_linear(self) -> list[bool]:
+        self._adopt_layout()
+        return super().is_linear
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        self._adopt_layout()
+        return super().is_sliding
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        self._adopt_layout()
+        return super().is_dummy
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         self._adopt_layout()

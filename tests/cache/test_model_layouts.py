@@ -4,15 +4,19 @@ reporting works on models whose layers differ (issue 30; tests/families runs eve
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
+import warnings
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from lukv_cache import LUKVCache
 from lukv_cache.cache.hybrid import LUKVHybridLayer
 from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.testing import prompt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "families"))
 
@@ -82,6 +86,19 @@ def test_a_model_that_takes_no_cache_warns_that_the_cache_stays_empty():
     )
     model = RwkvForCausalLM(config).eval()
     cache = LUKVCache(0.5)
-    with pytest.warns(UserWarning, match="takes no past_key_values"), torch.no_grad():
+    with pytest.warns(UserWarning, match="takes no cache"), torch.no_grad():
         model.generate(torch.randint(3, 60, (1, 8)), past_key_values=cache, max_new_tokens=2, do_sample=False)
     assert cache.memory_bytes() == 0
+
+
+@pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
+def test_a_model_that_takes_a_cache_does_not_warn_that_the_cache_stays_empty(keyword):
+    model = tiny_model()
+    if keyword == "cache" and "cache" not in inspect.signature(model.forward).parameters:
+        pytest.skip("the forward takes the cache as past_key_values only before transformers 5.24")
+    cache = LUKVCache(0.5)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model.generate(prompt(), **{keyword: cache}, max_new_tokens=2, do_sample=False)
+    assert not [w for w in caught if "takes no cache" in str(w.message)]
+    assert cache.memory_bytes() > 0
