@@ -324,7 +324,9 @@ def _save_layer(i: int, layer: Any, tensors: dict[str, torch.Tensor], path: Path
                 field=f"layers.{i}.{name}",
             )
     initialized = bool(getattr(layer, "is_initialized", False))
-    entry["dtype"] = _dtype_name(layer.dtype) if initialized else None
+    # transformers' own layers keep no dtype from 5.24 on (5.23's did): their keys have it
+    dtype = (layer.dtype if kind == "lukv" else layer.keys.dtype) if initialized else None
+    entry["dtype"] = None if dtype is None else _dtype_name(dtype)
     if kind == "lukv" and initialized:
         entry["suffix_capacity"] = int(layer._kbuf.shape[-2])
         _put(tensors, f"layers.{i}.suffix_keys", layer.suffix_keys)
