@@ -29,7 +29,8 @@ Transformers cache tests that cannot apply to LUKVCache, and why:
   another cache class; neither backend is installed).
 * ``cache_implementation=`` sweeps (``test_cache_batched`` / ``test_cache_beam_search`` /
   ``test_cache_extra_left_padding`` / ``test_cache_gptj_model`` over ``ALL_CACHE_IMPLEMENTATIONS``): a
-  LUKVCache is passed as ``past_key_values``, not named by a string; the dynamic case is mirrored below.
+  LUKVCache is passed as the cache (``past_key_values``; ``cache`` from transformers 5.24), not named by a
+  string; the dynamic case is mirrored below.
 * Multi-device: ``test_data_parallel_dynamic_cache``, ``test_model_parallel_beam_search``,
   ``test_assisted_decoding_in_different_gpu``, ``test_assisted_decoding_model_in_gpu_assistant_in_cpu``
   (several GPUs; the ``__iter__`` / ``DynamicCache(ddp_cache_data)`` path DataParallel relies on is tested).
@@ -56,6 +57,7 @@ Transformers cache tests that cannot apply to LUKVCache, and why:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -66,12 +68,17 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from lukv_cache import LUKVCache
+from lukv_cache._compat import cache_kwarg
 from lukv_cache.testing import PAD, SLIDING, VOCAB, left_padded, prompt, tiny_config
 
 ATOL = 1e-5
 EVICT = 0.5
 RATIOS = [0.0, EVICT]
 T = 24  # prompt length: with sink=4 and window=1, ratio 0.5 evicts about 10 tokens per head
+# every call spells the cache as the installed release does (``cache`` from transformers 5.24): the old name
+# would still work there, with a FutureWarning, which is an error here
+DEPRECATED_NAME = ".*past_key_values"
+pytestmark = pytest.mark.filterwarnings(f"error:{DEPRECATED_NAME}:FutureWarning")
 
 # A cache that evicts needs every update to come from a model's attention through transformers' attention
 # interface (it evicts right after it, and refuses models that attend in their own code with
@@ -90,20 +97,28 @@ def generate(model, ids, cache, mask=None, new_tokens=4, **kwargs):
     kwargs = {"do_sample": False, "output_logits": True, "output_scores": True, **kwargs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the documented eviction-with-assisted-decoding warning
+        warnings.filterwarnings("error", DEPRECATED_NAME, FutureWarning)
         with torch.no_grad():
             return model.generate(
                 ids,
                 attention_mask=mask,
-                past_key_values=cache,
                 max_new_tokens=new_tokens,
+                **{cache_kwarg(model): cache},
                 return_dict_in_generate=True,
                 **kwargs,
             )
 
 
+def cache_of(out):
+    """The cache an output carries, under the release's field name (``cache`` from transformers 5.24, which
+    renamed ``past_key_values``; the old name still reads there, with a deprecation message)."""
+    fields = {field.name for field in dataclasses.fields(out)}
+    return out.cache if "cache" in fields else out.past_key_values
+
+
 def forward(model, cache, ids, **kwargs):
     with torch.no_grad():
-        return model(ids, past_key_values=cache, use_cache=True, **kwargs)
+        return model(ids, use_cache=True, **{cache_kwarg(model): cache}, **kwargs)
 
 
 def assert_same_generation(ref, out, atol: float = ATOL) -> None:
@@ -247,9 +262,9 @@ def test_left_padded_batch_generates_and_returns_the_cache(arch, ratio):
     ref = generate(model, ids, DynamicCache(), mask, new_tokens=6)
     cache = LUKVCache(ratio)
     out = generate(model, ids, cache, mask, new_tokens=6)
-    assert isinstance(out.past_key_values, Cache) and out.past_key_values is cache
+    assert isinstance(cache_of(out), Cache) and cache_of(out) is cache
     assert out.sequences.shape == ref.sequences.shape
-    assert cache.get_seq_length() == ref.past_key_values.get_seq_length()
+    assert cache.get_seq_length() == cache_of(ref).get_seq_length()
     assert_evicted(cache, ratio)
     if ratio == 0:
         assert_same_generation(ref, out)
@@ -264,11 +279,11 @@ def test_beam_search_reorders_the_cache(ratio):
     kwargs = dict(num_beams=2, num_return_sequences=2, new_tokens=10, output_logits=False)
     ref = generate(model, ids, DynamicCache(), **kwargs)
     out = generate(model, ids, LUKVCache(ratio), **kwargs)
-    assert isinstance(out.past_key_values, LUKVCache)
+    assert isinstance(cache_of(out), LUKVCache)
     assert out.sequences.shape == ref.sequences.shape == (2, T + 10)
     assert any(len(set(beams.tolist()) - {-1}) > 1 for beams in out.beam_indices)
-    assert out.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
-    assert_evicted(out.past_key_values, ratio)
+    assert cache_of(out).get_seq_length() == cache_of(ref).get_seq_length()
+    assert_evicted(cache_of(out), ratio)
     if ratio == 0:
         assert torch.equal(out.sequences, ref.sequences)
         assert torch.equal(out.beam_indices, ref.beam_indices)
@@ -387,13 +402,13 @@ def test_generate_returns_past_key_values_of_the_generated_length(ratio):
     out = generate(model, ids, LUKVCache(ratio), new_tokens=3)
     layers, kv_heads, head_dim = text_dims(model)
     length = out.sequences.shape[-1] - 1
-    assert out.past_key_values.get_seq_length() == length
+    assert cache_of(out).get_seq_length() == length
     if ratio == 0:
         expected = (2, kv_heads, length, head_dim)
-        assert [layer.keys.shape for layer in out.past_key_values.layers] == [expected] * layers
-        assert [layer.values.shape for layer in out.past_key_values.layers] == [expected] * layers
+        assert [layer.keys.shape for layer in cache_of(out).layers] == [expected] * layers
+        assert [layer.values.shape for layer in cache_of(out).layers] == [expected] * layers
     else:
-        assert out.past_key_values.stored_tokens().shape == (layers, 2, kv_heads)
+        assert cache_of(out).stored_tokens().shape == (layers, 2, kv_heads)
 
 
 def check_dict_outputs(out, model, batch, prompt_len, new_tokens, beams=1):
@@ -424,7 +439,7 @@ def test_greedy_generate_dict_outputs_use_cache(ratio):
     kwargs = dict(new_tokens=3, output_attentions=True, output_hidden_states=True, repetition_penalty=1.2)
     out = generate(model, ids, LUKVCache(ratio), **kwargs)
     check_dict_outputs(out, model, 2, T, 3)
-    assert_evicted(out.past_key_values, ratio)
+    assert_evicted(cache_of(out), ratio)
     if ratio == 0:
         ref = generate(model, ids, DynamicCache(), **kwargs)
         assert_same_generation(ref, out)
@@ -450,7 +465,7 @@ def test_beam_search_generate_dict_outputs_use_cache(ratio):
     )
     out = generate(model, ids, LUKVCache(ratio), **kwargs)
     check_dict_outputs(out, model, 2, T, 3, beams=2)
-    assert_evicted(out.past_key_values, ratio)
+    assert_evicted(cache_of(out), ratio)
     if ratio == 0:
         ref = generate(model, ids, DynamicCache(), **kwargs)
         assert_same_generation(ref, out)
@@ -469,7 +484,7 @@ def test_sample_generate_dict_output_num_return_sequences(ratio):
     out = generate(model, ids, LUKVCache(ratio), **kwargs)
     assert out.sequences.shape == (4, T + 3)
     assert [s.shape for s in out.scores] == [(4, VOCAB)] * 3
-    assert out.past_key_values.get_seq_length() == T + 2
+    assert cache_of(out).get_seq_length() == T + 2
     if ratio == 0:
         torch.manual_seed(0)
         assert_same_generation(generate(model, ids, DynamicCache(), **kwargs), out)
@@ -596,11 +611,11 @@ def test_generate_continue_from_past_key_values(arch, ratio):
     once = generate(model, ids, LUKVCache(ratio), mask, new_tokens=4)
     first = generate(model, ids, LUKVCache(ratio), mask, new_tokens=3)
     longer = F.pad(mask, (0, first.sequences.shape[-1] - mask.shape[1]), value=1)
-    cont = generate(model, first.sequences, first.past_key_values, longer, new_tokens=1)
+    cont = generate(model, first.sequences, cache_of(first), longer, new_tokens=1)
     assert torch.equal(cont.sequences, once.sequences)
     torch.testing.assert_close(cont.logits[0], once.logits[-1], atol=ATOL, rtol=0)
-    assert cont.past_key_values.get_seq_length() == once.past_key_values.get_seq_length()
-    assert_evicted(cont.past_key_values, ratio)
+    assert cache_of(cont).get_seq_length() == cache_of(once).get_seq_length()
+    assert_evicted(cache_of(cont), ratio)
     if ratio == 0:
         assert_same_generation(generate(model, ids, DynamicCache(), mask, new_tokens=4), once)
 
@@ -615,23 +630,26 @@ def test_generate_continue_from_inputs_embeds(ratio):
     with torch.no_grad():
         embeds = embed(ids)
         once = model.generate(
-            inputs_embeds=embeds, past_key_values=LUKVCache(ratio), max_new_tokens=4, do_sample=False,
+            inputs_embeds=embeds, **{cache_kwarg(model): LUKVCache(ratio)}, max_new_tokens=4, do_sample=False,
             return_dict_in_generate=True,
         )  # fmt: skip
         first = model.generate(
-            inputs_embeds=embeds, past_key_values=LUKVCache(ratio), max_new_tokens=2, do_sample=False,
+            inputs_embeds=embeds, **{cache_kwarg(model): LUKVCache(ratio)}, max_new_tokens=2, do_sample=False,
             return_dict_in_generate=True,
         )  # fmt: skip
         more = torch.cat([embeds, embed(first.sequences)], dim=1)
         cont = model.generate(
-            inputs_embeds=more, past_key_values=first.past_key_values, max_new_tokens=2, do_sample=False,
+            inputs_embeds=more, **{cache_kwarg(model): cache_of(first)}, max_new_tokens=2, do_sample=False,
             return_dict_in_generate=True,
         )  # fmt: skip
     assert torch.equal(torch.cat([first.sequences, cont.sequences], dim=1), once.sequences)
     if ratio == 0:
         with torch.no_grad():
             ref = model.generate(
-                inputs_embeds=embeds, past_key_values=DynamicCache(), max_new_tokens=4, do_sample=False
+                inputs_embeds=embeds,
+                **{cache_kwarg(model): DynamicCache()},
+                max_new_tokens=4,
+                do_sample=False,
             )
         assert torch.equal(ref, once.sequences)
 
@@ -665,10 +683,10 @@ def test_prepare_inputs_for_generation_decoder_llm(ratio):
     assert cache.is_compileable is False
     mask = torch.ones_like(ids)
     inputs = model.prepare_inputs_for_generation(
-        ids, next_sequence_length=ids.shape[-1] - cache.get_seq_length(), past_key_values=cache,
+        ids, next_sequence_length=ids.shape[-1] - cache.get_seq_length(), **{cache_kwarg(model): cache},
         attention_mask=mask,
     )  # fmt: skip
-    assert inputs["past_key_values"] is cache
+    assert inputs[cache_kwarg(model)] is cache
     assert inputs["input_ids"].shape[-1] == 1
     assert torch.equal(inputs["attention_mask"], mask)
 
