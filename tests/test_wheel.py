@@ -3,29 +3,54 @@ from a folder outside the checkout."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import site
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import venv
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 # from_pretrained without a scorer takes the model's kvzap profile (its surrogate is in the file)
 PROFILE = "lukv_cache/profiles_hub/HuggingFaceTB/SmolLM2-135M-Instruct/kvzap.safetensors"
 
 
+def _unmet_build_requirements() -> list[str]:
+    """pyproject's ``[build-system] requires`` this environment does not satisfy: ``--no-build-isolation``
+    builds with the installed packages and pip does not check them (a virtual environment made with
+    ``python -m venv`` carries its own old setuptools, which shadows a newer one and cannot build a wheel)."""
+    unmet = []
+    for line in tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]:
+        requirement = Requirement(line)
+        try:
+            installed = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed is None or not requirement.specifier.contains(installed, prereleases=True):
+            unmet.append(f"{line} (installed: {installed or 'none'})")
+    return unmet
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    if unmet := _unmet_build_requirements():
+        pytest.fail(
+            f"{sys.executable} cannot build the wheel: it lacks the build requirements {', '.join(unmet)}. "
+            "Install them there (pip install -e '.[dev]' does)."
+        )
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
-        check=True, capture_output=True, timeout=300,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
     return next(out.glob("lukv_cache-*.whl"))
 
 
