@@ -15,6 +15,7 @@ from packaging.version import Version
 
 from lukv_cache import LUKVCache, LUKVPipeline
 from lukv_cache._compat import cache_kwarg
+from lukv_cache.evaluation.check import _predictions
 from lukv_cache.evaluation.prefill import SharedPrefill
 from lukv_cache.evaluation.tasks import ContinuationSample, greedy_decode, prefill, score_prefilled
 from lukv_cache.profiling.oracle import oracle_importance, prefill_context
@@ -74,6 +75,13 @@ def test_the_evaluation_tasks_prefill_decode_and_score_without_a_deprecated_keyw
     sample = ContinuationSample("tiny", tuple(ids[0].tolist()), tuple(prompt(1, 4, seed=2)[0].tolist()))
     nll, _, _ = score_prefilled(model, None, sample, scoring, prefill(model, ids, scoring))
     assert nll > 0
+
+
+def test_the_check_teacher_forces_an_answer_without_a_deprecated_keyword():
+    model, cache = tiny_model(), LUKVCache(0.5)
+    prefill(model, prompt(1, 32), cache)
+    predicted, nll = _predictions(model, cache, prompt(1, 2, seed=1), [5, 6], stops=[], max_new_tokens=4)
+    assert len(predicted) == 3 and nll > 0
 
 
 def test_the_shared_prefill_records_without_a_deprecated_keyword():
