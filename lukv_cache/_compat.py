@@ -24,7 +24,9 @@ def cache_kwarg(model: Any) -> str:
 def takes_cache(model: Any) -> bool:
     """Whether ``model``'s forward takes a cache at all, under either name (``cache`` from transformers 5.24,
     ``past_key_values`` before it, ``past_key_value`` in older remote code). RWKV takes none (it keeps a state
-    of its own), nor does Mamba before 5.24 (its ``cache_params`` is a cache of its own class).
+    of its own), nor does Mamba before 5.24 (its ``cache_params`` is a cache of its own class). Before 5.24 a
+    ``cache`` parameter is no transformers cache: XLM's is a dict of its own (it still is on 5.24, where the
+    cache then reaches XLM's own attention code, which a LUKVCache refuses with a typed error).
 
     >>> takes_cache(model)  # doctest: +SKIP
     True
@@ -33,4 +35,13 @@ def takes_cache(model: Any) -> bool:
         parameters = inspect.signature(model.forward).parameters
     except (AttributeError, TypeError, ValueError):  # not a module with a readable forward
         return False
-    return not {"cache", "past_key_values", "past_key_value"}.isdisjoint(parameters)
+    names = {"past_key_values", "past_key_value"} | ({"cache"} if _renamed() else set())
+    return not names.isdisjoint(parameters)
+
+
+def _renamed() -> bool:
+    """Whether the installed transformers (5.24 or later) calls the cache argument ``cache``."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.24")

@@ -22,7 +22,6 @@ Outcomes (see README.md next to this file):
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
 import traceback
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lukv_cache._compat import cache_kwarg, takes_cache
 
 OUTCOMES = (
     "works",
@@ -150,6 +151,7 @@ _SHRINK: dict[str, Any] = {
     "index_topk": 8,
     # vocabulary and positions
     "vocab_size": VOCAB,
+    "unpadded_vocab_size": VOCAB,  # inkling*: the LM head's size from 5.24 (5.23 cut the logits to it)
     "max_position_embeddings": 256,
     "n_positions": 256,
     "n_ctx": 256,
@@ -205,6 +207,15 @@ _EVEN_IF_NONE = ("head_dim", "num_key_value_heads")
 OVERRIDES: dict[str, dict[str, Any]] = {
     "cohere_compass_text": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    },
+    # 5.24: the config counts decoder layers and MLP blocks alike (layer_types interleaves "mlp" and the counts
+    # are doubled, halved again in __post_init__): 3 decoder layers, one each for input, recurrent and output
+    "dory": {
+        "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "full_attention", "mlp"],
+        "n_input_layers": 2,
+        "n_recurrent_layers": 2,
+        "n_output_layers": 2,
     },
     "dots1": {"num_local_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "dots3_note_text": {"num_key_value_heads": HEADS, "per_layer_config": {}, "head_dim": 16},
@@ -379,7 +390,7 @@ def inputs(vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
 
 def greedy(model, ids, mask, cache=None) -> torch.Tensor:
     """The logits ``[steps, B, V]`` of a greedy generate (``cache=None``: the model's default cache)."""
-    kwargs = {} if cache is None else {"past_key_values": cache}
+    kwargs = {} if cache is None else {cache_kwarg(model): cache}
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
@@ -583,9 +594,9 @@ def _run(model_type: str, diagnose: bool) -> Result:
             ref = None
     if ref is None:
         return Result(model_type, "refused_by_transformers", refused, attn=attn)
-    if "past_key_values" not in inspect.signature(model.forward).parameters:
-        # its own recurrent cache (mamba, rwkv, ...): generate refuses any past_key_values, DynamicCache too
-        return Result(model_type, "refused_by_transformers", "forward() takes no past_key_values", attn=attn)
+    if not takes_cache(model):
+        # its own recurrent state (rwkv, mamba before 5.24, ...): generate ignores or refuses a passed cache
+        return Result(model_type, "refused_by_transformers", "forward() takes no cache", attn=attn)
 
     try:
         logits0, _, _ = _lukv_run(model_type, attn, model, ids, mask, 0.0)
@@ -873,10 +884,48 @@ EXPECTED_MESSAGE: dict[str, str] = {
     "youtu": "Multi-head latent attention",
 }
 
+# Rows that transformers 5.24 changed (outcome, and the message pinned: None pins none). EXPECTED and
+# EXPECTED_MESSAGE are 5.23's; these replace them on 5.24 and later (transformers.__version__).
+SINCE_5_24: dict[str, tuple[str, str | None]] = {
+    # the forward takes a Cache now (cache=, was cache_params): linear/SSM layers only, nothing to compress
+    "falcon_mamba": ("warns_nothing_compressed", "no layer is a full-attention one"),
+    "mamba": ("warns_nothing_compressed", "no layer is a full-attention one"),
+    "mamba2": ("warns_nothing_compressed", "no layer is a full-attention one"),
+    # its forward's own cache parameter (a dict, XLM's since before the rename) now receives the LUKVCache,
+    # and its attention is its own code: a typed error (5.23: refused, the forward takes no past_key_values)
+    "xlm": ("typed_error", "computes attention in its own code"),
+    # attention goes through transformers' attention interface now
+    "codegen": ("works", None),
+    "gptj": ("works", None),
+    # the last layer of each kind is marked "store" (assistant models read its KV from shared_kv_states) even
+    # without KV sharing: a LUKVCache keeps it whole, and the tiny config's 2 layers are each the last of a kind
+    "gemma4_text": ("warns_nothing_compressed", "KV sharing"),
+    "gemma4_unified_text": ("warns_nothing_compressed", "KV sharing"),
+    # new families
+    "inkling2_loop_text": ("typed_error", "attention sinks computed per token"),
+    "sarvam_mla": ("typed_error", "Multi-head latent attention"),
+}
+
 # model_type -> today's crash/bug in one line: xfail(strict=True) until fixed (then update EXPECTED/XFAIL)
 XFAIL: dict[str, str] = {}
 
 
+def _since_5_24() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.24")
+
+
 def expected(model_type: str) -> str:
     """The outcome the test expects (families unknown to this table, e.g. from a newer transformers: works)."""
+    if model_type in SINCE_5_24 and _since_5_24():
+        return SINCE_5_24[model_type][0]
     return EXPECTED.get(model_type, "works")
+
+
+def expected_message(model_type: str) -> str | None:
+    """The substring the row's typed error or warning must contain (``None``: not checked)."""
+    if model_type in SINCE_5_24 and _since_5_24():
+        return SINCE_5_24[model_type][1]
+    return EXPECTED_MESSAGE.get(model_type)

@@ -2,8 +2,9 @@
 test each, all in this one process (a family's failure must not change the next family's result).
 
 Each test builds the family's tiny model and runs the case of ``families.run_family``; the outcome must be
-``families.expected(model_type)`` (``works`` for a family this table does not know yet), and a typed error
-or warning must contain ``EXPECTED_MESSAGE[model_type]``. Families that crash or are silently wrong today
+``families.expected(model_type)`` (``works`` for a family this table does not know yet; rows that
+transformers 5.24 changed are in ``SINCE_5_24``), and a typed error or warning must contain
+``families.expected_message(model_type)``. Families that crash or are silently wrong today
 expect their fixed outcome and are ``xfail(strict=True)``: a fix makes them XPASS, which fails the run
 until ``XFAIL`` (and ``EXPECTED``) in families.py are updated. Select or exclude with ``-m families``.
 """
@@ -51,7 +52,7 @@ def test_family(model_type):
     want = families.expected(model_type)
     summary = f"{result.outcome}: {result.detail} {result.error_type} {result.frame}".strip()
     assert result.outcome == want, f"{model_type}: expected {want}, got {summary}"
-    message = families.EXPECTED_MESSAGE.get(model_type)
+    message = families.expected_message(model_type)
     if message is not None:
         assert message in result.detail, f"{model_type}: expected a message with {message!r}, got {summary}"
 
@@ -63,3 +64,5 @@ def test_expectations_are_acceptable():
     assert set(families.EXPECTED.values()) <= set(families.OUTCOMES)
     assert set(families.XFAIL) <= set(families.EXPECTED)
     assert set(families.EXPECTED_MESSAGE) <= set(families.EXPECTED)
+    since = {outcome for outcome, _ in families.SINCE_5_24.values()}
+    assert since <= set(families.OUTCOMES) - {"raw_crash", "silently_wrong"}
