@@ -86,7 +86,9 @@ class Layout:
             )
         stock = DynamicCache(config=config).layers
         # KV sharing (Gemma-3n, Gemma-4 E-models): a layer whose KV later layers read keeps it whole, since
-        # they receive the tensors its update() returned, not what a compressed layer holds
+        # they receive the tensors its update() returned, not what a compressed layer holds. From transformers
+        # 5.24 every Gemma-4 marks the last layer of each kind "store" even without sharing (an assistant model
+        # reads its KV from shared_kv_states): kept whole too, or assisted decoding would read a partial KV
         modes = getattr(text, "kv_sharing_modes", None) or ()
         self.kv_producers = [i for i, mode in enumerate(modes) if mode == "store"]
         cache.layers = [
