@@ -9,8 +9,9 @@ from typing import Any
 
 def cache_kwarg(model: Any) -> str:
     """The keyword ``model``'s forward and ``generate`` take the cache by: ``"cache"`` when the forward has a
-    ``cache`` parameter (transformers 5.24 renamed ``past_key_values``; the old name still works there, with
-    a FutureWarning), else ``"past_key_values"`` (5.23, and models whose own code predates the rename).
+    ``cache`` parameter and transformers is 5.24 or later (5.24 renamed ``past_key_values``; the old name
+    still works there, with a FutureWarning), else ``"past_key_values"`` (5.23, where a ``cache`` parameter
+    is a model's own, as XLM's dict, and models whose own code predates the rename).
 
     >>> out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})  # doctest: +SKIP
     """
@@ -18,7 +19,7 @@ def cache_kwarg(model: Any) -> str:
         parameters = inspect.signature(model.forward).parameters
     except (AttributeError, TypeError, ValueError):  # not a module with a readable forward
         return "past_key_values"
-    return "cache" if "cache" in parameters else "past_key_values"
+    return "cache" if "cache" in parameters and _renamed() else "past_key_values"
 
 
 def takes_cache(model: Any) -> bool:

@@ -43,7 +43,8 @@ def test_cache_kwarg_follows_the_forward_of_a_model_written_before_the_rename():
         def forward(self, input_ids, cache=None, use_cache=None): ...
 
     assert cache_kwarg(Old()) == "past_key_values"
-    assert cache_kwarg(New()) == "cache"
+    # before 5.24 a `cache` parameter is a model's own (XLM's dict), not transformers' cache argument
+    assert cache_kwarg(New()) == ("cache" if RENAMED else "past_key_values")
 
 
 def test_prefill_runs_the_model_without_a_deprecated_keyword():
