@@ -78,8 +78,8 @@ def check_routed(cache: LUKVCache) -> None:
         raise IncompatibleAttentionError(
             f"LUKVCache layer {awaiting}: the model attended without going through transformers' "
             "attention interface, so no lukv_cache attention function read the layer. This model family "
-            "computes attention in its own code (as Bloom, Falcon, GPT-J, GPT-Neo, MPT, CodeGen, XGLM and "
-            "CPM-Ant do), which cannot read a compressed cache whatever attn_implementation is set: only "
+            "computes attention in its own code (as Bloom, Falcon, GPT-Neo, MPT, XGLM and CPM-Ant do, and GPT-J "
+            "and CodeGen before transformers 5.24), which cannot read a compressed cache whatever attn_implementation is set: only "
             "ratio=0 works with it, so use transformers' DynamicCache for this model."
         )
     # ratio 0, nothing compressed: the model's own attention code reads the dense layers exactly;
