@@ -453,3 +453,20 @@ def test_listing_an_unreachable_hub_gives_up_after_one_probe(silent_endpoint, hf
             hub=HubLocation(endpoint=silent_endpoint, cache_dir=hf_cache, timeout=1.0, revision="v1")
         )
     assert time.perf_counter() - start < 8
+
+
+def test_a_profile_stored_under_another_model_id_warns_that_it_was_built_for_that_one(tmp_path, profile):
+    path = tmp_path / profile_filename("org/renamed", "keydiff")
+    path.parent.mkdir(parents=True)
+    profile.save(path)  # as is: save_to_local_dir would record the id it is stored under
+    with pytest.warns(UserWarning, match=f"stored for 'org/renamed' says it was built for '{MODEL}'"):
+        assert resolve_profile("org/renamed", "keydiff", local_dir=tmp_path).model_id == MODEL
+
+
+def test_a_profile_stored_under_its_own_model_id_resolves_without_a_warning(tmp_path, profile):
+    import warnings
+
+    save_to_local_dir(profile, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_profile(MODEL, "keydiff", local_dir=tmp_path).model_id == MODEL

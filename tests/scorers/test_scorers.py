@@ -197,3 +197,27 @@ def test_unknown_scorer_error_lists_the_known_names():
         get_scorer("snapkvv")
     for name in BUILTINS:
         assert name in str(info.value)
+
+
+def test_from_pretrained_with_another_scorer_than_the_profiles_warns_that_it_reuses_the_budgets(tmp_path):
+    from lukv_cache.testing import flat_profile
+
+    path = flat_profile(2, 2).save(tmp_path / "keydiff.safetensors")
+    with pytest.warns(
+        UserWarning, match="built for scorer 'keydiff'; its budgets are used with scorer 'snapkv'"
+    ):
+        cache = LUKVCache.from_pretrained(path, ratio=0.5, scorer="snapkv")
+    assert cache.scorer.name == "snapkv"
+
+
+@pytest.mark.parametrize("scorer", [None, "keydiff"])
+def test_from_pretrained_with_the_profiles_own_scorer_does_not_warn(tmp_path, scorer):
+    import warnings
+
+    from lukv_cache.testing import flat_profile
+
+    path = flat_profile(2, 2).save(tmp_path / "keydiff.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = LUKVCache.from_pretrained(path, ratio=0.5, scorer=scorer)
+    assert cache.scorer.name == "keydiff"
