@@ -254,3 +254,22 @@ def test_explicit_lukv_attention_implementation_matches_dynamic_cache_with_sdpa(
     model.set_attn_implementation("lukv")
     out = model.generate(past_key_values=LUKVCache(0.0), **kwargs)
     assert_same_generation(ref, out)
+
+
+def test_assisted_decoding_that_evicts_nothing_does_not_warn_that_drafts_join_the_eviction():
+    import warnings
+
+    model = tiny_model("llama", "sdpa")
+    assistant = tiny_model("llama", "sdpa", seed=1, num_hidden_layers=1)
+    cache = LUKVCache(0.0)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model.generate(
+            prompt(1, 40, seed=3),
+            past_key_values=cache,
+            max_new_tokens=8,
+            assistant_model=assistant,
+            **GREEDY,
+        )
+    assert not [w for w in caught if "draft tokens" in str(w.message)]
+    assert cache.get_seq_length() > 40  # the assisted generation ran through this cache
