@@ -146,3 +146,12 @@ def test_cli_list_and_pull_offline(tmp_path):
     missing = _lukv("pull", "org/none", home=tmp_path)
     assert missing.returncode == 2
     assert "--local-dir" in missing.stderr and "local_dir=" in missing.stderr  # both spellings
+
+
+def test_a_hub_that_answers_is_asked_without_an_announced_wait(hub, hf_cache, profile, caplog):
+    profile.push_to_hub(repo_id="lukv-test/profiles", endpoint=hub.url)
+    location = HubLocation(repo_id="lukv-test/profiles", endpoint=hub.url, cache_dir=hf_cache)
+    with caplog.at_level(logging.INFO, logger="lukv_cache"):
+        assert resolve_profile(profile.model_id, "keydiff", hub=location).model_id == profile.model_id
+    assert any("asking the Hub at" in r.getMessage() for r in caplog.records)  # the probe ran
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
