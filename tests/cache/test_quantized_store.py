@@ -355,3 +355,23 @@ def test_a_quantized_triton_kernel_that_fails_warns_once_and_falls_back(monkeypa
     torch.testing.assert_close(lse, want_lse)
     assert kernels._quantized_failure == "RuntimeError: no compiler here"
     assert kernels.get_quantized_suffix_kernel(query) is None  # later calls: the block path
+
+
+def test_a_quantized_triton_kernel_that_runs_gives_its_result_without_a_warning(monkeypatch):
+    import warnings
+
+    pytest.importorskip("triton")
+    from lukv_cache.attention import _triton_quantized, kernels
+
+    result = (torch.zeros(2, 2, 3, 16), torch.zeros(2, 2, 3))
+    monkeypatch.setattr(_triton_quantized, "triton_quantized_ragged_attention", lambda *a, **kw: result)
+    monkeypatch.setattr(kernels, "_quantized_failure", None)
+    quantized, _ = _stores(4, [30, 50, 0, 41])
+    query, suffix = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 5, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = kernels._triton_quantized_or_reference(
+            query, quantized.keys, quantized.values, quantized.offsets, suffix, suffix, scaling=0.25
+        )
+    assert out is result
+    assert kernels._quantized_failure is None

@@ -227,3 +227,21 @@ def test_triton_wrappers_refuse_one_half_of_a_suffix(given):
         triton_quantized_ragged_attention(
             q, codes, scale, scale, codes, scale, scale, offsets, bits=8, dim=8, scaling=0.3, **half
         )
+
+
+def test_a_triton_kernel_that_runs_gives_its_result_without_a_warning(no_backends):
+    import warnings
+
+    result = (torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4))
+    no_backends.setitem(
+        sys.modules,
+        "lukv_cache.attention._triton_ragged",
+        types.SimpleNamespace(triton_ragged_attention=lambda *args, **kwargs: result),
+    )
+    no_backends.setattr(cuda, "_import_or_none", lambda name: object() if name == "triton" else None)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(5, 8), torch.randn(5, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cuda._triton_or_reference(q, k, v, torch.tensor([0, 2, 5]), scaling=0.3) is result
+    assert cuda.triton_failure() is None
+    assert cuda.ragged_kernel_name(cuda_query()) == "triton"
