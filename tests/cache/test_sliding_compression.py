@@ -139,3 +139,16 @@ def test_gemma_sliding_layers_compress_a_prompt_shorter_than_their_window(arch):
     assert torch.equal(seq, ref_seq)
     assert (logits - ref_logits).abs().max() <= 1e-5
     assert int(cache.stored_tokens()[[0, 2]].max()) < 8 + 4 + 1  # the sliding layers slid
+
+
+@pytest.mark.parametrize(
+    ("arch", "length", "overrides"), [("mistral", 24, {"sliding_window": WINDOW}), ("gemma2", 8, {})]
+)
+def test_a_prompt_that_fits_the_window_is_compressed_without_a_warning(arch, length, overrides):
+    model = tiny_model(arch, "eager", **overrides)
+    cache = LUKVCache(0.5, sink=2, window=3)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model.generate(prompt(1, length), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert not [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert cache.is_compressed and int(cache.stored_tokens().max()) < cache.get_seq_length()
