@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from lukv_cache._compat import cache_kwarg
 from lukv_cache.allocation import ALLOCATORS, allocators_reading_profile
 from lukv_cache.testing import tiny_model as _fresh_model
 
@@ -34,12 +35,13 @@ def tiny_model(
 def greedy_with_logits(
     model, ids: torch.Tensor, cache, new_tokens: int = 6, attention_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy ``generate`` over ``cache``: the sequences and the stacked logits of every new token."""
+    """Greedy ``generate`` over ``cache`` (passed by the keyword the installed transformers takes: ``cache``
+    from 5.24, ``past_key_values`` before): the sequences and the stacked logits of every new token."""
     with torch.no_grad():
         out = model.generate(
             ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **{cache_kwarg(model): cache},
             max_new_tokens=new_tokens,
             do_sample=False,
             output_logits=True,
