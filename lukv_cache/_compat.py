@@ -3,6 +3,7 @@ facts (a model's signature), never from transformers' private names."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -15,11 +16,7 @@ def cache_kwarg(model: Any) -> str:
 
     >>> out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})  # doctest: +SKIP
     """
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (AttributeError, TypeError, ValueError):  # not a module with a readable forward
-        return "past_key_values"
-    return "cache" if "cache" in parameters and _renamed() else "past_key_values"
+    return "cache" if "cache" in _forward_parameters(model) and _renamed() else "past_key_values"
 
 
 def takes_cache(model: Any) -> bool:
@@ -32,14 +29,19 @@ def takes_cache(model: Any) -> bool:
     >>> takes_cache(model)  # doctest: +SKIP
     True
     """
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (AttributeError, TypeError, ValueError):  # not a module with a readable forward
-        return False
     names = {"past_key_values", "past_key_value"} | ({"cache"} if _renamed() else set())
-    return not names.isdisjoint(parameters)
+    return not names.isdisjoint(_forward_parameters(model))
 
 
+def _forward_parameters(model: Any) -> frozenset[str]:
+    """The names ``model.forward`` takes; none when it has no readable forward (not a module)."""
+    try:
+        return frozenset(inspect.signature(model.forward).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return frozenset()
+
+
+@functools.cache  # the installed release does not change while the process runs
 def _renamed() -> bool:
     """Whether the installed transformers (5.24 or later) calls the cache argument ``cache``."""
     import transformers
