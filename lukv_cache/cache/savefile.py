@@ -503,17 +503,16 @@ def read_context(
     text = model.config.get_text_config(decoder=True)
     positions = getattr(text, "max_position_embeddings", None)
     max_length = positions if isinstance(positions, int) and positions > 0 else _MAX_LENGTH
-    heads = _layer_kv_heads(model, len(cache.layers), meta)
+    # the fields _check_model compared with the model's own
+    heads = _layer_kv_heads(model, len(cache.layers), meta["model"]["fields"]["num_key_value_heads"])
     _restore_layers(cache, meta, reader, devices, max_length, heads)
     return cache
 
 
-def _layer_kv_heads(model: Any, count: int, meta: dict) -> list[Any]:
-    """Each layer's KV heads: the config's ``num_key_value_heads``, unless the layer's attention module
-    projects to another count (``k_proj.out_features // head_dim``: MiMo-V2-Flash's sliding layers have
-    twice the global layers' KV heads)."""
-    fields = meta.get("model", {}).get("fields", {}) if isinstance(meta.get("model"), dict) else {}
-    default = fields.get("num_key_value_heads") if isinstance(fields, dict) else None
+def _layer_kv_heads(model: Any, count: int, default: Any) -> list[Any]:
+    """Each layer's KV heads: ``default`` (the config's ``num_key_value_heads``), unless the layer's attention
+    module projects to another count (``k_proj.out_features // head_dim``: MiMo-V2-Flash's sliding layers
+    have twice the global layers' KV heads)."""
     heads = [default] * count
     for idx, module in _attention_modules(model, None).items():
         k_proj, head_dim = getattr(module, "k_proj", None), getattr(module, "head_dim", None)
