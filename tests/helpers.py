@@ -77,3 +77,24 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(str(int(i)) for i in ids)
+
+
+def json_leaves(value, path=()):
+    """Every ``(path, value)`` of a JSON value, itself first: the fuzzers edit each one."""
+    yield path, value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from json_leaves(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from json_leaves(item, (*path, i))
+
+
+def with_question(seq: torch.Tensor, mask: torch.Tensor | None):
+    """The tokens so far plus a 3-token question (seeded), and its mask."""
+    from lukv_cache.testing import prompt
+
+    ids = torch.cat([seq, prompt(seq.shape[0], 3, seed=9)], 1)
+    if mask is None:
+        return ids, None
+    return ids, torch.cat([mask, torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)

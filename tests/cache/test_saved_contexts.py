@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import greedy_with_logits, scorer_for, tiny_model
+from helpers import greedy_with_logits, scorer_for, tiny_model, with_question
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -105,14 +105,6 @@ def _filled(name: str):
     return model, cache, seq, mask
 
 
-def _continuation(seq: torch.Tensor, mask: torch.Tensor | None):
-    """The tokens so far plus a 3-token question, and its mask."""
-    ids = torch.cat([seq, prompt(seq.shape[0], 3, seed=9)], 1)
-    if mask is None:
-        return ids, None
-    return ids, torch.cat([mask, torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
-
-
 @pytest.mark.parametrize("name", [_case(name) for name in CASES])
 def test_a_loaded_cache_continues_as_the_saved_one(name, tmp_path):
     model, cache, seq, mask = _filled(name)
@@ -122,7 +114,7 @@ def test_a_loaded_cache_continues_as_the_saved_one(name, tmp_path):
     assert torch.equal(loaded.stored_tokens(), cache.stored_tokens())
     assert loaded.memory_bytes() == cache.memory_bytes()
     settled = [getattr(layer, "settled_length", 0) for layer in loaded.layers]
-    ids, full_mask = _continuation(seq, mask)
+    ids, full_mask = with_question(seq, mask)
     want, want_logits = greedy_with_logits(model, ids, cache, new_tokens=12, attention_mask=full_mask)
     got, got_logits = greedy_with_logits(model, ids, loaded, new_tokens=12, attention_mask=full_mask)
     assert torch.equal(got, want)
@@ -488,7 +480,7 @@ def test_a_cache_from_a_kvzap_profile_carries_the_profile_once(allocator, tmp_pa
     assert loaded.scorer.params["surrogate"] is loaded.profile.surrogate
     if allocator == "profile":
         assert loaded.allocator.params["profile"] is loaded.profile
-    ids, _ = _continuation(seq, None)
+    ids, _ = with_question(seq, None)
     want, want_logits = greedy_with_logits(model, ids, cache, new_tokens=12)
     got, got_logits = greedy_with_logits(model, ids, loaded, new_tokens=12)
     assert torch.equal(got, want)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import greedy_with_logits, tiny_model
+from helpers import greedy_with_logits, json_leaves, tiny_model, with_question
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -71,23 +71,6 @@ def _filled(name: str):
     return model, cache, seq, mask
 
 
-def _continuation(seq: torch.Tensor, mask: torch.Tensor | None):
-    ids = torch.cat([seq, prompt(seq.shape[0], 3, seed=9)], 1)
-    if mask is not None:
-        mask = torch.cat([mask, torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
-    return ids, mask
-
-
-def _leaves(value, path=()):
-    yield path, value
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _leaves(item, (*path, key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from _leaves(item, (*path, i))
-
-
 def _edits(value) -> list:
     if isinstance(value, bool):
         return [not value, 0, None, "true"]
@@ -118,7 +101,7 @@ def _edits(value) -> list:
 def _cases(meta: dict) -> list[tuple[tuple, object]]:
     """(path, new value) for every edit; a path starting with "every layer" edits that field in each layer."""
     cases = []
-    for path, value in _leaves(meta):
+    for path, value in json_leaves(meta):
         cases += [(path, edit) for edit in _edits(value)]
         if path and isinstance(path[-1], str):
             cases.append((path, _DELETE))
@@ -200,7 +183,7 @@ def test_every_resigned_metadata_edit_is_a_typed_error_or_an_exact_round_trip(na
     tensor_bytes = sum(t.numel() * t.element_size() for t in load_file(src).values())
     with safe_open(str(src), "pt") as f:
         meta = json.loads(f.metadata()[saved.METADATA_KEY])
-    ids, full_mask = _continuation(seq, mask)
+    ids, full_mask = with_question(seq, mask)
     _, want = greedy_with_logits(model, ids, load_cache(src, model), new_tokens=5, attention_mask=full_mask)
     counts, failures = {"typed error": 0, "exact round trip": 0, "reported option or length": 0}, []
     for path, value in _cases(meta):

@@ -15,6 +15,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from helpers import json_leaves
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save
@@ -186,16 +187,6 @@ def _json_edits(value) -> list:
     return [{}, None, []]
 
 
-def _json_leaves(value, path=()):
-    yield path, value
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _json_leaves(item, (*path, key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from _json_leaves(item, (*path, i))
-
-
 def _replaced(value, path: tuple, new):
     if not path:
         return new
@@ -217,7 +208,7 @@ def _metadata_edits(metadata: dict) -> list[tuple[str, str | None]]:
         except ValueError:
             continue
         if isinstance(parsed, dict | list):
-            for path, value in _json_leaves(parsed):
+            for path, value in json_leaves(parsed):
                 edits += [(key, json.dumps(_replaced(parsed, path, new))) for new in _json_edits(value)]
     return edits
 
