@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..allocation import allocators_reading_profile
+from ..errors import HubUnavailableError, ProfileNotFoundError
 from ..scorers import SCORERS, Scorer
 from .policy import check_ratio
 
 if TYPE_CHECKING:
+    from ..profiles import HubLocation
     from .cache import LUKVCache
+
+logger = logging.getLogger("lukv_cache")
+_announced: set[str] = set()  # the model ids whose missing profile was already said at WARNING level
 
 
 def _registered(name: str) -> Scorer | None:
@@ -52,6 +58,7 @@ def from_pretrained(
     timeout: float | None = None,
     sink: int | None = None,
     window: int | None = None,
+    require_profile: bool = False,
     **kwargs: Any,
 ) -> LUKVCache:
     """A cache whose per-head budgets come from the LU-KV profile of a model.
@@ -76,6 +83,17 @@ def from_pretrained(
     ``repo_id``, ``token``, ``cache_dir``, ``endpoint``, ``local_files_only`` and ``timeout`` (seconds before the Hub counts as
     unreachable; default ``$LUKV_HUB_TIMEOUT`` or 5) go to huggingface_hub.
 
+    A model with no profile anywhere (local folder, Hub, the shipped copies; offline: the local ones and
+    huggingface_hub's cache) gets the profile-free :data:`~lukv_cache.profiles.location.PROFILE_FREE`
+    method (``scorer="keydiff", allocator="uniform"``; a ``scorer=`` or ``allocator=`` given is kept),
+    ``cache.profile`` is ``None`` and one log line (logger ``"lukv_cache"``: WARNING the first time per
+    model id in a process, INFO after) says so and how to build one (``lukv build <model id>``).
+    ``require_profile=True`` makes that a :class:`~lukv_cache.errors.ProfileNotFoundError`, and so does
+    asking for something only a profile gives: a profile file, a ``revision``, an allocator that reads
+    the profile (``"profile"``, ``"hybrid"``, ...) or ``scorer="kvzap"``. A Hub that should answer and
+    cannot (online, refused or timed out) is a :class:`~lukv_cache.errors.HubUnavailableError` (it says
+    how to go offline); a profile that is there but corrupt or built for another shape always raises.
+
     >>> cache = LUKVCache.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct", ratio=0.8)  # doctest: +SKIP
     """
     from ..profiles import HubLocation, resolve_profile
@@ -85,8 +103,25 @@ def from_pretrained(
     if max_tokens is None:
         ratio = check_ratio(0.5 if ratio is None else ratio)  # LUKVCache()'s default too
     hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)
-    profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
     config = getattr(model_or_profile, "config", None)
+    try:
+        profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
+    except (ProfileNotFoundError, HubUnavailableError) as err:
+        model_id = _profile_free_candidate(model_or_profile, err, hub, scorer, allocator)
+        if model_id is None:
+            raise
+        places = _places_searched(hub, local_dir)
+        if require_profile:
+            raise ProfileNotFoundError(
+                f"No profile for {model_id!r} (looked in {places}), and require_profile=True. Build one with "
+                f"`lukv build {model_id}` (it says how from_pretrained then finds it), or drop "
+                f"require_profile to use the profile-free {_profile_free_line(scorer, allocator)}.",
+                model_id=model_id,
+                scorer=scorer,
+            ) from None  # the lookup's own error adds only the same facts, longer
+        return _profile_free_cache(
+            cls, model_id, places, ratio, scorer, allocator, max_tokens, sink, window, config, kwargs
+        )
     if config is not None:
         profile.validate_for(config)
         kwargs.setdefault("config", config)
@@ -113,4 +148,97 @@ def from_pretrained(
         **kwargs,
     )
     cache.profile = profile
+    return cache
+
+
+def _profile_free_candidate(
+    model_or_profile: Any, err: BaseException, hub: HubLocation, scorer: str | None, allocator: str | None
+) -> str | None:
+    """The model id when ``err`` only means that the model has no profile where one was looked for and
+    nothing asked for needs one, so that :data:`PROFILE_FREE` may stand in; else ``None`` (``err`` is raised).
+
+    Needing a profile: a profile file, a pinned revision, an allocator that reads the profile, a scorer whose
+    model-specific part is in it (kvzap). "No profile": not found (locally, in the repository, or the
+    repository itself), or offline by intent (``local_files_only``, ``HF_HUB_OFFLINE``) with nothing local;
+    a Hub that should answer and does not is not that."""
+    from huggingface_hub import constants
+
+    from ..profiles import model_id_of
+
+    if isinstance(model_or_profile, (str, os.PathLike)):
+        if str(model_or_profile).endswith(".safetensors") or os.path.isfile(model_or_profile):
+            return None
+        model_id = str(model_or_profile)
+    else:
+        model_id = model_id_of(model_or_profile)
+    needs_profile = (
+        hub.revision is not None
+        or (allocator is not None and allocator in allocators_reading_profile())
+        or (scorer is not None and scorer in SCORERS and SCORERS.get(scorer).missing is not None)
+    )
+    offline = hub.local_files_only or constants.is_offline_mode()
+    missing = isinstance(err, ProfileNotFoundError) or offline
+    return model_id if model_id and missing and not needs_profile else None
+
+
+def _places_searched(hub: HubLocation, local_dir: str | os.PathLike | None) -> str:
+    """Where :func:`~lukv_cache.profiles.download.download_profile` looked, for messages."""
+    from huggingface_hub import constants
+
+    from ..profiles.location import LOCAL_DIR_ENV
+
+    folder = local_dir or os.environ.get(LOCAL_DIR_ENV)
+    places = [f"the folder {str(folder)!r}"] if folder else []
+    if hub.local_files_only or constants.is_offline_mode():
+        places.append(f"huggingface_hub's cache of {hub.repo!r} (offline)")
+    else:
+        places.append(f"the Hub repository {hub.repo!r} at {hub.endpoint_url()}")
+    places.append("the profiles shipped with lukv_cache")
+    return ", ".join(places[:-1]) + " and " + places[-1]
+
+
+def _profile_free_line(scorer: str | None, allocator: str | None) -> str:
+    from ..profiles.location import PROFILE_FREE
+
+    return f"LUKVCache(ratio=..., scorer={scorer or PROFILE_FREE[0]!r}, allocator={allocator or PROFILE_FREE[1]!r})"
+
+
+def _profile_free_cache(
+    cls: type[LUKVCache],
+    model_id: str,
+    places: str,
+    ratio: float | None,
+    scorer: str | None,
+    allocator: str | None,
+    max_tokens: int | None,
+    sink: int | None,
+    window: int | None,
+    config: Any,
+    kwargs: dict[str, Any],
+) -> LUKVCache:
+    """The cache :func:`from_pretrained` gives a model without a profile (:data:`PROFILE_FREE`, or the
+    ``scorer`` / ``allocator`` asked for), after one log line saying so."""
+    from ..profiles.location import PROFILE_FREE
+
+    level = logging.INFO if model_id in _announced else logging.WARNING
+    _announced.add(model_id)
+    logger.log(
+        level,
+        "lukv_cache: no profile for %s (looked in %s); using the profile-free %s. For LU-KV's per-head "
+        "budgets build one: lukv build %s",
+        model_id,
+        places,
+        _profile_free_line(scorer, allocator),
+        model_id,
+    )
+    if config is not None:
+        kwargs.setdefault("config", config)
+    if sink is not None:  # else LUKVCache's defaults
+        kwargs["sink"] = sink
+    if window is not None:
+        kwargs["window"] = window
+    cache = cls(
+        ratio, scorer or PROFILE_FREE[0], allocator or PROFILE_FREE[1], max_tokens=max_tokens, **kwargs
+    )
+    cache.profile = None
     return cache

@@ -23,6 +23,15 @@ DEFAULT_SCORER = "keydiff"  # what `lukv pull` fetches by default
 # from_pretrained without a scorer: the first a model has a profile for. KVzap (learned KVzip+ scores) beat
 # keydiff on SmolLM2-135M on retrieval and continuation loss (docs/kvzap.md).
 PREFERRED_SCORERS = ("kvzap", DEFAULT_SCORER)
+# (scorer, allocator) of from_pretrained for a model with no profile anywhere, and of `lukv check` on one:
+# the profile-free line the README recommends. Measured profile-free on SmolLM2-135M-Instruct only (1k-token
+# Wikipedia contexts, ratio 0.8; benchmarks/results/scorers_1k/{multikey,continuation}_1k_grid.md, keydiff /
+# global in benchmarks/results/kvzip_1k/*_kvzip_w1.md), nothing wins on both retrieval and continuation loss:
+# keydiff/uniform 7.8% / +0.163 nats/token, keydiff/adakv 18.8% / +0.184, snapkv/uniform 7.8% / +0.071 (but
+# 9.4% against keydiff/uniform's 25.0% at 0.5), keydiff/global 26.6% against 7.8% with +0.225 against +0.181.
+# keydiff/uniform is also what the family matrix (tests/families) runs on every family. Re-measure on the
+# real models before changing it.
+PROFILE_FREE = ("keydiff", "uniform")
 TIMEOUT_ENV = "LUKV_HUB_TIMEOUT"
 DEFAULT_TIMEOUT = (
     5.0  # a HEAD to the Hub answers in well under a second; a hung Hub costs this once per command

@@ -1,0 +1,176 @@
+"""``LUKVCache.from_pretrained(model_id, ratio=...)`` on a model with no profile anywhere: the profile-free
+method, one log line, ``cache.profile is None`` (issue 44, item 4). The Hub is the test Hub server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from lukv_cache import LUKVCache
+from lukv_cache._compat import cache_kwarg
+from lukv_cache.cache import pretrained
+from lukv_cache.errors import (
+    HubUnavailableError,
+    ProfileFormatError,
+    ProfileMismatchError,
+    ProfileNotFoundError,
+)
+from lukv_cache.profiles import profile_filename, save_to_local_dir
+from lukv_cache.testing import prompt, tiny_model
+
+REPO = "lukv-test/profiles"
+UNPROFILED = "org/no-profile-anywhere"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _first_time_in_the_process(monkeypatch):
+    """The missing profile is said at WARNING level once per model id and process: each test starts fresh."""
+    monkeypatch.setattr(pretrained, "_announced", set())
+
+
+@pytest.fixture
+def hub_with_another_model(hub, profile):
+    profile.push_to_hub(repo_id=REPO, endpoint=hub.url)  # the repository exists, without UNPROFILED
+    return hub
+
+
+def _online(hub, cache_dir, model=UNPROFILED, **kwargs) -> LUKVCache:
+    return LUKVCache.from_pretrained(
+        model, ratio=0.8, repo_id=REPO, endpoint=hub.url, cache_dir=cache_dir, **kwargs
+    )
+
+
+def test_a_model_the_hub_has_no_profile_for_gets_the_profile_free_cache(hub_with_another_model, hf_cache):
+    cache = _online(hub_with_another_model, hf_cache)
+    assert cache.profile is None
+    assert (cache.scorer.name, cache.allocator_name, cache.ratio) == ("keydiff", "uniform", 0.8)
+
+
+def test_offline_by_local_files_only_a_model_without_a_profile_gets_the_profile_free_cache(hf_cache):
+    cache = LUKVCache.from_pretrained(UNPROFILED, ratio=0.8, cache_dir=hf_cache, local_files_only=True)
+    assert cache.profile is None and (cache.scorer.name, cache.allocator_name) == ("keydiff", "uniform")
+
+
+def test_with_hf_hub_offline_a_model_without_a_profile_gets_the_profile_free_cache(hf_cache):
+    script = (
+        "from lukv_cache import LUKVCache\n"
+        f"cache = LUKVCache.from_pretrained({UNPROFILED!r}, ratio=0.8, cache_dir={str(hf_cache)!r})\n"
+        "print(cache.profile, cache.scorer.name, cache.allocator_name)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["None", "keydiff", "uniform"]
+    assert f"no profile for {UNPROFILED}" in result.stderr  # the WARNING line, on stderr unconfigured
+
+
+def test_the_fallback_logs_one_line_naming_the_model_the_method_and_lukv_build(
+    hub_with_another_model, hf_cache, caplog
+):
+    with caplog.at_level(logging.INFO, logger="lukv_cache"):
+        _online(hub_with_another_model, hf_cache)
+    (line,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.name == "lukv_cache" and line.levelno == logging.WARNING
+    assert line.getMessage() == (
+        f"lukv_cache: no profile for {UNPROFILED} (looked in the Hub repository {REPO!r} at "
+        f"{hub_with_another_model.url} and the profiles shipped with lukv_cache); using the profile-free "
+        "LUKVCache(ratio=..., scorer='keydiff', allocator='uniform'). For LU-KV's per-head budgets build one: "
+        f"lukv build {UNPROFILED}"
+    )
+
+
+def test_the_same_model_again_is_said_at_info_level_only(hf_cache, caplog):
+    for _ in range(3):
+        with caplog.at_level(logging.INFO, logger="lukv_cache"):
+            LUKVCache.from_pretrained(UNPROFILED, ratio=0.5, cache_dir=hf_cache, local_files_only=True)
+    said = [r for r in caplog.records if "no profile for" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.INFO, logging.INFO]
+
+
+def test_the_cache_says_which_method_it_uses_instead(hf_cache):
+    cache = LUKVCache.from_pretrained(UNPROFILED, ratio=0.8, cache_dir=hf_cache, local_files_only=True)
+    assert cache.profile is None
+    assert "scorer='keydiff', allocator='uniform'" in repr(cache)
+
+
+def test_a_scorer_or_allocator_asked_for_is_kept_without_a_profile(hf_cache):
+    cache = LUKVCache.from_pretrained(
+        UNPROFILED, ratio=0.8, scorer="snapkv", allocator="adakv", cache_dir=hf_cache, local_files_only=True
+    )
+    assert (cache.profile, cache.scorer.name, cache.allocator_name) == (None, "snapkv", "adakv")
+
+
+def test_require_profile_raises_a_short_profile_not_found(hub_with_another_model, hf_cache):
+    with pytest.raises(ProfileNotFoundError) as info:
+        _online(hub_with_another_model, hf_cache, require_profile=True)
+    err = info.value
+    message = str(err)
+    assert err.model_id == UNPROFILED and "\n" not in message and len(message) < 500
+    assert REPO in message and "profiles shipped with lukv_cache" in message
+    assert f"`lukv build {UNPROFILED}`" in message
+    assert "LUKVCache(ratio=..., scorer='keydiff', allocator='uniform')" in message
+    assert err.__cause__ is None and err.__suppress_context__  # no chain of the lookup's errors
+    assert len("".join(traceback.format_exception(err)).splitlines()) < 15
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [{"allocator": "profile"}, {"scorer": "kvzap"}, {"revision": "main"}],
+    ids=["profile-allocator", "kvzap", "pinned-revision"],
+)
+def test_asking_for_what_only_a_profile_gives_still_raises(hub_with_another_model, hf_cache, asked):
+    with pytest.raises(ProfileNotFoundError):
+        _online(hub_with_another_model, hf_cache, **asked)
+
+
+def test_a_hub_that_cannot_be_reached_online_is_still_hub_unavailable(hub, hf_cache):
+    hub.stop()
+    with pytest.raises(HubUnavailableError, match="HF_HUB_OFFLINE"):
+        _online(hub, hf_cache, timeout=2.0)
+
+
+def test_a_corrupt_profile_raises_instead_of_falling_back(tmp_path, hf_cache):
+    path = tmp_path / profile_filename(UNPROFILED, "keydiff")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    with pytest.raises(ProfileFormatError):
+        LUKVCache.from_pretrained(
+            UNPROFILED, ratio=0.8, local_dir=tmp_path, cache_dir=hf_cache, local_files_only=True
+        )
+
+
+def test_a_profile_for_another_shape_raises_instead_of_falling_back(tmp_path, hf_cache, make_profile):
+    save_to_local_dir(make_profile(layers=3, model_id=UNPROFILED), tmp_path)
+    model = tiny_model("llama", name_or_path=UNPROFILED)  # 2 layers
+    with pytest.raises(ProfileMismatchError):
+        LUKVCache.from_pretrained(
+            model, ratio=0.8, local_dir=tmp_path, cache_dir=hf_cache, local_files_only=True
+        )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_the_one_line_compresses_and_generates_on_a_family_without_a_profile(arch, hf_cache):
+    """No config= (the README's line names only the model id); Gemma-2's local layers slide over 8 tokens."""
+    attn = "eager" if arch == "gemma2" else "sdpa"  # transformers gives Gemma-2 no sdpa
+    model = tiny_model(arch, attn=attn, name_or_path=f"org/tiny-{arch}-no-profile")
+    cache = LUKVCache.from_pretrained(
+        model.config.name_or_path, ratio=0.5, cache_dir=hf_cache, local_files_only=True
+    )
+    ids = prompt(length=40)
+    with torch.no_grad():
+        out = model.generate(ids, **{cache_kwarg(model): cache}, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 44) and cache.profile is None
+    kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    stored = cache.stored_tokens()  # [layers, batch, kv_heads]
+    assert full and bool((stored[full] < 40).all())  # the prompt was compressed, not kept whole
