@@ -8,7 +8,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..allocation import allocators_reading_profile
-from ..errors import HubUnavailableError, ProfileNotFoundError
+from ..errors import ConfigurationError, HubUnavailableError, ProfileNotFoundError
 from ..scorers import SCORERS, Scorer
 from .policy import check_ratio
 
@@ -106,21 +106,21 @@ def from_pretrained(
     config = getattr(model_or_profile, "config", None)
     try:
         profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
-    except (ProfileNotFoundError, HubUnavailableError) as err:
+    except (ProfileNotFoundError, HubUnavailableError, ConfigurationError) as err:
         model_id = _profile_free_candidate(model_or_profile, err, hub, scorer, allocator)
         if model_id is None:
             raise
-        places = _places_searched(hub, local_dir)
+        places, build = _places_searched(model_id, hub, local_dir)
         if require_profile:
             raise ProfileNotFoundError(
-                f"No profile for {model_id!r} (looked in {places}), and require_profile=True. Build one with "
-                f"`lukv build {model_id}` (it says how from_pretrained then finds it), or drop "
-                f"require_profile to use the profile-free {_profile_free_line(scorer, allocator)}.",
+                f"No profile for {model_id!r} ({places}), and require_profile=True. Build one with "
+                f"`{build}` (it says how from_pretrained then finds it), or drop require_profile to use the "
+                f"profile-free {_profile_free_line(scorer, allocator)}.",
                 model_id=model_id,
                 scorer=scorer,
             ) from None  # the lookup's own error adds only the same facts, longer
         return _profile_free_cache(
-            cls, model_id, places, ratio, scorer, allocator, max_tokens, sink, window, config, kwargs
+            cls, model_id, (places, build), ratio, scorer, allocator, max_tokens, sink, window, config, kwargs
         )
     if config is not None:
         profile.validate_for(config)
@@ -159,8 +159,9 @@ def _profile_free_candidate(
 
     Needing a profile: a profile file, a pinned revision, an allocator that reads the profile, a scorer whose
     model-specific part is in it (kvzap). "No profile": not found (locally, in the repository, or the
-    repository itself), or offline by intent (``local_files_only``, ``HF_HUB_OFFLINE``) with nothing local;
-    a Hub that should answer and does not is not that."""
+    repository itself), or offline by intent (``local_files_only``, ``HF_HUB_OFFLINE``) with nothing local,
+    or a model from a local folder (which keys no shared profile); a Hub that should answer and does not is
+    not that."""
     from huggingface_hub import constants
 
     from ..profiles import model_id_of
@@ -177,16 +178,25 @@ def _profile_free_candidate(
         or (scorer is not None and scorer in SCORERS and SCORERS.get(scorer).missing is not None)
     )
     offline = hub.local_files_only or constants.is_offline_mode()
-    missing = isinstance(err, ProfileNotFoundError) or offline
+    if isinstance(err, ConfigurationError):
+        missing = bool(model_id) and os.path.isdir(model_id)  # "not a Hub model id": a folder's name
+    else:
+        missing = isinstance(err, ProfileNotFoundError) or offline
     return model_id if model_id and missing and not needs_profile else None
 
 
-def _places_searched(hub: HubLocation, local_dir: str | os.PathLike | None) -> str:
-    """Where :func:`~lukv_cache.profiles.download.download_profile` looked, for messages."""
+def _places_searched(model_id: str, hub: HubLocation, local_dir: str | os.PathLike | None) -> tuple[str, str]:
+    """Where :func:`~lukv_cache.profiles.download.download_profile` looked (``"looked in ..."``), and the
+    ``lukv build`` command that makes a profile it would find, for messages."""
     from huggingface_hub import constants
 
-    from ..profiles.location import LOCAL_DIR_ENV
+    from ..profiles.location import DEFAULT_SCORER, LOCAL_DIR_ENV
 
+    if os.path.isdir(model_id):
+        return (
+            "a local folder's name keys no shared profile: pass a profile file",
+            f"lukv build {model_id} --out {DEFAULT_SCORER}.safetensors",
+        )
     folder = local_dir or os.environ.get(LOCAL_DIR_ENV)
     places = [f"the folder {str(folder)!r}"] if folder else []
     if hub.local_files_only or constants.is_offline_mode():
@@ -194,7 +204,7 @@ def _places_searched(hub: HubLocation, local_dir: str | os.PathLike | None) -> s
     else:
         places.append(f"the Hub repository {hub.repo!r} at {hub.endpoint_url()}")
     places.append("the profiles shipped with lukv_cache")
-    return ", ".join(places[:-1]) + " and " + places[-1]
+    return "looked in " + ", ".join(places[:-1]) + " and " + places[-1], f"lukv build {model_id}"
 
 
 def _profile_free_line(scorer: str | None, allocator: str | None) -> str:
@@ -206,7 +216,7 @@ def _profile_free_line(scorer: str | None, allocator: str | None) -> str:
 def _profile_free_cache(
     cls: type[LUKVCache],
     model_id: str,
-    places: str,
+    said: tuple[str, str],
     ratio: float | None,
     scorer: str | None,
     allocator: str | None,
@@ -217,19 +227,20 @@ def _profile_free_cache(
     kwargs: dict[str, Any],
 ) -> LUKVCache:
     """The cache :func:`from_pretrained` gives a model without a profile (:data:`PROFILE_FREE`, or the
-    ``scorer`` / ``allocator`` asked for), after one log line saying so."""
+    ``scorer`` / ``allocator`` asked for), after one log line saying so (``said``: where it looked, and
+    the ``lukv build`` command)."""
     from ..profiles.location import PROFILE_FREE
 
     level = logging.INFO if model_id in _announced else logging.WARNING
     _announced.add(model_id)
     logger.log(
         level,
-        "lukv_cache: no profile for %s (looked in %s); using the profile-free %s. For LU-KV's per-head "
-        "budgets build one: lukv build %s",
+        "lukv_cache: no profile for %s (%s); using the profile-free %s. For LU-KV's per-head "
+        "budgets build one: %s",
         model_id,
-        places,
+        said[0],
         _profile_free_line(scorer, allocator),
-        model_id,
+        said[1],
     )
     if config is not None:
         kwargs.setdefault("config", config)

@@ -103,6 +103,17 @@ def test_the_cache_says_which_method_it_uses_instead(hf_cache):
     assert "scorer='keydiff', allocator='uniform'" in repr(cache)
 
 
+def test_a_model_loaded_from_a_local_folder_gets_the_profile_free_cache(tmp_path, hf_cache, caplog):
+    """Its name is the folder, which keys no shared profile: before, a ConfigurationError."""
+    model = tiny_model("llama", name_or_path=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="lukv_cache"):
+        cache = LUKVCache.from_pretrained(model, ratio=0.5, cache_dir=hf_cache, local_files_only=True)
+    assert cache.profile is None and cache.allocator_name == "uniform"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "local folder's name keys no shared profile" in line
+    assert line.endswith(f"lukv build {tmp_path} --out keydiff.safetensors")
+
+
 def test_a_scorer_or_allocator_asked_for_is_kept_without_a_profile(hf_cache):
     cache = LUKVCache.from_pretrained(
         UNPROFILED, ratio=0.8, scorer="snapkv", allocator="adakv", cache_dir=hf_cache, local_files_only=True
