@@ -56,10 +56,10 @@ from ..scorers import get_scorer
 from .methods import (
     CHECK_ALLOCATORS,
     CHECK_RATIOS,
-    CHECK_SCORER,
     FULL,
     Method,
     make_cache,
+    one_line_method,
     scorer_reads_profile,
 )
 from .prefill import SharedPrefill
@@ -170,8 +170,8 @@ def read_contexts(
 
 def check_options(
     *,
-    allocators: Sequence[str],
-    scorer: str,
+    allocators: Sequence[str] | None,
+    scorer: str | None,
     max_new_tokens: int,
     tolerance: float,
     ratios: Sequence[float] = CHECK_RATIOS,
@@ -179,18 +179,20 @@ def check_options(
     """Refuse bad settings of :func:`check` before any model loads: unknown scorer or allocator names
     (:class:`~lukv_cache.errors.UnknownNameError`), ratios outside [0, 1), no ratio or allocator, a
     tolerance outside (0, 1] or fewer than one decoded token (:class:`ConfigurationError`; with none,
-    every ratio would trivially "agree"). Returns the ratios as floats.
+    every ratio would trivially "agree"). ``None`` for ``allocators`` or ``scorer``: the defaults, chosen
+    once the model is known (:func:`check`). Returns the ratios as floats.
 
     >>> check_options(allocators=["uniform"], scorer="keydiff", max_new_tokens=8, tolerance=0.9, ratios=[0.5])
     [0.5]
     """
     checked = [check_ratio(r) for r in ratios]
-    if not checked or not allocators:
+    if not checked or (allocators is not None and not allocators):
         raise ConfigurationError(
             "Give at least one ratio and one allocator, e.g. --ratios 0.5 --allocators uniform."
         )
-    get_scorer(scorer)
-    for name in allocators:
+    if scorer is not None:
+        get_scorer(scorer)
+    for name in allocators or ():
         ALLOCATORS.get(name)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0.0 < tolerance <= 1.0:
         raise ConfigurationError(
@@ -397,8 +399,8 @@ def check(
     contexts: Sequence[Context],
     *,
     ratios: Sequence[float] = CHECK_RATIOS,
-    allocators: Sequence[str] = CHECK_ALLOCATORS,
-    scorer: str = CHECK_SCORER,
+    allocators: Sequence[str] | None = None,
+    scorer: str | None = None,
     max_new_tokens: int = 24,
     tolerance: float = 0.9,
     profiles_dir: str | os.PathLike | None = None,
@@ -418,9 +420,17 @@ def check(
     or ``answers``, one list per context aligned with its questions (``None`` for a question, or a context,
     without one). An answer is right when :func:`is_correct`; a compressed cache's answer is decoded only
     where it differs from the full cache's. ``kv_bits``: every compressed cache stores its kept keys and
-    values in that many bits (8 or 4; ``LUKVCache(kv_bits=...)``), so the table shows what it costs."""
+    values in that many bits (8 or 4; ``LUKVCache(kv_bits=...)``), so the table shows what it costs.
+
+    By default (``scorer`` / ``allocators`` ``None``) it measures what ``LUKVCache.from_pretrained(model,
+    ratio=..., scorer=scorer)`` would use (:func:`~lukv_cache.evaluation.methods.one_line_method`: its
+    scorer, and its allocator first), then :data:`CHECK_ALLOCATORS` with that scorer."""
     started = time.perf_counter()
     kv_bits = check_kv_bits(kv_bits)
+    if scorer is None or allocators is None:
+        scorer, one_allocator = one_line_method(model, profiles_dir, hub=hub, scorer=scorer)
+        if allocators is None:
+            allocators = [one_allocator, *CHECK_ALLOCATORS]
     ratios = check_options(
         allocators=allocators,
         scorer=scorer,

@@ -18,10 +18,11 @@ DEFAULT_TASKS = TASKS[:4]  # what `lukv bench` runs without --tasks (recall is a
 ALLOCATORS = ("uniform", "pyramid", "adakv", "profile")
 SCORERS = ("keydiff", "snapkv", "expected_attention", "knorm")
 RATIOS = (0.25, 0.5, 0.8, 0.9)
-# `lukv check`'s defaults: the allocators a user is likely to choose between, at the ratios worth deploying
+# `lukv check`'s defaults: the scorer and allocator of the README's one line for the model
+# (one_line_method: kvzap / global where it has a kvzap profile, keydiff / uniform where it has none), then
+# the allocators a user is likely to choose between instead, at the ratios worth deploying
 CHECK_ALLOCATORS = ("uniform", "adakv", "profile")
 CHECK_RATIOS = (0.5, 0.8, 0.9)
-CHECK_SCORER = "keydiff"
 FULL = "full"
 
 
@@ -153,6 +154,31 @@ def make_cache(
     if source is not model:  # a file or a model id: from_pretrained saw no model to check the shape against
         cache.profile.validate_for(model.config)
     return cache
+
+
+def one_line_method(
+    model: Any,
+    profiles_dir: str | os.PathLike[str] | None = None,
+    *,
+    hub: bool = False,
+    scorer: str | None = None,
+) -> tuple[str, str]:
+    """The scorer and allocator ``LUKVCache.from_pretrained(model, ratio=..., scorer=scorer)`` uses for
+    ``model``, its profiles looked up as :func:`make_cache` does: without a scorer ``("kvzap", "global")``
+    where it has a kvzap profile; :data:`~lukv_cache.profiles.location.PROFILE_FREE` (or ``scorer`` and its
+    allocator) where it has none. ``lukv check`` compares it first."""
+    from ..cache import LUKVCache
+    from ..errors import ProfileError
+    from ..profiles.location import PROFILE_FREE
+
+    try:
+        source = profile_source(model, scorer, profiles_dir)
+        cache = LUKVCache.from_pretrained(
+            source, 0.5, scorer, local_dir=profiles_dir, local_files_only=not hub, config=model.config
+        )
+    except ProfileError:  # none for a scorer that needs one, or a bad one: check skips those rows, saying why
+        return scorer or PROFILE_FREE[0], PROFILE_FREE[1]
+    return cache.scorer.name, cache.allocator_name
 
 
 def profile_source(model: Any, scorer: str | None, profiles_dir: str | os.PathLike[str] | None = None) -> Any:
