@@ -114,3 +114,9 @@ def test_readme_python_blocks_run_as_pasted():
     assert done.returncode == 0, done.stderr[-4000:]
     # the figures the README states for its first block
     assert "kvzap global" in done.stdout and "keydiff profile" in done.stdout, done.stdout
+
+
+def test_the_cpu_torch_advice_comes_before_the_install_command_it_changes():
+    """Read after the command, it came too late: pip had already pulled the multi-GB CUDA build."""
+    text = README.read_text(encoding="utf-8")
+    assert text.index("download.pytorch.org/whl/cpu") < text.index('pip install "torch==')
