@@ -88,7 +88,8 @@ def run_demo(
     """Plant ``n_facts`` "special magic numbers" in each of ``contexts`` texts of ~``context_tokens``
     tokens (real Wikipedia, or ``articles``), and ask for every fact through each cache of the lineup at
     each ratio. Contexts and facts come from ``seed``; a cache whose profile is missing is reported as
-    skipped, with the reason.
+    skipped, with the reason. ``log`` gets a line per context, then one per stage of it (the prefill, each
+    cache), so a slow run never goes quiet for a whole context.
 
     >>> report = run_demo(model, tokenizer, ratios=(0.5, 0.8), contexts=3)  # doctest: +SKIP
     """
@@ -114,22 +115,29 @@ def run_demo(
         say(
             f"Context {index + 1}/{len(samples)}: {ids.shape[1]} tokens of {sample.source!r}, {n_facts} facts."
         )
+        prefill_started = time.perf_counter()
         shared = SharedPrefill.record(model, ids, n_queries)
+        say(f"  prefill: {time.perf_counter() - prefill_started:.1f} s")
         for row, (_, method) in zip(rows, methods):
             if row.skipped:
                 continue
+            name = row.label if row.ratio is None else f"{row.label} at ratio {row.ratio:g}"
             method_started = time.perf_counter()
             try:
                 cache = shared.cache_with_scores(method, model, tokenizer, profiles_dir, hub=hub)
             except ProfileError as err:
                 row.skipped = str(err).split(". ")[0]
+                say(f"  {name}: skipped ({row.skipped})")
                 continue
             row.kv_bytes.append(kv_cache_bytes(cache))
             last_logits = cast("torch.Tensor", shared.last_logits)  # set by record
             _, _, question_scores = score_prefilled(model, tokenizer, sample, cache, last_logits)
-            row.correct += sum(score == 1.0 for score in question_scores)
+            correct = sum(score == 1.0 for score in question_scores)
+            row.correct += correct
             row.asked += len(question_scores)
-            row.seconds += time.perf_counter() - method_started
+            seconds = time.perf_counter() - method_started
+            row.seconds += seconds
+            say(f"  {name}: {correct}/{len(question_scores)} facts, {seconds:.1f} s")
     report.seconds = time.perf_counter() - started
     return report
 

@@ -34,3 +34,17 @@ def test_a_cache_whose_profile_is_missing_is_reported_as_skipped(model, tokenize
 def test_demo_refuses_a_bad_ratio_before_loading_anything(capsys):
     assert main(["demo", "--ratios", "0.5", "1.5"]) == 2
     assert "ratio" in capsys.readouterr().err
+
+
+def test_demo_says_each_stage_of_a_context_as_it_ends(model, tokenizer, articles, tmp_path):
+    """`lukv demo --threads 1` printed nothing for ~3.5 min between "Context 3/3" and its table."""
+    save_to_local_dir(tiny_profile(model), tmp_path)
+    said: list[str] = []
+    run_demo(
+        model, tokenizer, ratios=(0.8,), contexts=1, context_tokens=200, n_facts=1, profiles_dir=tmp_path,
+        articles=articles, log=said.append,
+    )  # fmt: skip
+    assert said[0].startswith("Context 1/1") and said[1].startswith("  prefill: ")
+    stages = [line.split(":")[0].strip() for line in said[2:]]
+    assert stages == ["full cache"] + [f"{label} at ratio 0.8" for label, _, _ in LINEUP]
+    assert all(line.endswith(" s") and "/1 facts" in line for line in said[2:])
