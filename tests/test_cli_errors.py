@@ -73,7 +73,9 @@ def test_a_path_like_model_that_does_not_exist_says_no_such_folder(model, capsys
     assert main(["check", model, "--ratios", "0.5"]) == 2
     err = capsys.readouterr().err.strip()
     assert (
-        err == f"error: {model}: no such folder. Give a local model folder, a Hub id (org/name) or 'smollm2'."
+        err
+        == f"error: {model}: no such folder. Give a local model folder, a Hub id (org/name) or a packaged "
+        "model: 'smollm2', 'qwen2.5-coder-0.5b', 'gemma3-270m'."
     )
     assert "Repo id" not in err
 

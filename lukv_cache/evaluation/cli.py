@@ -14,11 +14,12 @@ from typing import Any
 from ..cache import check_ratio
 from ..errors import ConfigurationError
 from ..models import (
+    PACKAGED_MODELS,
     SMOLLM2_ALIAS,
     load_config,
     load_model,
     load_tokenizer,
-    smollm2_provenance,
+    packaged_provenance,
 )
 
 
@@ -113,8 +114,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     )
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}
-    if args.model == SMOLLM2_ALIAS:
-        info.update(smollm2_provenance())
+    if args.model in PACKAGED_MODELS:
+        info.update(packaged_provenance(args.model))
         info["source"] = (
             f"{info['source_file']} from {info['source_package']} {info['source_package_version']}"
         )
