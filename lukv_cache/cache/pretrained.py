@@ -109,6 +109,13 @@ def from_pretrained(
     except (ProfileNotFoundError, HubUnavailableError, ConfigurationError) as err:
         model_id = _profile_free_candidate(model_or_profile, err, hub, scorer, allocator)
         if model_id is None:
+            if isinstance(err, HubUnavailableError) and _profile_free_candidate(
+                model_or_profile, None, hub, scorer, allocator
+            ):
+                raise HubUnavailableError(
+                    f"{err} Offline (HF_HUB_OFFLINE=1 or local_files_only=True), from_pretrained uses a cached or "
+                    f"shipped profile, else the profile-free {_profile_free_line(scorer, allocator)}."
+                ) from err.__cause__  # the network's own error, without this one's first wording
             raise
         places, build = _places_searched(model_id, hub, local_dir)
         if require_profile:
@@ -152,10 +159,15 @@ def from_pretrained(
 
 
 def _profile_free_candidate(
-    model_or_profile: Any, err: BaseException, hub: HubLocation, scorer: str | None, allocator: str | None
+    model_or_profile: Any,
+    err: BaseException | None,
+    hub: HubLocation,
+    scorer: str | None,
+    allocator: str | None,
 ) -> str | None:
     """The model id when ``err`` only means that the model has no profile where one was looked for and
     nothing asked for needs one, so that :data:`PROFILE_FREE` may stand in; else ``None`` (``err`` is raised).
+    ``err=None``: whether it would, were the profile missing.
 
     Needing a profile: a profile file, a pinned revision, an allocator that reads the profile, a scorer whose
     model-specific part is in it (kvzap). "No profile": not found (locally, in the repository, or the
@@ -181,7 +193,7 @@ def _profile_free_candidate(
     if isinstance(err, ConfigurationError):
         missing = bool(model_id) and os.path.isdir(model_id)  # "not a Hub model id": a folder's name
     else:
-        missing = isinstance(err, ProfileNotFoundError) or offline
+        missing = err is None or isinstance(err, ProfileNotFoundError) or offline
     return model_id if model_id and missing and not needs_profile else None
 
 

@@ -144,10 +144,18 @@ def test_asking_for_what_only_a_profile_gives_still_raises(hub_with_another_mode
         _online(hub_with_another_model, hf_cache, **asked)
 
 
-def test_a_hub_that_cannot_be_reached_online_is_still_hub_unavailable(hub, hf_cache):
+def test_a_hub_that_cannot_be_reached_online_is_still_hub_unavailable_and_says_how_to_go_without(
+    hub, hf_cache
+):
     hub.stop()
-    with pytest.raises(HubUnavailableError, match="HF_HUB_OFFLINE"):
+    with pytest.raises(HubUnavailableError) as info:
         _online(hub, hf_cache, timeout=2.0)
+    message = str(info.value)
+    assert "Could not reach the Hub" in message and "HF_HUB_OFFLINE=1" in message
+    assert message.endswith(
+        "else the profile-free LUKVCache(ratio=..., scorer='keydiff', allocator='uniform')."
+    )
+    assert not isinstance(info.value.__cause__, HubUnavailableError)  # the network's error, not a repeat
 
 
 def test_a_corrupt_profile_raises_instead_of_falling_back(tmp_path, hf_cache):
