@@ -181,11 +181,10 @@ class LUKVCache(HybridRouting, CacheReport):
 
     # ------------------------------------------------------------------ the forward
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        self._adopt_layout()
         if self.layout.undecided:
             self.layout.decide_sliding(self, key_states.shape[-2])
         if layer_idx == 0:
-            begin_forward(self)
+            begin_forward(self, key_states.shape[-2])
         check_forward(self, key_states, layer_idx)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
@@ -231,7 +230,14 @@ class LUKVCache(HybridRouting, CacheReport):
         if self.state.phase is Phase.RECONSTRUCT:
             score_round(self, idx, module, query, scaling, softcap)
             return
-        self.layout.learn_model(self, getattr(module, "config", None))
+        config = getattr(module, "config", None)
+        if self.layer_class_to_replicate is not None and hasattr(config, "get_text_config"):
+            self.layout.adopt(self, config, query.shape[2])  # built without config=: the layout, learned now
+            if not isinstance(self.layers[idx], LUKVLayer):
+                return
+            layer = cast(LUKVLayer, self.layers[idx])
+            set_fold(layer, self.policy)
+        self.layout.learn_model(self, config)
         if sliding_window is not None and layer.sliding_window is None and not layer.compressed:
             self.layers[idx] = layer.to_sliding(sliding_window, record_past=self.layout.record_past)
             return

@@ -13,7 +13,6 @@ import torch
 
 from ..allocation import AllocationRequest
 from ..errors import ConfigurationError
-from .callstack import generate_prefill_chunk
 from .cap import row_ratios, token_cap
 from .compression import (
     CompressionPolicy,
@@ -32,21 +31,30 @@ if TYPE_CHECKING:
     from .cache import LUKVCache
 
 
-def wants_compression(policy: CompressionPolicy, layer: LUKVLayer, query_length: int) -> bool:
-    """Compress after a multi-token forward: always the first time; every chunk of transformers'
-    chunked prefill (``generate(prefill_chunk_size=...)``, the last shorter chunk too); otherwise
-    whenever the cache's own ``prefill_chunk_size`` has piled up that many uncompressed tokens (every
-    time under a ``max_tokens`` cap). Other later forwards (a question after a context) are kept whole."""
+def wants_compression(
+    policy: CompressionPolicy, layer: LUKVLayer, query_length: int, previous_length: int | None = None
+) -> bool:
+    """Compress after a multi-token forward: always the first time; with the cache's ``prefill_chunk_size``
+    ``C``, every chunk of a chunked prefill (``C`` tokens each, yours or ``generate(prefill_chunk_size=C)``'s),
+    the last shorter one too: a later forward is compressed once ``C`` uncompressed tokens have piled up,
+    or when the forward before it (``previous_length``) had exactly ``C`` tokens (every time under a
+    ``max_tokens`` cap). Other later forwards (a question after a context) are kept whole.
+
+    A cache cannot tell a chunk from a question by what it receives, and transformers tells it neither, so
+    ``generate(prefill_chunk_size=C)`` needs ``LUKVCache(prefill_chunk_size=C)`` for its later chunks to be
+    compressed."""
     if not layer.compressed and layer.cumulative_length == query_length:
         return True  # the prompt, even of one token: what comes after it is decoding, as in a batch
     if query_length <= 1:
         return False
-    if not layer.compressed or generate_prefill_chunk() is not None:
+    if not layer.compressed:
         return True
     chunk = policy.prefill_chunk_size
-    if chunk is not None and policy.max_tokens is not None:
+    if chunk is None:
+        return False
+    if policy.max_tokens is not None:
         return True  # a cap holds after every chunk, the last shorter one too
-    return chunk is not None and layer.suffix_length - policy.window >= chunk
+    return previous_length == chunk or layer.suffix_length - policy.window >= chunk
 
 
 def attended(
@@ -60,7 +68,7 @@ def attended(
     """Full-attention layer ``idx`` attended (``query``: this forward's): compress what it holds, or
     note a fold that is due; a whole-model allocator's layers wait for the last one."""
     policy, state = cache.policy, cache.state
-    if not wants_compression(policy, layer, query.shape[2]):
+    if not wants_compression(policy, layer, query.shape[2], state.previous_length):
         decoding = policy.decode_max_tokens is not None and state.phase is None
         if decoding and fold_due(layer, policy, query):
             state.folding[idx] = (module, attention_mask)

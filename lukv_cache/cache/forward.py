@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from .cache import LUKVCache
 
 
-def begin_forward(cache: LUKVCache) -> None:
-    """A forward starts (its layer 0): settle what an earlier one left pending."""
+def begin_forward(cache: LUKVCache, length: int) -> None:
+    """A forward of ``length`` tokens starts (its layer 0): settle what an earlier one left pending."""
     state = cache.state
+    state.previous_length, state.length = state.length, length
     guard_attention()  # implementations registered since import must not read this cache silently
     state.cap_ratio = None
     if state.awaiting is not None:  # a previous forward raised between update() and attention

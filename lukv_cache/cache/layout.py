@@ -19,7 +19,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..errors import IncompatibleAttentionError
+from ..errors import ConfigurationError, IncompatibleAttentionError
 from .hybrid import LUKVHybridLayer
 from .layer import LUKVLayer
 from .parallel import HeadShard, head_shard
@@ -108,6 +108,58 @@ class Layout:
         if self.record_past:  # assisted decoding asked before the layers existed
             record_in(cache.layers)
         self.learn_model(cache, config)
+
+    def adopt(self, cache: Any, config: Any, length: int) -> None:
+        """A cache built without ``config=`` learns the layout at its first attention call, from the
+        attention module's config (what transformers' attention interface hands every attention function),
+        during the first forward (``length`` tokens): lay every layer out as :meth:`set_layout` does, and
+        move what the layers ``update()`` grew hold (each had its first forward's keys only, uncompressed)
+        into the layer that layout gives it. Layers that need the layout before any attention (linear
+        attention / SSM states, sparse-attention indexers) cannot be grown: they raise a typed error asking
+        for ``config=`` (:class:`~lukv_cache.cache.hybrid.HybridRouting`)."""
+        grown = list(cache.layers)
+        self.set_layout(cache, config)
+        if self.undecided:
+            self.decide_sliding(cache, length)
+        for i, old in enumerate(grown):
+            if not getattr(old, "is_initialized", False):
+                continue
+            new = cache.layers[i] if i < len(cache.layers) else None
+            if type(new) is LUKVLayer and new.sliding_window is None and old.compressed:
+                cache.layers[i] = old
+            elif isinstance(new, (LUKVLayer, DynamicLayer, DynamicSlidingWindowLayer)) and not old.compressed:
+                new.update(old.suffix_keys.clone(), old.suffix_values.clone())
+            else:
+                raise ConfigurationError(
+                    f"Layer {i} filled before this LUKVCache learned the model's layout, and that layout gives it "
+                    f"another kind of layer ({type(new).__name__}). Build the cache with config=model.config "
+                    "(LUKVCache(..., config=model.config), or LUKVCache.from_pretrained(model, ...))."
+                )
+
+    def meet_model(self, cache: Any, model: Any, *, strict: bool = False) -> None:
+        """The cache is handed ``model`` (``from_pretrained(model)``, ``prefill(model, ...)``): learn the
+        layout from its config if the cache does not know it yet; and when the model's forward takes no
+        cache at all (it keeps a state of its own, as RWKV does, so the cache would stay empty), warn, or
+        with ``strict`` raise a :class:`~lukv_cache.ConfigurationError`."""
+        from transformers import PreTrainedModel
+
+        from .._compat import takes_cache
+
+        config = getattr(model, "config", None)
+        if (
+            cache.layer_class_to_replicate is not None
+            and not cache.layers
+            and hasattr(config, "get_text_config")
+        ):
+            self.set_layout(cache, config)
+        if isinstance(model, PreTrainedModel) and not takes_cache(model):
+            message = (
+                f"{type(model).__name__} takes no cache (neither cache nor past_key_values: it keeps a state of "
+                "its own, as RWKV does): this LUKVCache stays empty and compresses nothing."
+            )
+            if strict:
+                raise ConfigurationError(message)
+            warnings.warn(message, stacklevel=3)
 
     def pend_sliding(self, cache: Any) -> None:
         """Sliding layers become LUKVLayers that know their window, until the next first forward decides."""

@@ -39,6 +39,7 @@ def prefill_context(
 ) -> Any:
     """:meth:`LUKVCache.prefill <lukv_cache.LUKVCache.prefill>`: run the context through ``model`` into
     ``cache`` and compress it (with a reconstruction scorer: after its repeat passes); the model's output."""
+    cache.layout.meet_model(cache, model, strict=True)
     recon = cache.scorer.reconstruction
     config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

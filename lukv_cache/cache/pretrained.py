@@ -104,6 +104,8 @@ def from_pretrained(
         ratio = check_ratio(0.5 if ratio is None else ratio)  # LUKVCache()'s default too
     hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)
     config = getattr(model_or_profile, "config", None)
+    if config is None and isinstance(model_or_profile, (str, os.PathLike)):
+        config = _local_config(model_or_profile)
     try:
         profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
     except (ProfileNotFoundError, HubUnavailableError, ConfigurationError) as err:
@@ -126,9 +128,10 @@ def from_pretrained(
                 model_id=model_id,
                 scorer=scorer,
             ) from None  # the lookup's own error adds only the same facts, longer
-        return _profile_free_cache(
+        cache = _profile_free_cache(
             cls, model_id, (places, build), ratio, scorer, allocator, max_tokens, sink, window, config, kwargs
         )
+        return _handed(cache, model_or_profile)
     if config is not None:
         profile.validate_for(config)
         kwargs.setdefault("config", config)
@@ -155,6 +158,26 @@ def from_pretrained(
         **kwargs,
     )
     cache.profile = profile
+    return _handed(cache, model_or_profile)
+
+
+def _local_config(model_id: str | os.PathLike) -> Any:
+    """The config of ``model_id`` where reading it needs no network (a local folder, or huggingface_hub's
+    cache, where loading the model left it), so that the cache is laid out from the start as with
+    ``config=`` (hybrid models need it); ``None`` where there is none (a profile file, a model never
+    loaded here): the cache then learns the layout at its first attention call."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_id, local_files_only=True)
+    except (OSError, ValueError, KeyError):  # not found, not a model id, an unknown model type
+        return None
+
+
+def _handed(cache: LUKVCache, model_or_profile: Any) -> LUKVCache:
+    """``cache``, told of the loaded model it was made for (it warns when that model takes no cache)."""
+    if hasattr(model_or_profile, "config"):
+        cache.layout.meet_model(cache, model_or_profile)
     return cache
 
 

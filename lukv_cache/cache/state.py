@@ -40,7 +40,9 @@ class ForwardState:
     mask); ``phase``: a :class:`Phase` (``HOLD``: multi-token forwards plan their regions into ``held`` and
     keep everything until ``evict_held()``; ``RECONSTRUCT``: a reconstruction scorer's pass, scored into
     ``round.scores`` and cropped afterwards), ``None`` for ordinary forwards; ``cap_ratio``: with ``max_tokens``, each row's ratio in
-    this forward (fixed at its first eviction).
+    this forward (fixed at its first eviction); ``length`` and ``previous_length``: the tokens of this
+    forward and of the one before it (``None`` before the first), which tell a chunked prefill's last
+    shorter chunk (:func:`~lukv_cache.cache.eviction.wants_compression`).
     """
 
     awaiting: int | None = None
@@ -52,6 +54,8 @@ class ForwardState:
     held: dict[int, Region] = field(default_factory=dict)
     round: ReconstructionRound | None = None
     cap_ratio: torch.Tensor | None = None
+    length: int | None = None
+    previous_length: int | None = None
 
     def pending(self) -> list[str]:
         """What this state still waits for, in words (empty between forwards)."""

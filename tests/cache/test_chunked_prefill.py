@@ -1,6 +1,7 @@
-"""Chunked prefill compresses every chunk: transformers' ``generate(prefill_chunk_size=C)`` and the cache's
-own ``prefill_chunk_size=C`` keep the same tokens, within the promise of the unchunked run; a question
-sent after a context is still appended whole."""
+"""Chunked prefill compresses every chunk of a cache built with ``prefill_chunk_size=C``: transformers'
+``generate(prefill_chunk_size=C)`` and forwards chunked by hand keep the same tokens, within the promise of
+the unchunked run; a question sent after a context is still appended whole, and without the option the
+cache cannot tell generate's later chunks from a question (it keeps them whole)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _cache(scorer, allocator, model, **kwargs) -> LUKVCache:
 @pytest.mark.parametrize("scorer", FORWARD_SCORERS)
 def test_generate_chunked_prefill_keeps_what_the_caches_own_chunking_keeps(scorer, allocator):
     model, ids = tiny_model("llama"), prompt(1, LENGTH, seed=2)
-    through_generate = _cache(scorer, allocator, model, ratio=0.8)
+    through_generate = _cache(scorer, allocator, model, ratio=0.8, prefill_chunk_size=CHUNK)
     _generate(model, ids, through_generate, chunk=CHUNK)
     own = _cache(scorer, allocator, model, ratio=0.8, prefill_chunk_size=CHUNK)
     _own_chunks(model, ids, own)
@@ -74,15 +75,23 @@ def test_generate_chunked_prefill_keeps_what_the_caches_own_chunking_keeps(score
 def test_a_token_bound_holds_after_every_chunk_of_generates_chunked_prefill(arch, allocator, bound):
     model = tiny_model(arch, "eager" if arch == "gemma2" else "sdpa")
     ids, mask = left_padded((LENGTH - 3, 70, 40), seed=4)
-    cache = _cache("keydiff", allocator, model, **{bound: 24})
+    cache = _cache("keydiff", allocator, model, prefill_chunk_size=20, **{bound: 24})
     _generate(model, ids, cache, mask=mask, chunk=20)  # the last chunk is shorter
     per_row = _full_counts(cache).float().mean(dim=(0, 2))  # [B]
     assert bool((per_row <= 24 + 1e-6).all()), per_row
 
 
+def test_the_last_shorter_chunk_leaves_no_more_uncompressed_than_the_window():
+    model, ids = tiny_model("llama"), prompt(1, 100, seed=1)
+    cache = LUKVCache(0.8, prefill_chunk_size=CHUNK, window=2)
+    _generate(model, ids, cache, chunk=CHUNK)  # 32 + 32 + 32 + 4: the 4 follow a chunk of exactly 32
+    full = [layer for layer in cache.layers if isinstance(layer, LUKVLayer)]
+    assert full and all(layer.suffix_length <= cache.window for layer in full)
+
+
 def test_the_last_shorter_chunk_of_generate_is_compressed_too():
     model, ids = tiny_model("llama"), prompt(1, 100, seed=1)
-    chunked, whole = LUKVCache(0.8), LUKVCache(0.8)
+    chunked, whole = LUKVCache(0.8, prefill_chunk_size=CHUNK), LUKVCache(0.8)
     _generate(model, ids, chunked, chunk=CHUNK)  # 32 + 32 + 32 + 4
     _generate(model, ids, whole)
     assert (chunked.stored_tokens().float().mean() - whole.stored_tokens().float().mean()).abs() <= 4
@@ -99,10 +108,10 @@ def test_a_question_after_a_context_is_still_appended_whole():
 
 
 def test_a_question_sent_in_chunks_through_generate_is_compressed_like_a_chunked_prompt():
-    """generate(prefill_chunk_size=C) on a filled cache: its chunks are a chunked prefill too (the cache
-    cannot see where the context ended), documented in docs/usage.md."""
+    """generate(prefill_chunk_size=C) on a filled cache with prefill_chunk_size=C: its chunks are a chunked
+    prefill too (the cache cannot see where the context ended), documented in docs/usage.md."""
     model, context, question = tiny_model("llama"), prompt(1, 64, seed=1), prompt(1, 64, seed=2)
-    cache = LUKVCache(0.8)
+    cache = LUKVCache(0.8, prefill_chunk_size=CHUNK)
     with torch.no_grad():
         model(context, past_key_values=cache, use_cache=True)
     before = int(cache.stored_tokens().sum())
@@ -110,3 +119,12 @@ def test_a_question_sent_in_chunks_through_generate_is_compressed_like_a_chunked
     assert (
         int(cache.stored_tokens().sum()) - before < question.shape[1] * cache.stored_tokens()[..., 0].numel()
     )
+
+
+def test_without_the_option_generates_later_chunks_are_kept_whole_like_a_question():
+    """transformers tells a cache nothing of generate's chunk loop: a cache built without
+    prefill_chunk_size compresses the first chunk only (docs/usage.md says to pass the same C)."""
+    model, ids = tiny_model("llama"), prompt(1, 100, seed=1)
+    cache = LUKVCache(0.8)
+    _generate(model, ids, cache, chunk=CHUNK)
+    assert float(_full_counts(cache).float().mean()) >= 100 - CHUNK

@@ -466,14 +466,23 @@ class _Failure(Exception):
 
 
 def _lukv_run(model_type: str, attn: str, model, ids, mask, ratio: float):
-    """Generate with a fresh ``LUKVCache(ratio, ...)``: (logits, cache, lukv warnings) or ``_Failure``."""
+    """Generate with a fresh cache from the README's one line, ``LUKVCache.from_pretrained(model, ratio)``
+    (no profile exists for a tiny model: the profile-free method; the layout from the model's config):
+    (logits, cache, lukv warnings) or ``_Failure``."""
     from lukv_cache import LUKVCache
     from lukv_cache.errors import LUKVError
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            cache = LUKVCache(ratio, scorer="keydiff", allocator="uniform")
+            model.config.name_or_path = model.config.name_or_path or f"tiny-random/{model_type}"
+            # offline: no Hub in tests; the profile-free method is the one this table has always run
+            cache = LUKVCache.from_pretrained(model, ratio, local_files_only=True)
+            if cache.profile is not None or (cache.scorer.name, cache.allocator_name) != (
+                "keydiff",
+                "uniform",
+            ):
+                raise AssertionError(f"the one line did not fall back to keydiff/uniform: {cache!r}")
             logits = greedy(model, ids, mask, cache)
         except LUKVError as err:
             raise _Failure(

@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def _first_time_in_the_process(monkeypatch):
-    """The missing profile is said at WARNING level once per model id and process: each test starts fresh."""
+    """The missing profile is said at WARNING level once per model id and process: each test starts fresh,
+    and with no profile folder of its own (examples/_tiny.py, which other tests load, sets one for the process)."""
     monkeypatch.setattr(pretrained, "_announced", set())
+    monkeypatch.delenv("LUKV_PROFILE_DIR", raising=False)
 
 
 @pytest.fixture
