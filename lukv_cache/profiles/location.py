@@ -25,7 +25,7 @@ DEFAULT_SCORER = "keydiff"  # what `lukv pull` fetches by default
 PREFERRED_SCORERS = ("kvzap", DEFAULT_SCORER)
 # (scorer, allocator) of from_pretrained for a model with no profile anywhere, and of `lukv check` on one:
 # the profile-free line the README recommends. Measured profile-free on SmolLM2-135M-Instruct only (1k-token
-# Wikipedia contexts, ratio 0.8; benchmarks/results/scorers_1k/{multikey,continuation}_1k_grid.md, keydiff /
+# Wikipedia contexts, ratio 0.8; benchmarks/results/scorers_1k/*_1k_grid.md, keydiff /
 # global in benchmarks/results/kvzip_1k/*_kvzip_w1.md), nothing wins on both retrieval and continuation loss:
 # keydiff/uniform 7.8% / +0.163 nats/token, keydiff/adakv 18.8% / +0.184, snapkv/uniform 7.8% / +0.071 (but
 # 9.4% against keydiff/uniform's 25.0% at 0.5), keydiff/global 26.6% against 7.8% with +0.225 against +0.181.
