@@ -120,7 +120,7 @@ _MEANING = {
 
 
 def docs_table(results: dict[str, dict]) -> str:
-    """The table docs/usage.md and the README show: one row per outcome, its families."""
+    """The table docs/usage.md shows (the README gives its counts): one row per outcome, its families."""
     by_outcome = collections.defaultdict(list)
     for name, r in sorted(results.items()):
         by_outcome[r["outcome"]].append(name)

@@ -1,6 +1,6 @@
-"""The README's first block ("Compress a prompt and generate") as it stands, plus the figures the README
-quotes after it: tokens kept per (layer, KV head) against the prompt's length, and the cache's bytes against
-a full fp32 cache of the prompt.
+"""The README's first block ("Compress a prompt and generate") as it stands, plus the figures quoted for it
+(docs/benchmarks.md, SmolLM2-135M-Instruct; the README keeps the bytes): tokens kept per (layer, KV head)
+against the prompt's length, and the cache's bytes against a full fp32 cache of the prompt.
 
     python benchmarks/readme_one_line.py > benchmarks/results/readme_one_line/readme_one_line.txt
 
