@@ -20,3 +20,12 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _layouts_not_yet_warned(monkeypatch):
+    """Every test starts in a process that has warned of no layout yet (a layout's warning is said once per
+    process): a test that expects it does not depend on which tests ran before it."""
+    from lukv_cache.cache import layout
+
+    monkeypatch.setattr(layout, "_warned", set())

@@ -6,6 +6,7 @@ and KV-head counts, and under tensor parallelism the rank's block of KV heads (:
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,11 @@ from .parallel import HeadShard, head_shard
 
 _WINDOWED = ("sliding_attention", "chunked_attention", "hybrid_sliding")  # stock layers bounded by a window
 _HELD_WHOLE = ("indexed_attention",)  # stock attention layers that keep every token
+logger = logging.getLogger("lukv_cache")
+# (model type, warning text): the layouts already warned of in this process. The text names the layers and
+# windows, never the prompt, so a loop of requests on one model is told once; the prompt's own detail is
+# on the cache (Layout.left_alone) and in a DEBUG line
+_warned: set[tuple[str, str]] = set()
 
 
 def _lukv_layer(layer: Any) -> Any:
@@ -66,7 +72,9 @@ class Layout:
         self.undecided = False
         self.attention_layers: list[int] = []
         self.layout_warning: tuple | None = None  # what the warning, deferred to that decision, names
-        self.warned: tuple | None = None
+        self.model_type = ""  # the config's model_type: with the layout, what a warning is said once for
+        # what this cache leaves alone for its current prompt (that prompt's length included), None if nothing
+        self.left_alone: str | None = None
         self.config_checked = False
         self.record_past = False  # assisted decoding: layers record their past (rejected drafts roll back)
         self.other_keys = False  # a layer's attention received other keys than update() returned (MLA)
@@ -201,6 +209,7 @@ class Layout:
             return
         text = config.get_text_config(decoder=True)
         self.num_layers = text.num_hidden_layers
+        self.model_type = str(getattr(text, "model_type", "") or type(text).__name__)
         layer_types = get_layer_types_and_kwargs(text)[0]
         producers = self.kv_producers
         full = [
@@ -236,55 +245,77 @@ class Layout:
         kept: Sequence[int] = (),
         length: int | None = None,
     ) -> None:
-        """Warn which layers this cache leaves alone (once per outcome), naming those it compresses."""
+        """Say which layers this cache leaves alone, naming those it compresses: ``left_alone`` (and a DEBUG
+        line on the ``lukv_cache`` logger) for this prompt, its length included; a UserWarning, when the
+        cache evicts, once per process for a model type and layout (its text names layers and windows,
+        never the prompt, so a loop of requests is warned once)."""
         stock = [i for i in windowed if i not in kept]
         full = sorted({*full, *kept})
-        if (stock, whole, producers, full) == self.warned:
+        if not (stock or whole or producers or not full):
+            self.left_alone = None
             return
-        self.warned = (stock, whole, producers, full)
-        if cache.evicts and (stock or whole or producers or not full):
-            parts = []
-            if stock:
-                kinds = sorted({layer_types[i] for i in stock})
-                why = ""
-                if length is not None:
-                    sizes = sorted({self.sliding_windows[i] for i in stock if i in self.sliding_windows})
-                    if sizes:
-                        why = (
-                            f" (the prompt, {length} tokens with padding, is longer than their window of "
-                            f"{', '.join(map(str, sizes))}; a prompt that fits is compressed in them)"
-                        )
-                parts.append(
-                    f"layers {stock} ({', '.join(kinds)}) keep transformers' stock layers, bounded by their "
-                    f"window{why}"
+        sizes = (
+            []
+            if length is None
+            else sorted({self.sliding_windows[i] for i in stock if i in self.sliding_windows})
+        )
+        text = self.left_alone_text(layer_types, stock, whole, producers, full, kept, sizes, "")
+        self.left_alone = self.left_alone_text(
+            layer_types, stock, whole, producers, full, kept, sizes, f" of {length} tokens"
+        )
+        logger.debug("%s", self.left_alone)
+        if cache.evicts and (self.model_type, text) not in _warned:
+            _warned.add((self.model_type, text))
+            warnings.warn(text, stacklevel=4)
+
+    def left_alone_text(
+        self,
+        layer_types: list[str],
+        stock: list[int],
+        whole: list[int],
+        producers: list[int],
+        full: list[int],
+        kept: Sequence[int],
+        sizes: list[int],
+        prompt: str,
+    ) -> str:
+        """What :meth:`warn` says; ``prompt`` names the prompt's length in the account of one prompt."""
+        parts = []
+        if stock:
+            kinds = sorted({layer_types[i] for i in stock})
+            why = ""
+            if sizes:
+                read = "" if prompt else ": cache.layout.left_alone gives its length"
+                why = (
+                    f" (the prompt{prompt}, padding included, is longer than their window of "
+                    f"{', '.join(map(str, sizes))}{read}; a prompt that fits is compressed in them)"
                 )
-            if whole:
-                kinds = sorted({layer_types[i] for i in whole})
-                parts.append(
-                    f"layers {whole} ({', '.join(kinds)}: sparse attention whose indexer keys are kept beside the KV) "
-                    "keep transformers' stock layers, which hold every token: their memory is not bounded"
-                )
-            if producers:
-                parts.append(
-                    f"layers {producers} are read again by later layers (KV sharing) and keep every token, uncompressed"
-                )
-            if not parts:
-                kinds = sorted(set(layer_types))
-                parts.append(f"no layer is a full-attention one it can compress (layer types {kinds})")
-            named = (
-                "full-attention layers"
-                if not kept
-                else "layers (full attention, and sliding ones compressed)"
+            parts.append(
+                f"layers {stock} ({', '.join(kinds)}) keep transformers' stock layers, bounded by their window{why}"
             )
-            tail = (
-                "this cache compresses nothing and max_tokens bounds nothing here."
-                if not full
-                else f"eviction, ratio and max_tokens apply to the {named} {full}."
+        if whole:
+            kinds = sorted({layer_types[i] for i in whole})
+            parts.append(
+                f"layers {whole} ({', '.join(kinds)}: sparse attention whose indexer keys are kept beside the KV) "
+                "keep transformers' stock layers, which hold every token: their memory is not bounded"
             )
-            which = "every layer" if not full else "some layers"
-            warnings.warn(
-                f"LUKVCache leaves {which} of this model alone: {'; '.join(parts)}; {tail}", stacklevel=4
+        if producers:
+            parts.append(
+                f"layers {producers} are read again by later layers (KV sharing) and keep every token, uncompressed"
             )
+        if not parts:
+            kinds = sorted(set(layer_types))
+            parts.append(f"no layer is a full-attention one it can compress (layer types {kinds})")
+        named = (
+            "full-attention layers" if not kept else "layers (full attention, and sliding ones compressed)"
+        )
+        tail = (
+            "this cache compresses nothing and max_tokens bounds nothing here."
+            if not full
+            else f"eviction, ratio and max_tokens apply to the {named} {full}."
+        )
+        which = "every layer" if not full else "some layers"
+        return f"LUKVCache leaves {which} of this model alone: {'; '.join(parts)}; {tail}"
 
     def learn_heads(self, layer: LUKVLayer, module: Any) -> None:
         """Once per cache, at the first full-attention layer: does this rank hold every KV head, or (tensor

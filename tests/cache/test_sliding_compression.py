@@ -127,6 +127,44 @@ def test_a_prompt_longer_than_the_window_keeps_the_stock_sliding_layer_and_says_
     assert cache.is_compressed
 
 
+def _left_alone_warnings(model, length: int, caches: int = 1) -> list[str]:
+    """The lukv warnings of ``caches`` fresh caches, one after another, each given a ``length``-token prompt."""
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")  # what the once-per-location filter would dedupe is counted too
+        for _ in range(caches):
+            model(prompt(1, length), past_key_values=LUKVCache(0.5))
+    return [str(w.message) for w in caught if "LUKVCache leaves" in str(w.message)]
+
+
+def test_a_loop_of_caches_on_one_sliding_model_is_warned_once_without_the_prompt_length():
+    model = tiny_model("gemma2", "eager")  # windows of 8 on layers 0 and 2
+    said = _left_alone_warnings(model, 12, caches=3)
+    assert len(said) == 1, said
+    assert "window of 8" in said[0] and "12" not in said[0]
+    assert _left_alone_warnings(model, 13) == []  # another prompt length, the same layout: said already
+
+
+def test_another_window_is_another_layout_and_warned_again():
+    assert len(_left_alone_warnings(tiny_model("gemma2", "eager"), 12)) == 1
+    said = _left_alone_warnings(tiny_model("gemma2", "eager", sliding_window=10), 12)
+    assert len(said) == 1 and "window of 10" in said[0], said
+
+
+def test_the_cache_says_what_it_leaves_alone_for_its_prompt_with_the_prompt_length(caplog):
+    model = tiny_model("gemma2", "eager")
+    cache = LUKVCache(0.5)
+    with warnings.catch_warnings(), torch.no_grad(), caplog.at_level("DEBUG", logger="lukv_cache"):
+        warnings.simplefilter("ignore")
+        model(prompt(1, 12), past_key_values=cache)
+    said = cache.layout.left_alone
+    assert said is not None and "layers [0, 2]" in said and "of 12 tokens" in said and "window of 8" in said
+    assert said in caplog.messages
+    cache.reset()  # a prompt that fits the window leaves nothing alone
+    with torch.no_grad():
+        model(prompt(1, 6), past_key_values=cache)
+    assert cache.layout.left_alone is None
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gemma_sliding_layers_compress_a_prompt_shorter_than_their_window(arch):
     model = tiny_model(arch, "eager")  # windows of 8
