@@ -21,6 +21,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from .._paths import cache_root
 from ..errors import ConfigurationError
 from ..scorers import Scorer, get_scorer, kvzap_scorer
 from .calibration import load_calibration
+from .eta import DocumentClock, count, estimate_line, sayer
 from .kvzap_options import KVzapTraining
 from .oracle import AGGREGATES, oracle_importance, prefill_context
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
@@ -166,6 +168,10 @@ class _ResultStore:
             if not (pid.isdigit() and _running(int(pid))):
                 stale.unlink(missing_ok=True)
 
+    def has(self, key: str) -> bool:
+        """Whether a result is kept under ``key`` (a torn one is found when :meth:`load` reads it)."""
+        return self.root is not None and (self.root / f"{key}.safetensors").is_file()
+
     def load(self, key: str) -> dict[str, np.ndarray] | None:
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
@@ -234,6 +240,15 @@ class CalibrationRun:
     fingerprint: str
     aggregate: str = "max"
     _state: Any = None
+    prefill_seconds: float = 0.0  # the context's prefill, once a question needed it
+
+    def oracle_key(self, index: int) -> str:
+        settings = (self.k_max,) if self.aggregate == "max" else (self.k_max, self.aggregate)
+        return "oracle-" + _sha(_CACHE_FORMAT, self.question_ids[index].tolist(), *settings)
+
+    def kept(self, index: int) -> bool:
+        """Whether the ``index``-th question's oracle importance is kept from an earlier build."""
+        return self.store.has(self.oracle_key(index))
 
     @property
     def context_len(self) -> int:
@@ -272,8 +287,7 @@ class CalibrationRun:
     def oracle(self, index: int) -> np.ndarray:
         """Oracle importance ``[L, H_kv, T]`` of the ``index``-th selected question (decoded once, then cached)."""
         ids = self.question_ids[index]
-        settings = (self.k_max,) if self.aggregate == "max" else (self.k_max, self.aggregate)
-        key = "oracle-" + _sha(_CACHE_FORMAT, ids.tolist(), *settings)
+        key = self.oracle_key(index)
         cached = self.store.load(key)
         valid = (
             cached is not None
@@ -285,7 +299,9 @@ class CalibrationRun:
         if not valid:  # missing, torn, foreign or NaN: decode again
             if self._state is None:  # prefilled only when something must be decoded (resumed builds skip it)
                 reserve = max(q.shape[1] for q in self.question_ids) + self.k_max
+                started = time.perf_counter()
                 self._state = prefill_context(self.model, self.context_ids, reserve=reserve)
+                self.prefill_seconds = time.perf_counter() - started
             eos = getattr(self.tokenizer, "eos_token_id", None)
             importance, answer = oracle_importance(
                 self.model, self._state, ids, k_max=self.k_max, eos_token_id=eos, aggregate=self.aggregate
@@ -484,12 +500,35 @@ def build_profiles(
         scores = {s.name: run.score_array(s) for s in scorer_objs}
         shape = (len(grid_arr), config.num_hidden_layers, config.num_key_value_heads)
         sums = {s.name: np.zeros(shape) for s in scorer_objs}
+        say = sayer(settings.show_progress)
+        pending = [i for i in range(len(run.selected)) if not run.kept(i)]
+        if say is not None:
+            say(
+                f"LU-KV profile: {count(len(run.selected), 'question')}, each decoding up to {settings.k_max} "
+                f"answer tokens after the {t:,}-token context; {len(run.selected) - len(pending)} kept from an "
+                "earlier build"
+            )
         progress = tqdm(
             total=len(run.selected), desc="LU-KV profile", unit="question", disable=not settings.show_progress
         )
         with progress:
             for index in range(len(run.selected)):
+                started, prefill = time.perf_counter(), run.prefill_seconds
                 importance = run.oracle(index)
+                if say is not None and pending and index == pending[0]:  # the first decoded: the rest's time
+                    seconds = time.perf_counter() - started - (run.prefill_seconds - prefill)
+                    rest = len(pending) - 1
+                    how = f"; the context's prefill took {run.prefill_seconds:.0f} s more, once"
+                    say(
+                        estimate_line(
+                            "LU-KV profile",
+                            "question",
+                            seconds,
+                            seconds * rest,
+                            f"{count(rest, 'question')} left",
+                            how,
+                        )
+                    )
                 for s in scorer_objs:
                     full, layers = scores[s.name]
                     sums[s.name] += solve_evict_ratios(
@@ -555,8 +594,7 @@ def cached_kvzip_targets(
     tokens, so a build that stops resumes without the repeat passes it ran, and benchmarks share them."""
     from .kvzap import kvzip_targets
 
-    root = _targets_root(cache_dir)
-    store = _ResultStore(None if root is None else root / "kvzap")
+    store = _targets_store(cache_dir)
     fingerprint = model_fingerprint(model)
 
     def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -569,6 +607,19 @@ def cached_kvzip_targets(
         return {int(layer): torch.from_numpy(t) for layer, t in saved.items()}
 
     return targets
+
+
+def _targets_store(cache_dir) -> _ResultStore:
+    root = _targets_root(cache_dir)
+    return _ResultStore(None if root is None else root / "kvzap")
+
+
+def kvzip_targets_kept(
+    model, documents: Sequence[torch.Tensor], cache_dir=None, target: str = "kvzip"
+) -> list[bool]:
+    """Whether :func:`cached_kvzip_targets` keeps each document's targets from an earlier build."""
+    store, fingerprint = _targets_store(cache_dir), model_fingerprint(model)
+    return [store.has(_sha(f"{target}_targets", fingerprint, ids.tolist())) for ids in documents]
 
 
 def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir, show_progress: bool):
@@ -591,6 +642,9 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
     spill = _spill_folder(root) if training.family == "mlp" else contextlib.nullcontext()
+    clock = DocumentClock(  # says what it runs, then (once) an estimate measured on the first document
+        sayer(show_progress), docs, kvzip_targets_kept(model, docs, cache_dir, training.target)
+    )
     bar = tqdm(total=len(docs), desc="KVzap surrogate", unit="document", disable=not show_progress)
     with bar, spill as folder:
         surrogate = train_surrogate(
@@ -603,7 +657,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
             samples=training.samples,
             hidden=training.hidden,
             seed=seed,
-            progress=lambda done: bar.update(done - bar.n),
+            progress=lambda done: clock.done(done, bar),
             targets_of=targets,
             meta={"corpus": f"{training.describe()} ({len(docs)} documents)", "target": training.target},
             spill=folder,
