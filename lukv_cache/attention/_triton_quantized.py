@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_ragged import _merge_splits, plan_splits
+from ._triton_ragged import merge_splits, plan_splits
 
 BLOCK_N = 64  # keys per inner step (the full-precision kernel's default)
 MIN_CHUNK = 4 * BLOCK_N  # fewest keys a split is given (plan_splits assumes the same by default)
@@ -551,7 +551,7 @@ def triton_quantized_ragged_attention(
         num_stages=2 if dot_fp32 else 3,  # fp32 operands: keep shared memory well under 100 KB
     )  # fmt: skip
     if num_parts > 1:
-        _merge_splits[(n_segments, m)](
+        merge_splits[(n_segments, m)](
             part_out, part_lse, out_seg, lse_seg, d, num_parts,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out_seg.stride(0), out_seg.stride(1), lse_seg.stride(0),

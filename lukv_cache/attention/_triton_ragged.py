@@ -216,7 +216,7 @@ def _ragged_attention_partial(
 
 
 @triton.jit(do_not_specialize=["num_parts"])
-def _merge_splits(
+def merge_splits(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
@@ -234,6 +234,9 @@ def _merge_splits(
     BLOCK_PARTS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """Merge the ``num_parts`` partial results of one query row of one segment (one program per segment and
+    row) into its output and log-sum-exp: each part weighted by ``exp(part_lse - lse)``. Shared by the
+    full-precision and the quantized (``_triton_quantized``) split kernels."""
     seg = tl.program_id(0)
     row = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_PARTS)
@@ -399,7 +402,7 @@ def triton_ragged_attention(
         num_stages=2 if dot_fp32 else 3,  # fp32 operands: keep shared memory well under 100 KB
     )  # fmt: skip
     if num_parts > 1:
-        _merge_splits[(n_segments, m)](
+        merge_splits[(n_segments, m)](
             part_out, part_lse, out_seg, lse_seg, d, num_parts,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out_seg.stride(0), out_seg.stride(1), lse_seg.stride(0),

@@ -37,7 +37,7 @@ from . import masked, tiles
 from .calls import StoreView, WholeStoreView
 from .dispatch import Impl, plan_attention, ragged_attention, run_store
 from .limits import AttentionLimits, resolve_limits
-from .partial import _softcap, merge_partials, partial_attention
+from .partial import apply_softcap, merge_partials, partial_attention
 
 
 @dataclass(frozen=True, eq=False)
@@ -270,7 +270,7 @@ def attention_weights(
     logits = grouped.new_full((b * h, g, q_len, k_len), float("-inf"))
     suffix_t = suffix_keys.float().flatten(0, 1).mT.unsqueeze(1)  # [B * H_kv, 1, D, S]
     suffix = torch.matmul(grouped, suffix_t.expand(-1, g, -1, -1)) * scaling
-    logits[..., k_len - s :] = _softcap(suffix, softcap)
+    logits[..., k_len - s :] = apply_softcap(suffix, softcap)
     columns = store.positions.long()
     bounds = store.offsets_list
     for seg in range(b * h):
@@ -278,7 +278,7 @@ def attention_weights(
         if hi > lo:
             keys = store.keys[lo:hi] if getattr(store, "kv_bits", None) is None else store.dense(lo, hi)[0]
             part = torch.matmul(grouped[seg], keys.float().mT.expand(g, -1, -1)) * scaling
-            logits[seg, :, :, columns[lo:hi]] = _softcap(part, softcap)
+            logits[seg, :, :, columns[lo:hi]] = apply_softcap(part, softcap)
     logits = logits.view(b, h, g, q_len, k_len)
     if attention_mask is not None:
         bias = _as_bias(attention_mask[:, 0])  # [B or 1, Q, K]

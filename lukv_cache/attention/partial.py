@@ -19,7 +19,8 @@ from .._ops import flash_attention_cpu as _flash_cpu
 _NEG = torch.finfo(torch.float32).min  # finite "masked": a fully masked part gets weight 0, not NaN
 
 
-def _softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` (Gemma 2's attention logit cap); ``logits`` when ``softcap`` is None."""
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
@@ -64,7 +65,7 @@ def partial_attention(
         q4, k4, v4 = (t.reshape(-1, 1, *t.shape[-2:]) for t in (query, keys, values))
         out, lse = _flash_cpu(q4, k4, v4, 0.0, False, attn_mask=None, scale=scaling)[:2]
         return out.float().view(*lead, *out.shape[-2:]), lse.view(*lead, lse.shape[-1])
-    logits = _softcap(query.float() @ keys.float().transpose(-1, -2) * scaling, softcap)
+    logits = apply_softcap(query.float() @ keys.float().transpose(-1, -2) * scaling, softcap)
     if bias is not None:
         logits = logits + bias
     lse = torch.logsumexp(logits, dim=-1)

@@ -24,7 +24,7 @@ def _registered(name: str) -> Scorer | None:
     return SCORERS.get(name) if name in SCORERS else None
 
 
-def _profile_scorer(profile: Any, name: str) -> str | Scorer:
+def profile_scorer(profile: Any, name: str) -> str | Scorer:
     """``name``, or for a learned scorer (``kvzap``) the scorer bound to the surrogate stored in ``profile``
     (:meth:`~lukv_cache.scorers.Scorer.from_profile`)."""
     registered = _registered(name)
@@ -147,7 +147,7 @@ def from_pretrained(
     allocator_kwargs = {"profile": profile} if reads_profile else {}
     cache = cls(
         ratio,
-        _profile_scorer(profile, scorer or profile.scorer),
+        profile_scorer(profile, scorer or profile.scorer),
         allocator,
         sink=profile.sink if sink is None else sink,
         window=profile.window if window is None else window,

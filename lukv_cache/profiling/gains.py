@@ -138,12 +138,12 @@ def with_score_gains(
     """
     from tqdm.auto import tqdm
 
-    from ..cache.pretrained import _profile_scorer
+    from ..cache.pretrained import profile_scorer
     from ..scorers import get_scorer
     from .build import prepare_run
 
     profile.validate_for(model.config)
-    scorer = get_scorer(_profile_scorer(profile, profile.scorer))
+    scorer = get_scorer(profile_scorer(profile, profile.scorer))
     k_max = profile.k_max if k_max is None else k_max
     contexts = []
     layers: list[int] = []

@@ -225,7 +225,7 @@ def kvzip_scorer(
     )
 
 
-def _group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[B, H_q, W, D] -> [B, H_kv, G, W, D]: the query heads that read each KV head."""
     b, hq, w, d = queries.shape
     return queries.view(b, num_kv_heads, hq // num_kv_heads, w, d)

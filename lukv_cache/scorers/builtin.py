@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import _group_queries, register_scorer
+from .base import group_queries, register_scorer
 
 
 @register_scorer("streaming")
@@ -34,7 +34,7 @@ def snapkv(keys, values, queries, kernel_size=5):
     """SnapKV (arXiv 2404.14469): attention from the last prompt queries (the observation window),
     averaged over that window and the GQA group, smoothed by pooling so kept tokens come in clusters."""
     b, h, t, d = keys.shape
-    q = _group_queries(queries.float(), h)  # [B, H, G, W, D]
+    q = group_queries(queries.float(), h)  # [B, H, G, W, D]
     logits = torch.einsum("bhgwd,bhtd->bhgwt", q, keys.float()) / d**0.5
     w = q.shape[3]
     # the window's own keys: query i sees only keys up to its position
@@ -48,7 +48,7 @@ def snapkv(keys, values, queries, kernel_size=5):
 def tova(keys, values, queries):
     """TOVA (arXiv 2401.06104): keep what the last token attends to, averaged over the GQA group."""
     b, h, t, d = keys.shape
-    q = _group_queries(queries[:, :, -1:].float(), h)[:, :, :, 0]  # [B, H, G, D]
+    q = group_queries(queries[:, :, -1:].float(), h)[:, :, :, 0]  # [B, H, G, D]
     return torch.einsum("bhgd,bhtd->bhgt", q, keys.float()).div(d**0.5).softmax(dim=-1).mean(dim=2)
 
 
@@ -59,7 +59,7 @@ def expected_attention(keys, values, queries, epsilon=0.0):
     Weighted by ||v|| as in the paper (what a token adds to the output, not just how much it is read).
     Unlike kvpress we do not rotate the statistics to future RoPE positions."""
     b, h, t, d = keys.shape
-    q = _group_queries(queries.float(), h).flatten(2, 3)  # [B, H, G*W, D]
+    q = group_queries(queries.float(), h).flatten(2, 3)  # [B, H, G*W, D]
     mu = q.mean(dim=2)  # [B, H, D]
     centred = q - mu.unsqueeze(2)
     cov = centred.transpose(-1, -2) @ centred / max(q.shape[2] - 1, 1)  # [B, H, D, D]

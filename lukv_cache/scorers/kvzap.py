@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from ..errors import ConfigurationError
-from .base import Scorer, _group_queries
+from .base import Scorer, group_queries
 
 FEATURES = "keys_prerope_values"  # every surrogate reads these; the feature sets below may add more
 WINDOW_ATTENTION = (
@@ -244,7 +244,7 @@ def window_attention(keys: torch.Tensor, queries: torch.Tensor, scaling: float) 
     b, h, t, d = keys.shape
     w = queries.shape[2]
     g = queries.shape[1] // h
-    q = _group_queries(queries.float(), h).flatten(2, 3)  # rows (group member, query)
+    q = group_queries(queries.float(), h).flatten(2, 3)  # rows (group member, query)
     logits = torch.einsum("bhmd,bhtd->bhmt", q, keys.float()) * scaling
     # query i (the token at suffix position t - w + i) sees the tokens up to its own
     sees = torch.arange(t, device=keys.device)[None, :] <= torch.arange(t - w, t, device=keys.device)[:, None]

@@ -56,5 +56,5 @@ def test_merge_kernel_compiles():
     from lukv_cache.attention import _triton_ragged as tr
 
     types = {name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "out_ptr", "lse_ptr")}
-    kernel = compile_for(tr._merge_splits, types, {"BLOCK_PARTS": 256, "BLOCK_D": 128}, 90)
+    kernel = compile_for(tr.merge_splits, types, {"BLOCK_PARTS": 256, "BLOCK_D": 128}, 90)
     assert "sm_90" in kernel.asm["ptx"]
