@@ -181,12 +181,11 @@ def _texts() -> None:
     """Synthetic prose for gensim's articles (one token a character): 12 'Wikipedia' articles of paragraphs
     of 800 characters, every fourth one 32 of them (25,600 characters: enough for the kvzap scripts' 4k-token
     documents), the others 4; 60 'news' articles of one 500-character paragraph."""
-    import lukv_cache.texts
+    from lukv_cache.texts import use_articles
 
     wikipedia = _articles("Synthetic article", [32 if i % 4 == 0 else 4 for i in range(12)], 800, seed=0)
     news = _articles("news", [1] * 60, 500, seed=10_000)
-    lukv_cache.texts._wikipedia_articles = lambda: wikipedia
-    lukv_cache.texts._news_articles = lambda: news
+    use_articles(wikipedia=wikipedia, news=news)
 
 
 def _calibrations(folder: Path) -> None:
@@ -202,7 +201,7 @@ def _calibrations(folder: Path) -> None:
             for word, where in (("river", "early"), ("market", "middle"), ("harbour", "late"))
         ]
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    calibration._HERE = folder  # calibration_path() and shipped_calibrations() read it
+    calibration.SHIPPED_FOLDER = folder  # calibration_path() and shipped_calibrations() read it
 
 
 def bench_results(folder: Path, name: str, **settings) -> Path:

@@ -124,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from lukv_cache.models import load_model
     from lukv_cache.profiling.build import prepare_run
-    from lukv_cache.profiling.oracle import prefill_context
     from lukv_cache.profiling.solver import DEFAULT_GRID, solve_evict_ratios
     from lukv_cache.scorers import get_scorer
 
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         for layer, v in layer_scores.items():
             full[layer] = v
         full_scores[s.name] = (full, sorted(layer_scores))
-    run._state = phases.run("oracle: context prefill", lambda: prefill_context(model, run.context_ids))
+    phases.run("oracle: context prefill", run.prefill)
     sums = {s.name: np.zeros((len(DEFAULT_GRID), *shape[:2])) for s in objs}
     questions = len(run.selected)
     oracle_start = time.perf_counter()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import math
 import os
@@ -159,10 +160,18 @@ class KernelCalls:
 
 
 # ---------------------------------------------------------------------------------------------- checks
+def _import_or_none(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # ImportError, but also broken CUDA builds that fail while loading
+        return None
+
+
 def _backend_importable(name: str) -> bool:
+    module = _import_or_none(name)
     if name == "flash_attn":
-        return ragged_cuda._flash_attn_varlen() is not None
-    return ragged_cuda._import_or_none(name) is not None
+        return getattr(module, "flash_attn_varlen_func", None) is not None
+    return module is not None
 
 
 def _random_store(b, h, group, q_len, d, lengths, device, seed):
@@ -258,13 +267,12 @@ def kernel_check(device: torch.device, toy: bool) -> list[dict]:
                 continue  # flash-attn takes no bias; the dispatcher sends those calls elsewhere
             try:
                 if backend == "triton_fused":
-                    fused = (
-                        ragged_cuda._triton_suffix_or_reference
-                        if device.type == "cpu"
-                        else ragged_cuda.get_ragged_suffix_kernel(query)
-                    )
+                    # on CPU: Triton's interpreter, which the dispatcher takes only when the kernel is forced
+                    cpu = device.type == "cpu"
+                    with _env(ragged_cuda.KERNEL_ENV, "triton") if cpu else contextlib.nullcontext():
+                        fused = ragged_cuda.get_ragged_suffix_kernel(query)
                     if fused is None:
-                        raise RuntimeError("get_ragged_suffix_kernel returned None on CUDA")
+                        raise RuntimeError(f"get_ragged_suffix_kernel returned None on {device.type}")
                     out, lse = fused(
                         query,
                         keys,
@@ -471,7 +479,7 @@ def _environment(device: torch.device) -> dict:
         "lukv_cache": getattr(lukv_cache, "__version__", "?"),
     }
     for name in ("triton", "flash_attn", "transformers"):
-        module = ragged_cuda._import_or_none(name)
+        module = _import_or_none(name)
         env[name] = getattr(module, "__version__", None) if module is not None else None
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)

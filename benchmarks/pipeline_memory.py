@@ -35,9 +35,8 @@ def tensors(cache):
                     for t in (store.keys, store.values, store.positions, store.offsets, store.scores)
                     if t is not None
                 )
-            yield from (
-                t for t in (layer._kbuf, layer._vbuf, layer.sinks_left, layer.queries) if t is not None
-            )
+            yield from layer.suffix_buffers or ()
+            yield from (t for t in (layer.sinks_left, layer.queries) if t is not None)
         else:
             yield from (
                 t

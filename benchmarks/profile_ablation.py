@@ -182,7 +182,7 @@ def build_table(run, scorer, spec: dict, grid: np.ndarray, sink: int) -> np.ndar
 def proxy(eval_run, scorer, table: np.ndarray | None, grid, sink: int, method: str, min_keep: float):
     """Fraction of the held-out oracle mass evicted, per ratio."""
     from lukv_cache.profiles.profile import Profile
-    from lukv_cache.profiling.diagnostics import _losses, _method_keep_counts
+    from lukv_cache.profiling.diagnostics import head_losses, method_keep_counts
 
     t = eval_run.context_len
     n = t - sink - scorer.window
@@ -208,11 +208,11 @@ def proxy(eval_run, scorer, table: np.ndarray | None, grid, sink: int, method: s
         )
     out = {}
     for ratio in RATIOS:
-        keep = _method_keep_counts(method, scores, layers, n, ratio, profile, min_keep)
+        keep = method_keep_counts(method, scores, layers, n, ratio, profile, min_keep)
         lost = total = 0.0
         for index in range(len(eval_run.selected)):
             importance = eval_run.oracle(index)[:, :, sink : t - scorer.window].astype(np.float64)
-            loss, _ = _losses(importance, scores, keep)
+            loss, _ = head_losses(importance, scores, keep)
             lost += loss[layers].sum()
             total += importance[layers].sum()
         out[str(ratio)] = lost / total

@@ -24,6 +24,7 @@ import html
 import importlib.util
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,7 +199,7 @@ def wikipedia_articles(min_chars: int = 0) -> list[Article]:
 
     >>> long_ones = wikipedia_articles(min_chars=20_000)  # doctest: +SKIP
     """
-    return [a for a in _wikipedia_articles() if len(a.text) >= min_chars]
+    return [a for a in _articles("wikipedia") if len(a.text) >= min_chars]
 
 
 @functools.cache
@@ -215,7 +216,31 @@ def news_articles() -> list[Article]:
     >>> len(news_articles())  # doctest: +SKIP
     300
     """
-    return list(_news_articles())
+    return list(_articles("news"))
+
+
+# what :func:`use_articles` serves in place of gensim's files, by source ("wikipedia", "news")
+_STAND_INS: dict[str, tuple[Article, ...]] = {}
+
+
+def use_articles(
+    *, wikipedia: Iterable[Article] | None = None, news: Iterable[Article] | None = None
+) -> None:
+    """Serve these articles in place of gensim's for the rest of the process (a smoke run or a test on
+    made-up prose, with or without gensim): :func:`wikipedia_articles`, :func:`news_articles` and
+    :func:`haystack_paragraphs` read them. ``None`` leaves that source as it was. :func:`texts_available`
+    still says whether gensim's files are there.
+    """
+    if wikipedia is not None:
+        _STAND_INS["wikipedia"] = tuple(wikipedia)
+    if news is not None:
+        _STAND_INS["news"] = tuple(news)
+
+
+def _articles(source: str) -> tuple[Article, ...]:
+    if source in _STAND_INS:
+        return _STAND_INS[source]
+    return _wikipedia_articles() if source == "wikipedia" else _news_articles()
 
 
 def python_docs() -> list[Article]:
@@ -238,10 +263,8 @@ def haystack_paragraphs(source: str = "wikipedia") -> list[str]:
 
     >>> paragraphs = haystack_paragraphs("news")  # doctest: +SKIP
     """
-    if source == "wikipedia":
-        articles = _wikipedia_articles()
-    elif source == "news":
-        articles = _news_articles()
+    if source in ("wikipedia", "news"):
+        articles = _articles(source)
     else:
         raise ConfigurationError(f"Unknown text source {source!r}; use 'wikipedia' or 'news'.")
     return [p for a in articles for p in a.text.split("\n\n") if len(p) >= 200]

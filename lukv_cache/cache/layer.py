@@ -94,6 +94,13 @@ class LUKVLayer(DynamicLayer):
     def suffix_length(self) -> int:
         return self._suffix_len
 
+    @property
+    def suffix_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole dense-suffix key and value buffers, ``[B, H, capacity, D]`` each (None before the first
+        update): :attr:`suffix_keys` / :attr:`suffix_values` are views of their first :attr:`suffix_length`
+        tokens, the rest is room to decode into. To read (memory accounting by storage), never to write."""
+        return None if self._kbuf is None or self._vbuf is None else (self._kbuf, self._vbuf)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape

@@ -284,6 +284,17 @@ class CalibrationRun:
             full[layer] = values
         return full, sorted(per_layer)
 
+    def prefill(self) -> None:
+        """Prefill the context that every question continues, with room after it for the longest question
+        and its answer; once (a second call does nothing). :meth:`oracle` calls it when a question must be
+        decoded; call it first to measure the prefill apart. Sets :attr:`prefill_seconds`."""
+        if self._state is not None:
+            return
+        reserve = max(q.shape[1] for q in self.question_ids) + self.k_max
+        started = time.perf_counter()
+        self._state = prefill_context(self.model, self.context_ids, reserve=reserve)
+        self.prefill_seconds = time.perf_counter() - started
+
     def oracle(self, index: int) -> np.ndarray:
         """Oracle importance ``[L, H_kv, T]`` of the ``index``-th selected question (decoded once, then cached)."""
         ids = self.question_ids[index]
@@ -297,11 +308,7 @@ class CalibrationRun:
             and bool(np.isfinite(cached["importance"]).all())
         )
         if not valid:  # missing, torn, foreign or NaN: decode again
-            if self._state is None:  # prefilled only when something must be decoded (resumed builds skip it)
-                reserve = max(q.shape[1] for q in self.question_ids) + self.k_max
-                started = time.perf_counter()
-                self._state = prefill_context(self.model, self.context_ids, reserve=reserve)
-                self.prefill_seconds = time.perf_counter() - started
+            self.prefill()  # only when something must be decoded (resumed builds skip it)
             eos = getattr(self.tokenizer, "eos_token_id", None)
             importance, answer = oracle_importance(
                 self.model, self._state, ids, k_max=self.k_max, eos_token_id=eos, aggregate=self.aggregate
@@ -580,7 +587,7 @@ def build_profiles(
     }
 
 
-def _targets_root(cache_dir) -> Path | None:
+def targets_root(cache_dir) -> Path | None:
     """Where a kvzap build keeps its targets and spills its MLP rows (``False``: nowhere)."""
     return default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
 
@@ -610,7 +617,7 @@ def cached_kvzip_targets(
 
 
 def _targets_store(cache_dir) -> _ResultStore:
-    root = _targets_root(cache_dir)
+    root = targets_root(cache_dir)
     return _ResultStore(None if root is None else root / "kvzap")
 
 
@@ -638,7 +645,7 @@ def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir
 
     # the MLP's rows wait on disk, next to the cached targets, one file per layer (memory: one layer's rows);
     # the folder goes when training ends, fails or is stopped by SIGTERM, and a killed build's at the next
-    root = _targets_root(cache_dir)
+    root = targets_root(cache_dir)
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
     spill = _spill_folder(root) if training.family == "mlp" else contextlib.nullcontext()

@@ -140,11 +140,11 @@ def _check_kvzap(training: KVzapTraining, args: argparse.Namespace) -> None:
     import shutil
 
     from ..models import load_config, load_tokenizer, max_positions
-    from .build import _targets_root
+    from .build import targets_root
 
     config = load_config(args.model)
     free = None
-    root = _targets_root(args.cache_dir)
+    root = targets_root(args.cache_dir)
     if root is not None:
         existing = next((p for p in (root, *root.parents) if p.is_dir()), None)
         free = shutil.disk_usage(existing).free if existing is not None else None

@@ -188,7 +188,7 @@ class LossDecomposition:
         return "\n".join(lines)
 
 
-def _method_keep_counts(
+def method_keep_counts(
     method: str, scores: np.ndarray, layers: list[int], n: int, ratio: float, profile, min_keep
 ):
     """Keep counts ``[L, H]`` over the evictable tokens, from the library's own allocators."""
@@ -215,7 +215,9 @@ def _method_keep_counts(
     return keep
 
 
-def _losses(importance: np.ndarray, scores: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def head_losses(
+    importance: np.ndarray, scores: np.ndarray, keep: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-head (loss, floor) for keep counts ``[L, H]``: oracle mass outside the scorer's / oracle's top-b."""
     by_scorer = np.take_along_axis(importance, np.argsort(-scores, axis=-1, kind="stable"), axis=-1)
     by_oracle = -np.sort(-importance, axis=-1)
@@ -267,13 +269,13 @@ def loss_decomposition(
     scores = np.zeros((profile.num_layers, profile.num_kv_heads, n), dtype=np.float64)
     for layer, v in layer_scores.items():
         scores[layer] = v[:, sink : t - window]
-    keeps = [_method_keep_counts(m, scores, layers, n, ratio, profile, profile.min_keep) for m in methods]
+    keeps = [method_keep_counts(m, scores, layers, n, ratio, profile, profile.min_keep) for m in methods]
     floor = np.zeros((len(methods),) + scores.shape[:2])
     gap = np.zeros_like(floor)
     for index in range(len(run.selected)):
         importance = run.oracle(index)[:, :, sink : t - window].astype(np.float64)
         for m, keep in enumerate(keeps):
-            loss, fl = _losses(importance, scores, keep)
+            loss, fl = head_losses(importance, scores, keep)
             floor[m, layers] += fl[layers]
             gap[m, layers] += (loss - fl)[layers]
     q = len(run.selected)

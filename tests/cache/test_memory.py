@@ -188,3 +188,16 @@ def test_each_layer_is_compressed_before_the_next_layer_attends(monkeypatch):
     for _, stored in seen:
         # per head: 20% of the 195 evictable tokens + 4 sinks + 1 window = 44; 2 heads
         assert stored == [88] * len(stored), seen
+
+
+def test_suffix_buffers_are_the_whole_buffers_the_suffix_views_read():
+    layer = LUKVLayer()
+    assert layer.suffix_buffers is None  # nothing held yet
+    layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))  # decoding appends into the room left
+    buffers = layer.suffix_buffers
+    assert buffers is not None
+    for buffer, view in zip(buffers, (layer.suffix_keys, layer.suffix_values)):
+        assert buffer.shape[:2] == (1, 2) and buffer.shape[-2] >= layer.suffix_length == 4
+        assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert torch.equal(buffer[:, :, :4], view)

@@ -45,3 +45,17 @@ def test_packaged_wikipedia_articles_are_long_plain_prose():
     assert len(wikipedia_articles(min_chars=18_000)) > 40  # ~4k tokens each: enough for long contexts
     for article in articles:
         assert "{{" not in article.text and "[[" not in article.text and "<ref" not in article.text
+
+
+def test_use_articles_serves_stand_ins_to_every_reader_of_that_source(monkeypatch):
+    monkeypatch.setattr(texts, "_STAND_INS", {})  # the process's stand-ins, restored after the test
+    long_paragraph = "Made-up prose about a river. " * 10
+    texts.use_articles(
+        wikipedia=[texts.Article("A", f"{long_paragraph}\n\nshort"), texts.Article("B", "tiny")]
+    )
+    assert [a.title for a in wikipedia_articles()] == ["A", "B"]
+    assert [a.title for a in wikipedia_articles(min_chars=100)] == ["A"]
+    assert texts.haystack_paragraphs("wikipedia") == [long_paragraph]
+    texts.use_articles(news=[texts.Article("news-000", "A story.")])
+    assert [a.title for a in texts.news_articles()] == ["news-000"]
+    assert [a.title for a in wikipedia_articles()] == ["A", "B"]  # None left wikipedia's as it was

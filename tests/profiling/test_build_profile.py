@@ -366,3 +366,18 @@ def test_a_kvzap_build_stopped_by_sigterm_removes_its_spill_folder(tmp_path):
     finally:
         child.kill()
     assert not folder.exists() and not list(tmp_path.glob("kvzap-rows-*"))
+
+
+def test_prefill_runs_once_and_the_oracle_continues_it(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch
+):
+    run = build_module.prepare_run(tiny_model, byte_tokenizer, tiny_calibration, k_max=3, cache_dir=tmp_path)
+    calls = []
+    real = build_module.prefill_context
+    monkeypatch.setattr(build_module, "prefill_context", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    run.prefill()
+    assert run.prefill_seconds > 0
+    run.prefill()
+    run.oracle(0)  # decoded from the context prefilled above
+    longest = max(q.shape[1] for q in run.question_ids)
+    assert calls == [{"reserve": longest + 3}]  # room for the longest question and its k_max answer tokens

@@ -162,7 +162,7 @@ def test_the_eviction_loss_ranks_the_oracle_allocation_above_random_ones(
     """The proxy of profile ablations (evicted oracle mass at a fixed total budget) must prefer budgets
     solved from the oracle itself to random budgets of the same total, on every question."""
     from lukv_cache.profiling.build import prepare_run
-    from lukv_cache.profiling.diagnostics import _losses
+    from lukv_cache.profiling.diagnostics import head_losses
     from lukv_cache.profiling.solver import greedy_keep_counts, scorer_order_gains
 
     run = prepare_run(tiny_model, byte_tokenizer, tiny_calibration, k_max=3, cache_dir=tmp_path)
@@ -173,8 +173,8 @@ def test_the_eviction_loss_ranks_the_oracle_allocation_above_random_ones(
         layers, heads, t = importance.shape
         gains = scorer_order_gains(importance, scores).reshape(layers * heads, t)
         keep = greedy_keep_counts(gains, [0.7], 0.0)[0].reshape(layers, heads)
-        oracle_loss = _losses(importance, scores, keep)[0].sum()
+        oracle_loss = head_losses(importance, scores, keep)[0].sum()
         for _ in range(20):  # random budgets of the same total
             split = rng.multinomial(int(keep.sum()), np.full(layers * heads, 1 / (layers * heads)))
             random_keep = np.minimum(split, t).reshape(layers, heads)
-            assert oracle_loss <= _losses(importance, scores, random_keep)[0].sum() + 1e-12
+            assert oracle_loss <= head_losses(importance, scores, random_keep)[0].sum() + 1e-12

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from ...errors import CalibrationFormatError, ConfigurationError, UnknownNameError
 
-_HERE = Path(__file__).resolve().parent
+# where the shipped sets are read from, by shipped_calibrations() and calibration_path() (benchmarks'
+# smoke runs point it at tiny stand-ins under the same names)
+SHIPPED_FOLDER = Path(__file__).resolve().parent
 
 
 def shipped_calibrations() -> list[str]:
@@ -22,7 +24,7 @@ def shipped_calibrations() -> list[str]:
     >>> "default" in shipped_calibrations()
     True
     """
-    return sorted(p.stem for p in _HERE.glob("*.jsonl"))
+    return sorted(p.stem for p in SHIPPED_FOLDER.glob("*.jsonl"))
 
 
 def calibration_path(path_or_name: str | os.PathLike) -> Path:
@@ -30,8 +32,8 @@ def calibration_path(path_or_name: str | os.PathLike) -> Path:
     path = Path(path_or_name).expanduser()
     if path.is_file():
         return path
-    if isinstance(path_or_name, str) and (_HERE / f"{path_or_name}.jsonl").is_file():
-        return _HERE / f"{path_or_name}.jsonl"
+    if isinstance(path_or_name, str) and (SHIPPED_FOLDER / f"{path_or_name}.jsonl").is_file():
+        return SHIPPED_FOLDER / f"{path_or_name}.jsonl"
     if isinstance(path_or_name, str) and os.sep not in path_or_name and not path.suffix:
         raise UnknownNameError(
             f"Unknown calibration set {path_or_name!r}. Shipped sets: {', '.join(shipped_calibrations())}; "
@@ -105,4 +107,10 @@ def load_calibration(path_or_name: str | os.PathLike) -> tuple[str, list[str], s
     return head["text"], [r["text"] for r in rows[1:]], description
 
 
-__all__ = ["CalibrationFormatError", "calibration_path", "load_calibration", "shipped_calibrations"]
+__all__ = [
+    "CalibrationFormatError",
+    "SHIPPED_FOLDER",
+    "calibration_path",
+    "load_calibration",
+    "shipped_calibrations",
+]
