@@ -131,10 +131,20 @@ def _model(folder: Path) -> Path:
     }
     (folder / "lukv_provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
+    real = lukv_cache.models.packaged_path
+
+    def packaged_path(name: str = "smollm2", cache_dir=None, *, verbose: bool = False) -> Path:
+        if name in ("smollm2", SMOLLM2_ID):
+            return folder
+        return real(name, cache_dir, verbose=verbose)
+
     def smollm2_path(cache_dir=None, *, verbose: bool = False) -> Path:
         return folder
 
-    lukv_cache.models.smollm2_path = smollm2_path  # load_smollm2 and smollm2_provenance read it
+    # every loader of the packaged models reads packaged_path (load_model, load_smollm2, load_config,
+    # the provenance); smollm2_path for callers that name it
+    lukv_cache.models.packaged_path = packaged_path
+    lukv_cache.models.smollm2_path = smollm2_path
     return folder
 
 
