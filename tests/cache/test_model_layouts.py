@@ -161,3 +161,12 @@ def test_a_cache_built_without_config_lays_the_layers_out_as_config_does(model_t
         _run(model_type, configured, model=model)
     assert [type(layer) for layer in bare.layers] == [type(layer) for layer in configured.layers]
     assert torch.equal(bare.stored_tokens(), configured.stored_tokens())
+
+
+def test_a_layer_filled_before_the_layout_that_the_layout_makes_another_kind_is_a_typed_error():
+    """Layout.adopt moves what update() grew into the learned layout's layers; a grown layer the layout
+    makes a linear-attention state cannot be moved: ConfigurationError naming config=."""
+    cache = LUKVCache(0.5)
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    with pytest.raises(ConfigurationError, match=r"config=model\.config"):
+        cache.layout.adopt(cache, _model("qwen3_next").config, 3)
