@@ -343,6 +343,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="bits per stored key / value entry, each a column of the grid: none (the model's precision), 8 "
         "or 4 (default: none)",
     )
+    parser.add_argument(
+        "--sliding",
+        choices=("keep", "compress"),
+        default="keep",
+        help="what every cache's sliding-window layers do with a context longer than their window: keep "
+        "(transformers' own sliding layer, ratio counts the full-attention layers) or compress (evicted at "
+        "the ratio too); LUKVCache(sliding=...) (default: keep)",
+    )
     add_threads_argument(parser)
     parser.add_argument(
         "--out",

@@ -79,6 +79,12 @@ class LUKVCache(HybridRouting, CacheReport):
             (part of the bound). Default: a quarter of ``decode_max_tokens`` (at least ``window``); recent
             tokens matter most to the next ones, and a quarter measured best for kvzap and keydiff
             (``benchmarks/results/decode_window_tuning/``).
+        sliding: what a sliding-window layer (Gemma-2/3, Mistral, ...) does with a prompt longer than its
+            window. ``"keep"`` (default): transformers' own sliding layer holds the window whole and
+            ``ratio`` removes entries of the full-attention layers only, so the cache saves less than
+            ``ratio`` says. ``"compress"``: the layer drops what is older than its window, as the stock one
+            does, and ``ratio`` removes that fraction of what is left too, in the same allocation as the
+            full-attention layers. A prompt that fits the window is compressed like a full layer's either way.
         device_mesh: tensor parallelism's ``DeviceMesh`` (1-D, or one with a ``"tp"`` dimension such as
             transformers' ``model._device_mesh``). Rarely needed: a model loaded with ``tp_plan="auto"`` is
             recognised from its sharded attention weights. Under tensor parallelism each rank's cache holds
@@ -111,6 +117,7 @@ class LUKVCache(HybridRouting, CacheReport):
         fold_interval: int = FOLD_AT,
         decode_window: int | None = None,
         kv_bits: int | None = None,
+        sliding: str = "keep",
     ):
         self.policy = build_policy(
             ratio,
@@ -127,6 +134,7 @@ class LUKVCache(HybridRouting, CacheReport):
             fold_interval=fold_interval,
             decode_window=decode_window,
             kv_bits=kv_bits,
+            sliding=sliding,
         )
         super().__init__()
         self.layer_class_to_replicate = LUKVLayer  # until the layout is known (config=, or the model's)
@@ -156,6 +164,10 @@ class LUKVCache(HybridRouting, CacheReport):
     window = policy_property("window")
     min_keep = policy_property("min_keep")
     prefill_chunk_size = policy_property("prefill_chunk_size")
+    sliding = policy_property(
+        "sliding",
+        "What a sliding-window layer does with a prompt longer than its window ('keep' or 'compress').",
+    )
 
     @property
     def num_layers(self) -> int | None:

@@ -18,6 +18,13 @@ from ..scorers import Scorer, check_scores
 from .layer import FOLD_AT, LUKVLayer
 from .ragged import keep_mask_from_counts
 
+# What a sliding-window layer does when the prompt is longer than its window (LUKVCache(sliding=...)):
+# "keep": transformers' own sliding layer holds the window whole, and ``ratio`` counts the full-attention
+# layers' entries only; "compress": the layer stays a LUKVLayer, drops what is older than its window (as
+# the stock layer does) and evicts from what is left at the same ratio, in the same allocator call as the
+# full-attention layers. A prompt that fits the window is compressed like a full layer's either way.
+SLIDING = ("keep", "compress")
+
 
 @dataclass(frozen=True)
 class CompressionPolicy:
@@ -31,7 +38,8 @@ class CompressionPolicy:
     ``fold_interval`` tokens after the prompt, re-apply the budgets to everything held so that each row
     keeps at most this many tokens per (layer, KV head) on average (:mod:`lukv_cache.cache.decoding`),
     the last ``decode_window`` tokens of each head protected there. ``kv_bits``: the stores' bits per key /
-    value entry (:mod:`lukv_cache.cache.quant`), ``None`` at the model's precision.
+    value entry (:mod:`lukv_cache.cache.quant`), ``None`` at the model's precision. ``sliding``: what a
+    sliding-window layer does with a prompt longer than its window (:data:`SLIDING`).
     """
 
     ratio: float
@@ -46,6 +54,7 @@ class CompressionPolicy:
     fold_interval: int = FOLD_AT
     decode_window: int = 0
     kv_bits: int | None = None
+    sliding: str = "keep"
 
     @property
     def defers(self) -> bool:
@@ -83,6 +92,12 @@ def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: tor
     b, s, device = layer.batch_size, layer.suffix_length, layer.suffix_keys.device
     length = max(s - policy.window, 0)
     valid = valid_from_mask(attention_mask, b, s, device)[:, :length]
+    if layer.sliding_window is not None:
+        # a sliding layer: what the next query cannot read (older than the window, by column, as
+        # transformers' sliding mask and DynamicSlidingWindowLayer count) is neither kept nor budgeted
+        oldest = layer.cumulative_length - layer.sliding_window + 1 - (layer.cumulative_length - s)
+        if oldest > 0:
+            valid = valid & (torch.arange(length, device=device) >= oldest)
     if layer.sinks_left is None:
         layer.sinks_left = torch.full((b,), policy.sink, dtype=torch.long, device=device)
     # sinks: the first `sink` real tokens of each row, wherever they fall in a chunked prefill

@@ -98,7 +98,17 @@ def attended(
 
 
 def evict(cache: LUKVCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
-    """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call."""
+    """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call for
+    the layers whose rows have the same evictable tokens, each at the ratio (a sliding layer compressed
+    under ``sliding="compress"`` has fewer than a full-attention one: its own call)."""
+    groups: dict[tuple[int, ...], dict[int, tuple[Region, torch.Tensor | None]]] = {}
+    for idx, step in steps.items():
+        groups.setdefault(tuple(step[0].n_evictable.tolist()), {})[idx] = step
+    for group in groups.values():
+        _evict_group(cache, group)
+
+
+def _evict_group(cache: LUKVCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
     scores: torch.Tensor | None
     scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
     counts = {}

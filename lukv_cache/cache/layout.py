@@ -179,9 +179,12 @@ class Layout:
         """The first forward (``length`` tokens, padding included) reached the cache: a sliding layer whose
         window holds it stays a compressed LUKVLayer (exact: transformers' sliding mask, built over the
         logical positions, hides what falls out of the window, and folds drop it); a longer prompt gives
-        the layer to transformers' stock sliding layer, as a DynamicCache holds it."""
+        the layer to transformers' stock sliding layer, as a DynamicCache holds it, unless the policy's
+        ``sliding`` is ``"compress"``: then it stays a LUKVLayer, which drops what falls out of the window
+        at its eviction (:func:`~lukv_cache.cache.compression.plan_region`) and at every fold."""
         self.undecided = False
-        kept = [i for i, window in self.sliding_windows.items() if length <= window]
+        compress = cache.policy.sliding == "compress"
+        kept = [i for i, window in self.sliding_windows.items() if compress or length <= window]
         for i, window in self.sliding_windows.items():
             if i not in kept:
                 layer = DynamicSlidingWindowLayer(sliding_window=window)

@@ -19,7 +19,7 @@ import torch
 from ..allocation import get_allocator
 from ..errors import ConfigurationError
 from ..scorers import Scorer, get_scorer
-from .compression import CompressionPolicy
+from .compression import SLIDING, CompressionPolicy
 from .layer import FOLD_AT
 from .quant import check_kv_bits
 
@@ -164,6 +164,7 @@ def build_policy(
     fold_interval: int = FOLD_AT,
     decode_window: int | None = None,
     kv_bits: int | None = None,
+    sliding: str = "keep",
 ) -> CompressionPolicy:
     """The policy of ``LUKVCache(...)`` called with these arguments (see :class:`~lukv_cache.LUKVCache`),
     every one checked; a :class:`~lukv_cache.errors.ConfigurationError` for the first that cannot hold.
@@ -183,6 +184,16 @@ def build_policy(
     decode_max_tokens = _check_count("decode_max_tokens", decode_max_tokens, positive=True)
     fold_interval = _check_count("fold_interval", fold_interval, positive=True, default=FOLD_AT)
     kv_bits = check_kv_bits(kv_bits)
+    if not isinstance(sliding, str) or sliding not in SLIDING:
+        raise ConfigurationError(
+            f"sliding must be one of {', '.join(map(repr, SLIDING))} (what a sliding-window layer does with a "
+            f"prompt longer than its window), got {sliding!r}."
+        )
+    if sliding == "compress" and (max_tokens is not None or decode_max_tokens is not None):
+        raise ConfigurationError(
+            "sliding='compress' does not combine with max_tokens= or decode_max_tokens= yet (their bound is "
+            "shared by layers that all hold the same tokens); use ratio=, or sliding='keep'."
+        )
     if decode_max_tokens is not None:
         if decode_max_tokens > _MAX_TOKENS_LIMIT:
             raise ConfigurationError(
@@ -236,6 +247,7 @@ def build_policy(
         fold_interval=fold_interval,
         decode_window=decode_window,
         kv_bits=kv_bits,
+        sliding=sliding,
     )
 
 

@@ -449,6 +449,7 @@ def _save_options(cache: LUKVCache, tensors: dict[str, torch.Tensor], path: Path
         "decode_window": policy.decode_window,
         "keep_scores": cache.prefill_scores is not None,
         "kv_bits": getattr(cache, "kv_bits", None),
+        "sliding": policy.sliding,
         "profiles": sorted(profiles),
     }
 
@@ -793,6 +794,8 @@ def _build_cache(
                 "options.kv_bits",
             )
         args["kv_bits"] = kv_bits
+    if "sliding" in options:  # files written before the option hold "keep"'s layers
+        args["sliding"] = _option(options, "sliding", (str,), reader)
     reads_ratio = max_tokens is None and kwargs.get("evict_ratio") is None
     scorer_obj = scorer if scorer is not None else _saved_scorer(options.get("scorer"), profiles, reader)
     allocator_name = allocator if allocator is not None else options.get("allocator")

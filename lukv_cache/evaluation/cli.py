@@ -111,6 +111,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         hub=args.hub,
         share_prefill=not args.no_share_prefill,
         kv_bits=kv_bits_list(_split(args.kv_bits) or []),
+        sliding=args.sliding,
     )
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}

@@ -42,6 +42,8 @@ class Method:
     scorer: str | None = None
     ratio: float | None = None
     kv_bits: int | None = None
+    # LUKVCache(sliding=...): one value per run (`lukv bench --sliding`), not in the name
+    sliding: str = "keep"
 
     @property
     def is_full(self) -> bool:
@@ -79,6 +81,7 @@ def build_methods(
     *,
     full: bool = True,
     kv_bits: Sequence[int | None] = (None,),
+    sliding: str = "keep",
 ) -> list[Method]:
     """The grid: the full cache (first) and every allocator x scorer x ratio (x ``kv_bits``).
 
@@ -88,7 +91,7 @@ def build_methods(
     ['uniform/keydiff@0.5', 'uniform/keydiff@0.5/int4']
     """
     grid = [
-        Method(a, s, float(r), b)
+        Method(a, s, float(r), b, sliding)
         for a in allocators
         for s in scorers
         for r in ratios
@@ -137,6 +140,7 @@ def make_cache(
             method.allocator,
             config=model.config,
             kv_bits=method.kv_bits,
+            sliding=method.sliding,
         )
     # the model's profile: the budgets, or (kvzap) the surrogate whatever the allocator
     source = profile_source(model, method.scorer, profiles_dir)
@@ -149,6 +153,7 @@ def make_cache(
         local_dir=profiles_dir,
         local_files_only=not hub,
         kv_bits=method.kv_bits,
+        sliding=method.sliding,
         **({} if source is model else {"config": model.config}),
     )
     if source is not model:  # a file or a model id: from_pretrained saw no model to check the shape against

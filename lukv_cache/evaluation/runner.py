@@ -48,6 +48,7 @@ class BenchSettings:
     hub: bool = False
     share_prefill: bool = True
     kv_bits: Sequence[int | None] = (None,)  # the stores' bits per entry, each a column of the grid
+    sliding: str = "keep"  # what every cache's sliding-window layers do (LUKVCache(sliding=...))
 
 
 @dataclass
@@ -112,7 +113,12 @@ def run_benchmark(
         if task not in TASKS:
             raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
     methods = build_methods(
-        settings.allocators, settings.scorers, settings.ratios, full=settings.full, kv_bits=settings.kv_bits
+        settings.allocators,
+        settings.scorers,
+        settings.ratios,
+        full=settings.full,
+        kv_bits=settings.kv_bits,
+        sliding=settings.sliding,
     )
     results = BenchResults(settings, started_utc=datetime.datetime.now(datetime.UTC).isoformat())
     say = log or (lambda _msg: None)

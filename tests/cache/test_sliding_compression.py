@@ -190,3 +190,108 @@ def test_a_prompt_that_fits_the_window_is_compressed_without_a_warning(arch, len
         model.generate(prompt(1, length), past_key_values=cache, max_new_tokens=3, do_sample=False)
     assert not [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert cache.is_compressed and int(cache.stored_tokens().max()) < cache.get_seq_length()
+
+
+# sliding="compress": a prompt longer than the window keeps the sliding layers as LUKVLayers, which drop what
+# is older than the window at the prompt's eviction and evict from the rest at the ratio (issue 44, item 5)
+LONG = [("mistral", "sdpa", {"sliding_window": 16}), ("gemma2", "eager", {}), ("gemma3", "sdpa", {})]
+
+
+def _windows(model) -> dict[int, int]:
+    """layer -> window of the model's sliding layers (every layer of a Mistral with a window)."""
+    text = model.config.get_text_config()
+    kinds = getattr(text, "layer_types", None) or ["sliding_attention"] * text.num_hidden_layers
+    return {i: text.sliding_window for i, kind in enumerate(kinds) if kind == "sliding_attention"}
+
+
+@pytest.mark.parametrize(("arch", "attn", "overrides"), LONG)
+def test_compress_at_ratio_0_equals_dynamic_cache_on_a_prompt_longer_than_the_window(arch, attn, overrides):
+    model = tiny_model(arch, attn, **overrides)
+    ids = prompt(1, 40)
+    cache = _quiet(0.0, fold_interval=FOLD, sliding="compress")
+    seq, logits = greedy_with_logits(model, ids, cache, new_tokens=40)
+    ref_seq, ref_logits = greedy_with_logits(model, ids, DynamicCache(), new_tokens=40)
+    assert all(isinstance(layer, LUKVLayer) and layer.compressed for layer in cache.layers)
+    assert torch.equal(seq, ref_seq)
+    assert (logits - ref_logits).abs().max() <= 1e-5
+    for i, window in _windows(model).items():  # what left the window was dropped: at most one fold behind
+        assert int(cache.stored_tokens()[i].max()) <= window - 1 + FOLD + 1
+
+
+@pytest.mark.parametrize("allocator", ["uniform", "global"])
+@pytest.mark.parametrize(("arch", "attn", "overrides"), LONG[1:])
+def test_compress_evicts_each_kind_of_layer_at_the_ratio(arch, attn, overrides, allocator):
+    """At 0.5 a sliding layer holds the sinks, the recent window and half of the rest of its window; a
+    full-attention layer half of its own evictable tokens, also under a whole-model allocator (each kind is
+    allocated on its own: a sliding layer has fewer tokens to evict)."""
+    model = tiny_model(arch, attn, **overrides)
+    length, sink, window = 40, 2, 3
+    cache = LUKVCache(0.5, allocator=allocator, sink=sink, window=window, sliding="compress")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(prompt(1, length), past_key_values=cache)
+    assert not [str(w.message) for w in caught if "LUKVCache leaves" in str(w.message)]
+    assert cache.layout.left_alone is None
+    stored = cache.stored_tokens()[:, 0]  # [layers, kv_heads]
+    windows = _windows(model)
+    for i in range(len(cache.layers)):
+        held = windows[i] - 1 if i in windows else length  # what a DynamicCache holds in the layer
+        evictable = held - sink - window
+        kept = stored[i] - sink - window
+        assert (
+            bool((kept >= 1).all())
+            and abs(int(kept.sum()) - evictable * stored.shape[-1] / 2) <= stored.shape[-1]
+        )
+        if i in windows:
+            oldest = length - windows[i] + 1
+            assert int(cache.layers[i].store.positions.min()) >= oldest
+
+
+def test_compress_a_padded_row_equals_the_row_alone():
+    model = tiny_model("gemma2", "eager")  # windows of 8
+    ids, mask = left_padded((30, 21, 14))
+    cache = LUKVCache(0.5, sink=2, window=3, sliding="compress")
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, **_cache_kwarg(model, cache), max_new_tokens=12, do_sample=False
+        )
+    for row in range(ids.shape[0]):
+        real = ids[row][mask[row].bool()].unsqueeze(0)
+        alone = LUKVCache(0.5, sink=2, window=3, sliding="compress")
+        with torch.no_grad():
+            ref = model.generate(real, **_cache_kwarg(model, alone), max_new_tokens=12, do_sample=False)
+        assert torch.equal(out[row, ids.shape[1] :], ref[0, real.shape[1] :]), row
+
+
+def _cache_kwarg(model, cache) -> dict:
+    from lukv_cache._compat import cache_kwarg
+
+    return {cache_kwarg(model): cache}
+
+
+def test_compress_saves_and_loads_with_its_option(tmp_path):
+    from lukv_cache import load_cache, save_cache
+
+    model = tiny_model("gemma3", "sdpa")
+    cache = LUKVCache(0.5, sink=2, window=3, sliding="compress")
+    with torch.no_grad():
+        model(prompt(1, 30), past_key_values=cache)
+    loaded = load_cache(save_cache(cache, tmp_path / "context.safetensors", model=model), model)
+    assert loaded.sliding == "compress"
+    assert torch.equal(loaded.stored_tokens(), cache.stored_tokens())
+    assert [type(layer).__name__ for layer in loaded.layers] == ["LUKVLayer"] * 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratio": 0.5, "sliding": "drop"}, "sliding must be one of 'keep', 'compress'"),
+        ({"max_tokens": 64, "sliding": "compress"}, "does not combine with max_tokens"),
+        ({"decode_max_tokens": 64, "sliding": "compress"}, "does not combine with max_tokens"),
+    ],
+)
+def test_a_bad_sliding_option_is_a_configuration_error(kwargs, match):
+    from lukv_cache.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=match):
+        LUKVCache(**kwargs)
