@@ -75,6 +75,8 @@ def attended(
             if idx == cache.layout.last_full_layer:
                 cache._fold_evict()
         return
+    if state.phase is not Phase.HOLD:  # held layers are read whole by the passes that score them
+        layer.drop_out_of_window()  # a sliding layer's prompt older than its window: gone before it waits
     region = plan_region(layer, policy, attention_mask)
     if state.phase is Phase.HOLD:
         state.held[idx] = region

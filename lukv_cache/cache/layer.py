@@ -434,7 +434,7 @@ class LUKVLayer(DynamicLayer):
         self.compressed = True
         self.settled_length = self.cumulative_length
         self.queries = None
-        self.slide()
+        self.drop_out_of_window()
 
     def _absorb(
         self, keys, values, keep: torch.Tensor, start: int, scores: torch.Tensor | None = None
@@ -481,6 +481,19 @@ class LUKVLayer(DynamicLayer):
         oldest = self.cumulative_length - self.sliding_window + 1
         if oldest > 0 and int(self.store.positions.min()) < oldest:
             self.store = self.store.select(self.store.positions >= oldest)
+
+    def drop_out_of_window(self) -> None:
+        """A sliding layer: drop what no later query can attend from the dense suffix too (the prompt's
+        tokens older than the window, once its forward attended them), so that a sliding layer never holds
+        a long prompt whole while the rest of the prefill runs; nothing while it keeps its past."""
+        if self.sliding_window is None or self.keeps_past or not self._suffix_len:
+            return
+        assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
+        start = self.cumulative_length - self._suffix_len
+        drop = self.cumulative_length - self.sliding_window + 1 - start
+        if drop > 0:
+            self._set_suffix(self.suffix_keys[:, :, drop:], self.suffix_values[:, :, drop:])
+        self.slide()
 
     def refold(
         self, source: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor | None, capacity: int

@@ -295,3 +295,33 @@ def test_a_bad_sliding_option_is_a_configuration_error(kwargs, match):
 
     with pytest.raises(ConfigurationError, match=match):
         LUKVCache(**kwargs)
+
+
+def test_compress_drops_what_left_the_window_before_the_rest_of_the_prefill_runs():
+    """Under a whole-model allocator (global waits for the last layer) a sliding layer does not hold the
+    whole prompt while the later layers run: what is older than its window is gone once it attended."""
+    model = tiny_model("gemma3", "sdpa")  # windows of 8 on layers 0 and 2, layer 1 global
+    cache = LUKVCache(0.5, allocator="global", sink=2, window=3, sliding="compress")
+    seen = []
+    hook = model.model.layers[-1].register_forward_pre_hook(
+        lambda module, args: seen.append(cache.layers[0].suffix_length)
+    )
+    try:
+        with torch.no_grad():
+            model(prompt(1, 40), past_key_values=cache)
+    finally:
+        hook.remove()
+    assert seen == [8 - 1]
+
+
+def test_compress_with_kvzip_drops_what_left_the_window_after_its_passes():
+    from lukv_cache.scorers.kvzip import RepeatPrompt
+
+    model = tiny_model("gemma3", "sdpa")
+    cache = LUKVCache(0.5, "kvzip", "global", sliding="compress", config=model.config)
+    cache.prefill(
+        model, prompt(1, 40), repeat_prompt=RepeatPrompt(first=(5, 6, 7), next=(8, 9), suffix=(10,))
+    )
+    stored = cache.stored_tokens()[:, 0]
+    assert int(stored[[0, 2]].max()) <= 8 - 1  # the window's last 7 at most (kvzip protects its last 32)
+    assert int(stored[1].min()) > 8
