@@ -346,10 +346,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sliding",
         choices=("keep", "compress"),
-        default="keep",
-        help="what every cache's sliding-window layers do with a context longer than their window: keep "
-        "(transformers' own sliding layer, ratio counts the full-attention layers) or compress (evicted at "
-        "the ratio too); LUKVCache(sliding=...) (default: keep)",
+        default=None,
+        help="what every cache's sliding-window layers do with a context longer than their window: compress "
+        "(evicted at the ratio too) or keep (transformers' own sliding layer, ratio counts the full-attention "
+        "layers); LUKVCache(sliding=...) (default: the cache's, compress)",
     )
     add_threads_argument(parser)
     parser.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -80,11 +81,15 @@ class LUKVCache(HybridRouting, CacheReport):
             tokens matter most to the next ones, and a quarter measured best for kvzap and keydiff
             (``benchmarks/results/decode_window_tuning/``).
         sliding: what a sliding-window layer (Gemma-2/3, Mistral, ...) does with a prompt longer than its
-            window. ``"keep"`` (default): transformers' own sliding layer holds the window whole and
-            ``ratio`` removes entries of the full-attention layers only, so the cache saves less than
-            ``ratio`` says. ``"compress"``: the layer drops what is older than its window, as the stock one
-            does, and ``ratio`` removes that fraction of what is left too, in the same allocation as the
-            full-attention layers. A prompt that fits the window is compressed like a full layer's either way.
+            window. ``"compress"`` (the default with ``ratio``): the layer drops what is older than its
+            window, as transformers' own sliding layer does, and ``ratio`` removes that fraction of what is
+            left too (allocated apart from the full-attention layers, which hold more tokens), so ``ratio``
+            counts every layer's entries. ``"keep"`` (the default with ``max_tokens`` or
+            ``decode_max_tokens``, which do not combine with ``"compress"`` yet): transformers' sliding layer
+            holds the window whole and ``ratio`` removes entries of the full-attention layers only, so the
+            cache saves less than ``ratio`` says. On Gemma-3-270M, at equal bytes ``"compress"`` kept far more
+            of the text (``docs/benchmarks.md``). A prompt that fits the window is compressed like a full
+            layer's either way.
         device_mesh: tensor parallelism's ``DeviceMesh`` (1-D, or one with a ``"tp"`` dimension such as
             transformers' ``model._device_mesh``). Rarely needed: a model loaded with ``tp_plan="auto"`` is
             recognised from its sharded attention weights. Under tensor parallelism each rank's cache holds
@@ -117,7 +122,7 @@ class LUKVCache(HybridRouting, CacheReport):
         fold_interval: int = FOLD_AT,
         decode_window: int | None = None,
         kv_bits: int | None = None,
-        sliding: str = "keep",
+        sliding: str | None = None,
     ):
         self.policy = build_policy(
             ratio,
@@ -213,12 +218,15 @@ class LUKVCache(HybridRouting, CacheReport):
                     cast("WholeStoreView | None", layer.store),
                     self._after_attention,
                     module=reader,
-                    on_other_keys=self._keys_changed,
+                    on_other_keys=functools.partial(self._keys_changed, layer_idx),
                 )
             )
         return keys, values
 
-    def _keys_changed(self) -> None:
+    def _keys_changed(self, layer_idx: int) -> None:
+        if self.layout.unseat_sliding(self, layer_idx):  # transformers' own sliding layer holds it now
+            self.state.awaiting = None
+            return
         self.layout.other_keys = True
 
     def _after_attention(

@@ -19,10 +19,12 @@ from .layer import FOLD_AT, LUKVLayer
 from .ragged import keep_mask_from_counts
 
 # What a sliding-window layer does when the prompt is longer than its window (LUKVCache(sliding=...)):
-# "keep": transformers' own sliding layer holds the window whole, and ``ratio`` counts the full-attention
-# layers' entries only; "compress": the layer stays a LUKVLayer, drops what is older than its window (as
-# the stock layer does) and evicts from what is left at the same ratio, in the same allocator call as the
-# full-attention layers. A prompt that fits the window is compressed like a full layer's either way.
+# "compress" (the default with ratio=): the layer stays a LUKVLayer, drops what is older than its window
+# (as the stock layer does) and evicts from what is left at the same ratio, allocated apart from the
+# full-attention layers (it holds fewer tokens); "keep" (the default under max_tokens / decode_max_tokens):
+# transformers' own sliding layer holds the window whole, and ``ratio`` counts the full-attention layers'
+# entries only. A prompt that fits the window is compressed like a full layer's either way. Measured on
+# Gemma-3-270M (docs/benchmarks.md): at equal bytes "compress" keeps far more of the text.
 SLIDING = ("keep", "compress")
 
 
@@ -54,7 +56,7 @@ class CompressionPolicy:
     fold_interval: int = FOLD_AT
     decode_window: int = 0
     kv_bits: int | None = None
-    sliding: str = "keep"
+    sliding: str = "compress"
 
     @property
     def defers(self) -> bool:

@@ -77,6 +77,8 @@ def attended(
         return
     if state.phase is not Phase.HOLD:  # held layers are read whole by the passes that score them
         layer.drop_out_of_window()  # a sliding layer's prompt older than its window: gone before it waits
+        # the queries before what is left attend none of it (causal): a scorer reads the window's own
+        query = query[:, :, -layer.suffix_length :] if layer.suffix_length else query[:, :, :0]
     region = plan_region(layer, policy, attention_mask)
     if state.phase is Phase.HOLD:
         state.held[idx] = region
@@ -101,11 +103,13 @@ def attended(
 
 def evict(cache: LUKVCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
     """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call for
-    the layers whose rows have the same evictable tokens, each at the ratio (a sliding layer compressed
-    under ``sliding="compress"`` has fewer than a full-attention one: its own call)."""
+    the layers whose rows have the same evictable tokens and KV heads, each at the ratio (a sliding layer
+    compressed under ``sliding="compress"`` has fewer tokens than a full-attention one, and MiMo-V2-Flash's
+    more heads: their own call)."""
     groups: dict[tuple[int, ...], dict[int, tuple[Region, torch.Tensor | None]]] = {}
     for idx, step in steps.items():
-        groups.setdefault(tuple(step[0].n_evictable.tolist()), {})[idx] = step
+        heads = cast(LUKVLayer, cache.layers[idx]).num_heads
+        groups.setdefault((heads, *step[0].n_evictable.tolist()), {})[idx] = step
     for group in groups.values():
         _evict_group(cache, group)
 

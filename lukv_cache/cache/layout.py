@@ -69,6 +69,10 @@ class Layout:
         # layer -> its sliding_window; whether that forward is still to come; the layout's own full-attention
         # layers
         self.sliding_windows: dict[int, int] = {}
+        self.sliding_kept: list[int] = []  # the sliding layers the first forward kept as LUKVLayers
+        self.prompt_length: int | None = None  # that forward's length
+        # why warn() says sliding layers are left alone: their attention's keys; the past recorded
+        self.sliding_unseated = self.sliding_recorded = False
         self.undecided = False
         self.attention_layers: list[int] = []
         self.layout_warning: tuple | None = None  # what the warning, deferred to that decision, names
@@ -183,7 +187,9 @@ class Layout:
         ``sliding`` is ``"compress"``: then it stays a LUKVLayer, which drops what falls out of the window
         at its eviction (:func:`~lukv_cache.cache.compression.plan_region`) and at every fold."""
         self.undecided = False
-        compress = cache.policy.sliding == "compress"
+        # a cache that records its past (assisted decoding crops rejected drafts) leaves a long prompt to
+        # transformers' sliding layer, which rolls back into what left the window
+        compress = cache.policy.sliding == "compress" and not self.record_past
         kept = [i for i, window in self.sliding_windows.items() if compress or length <= window]
         for i, window in self.sliding_windows.items():
             if i not in kept:
@@ -193,8 +199,25 @@ class Layout:
                 cache.layers[i] = layer
         self.full_layers = sorted({*self.attention_layers, *kept})
         self.last_full_layer = self.full_layers[-1] if self.full_layers else None
+        self.sliding_kept, self.prompt_length = kept, length
         if self.layout_warning is not None:
             self.warn(cache, *self.layout_warning, kept=kept, length=length)
+
+    def unseat_sliding(self, cache: Any, idx: int) -> bool:
+        """Sliding layer ``idx``, kept as a LUKVLayer to compress (``sliding="compress"``), is attended over
+        other keys than its ``update()`` returned (a latent attention expands them after it, as dots3 does):
+        it cannot be compressed, so transformers' own sliding layer takes over what it holds, bounded by its
+        window, and it is left alone and said so as under ``"keep"``. False for any other layer."""
+        layer = cache.layers[idx]
+        if idx not in self.sliding_windows or type(layer) is not LUKVLayer or layer.compressed:
+            return False
+        cache.layers[idx] = layer.to_sliding(self.sliding_windows[idx], record_past=self.record_past)
+        self.sliding_kept = [i for i in self.sliding_kept if i != idx]
+        self.full_layers = [i for i in self.full_layers if i != idx]
+        self.last_full_layer = self.full_layers[-1] if self.full_layers else None
+        if self.layout_warning is not None:
+            self.warn(cache, *self.layout_warning, kept=self.sliding_kept, length=self.prompt_length)
+        return True
 
     def reset_sliding(self, cache: Any) -> None:
         """A new prompt: its length decides again what the sliding layers become."""
@@ -262,6 +285,10 @@ class Layout:
             if length is None
             else sorted({self.sliding_windows[i] for i in stock if i in self.sliding_windows})
         )
+        # why a sliding layer is left alone: a long prompt under "keep" or while the cache records its past,
+        # or (under "compress") its attention reads keys expanded after update() (unseat_sliding)
+        self.sliding_unseated = cache.policy.sliding == "compress" and not self.record_past
+        self.sliding_recorded = cache.policy.sliding == "compress" and self.record_past
         text = self.left_alone_text(layer_types, stock, whole, producers, full, kept, sizes, "")
         self.left_alone = self.left_alone_text(
             layer_types, stock, whole, producers, full, kept, sizes, f" of {length} tokens"
@@ -287,11 +314,18 @@ class Layout:
         if stock:
             kinds = sorted({layer_types[i] for i in stock})
             why = ""
-            if sizes:
+            if self.sliding_unseated:
+                why = " (their attention reads keys expanded after the cache's update(), which it cannot compress)"
+            elif sizes:
                 read = "" if prompt else ": cache.layout.left_alone gives its length"
+                more = (
+                    "the cache records their past for assisted decoding, which transformers' layer rolls back"
+                    if self.sliding_recorded
+                    else "with ratio= sliding='compress' compresses them whatever the prompt"
+                )
                 why = (
                     f" (the prompt{prompt}, padding included, is longer than their window of "
-                    f"{', '.join(map(str, sizes))}{read}; a prompt that fits is compressed in them)"
+                    f"{', '.join(map(str, sizes))}{read}; a prompt that fits is compressed in them; {more})"
                 )
             parts.append(
                 f"layers {stock} ({', '.join(kinds)}) keep transformers' stock layers, bounded by their window{why}"

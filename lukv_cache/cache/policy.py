@@ -164,7 +164,7 @@ def build_policy(
     fold_interval: int = FOLD_AT,
     decode_window: int | None = None,
     kv_bits: int | None = None,
-    sliding: str = "keep",
+    sliding: str | None = None,
 ) -> CompressionPolicy:
     """The policy of ``LUKVCache(...)`` called with these arguments (see :class:`~lukv_cache.LUKVCache`),
     every one checked; a :class:`~lukv_cache.errors.ConfigurationError` for the first that cannot hold.
@@ -184,15 +184,21 @@ def build_policy(
     decode_max_tokens = _check_count("decode_max_tokens", decode_max_tokens, positive=True)
     fold_interval = _check_count("fold_interval", fold_interval, positive=True, default=FOLD_AT)
     kv_bits = check_kv_bits(kv_bits)
+    bounded = max_tokens is not None or decode_max_tokens is not None
+    if (
+        sliding is None
+    ):  # the default: compress, but a token bound is shared by layers holding the same tokens
+        sliding = "keep" if bounded else "compress"
     if not isinstance(sliding, str) or sliding not in SLIDING:
         raise ConfigurationError(
             f"sliding must be one of {', '.join(map(repr, SLIDING))} (what a sliding-window layer does with a "
             f"prompt longer than its window), got {sliding!r}."
         )
-    if sliding == "compress" and (max_tokens is not None or decode_max_tokens is not None):
+    if sliding == "compress" and bounded:
         raise ConfigurationError(
             "sliding='compress' does not combine with max_tokens= or decode_max_tokens= yet (their bound is "
-            "shared by layers that all hold the same tokens); use ratio=, or sliding='keep'."
+            "shared by layers that all hold the same tokens); use ratio=, or leave sliding= unset (with a "
+            "bound it is 'keep')."
         )
     if decode_max_tokens is not None:
         if decode_max_tokens > _MAX_TOKENS_LIMIT:

@@ -794,8 +794,8 @@ def _build_cache(
                 "options.kv_bits",
             )
         args["kv_bits"] = kv_bits
-    if "sliding" in options:  # files written before the option hold "keep"'s layers
-        args["sliding"] = _option(options, "sliding", (str,), reader)
+    # files written before the option: their sliding layers were "keep"'s
+    args["sliding"] = _option(options, "sliding", (str,), reader) if "sliding" in options else "keep"
     reads_ratio = max_tokens is None and kwargs.get("evict_ratio") is None
     scorer_obj = scorer if scorer is not None else _saved_scorer(options.get("scorer"), profiles, reader)
     allocator_name = allocator if allocator is not None else options.get("allocator")

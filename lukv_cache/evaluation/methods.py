@@ -42,8 +42,8 @@ class Method:
     scorer: str | None = None
     ratio: float | None = None
     kv_bits: int | None = None
-    # LUKVCache(sliding=...): one value per run (`lukv bench --sliding`), not in the name
-    sliding: str = "keep"
+    # LUKVCache(sliding=...): one value per run (`lukv bench --sliding`), not in the name; None: its default
+    sliding: str | None = None
 
     @property
     def is_full(self) -> bool:
@@ -81,7 +81,7 @@ def build_methods(
     *,
     full: bool = True,
     kv_bits: Sequence[int | None] = (None,),
-    sliding: str = "keep",
+    sliding: str | None = None,
 ) -> list[Method]:
     """The grid: the full cache (first) and every allocator x scorer x ratio (x ``kv_bits``).
 

@@ -48,7 +48,7 @@ class BenchSettings:
     hub: bool = False
     share_prefill: bool = True
     kv_bits: Sequence[int | None] = (None,)  # the stores' bits per entry, each a column of the grid
-    sliding: str = "keep"  # what every cache's sliding-window layers do (LUKVCache(sliding=...))
+    sliding: str | None = None  # what every cache's sliding-window layers do (LUKVCache(sliding=...))
 
 
 @dataclass

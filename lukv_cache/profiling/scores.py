@@ -45,6 +45,9 @@ def prefill_scores(
         sink=0,
         window=0,
         keep_scores=True,
+        # every context token's score in the layers a profile optimises: a sliding layer given a context
+        # longer than its window is left out of the optimisation (its rows are rho), not scored on its window
+        sliding="keep",
     )
     # logits_to_keep=1: only the scores are read; the prompt's logits would be [B, T, vocab] fp32
     cache.prefill(

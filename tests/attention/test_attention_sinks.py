@@ -53,8 +53,8 @@ def test_the_tiny_model_sinks_matter():
 
 def test_ratio_zero_decodes_like_dynamic_cache(monkeypatch):
     """GPT-OSS (sliding and full layers, GQA, sinks), batch 2 with left padding, eager: LUKVCache(0.0)
-    gives DynamicCache's logits on every one of 12 greedy steps (the full layer's decode steps all read
-    the compressed store, with the sinks)."""
+    gives DynamicCache's logits on every one of 12 greedy steps (both layers' decode steps read the
+    compressed store, each with its own sinks: the sliding layer is compressed too, sliding="compress")."""
     model = tiny_gpt_oss("eager")
     ids, mask = left_padded((20, 13))
     ref_seq, ref_logits = greedy_with_logits(
@@ -64,8 +64,11 @@ def test_ratio_zero_decodes_like_dynamic_cache(monkeypatch):
     cache = LUKVCache(0.0)
     seq, logits = greedy_with_logits(model, ids, cache, 12, attention_mask=mask)
     assert cache.is_compressed
-    assert len(calls) == 11  # the full layer, every decode step after the prefill
-    assert all(call[7] is model.model.layers[1].self_attn.sinks for call in calls)
+    assert len(calls) == 22  # both layers, every decode step after the prefill
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    assert [call[7] for call in calls[:2]] == sinks and all(
+        call[7] is sinks[i % 2] for i, call in enumerate(calls)
+    )
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
 
@@ -131,7 +134,7 @@ def test_ratio_half_equals_a_float64_reference_with_the_sink(monkeypatch, path):
             module, fn, lambda *a, _r=real, _k=key, **k: used.__setitem__(_k, used[_k] + 1) or _r(*a, **k)
         )
     calls = _spy_compressed(monkeypatch)
-    cache = LUKVCache(0.5)
+    cache = LUKVCache(0.5, sliding="keep")  # the full layer's paths (a compressed sliding layer merges)
     greedy_with_logits(model, ids, cache, 8, attention_mask=mask)
     assert len(calls) == 7
     assert used[path.removesuffix("_padded")] == 7, used

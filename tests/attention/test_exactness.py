@@ -34,8 +34,11 @@ def snapshot(store, logical: int) -> dict:
     )
 
 
-def dense_reference(query, suffix_keys, suffix_values, store: dict, mask2d, scaling, softcap=None):
-    """fp64 attention ``[B, Q, Hq, D]`` of ``query [B, Hq, Q, D]`` over kept store tokens + suffix, per head."""
+def dense_reference(
+    query, suffix_keys, suffix_values, store: dict, mask2d, scaling, softcap=None, sliding_window=None
+):
+    """fp64 attention ``[B, Q, Hq, D]`` of ``query [B, Hq, Q, D]`` over kept store tokens + suffix, per head
+    (a sliding layer's query reads the kept tokens of its last ``sliding_window`` positions only)."""
     b, hq, q_len, _ = query.shape
     h, s = suffix_keys.shape[1], suffix_keys.shape[2]
     group = hq // h
@@ -52,6 +55,8 @@ def dense_reference(query, suffix_keys, suffix_values, store: dict, mask2d, scal
             values = torch.cat([store["values"][lo:hi], suffix_values[row, kv]]).double()
             pos = torch.cat([store["positions"][lo:hi].long(), suffix_pos])
             allowed = (pos[None, :] <= query_pos[:, None]) & mask2d[row, pos].bool()[None, :]
+            if sliding_window is not None:
+                allowed &= pos[None, :] > query_pos[:, None] - sliding_window
             logits = query[row, head].double() @ keys.T * scaling
             if softcap is not None:
                 logits = softcap * torch.tanh(logits / softcap)
@@ -82,8 +87,9 @@ class AttentionRecorder:
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
             if store is not None:
+                window = self.cache.layers[call.layer_idx].sliding_window
                 ref = dense_reference(
-                    query, key, value, store, self.mask2d_fn(), scaling, kwargs.get("softcap")
+                    query, key, value, store, self.mask2d_fn(), scaling, kwargs.get("softcap"), window
                 )
                 # padding queries see no key at all (reference: NaN); their output is never used
                 real = torch.isfinite(ref)
@@ -172,8 +178,11 @@ def _reference_attention(mask2d_fn, cache):
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         call = claim_attention(module, key)
-        store = snapshot(call.store, cache.layers[call.layer_idx].cumulative_length)
-        out = dense_reference(query, key, value, store, mask2d_fn(), scaling, kwargs.get("softcap"))
+        layer = cache.layers[call.layer_idx]
+        store = snapshot(call.store, layer.cumulative_length)
+        out = dense_reference(
+            query, key, value, store, mask2d_fn(), scaling, kwargs.get("softcap"), layer.sliding_window
+        )
         call.finish(module, query, attention_mask)
         return out.to(query.dtype), None
 
@@ -205,7 +214,7 @@ def test_next_token_logits_after_compression_equal_a_dense_per_head_reference_mo
         logits = model(input_ids=question, attention_mask=full_mask, past_key_values=cache).logits
         mapping = AttentionInterface._global_mapping
         reference = _reference_attention(lambda: full_mask, twin)
-        # gemma3's sliding layers stay stock: only keys the cache announced go to the reference
+        # only keys the cache announced go to the reference (gemma3's sliding layers are compressed too)
         stock = mapping["sdpa"]
 
         def routed(module, query, key, *args, **kwargs):

@@ -64,7 +64,7 @@ def test_keep_all_matches_dynamic_cache_with_left_padding(arch, attn):
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_sliding_layers_stay_stock_and_full_layers_are_compressed(arch):
     model = tiny_model(arch, "eager")
-    cache = LUKVCache(0.0)
+    cache = LUKVCache(0.0, sliding="keep")  # under "compress" (the default) every layer is a LUKVLayer
     model.generate(prompt(1, 20), past_key_values=cache, max_new_tokens=3, do_sample=False)
     kinds = [isinstance(layer, LUKVLayer) for layer in cache.layers]
     assert kinds == [t == "full_attention" for t in model.config.layer_types]

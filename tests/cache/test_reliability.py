@@ -238,13 +238,14 @@ def test_beam_search_after_prefill_says_how_to_repeat_the_rows():
 
 
 def test_a_model_whose_every_layer_slides_warns_that_nothing_is_compressed():
-    # the prompt decides (issue 30): one longer than the window leaves the sliding layers stock, warned then
+    # under sliding="keep" the prompt decides (issue 30): one longer than the window leaves the sliding
+    # layers stock, warned then
     model = tiny_model("mistral", "sdpa", sliding_window=16)
-    cache = LUKVCache(0.9, config=model.config)
+    cache = LUKVCache(0.9, config=model.config, sliding="keep")
     with pytest.warns(UserWarning, match="leaves every layer of this model alone"), torch.no_grad():
         model(prompt(1, 60), past_key_values=cache)
     assert not cache.is_compressed
     gemma2 = tiny_model("gemma2", "eager")
-    cache = LUKVCache(0.5, config=gemma2.config)
+    cache = LUKVCache(0.5, config=gemma2.config, sliding="keep")
     with pytest.warns(UserWarning, match=r"layers \[0, 2\]"), torch.no_grad():  # sliding, full, sliding
         gemma2(prompt(1, 12), past_key_values=cache)

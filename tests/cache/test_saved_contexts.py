@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -517,19 +518,28 @@ def test_a_subclass_loads_as_itself_and_load_takes_only_load_caches_keywords(tmp
         MyCache.load(path, model, ratio=0.5)
 
 
-def test_a_model_whose_layers_have_different_kv_heads_saves_and_loads(tmp_path):
+@pytest.mark.parametrize("sliding", ["keep", "compress"])
+def test_a_model_whose_layers_have_different_kv_heads_saves_and_loads(tmp_path, sliding):
     # MiMo-V2-Flash's sliding layers project to twice the KV heads of its global layers; the file was
-    # written but refused at load ("layer 1's keys do not fit the model's KV heads")
+    # written but refused at load ("layer 1's keys do not fit the model's KV heads"). Compressed too, its
+    # sliding layers are allocated apart (one allocator call stacks the scores of layers with equal heads)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
     import families
 
     built = families.build_model("mimo_v2_flash", "eager")
     model = built[0] if isinstance(built, tuple) else built
     ids, mask = families.inputs()
-    cache = LUKVCache(0.5)
-    with pytest.warns(UserWarning, match="leaves some layers of this model alone"):
+    cache = LUKVCache(0.5, allocator="global", sliding=sliding)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         seq, _ = greedy_with_logits(model, ids, cache, new_tokens=2, attention_mask=mask)
-    assert cache.layers[0].store.num_heads == 2 and cache.layers[1].keys.shape[1] == 4
+    warned = any("leaves some layers of this model alone" in str(w.message) for w in caught)
+    assert warned == (sliding == "keep")
+    assert cache.layers[0].store.num_heads == 2
+    if sliding == "keep":
+        assert cache.layers[1].keys.shape[1] == 4  # transformers' sliding layer
+    else:
+        assert cache.layers[1].store.num_heads == 4
     loaded = load_cache(save_cache(cache, tmp_path / "context.safetensors"), model)
     full_mask = torch.cat(
         [mask, torch.ones(mask.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1

@@ -116,7 +116,7 @@ def test_decode_max_tokens_holds_and_drops_what_left_the_window():
 
 def test_a_prompt_longer_than_the_window_keeps_the_stock_sliding_layer_and_says_so():
     model = tiny_model("mistral", "sdpa", sliding_window=16)
-    cache = LUKVCache(0.5)
+    cache = LUKVCache(0.5, sliding="keep")
     with pytest.warns(UserWarning, match=r"compresses nothing.*|longer than their window"):
         with torch.no_grad():
             model(prompt(1, 24), past_key_values=cache)
@@ -132,7 +132,7 @@ def _left_alone_warnings(model, length: int, caches: int = 1) -> list[str]:
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")  # what the once-per-location filter would dedupe is counted too
         for _ in range(caches):
-            model(prompt(1, length), past_key_values=LUKVCache(0.5))
+            model(prompt(1, length), past_key_values=LUKVCache(0.5, sliding="keep"))
     return [str(w.message) for w in caught if "LUKVCache leaves" in str(w.message)]
 
 
@@ -152,7 +152,7 @@ def test_another_window_is_another_layout_and_warned_again():
 
 def test_the_cache_says_what_it_leaves_alone_for_its_prompt_with_the_prompt_length(caplog):
     model = tiny_model("gemma2", "eager")
-    cache = LUKVCache(0.5)
+    cache = LUKVCache(0.5, sliding="keep")
     with warnings.catch_warnings(), torch.no_grad(), caplog.at_level("DEBUG", logger="lukv_cache"):
         warnings.simplefilter("ignore")
         model(prompt(1, 12), past_key_values=cache)
@@ -325,3 +325,16 @@ def test_compress_with_kvzip_drops_what_left_the_window_after_its_passes():
     stored = cache.stored_tokens()[:, 0]
     assert int(stored[[0, 2]].max()) <= 8 - 1  # the window's last 7 at most (kvzip protects its last 32)
     assert int(stored[1].min()) > 8
+
+
+def test_ratio_compresses_sliding_layers_by_default_and_a_token_bound_keeps_them():
+    assert LUKVCache(0.5).sliding == "compress"
+    assert LUKVCache(max_tokens=64).sliding == LUKVCache(0.5, decode_max_tokens=64).sliding == "keep"
+    model = tiny_model("gemma3", "sdpa")  # windows of 8
+    cache = LUKVCache(0.5, sink=2, window=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left alone: no warning
+        with torch.no_grad():
+            model(prompt(1, 40), past_key_values=cache)
+    assert all(isinstance(layer, LUKVLayer) and layer.compressed for layer in cache.layers)
+    assert int(cache.stored_tokens()[[0, 2]].max()) < 8 - 1  # evicted within the window

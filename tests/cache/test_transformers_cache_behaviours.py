@@ -348,10 +348,11 @@ def test_prompt_cache_copied_and_reused_for_two_continuations(ratio):
 def test_cache_built_from_a_config_has_dynamic_cache_layer_types(ratio):
     """Mirrors ``SyntheticCacheTest.test_hybrid_cache`` for ``DynamicCache(config=...)`` (sliding layers keep
     only their window, full layers everything): a LUKVCache given a Gemma-2 config has DynamicCache's layer
-    types, its sliding layers hold what DynamicCache's hold, and at ratio 0 generation is DynamicCache's."""
+    types, its sliding layers hold what DynamicCache's hold, and at ratio 0 generation is DynamicCache's
+    (under sliding="keep": the default compresses the sliding layers too, test_sliding_compression.py)."""
     model = tiny_model("gemma2", "eager")
     config = tiny_config("gemma2")
-    ref, cache = DynamicCache(config=config), LUKVCache(ratio, config=config)
+    ref, cache = DynamicCache(config=config), LUKVCache(ratio, config=config, sliding="keep")
     assert cache.is_sliding == ref.is_sliding == [True, False, True]
     ids = prompt(1, T, seed=10)
     forward(model, ref, ids)

@@ -801,9 +801,9 @@ EXPECTED: dict[str, str] = {
     "minimax": "refused_by_transformers",
     "minimax_m2": "works",
     "minimax_m3_vl_text": "works",
-    "ministral": "warns_nothing_compressed",
+    "ministral": "works",  # every layer slides: compressed since sliding="compress" became the default
     "ministral3": "works",
-    "mistral": "warns_nothing_compressed",
+    "mistral": "works",  # likewise
     "mixtral": "works",
     "modernbert-decoder": "works",
     "mpt": "typed_error",
@@ -829,7 +829,7 @@ EXPECTED: dict[str, str] = {
     "qwen3_moe": "works",
     "qwen3_next": "works",
     "qwen4_exp_text": "warns_nothing_compressed",
-    "recurrent_gemma": "warns_nothing_compressed",
+    "recurrent_gemma": "works",  # its attention layers slide: likewise
     "reformer": "refused_by_transformers",
     "rembert": "typed_error",
     "roberta": "works",
@@ -884,11 +884,8 @@ EXPECTED_MESSAGE: dict[str, str] = {
     "longcat_flash": "Multi-head latent attention",
     "megatron-bert": "computes attention in its own code",
     "minicpm3": "Multi-head latent attention",
-    "ministral": "sliding_attention",
-    "mistral": "sliding_attention",
     "mpt": "computes attention in its own code",
     "qwen4_exp_text": "indexed_attention",
-    "recurrent_gemma": "sliding_attention",
     "rembert": "computes attention in its own code",
     "roformer": "computes attention in its own code",
     "trocr": "computes attention in its own code",
