@@ -16,8 +16,13 @@ from lukv_cache.profiles import Profile  # noqa: E402
 
 
 @pytest.fixture
-def hub():
-    """A fresh in-memory Hub on a free port; the real huggingface_hub client talks to ``hub.url``."""
+def hub(monkeypatch):
+    """A fresh in-memory Hub on a free port; the real huggingface_hub client talks to ``hub.url``. The
+    process's memory of endpoints that did not answer starts empty too: the OS reuses ports, and an earlier
+    test's stopped server on this port would make this one "unreachable" without asking (a rare flake)."""
+    from lukv_cache.profiles import hub_errors
+
+    monkeypatch.setattr(hub_errors, "_unreachable", {})
     server = HubServer().start()
     yield server
     server.stop()
