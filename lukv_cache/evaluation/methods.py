@@ -129,7 +129,8 @@ def make_cache(
     if method.is_full:
         from transformers import DynamicCache
 
-        return DynamicCache()
+        # the model's own cache (what generate builds): sliding-window layers hold their window only
+        return DynamicCache(config=model.config)
     from ..allocation import allocators_reading_profile
     from ..cache import LUKVCache
 

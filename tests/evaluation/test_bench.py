@@ -71,6 +71,21 @@ def test_full_method_replay_holds_the_whole_context(model):
     assert all(layer.keys.shape[-2] == 90 for layer in cache.layers)
 
 
+def test_the_full_method_is_the_models_own_cache_with_its_windows():
+    """A sliding-window model's full cache holds each window only, as generate's own cache does (built
+    without the config every layer held the whole context: a Gemma's bytes counted about 1.7x at 1k)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from lukv_cache.testing import prompt, tiny_model
+
+    gemma = tiny_model("gemma3")  # windows of 8 on layers 0 and 2
+    cache = make_cache(Method("full"), gemma)
+    with torch.no_grad():
+        gemma(prompt(1, 30), past_key_values=cache)
+    assert [type(layer) is DynamicSlidingWindowLayer for layer in cache.layers] == [True, False, True]
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [7, 30, 7]
+
+
 def test_recording_restores_the_attention_implementation(model):
     SharedPrefill.record(model, torch.randint(0, 256, (1, 40)), n_queries=8)
     assert model.config._attn_implementation == "sdpa"
