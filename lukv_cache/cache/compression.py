@@ -94,10 +94,9 @@ def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: tor
     b, s, device = layer.batch_size, layer.suffix_length, layer.suffix_keys.device
     length = max(s - policy.window, 0)
     valid = valid_from_mask(attention_mask, b, s, device)[:, :length]
-    if layer.sliding_window is not None:
-        # a sliding layer: what the next query cannot read (older than the window, by column, as
-        # transformers' sliding mask and DynamicSlidingWindowLayer count) is neither kept nor budgeted
-        oldest = layer.cumulative_length - layer.sliding_window + 1 - (layer.cumulative_length - s)
+    if layer.window_start is not None:
+        # a sliding layer: what no later query can read (older than its window) is neither kept nor budgeted
+        oldest = layer.window_start - (layer.cumulative_length - s)  # in suffix columns
         if oldest > 0:
             valid = valid & (torch.arange(length, device=device) >= oldest)
     if layer.sinks_left is None:

@@ -472,13 +472,19 @@ class LUKVLayer(DynamicLayer):
         """Assisted decoding crops rejected drafts: a sliding layer then keeps the tokens it could drop."""
         self.keeps_past = True
 
-    def slide(self) -> None:
-        """A sliding layer: drop the stored tokens no later query can attend (the next token, at column
+    @property
+    def window_start(self) -> int | None:
+        """A sliding layer: the oldest logical column a later query can read (the next token, at column
         ``cumulative_length``, reads columns after ``cumulative_length - sliding_window``, as transformers'
-        sliding mask and ``DynamicSlidingWindowLayer``, which keeps the last ``sliding_window - 1``)."""
-        if self.sliding_window is None or self.keeps_past or self.store is None or not self.store.num_tokens:
+        sliding mask and ``DynamicSlidingWindowLayer``, which keeps the last ``sliding_window - 1``); ``None``
+        for a full-attention layer."""
+        return None if self.sliding_window is None else self.cumulative_length - self.sliding_window + 1
+
+    def slide(self) -> None:
+        """A sliding layer: drop the stored tokens no later query can attend (older than :attr:`window_start`)."""
+        oldest = self.window_start
+        if oldest is None or self.keeps_past or self.store is None or not self.store.num_tokens:
             return
-        oldest = self.cumulative_length - self.sliding_window + 1
         if oldest > 0 and int(self.store.positions.min()) < oldest:
             self.store = self.store.select(self.store.positions >= oldest)
 
@@ -486,11 +492,11 @@ class LUKVLayer(DynamicLayer):
         """A sliding layer: drop what no later query can attend from the dense suffix too (the prompt's
         tokens older than the window, once its forward attended them), so that a sliding layer never holds
         a long prompt whole while the rest of the prefill runs; nothing while it keeps its past."""
-        if self.sliding_window is None or self.keeps_past or not self._suffix_len:
+        oldest = self.window_start
+        if oldest is None or self.keeps_past or not self._suffix_len:
             return
         assert self.suffix_keys is not None and self.suffix_values is not None  # initialized
-        start = self.cumulative_length - self._suffix_len
-        drop = self.cumulative_length - self.sliding_window + 1 - start
+        drop = oldest - (self.cumulative_length - self._suffix_len)  # suffix tokens before it
         if drop > 0:
             self._set_suffix(self.suffix_keys[:, :, drop:], self.suffix_values[:, :, drop:])
         self.slide()

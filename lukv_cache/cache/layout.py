@@ -69,10 +69,6 @@ class Layout:
         # layer -> its sliding_window; whether that forward is still to come; the layout's own full-attention
         # layers
         self.sliding_windows: dict[int, int] = {}
-        self.sliding_kept: list[int] = []  # the sliding layers the first forward kept as LUKVLayers
-        self.prompt_length: int | None = None  # that forward's length
-        # why warn() says sliding layers are left alone: their attention's keys; the past recorded
-        self.sliding_unseated = self.sliding_recorded = False
         self.undecided = False
         self.attention_layers: list[int] = []
         self.layout_warning: tuple | None = None  # what the warning, deferred to that decision, names
@@ -192,14 +188,10 @@ class Layout:
         compress = cache.policy.sliding == "compress" and not self.record_past
         kept = [i for i, window in self.sliding_windows.items() if compress or length <= window]
         for i, window in self.sliding_windows.items():
-            if i not in kept:
-                layer = DynamicSlidingWindowLayer(sliding_window=window)
-                if self.record_past:
-                    layer.activate_past_recording()
-                cache.layers[i] = layer
+            if i not in kept:  # the pending LUKVLayer is empty: an empty stock layer
+                cache.layers[i] = cache.layers[i].to_sliding(window, record_past=self.record_past)
         self.full_layers = sorted({*self.attention_layers, *kept})
         self.last_full_layer = self.full_layers[-1] if self.full_layers else None
-        self.sliding_kept, self.prompt_length = kept, length
         if self.layout_warning is not None:
             self.warn(cache, *self.layout_warning, kept=kept, length=length)
 
@@ -212,11 +204,11 @@ class Layout:
         if idx not in self.sliding_windows or type(layer) is not LUKVLayer or layer.compressed:
             return False
         cache.layers[idx] = layer.to_sliding(self.sliding_windows[idx], record_past=self.record_past)
-        self.sliding_kept = [i for i in self.sliding_kept if i != idx]
         self.full_layers = [i for i in self.full_layers if i != idx]
         self.last_full_layer = self.full_layers[-1] if self.full_layers else None
-        if self.layout_warning is not None:
-            self.warn(cache, *self.layout_warning, kept=self.sliding_kept, length=self.prompt_length)
+        if self.layout_warning is not None:  # the sliding layers still compressed; the prompt's length
+            kept = [i for i in self.sliding_windows if type(cache.layers[i]) is LUKVLayer]
+            self.warn(cache, *self.layout_warning, kept=kept, length=layer.cumulative_length)
         return True
 
     def reset_sliding(self, cache: Any) -> None:
@@ -285,13 +277,10 @@ class Layout:
             if length is None
             else sorted({self.sliding_windows[i] for i in stock if i in self.sliding_windows})
         )
-        # why a sliding layer is left alone: a long prompt under "keep" or while the cache records its past,
-        # or (under "compress") its attention reads keys expanded after update() (unseat_sliding)
-        self.sliding_unseated = cache.policy.sliding == "compress" and not self.record_past
-        self.sliding_recorded = cache.policy.sliding == "compress" and self.record_past
-        text = self.left_alone_text(layer_types, stock, whole, producers, full, kept, sizes, "")
+        compress = cache.policy.sliding == "compress"
+        text = self.left_alone_text(layer_types, stock, whole, producers, full, kept, sizes, "", compress)
         self.left_alone = self.left_alone_text(
-            layer_types, stock, whole, producers, full, kept, sizes, f" of {length} tokens"
+            layer_types, stock, whole, producers, full, kept, sizes, f" of {length} tokens", compress
         )
         logger.debug("%s", self.left_alone)
         if cache.evicts and (self.model_type, text) not in _warned:
@@ -308,19 +297,22 @@ class Layout:
         kept: Sequence[int],
         sizes: list[int],
         prompt: str,
+        compress: bool = False,
     ) -> str:
-        """What :meth:`warn` says; ``prompt`` names the prompt's length in the account of one prompt."""
+        """What :meth:`warn` says; ``prompt`` names the prompt's length in the account of one prompt.
+        ``compress``: the policy's ``sliding`` is ``"compress"``, so a sliding layer is left alone only while
+        the cache records its past, or for its attention's keys (:meth:`unseat_sliding`)."""
         parts = []
         if stock:
             kinds = sorted({layer_types[i] for i in stock})
             why = ""
-            if self.sliding_unseated:
+            if compress and not self.record_past:
                 why = " (their attention reads keys expanded after the cache's update(), which it cannot compress)"
             elif sizes:
                 read = "" if prompt else ": cache.layout.left_alone gives its length"
                 more = (
                     "the cache records their past for assisted decoding, which transformers' layer rolls back"
-                    if self.sliding_recorded
+                    if compress
                     else "with ratio= sliding='compress' compresses them whatever the prompt"
                 )
                 why = (
