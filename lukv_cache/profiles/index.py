@@ -10,7 +10,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from ..errors import ConfigurationError, HubUnavailableError, ProfileFormatError, ProfileNotFoundError
 from .files import atomic_write
@@ -21,12 +21,10 @@ from .location import (
     INDEX_FILENAME,
     LOCAL_DIR_ENV,
     HubLocation,
+    PublishedProfile,
     check_model_id,
     profile_filename,
 )
-
-if TYPE_CHECKING:
-    from .profile import Profile
 
 INDEX_FORMAT_VERSION = 1
 
@@ -62,7 +60,7 @@ def _check_entry(entry: Any, number: int) -> None:
             raise ValueError(f"entry {number}: {key} must be a string, got {json.dumps(entry[key])[:80]}")
 
 
-def index_entry(profile: Profile, model_id: str) -> dict[str, Any]:
+def index_entry(profile: PublishedProfile, model_id: str) -> dict[str, Any]:
     return {**profile.summary(), "model_id": model_id, "path": profile_filename(model_id, profile.scorer)}
 
 
@@ -158,7 +156,7 @@ def _readable_entry(entry: dict[str, Any]) -> bool:
     return ok
 
 
-def published_copy(profile: Profile, model_id: str | None) -> Profile:
+def published_copy(profile: PublishedProfile, model_id: str | None) -> PublishedProfile:
     """The profile as published under ``model_id`` (its metadata names the id it is stored under)."""
     import dataclasses
 
@@ -167,10 +165,12 @@ def published_copy(profile: Profile, model_id: str | None) -> Profile:
         return profile
     check_model_id(model_id)
     extra = {**profile.extra, "built_from_model_id": profile.model_id}
-    return dataclasses.replace(profile, model_id=model_id, extra=extra)
+    return dataclasses.replace(cast(Any, profile), model_id=model_id, extra=extra)  # a dataclass
 
 
-def save_to_local_dir(profile: Profile, local_dir: str | os.PathLike, model_id: str | None = None) -> Path:
+def save_to_local_dir(
+    profile: PublishedProfile, local_dir: str | os.PathLike, model_id: str | None = None
+) -> Path:
     """Write ``profile`` into a local mirror (e.g. ``profiles_hub/``) and update its ``index.json``.
 
     Writers of one mirror take a file lock around the read-modify-write of the index, so concurrent

@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from ..errors import ConfigurationError
 
@@ -45,6 +46,21 @@ BUNDLED_DIR = _PACKAGE_DIR / "profiles_hub"
 if not (BUNDLED_DIR / INDEX_FILENAME).is_file() and (_PACKAGE_DIR.parent / "pyproject.toml").is_file():
     BUNDLED_DIR = _PACKAGE_DIR.parent / "profiles_hub"
 _SCORER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class PublishedProfile(Protocol):
+    """What publishing reads of a profile (:class:`~lukv_cache.profiles.Profile` is one): the index and the
+    upload are written from these, so they do not import the class whose ``push_to_hub`` calls them."""
+
+    model_id: str
+    scorer: str
+    extra: dict[str, Any]
+
+    def summary(self) -> dict[str, Any]: ...
+
+    def to_bytes(self) -> bytes: ...
+
+    def save(self, path: str | os.PathLike) -> Path: ...
 
 
 @dataclass(frozen=True)

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ProfileError, PublishError
 from .files import library_version
 from .hub_errors import connection_errors, one_line
 from .index import empty_index, index_bytes, index_entry, parse_index, published_copy, with_entry
-from .location import INDEX_FILENAME, HubLocation, profile_filename
-
-if TYPE_CHECKING:
-    from .profile import Profile
+from .location import INDEX_FILENAME, HubLocation, PublishedProfile, profile_filename
 
 
 def _read_remote_index(api: Any, repo_id: str, commit: str | None) -> dict[str, Any]:
@@ -31,7 +28,7 @@ def _read_remote_index(api: Any, repo_id: str, commit: str | None) -> dict[str, 
 
 
 def push_profile(
-    profile: Profile,
+    profile: PublishedProfile,
     model_id: str | None = None,
     *,
     hub: HubLocation | None = None,
