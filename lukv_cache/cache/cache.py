@@ -5,27 +5,33 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
 from ..attention.calls import AttentionCall, announce_attention, discard_attention
 from ..errors import ConfigurationError
-from ..scorers import Scorer
 from ..scorers.kvzip import RepeatPrompt
 from .compression import Region
 from .eviction import attended, evict, evict_held
 from .folding import fold_evict, set_fold
 from .forward import begin_forward, check_forward
 from .hybrid import HybridRouting
-from .layer import FOLD_AT, LUKVLayer, select_rows
+from .layer import LUKVLayer, select_rows
 from .layout import Layout
 from .parallel import HeadShard, mesh_shard
-from .policy import SINK, build_policy, check_flag, policy_property
+from .policy import (
+    CompressionPolicy,
+    add_option_properties,
+    check_flag,
+    option_signature,
+    options_args,
+)
 from .prefill import prefill_context, score_round
 from .pretrained import from_pretrained as _from_pretrained
 from .report import CacheReport
@@ -40,56 +46,16 @@ if TYPE_CHECKING:
 class LUKVCache(HybridRouting, CacheReport):
     """KV cache with per-head eviction after prefill, stored ragged so the memory is really freed.
 
+    The compression options are the fields of :attr:`policy_class`
+    (:class:`~lukv_cache.cache.policy.CompressionPolicy`), each declared there once with its default, doc and
+    check, and listed first below; ``ratio``, ``scorer`` and ``allocator`` are also taken by position, and
+    ``cache.<option>`` reads the built :attr:`policy`. docs/usage.md has them as a table.
+
     Args:
-        ratio: fraction of the prompt's evictable KV entries to remove (``0.8`` keeps 20%; default 0.5).
-        max_tokens: instead of ``ratio``, a hard bound: after the prompt's forward, each row holds at most
-            this many tokens per (full-attention layer, KV head) on average, sinks and window included,
-            whatever the prompt's length (each prompt gets its own ratio, budgets are trimmed if an
-            allocator asks for more; a prompt that already fits is kept whole). At least ``sink + window``.
-        scorer: name of a registered scorer (``keydiff``, ``snapkv``, ``expected_attention``, ``knorm``,
-            ``tova``, ``streaming``, ``random``) or a :class:`~lukv_cache.scorers.Scorer`.
-        allocator: ``uniform``, ``pyramid``, ``adakv``, ``profile`` (needs ``evict_ratio`` or a ``profile``) or any
-            registered name; ``allocator_kwargs`` go to its factory.
-        sink: first tokens of each row always kept (attention sinks).
-        window: last prompt tokens always kept, dense (default: the scorer's, 1 or 32 for snapkv).
-        min_keep: every head keeps at least this fraction of its evictable tokens (and >= 1 token).
-        prefill_chunk_size: also compress later multi-token forwards once this many uncompressed tokens
-            pile up (chunked prefill); by default only the first forward (the context) is compressed.
-        evict_ratio: ``[layers, kv_heads]`` fixed local evict ratios for ``allocator="profile"`` (or
-            ``hybrid``); they set the ratio (their mean), so ``ratio``/``max_tokens`` cannot be given too.
-            ``allocator_kwargs={"profile": profile}`` reads a profile's curve at the ratio instead.
         config: the model config; lets sliding-window layers use the stock sliding layer from the start.
         keep_scores: keep each layer's prefill scores (fp32 ``[B, H_kv, T]``) in :attr:`prefill_scores`; the
             batch operations (``reorder_cache``, ``batch_repeat_interleave``, ``batch_select_indices``) move them
             with their rows.
-        decode_max_tokens: bound the whole generation, not just the prompt: every ``fold_interval`` tokens
-            after the prompt, the budgets are applied again to everything the cache holds, so that each row
-            keeps at most this many tokens per (full-attention layer, KV head) on average (sinks and window
-            included), the allocator's budgets read at the ratio that total implies. Without ``ratio`` or
-            ``max_tokens`` it bounds the prompt too (``max_tokens`` is this). Needs a scorer that decodes
-            (not ``kvzip``). Off by default.
-        fold_interval: the dense suffix of decoded tokens is folded into the ragged store every this many
-            tokens (default 256), and with ``decode_max_tokens`` evicted there.
-        kv_bits: store the kept keys and values in 8 or 4 bits (per token, groups of 32 channels with a
-            2-byte scale and zero each, bf16 or an fp16 model's fp16; :mod:`lukv_cache.cache.quant`) instead
-            of the model's dtype; the dense suffix (window, new tokens) stays at full precision until it
-            folds. Scores are computed before quantization, so the prompt's eviction is the same for every
-            ``kv_bits``. A cache that evicts nothing (``ratio=0``) still quantizes: its logits are no longer
-            the full cache's (on a tiny fp32 model about 1e-3 off at 8 bits, 1e-2 at 4). Default ``None``.
-        decode_window: with ``decode_max_tokens``, the most recent tokens each head keeps at every fold
-            (part of the bound). Default: a quarter of ``decode_max_tokens`` (at least ``window``); recent
-            tokens matter most to the next ones, and a quarter measured best for kvzap and keydiff
-            (``benchmarks/results/decode_window_tuning/``).
-        sliding: what a sliding-window layer (Gemma-2/3, Mistral, ...) does with a prompt longer than its
-            window. ``"compress"`` (the default with ``ratio``): the layer drops what is older than its
-            window, as transformers' own sliding layer does, and ``ratio`` removes that fraction of what is
-            left too (allocated apart from the full-attention layers, which hold more tokens), so ``ratio``
-            counts every layer's entries. ``"keep"`` (the default with ``max_tokens`` or
-            ``decode_max_tokens``, which do not combine with ``"compress"`` yet): transformers' sliding layer
-            holds the window whole and ``ratio`` removes entries of the full-attention layers only, so the
-            cache saves less than ``ratio`` says. On Gemma-3-270M, at equal bytes ``"compress"`` kept far more
-            of the text (``docs/benchmarks.md``). A prompt that fits the window is compressed like a full
-            layer's either way.
         device_mesh: tensor parallelism's ``DeviceMesh`` (1-D, or one with a ``"tp"`` dimension such as
             transformers' ``model._device_mesh``). Rarely needed: a model loaded with ``tp_plan="auto"`` is
             recognised from its sharded attention weights. Under tensor parallelism each rank's cache holds
@@ -102,45 +68,18 @@ class LUKVCache(HybridRouting, CacheReport):
         torch.Size([2, 1, 2])
     """
 
+    policy_class: ClassVar[type[CompressionPolicy]] = CompressionPolicy  # its fields are the options
+
     def __init__(
         self,
-        ratio: float | None = None,
-        scorer: str | Scorer = "keydiff",
-        allocator: Any = "uniform",
-        *,
-        max_tokens: int | None = None,
-        sink: int = SINK,
-        window: int | None = None,
-        min_keep: float = 0.01,
-        prefill_chunk_size: int | None = None,
-        evict_ratio: Any = None,
-        allocator_kwargs: dict | None = None,
+        *args: Any,  # ratio, scorer, allocator (the policy's positional options)
         config: Any = None,
         keep_scores: bool = False,
         device_mesh: Any = None,
-        decode_max_tokens: int | None = None,
-        fold_interval: int = FOLD_AT,
-        decode_window: int | None = None,
-        kv_bits: int | None = None,
-        sliding: str | None = None,
+        **options: Any,  # the other fields of policy_class
     ):
-        self.policy = build_policy(
-            ratio,
-            scorer,
-            allocator,
-            max_tokens=max_tokens,
-            sink=sink,
-            window=window,
-            min_keep=min_keep,
-            prefill_chunk_size=prefill_chunk_size,
-            evict_ratio=evict_ratio,
-            allocator_kwargs=allocator_kwargs,
-            decode_max_tokens=decode_max_tokens,
-            fold_interval=fold_interval,
-            decode_window=decode_window,
-            kv_bits=kv_bits,
-            sliding=sliding,
-        )
+        policy_class = self.policy_class
+        self.policy = policy_class.build(**policy_class.bind(type(self).__name__, args, options))
         super().__init__()
         self.layer_class_to_replicate = LUKVLayer  # until the layout is known (config=, or the model's)
         self.profile: Profile | None = None  # the Profile the budgets come from (set by from_pretrained)
@@ -152,27 +91,13 @@ class LUKVCache(HybridRouting, CacheReport):
         if config is not None:
             self.layout.set_layout(self, config)
 
-    # ------------------------------------------------------------------ the policy, read-only
-    ratio = policy_property("ratio")
-    scorer = policy_property("scorer")
-    max_tokens = policy_property("max_tokens")
-    decode_max_tokens = policy_property("decode_max_tokens")
-    fold_interval = policy_property("fold_interval")
-    kv_bits = policy_property(
-        "kv_bits", "Bits per entry of the stored keys and values (8 or 4), ``None`` at the model's precision."
-    )
-    decode_window = policy_property(
-        "decode_window", "The recent tokens each head keeps at every fold (0 without ``decode_max_tokens``)."
-    )
-    allocator = policy_property("allocator")
-    sink = policy_property("sink")
-    window = policy_property("window")
-    min_keep = policy_property("min_keep")
-    prefill_chunk_size = policy_property("prefill_chunk_size")
-    sliding = policy_property(
-        "sliding",
-        "What a sliding-window layer does with a prompt longer than its window ('keep' or 'compress').",
-    )
+    # the policy, read-only: cache.ratio, cache.scorer, ... (one OptionProperty per field, added below)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass gets the properties and the signature of its ``policy_class``'s options."""
+        super().__init_subclass__(**kwargs)
+        add_option_properties(cls, cls.policy_class)
+        cls.__signature__ = _signature(cls) if "__init__" not in cls.__dict__ else None  # type: ignore[attr-defined]
 
     @property
     def num_layers(self) -> int | None:
@@ -434,7 +359,30 @@ class LUKVCache(HybridRouting, CacheReport):
         return read_context(cls, path, model, LoadOptions(**kwargs))
 
     def __repr__(self) -> str:
+        policy = self.policy
         return (
-            f"LUKVCache(ratio={self.ratio}, scorer={self.scorer.name!r}, allocator={self.allocator_name!r}, "
-            f"sink={self.sink}, window={self.window}, layers={len(self.layers)})"
+            f"LUKVCache(ratio={policy.ratio}, scorer={policy.scorer.name!r}, allocator={self.allocator_name!r}, "
+            f"sink={policy.sink}, window={policy.window}, layers={len(self.layers)})"
         )
+
+
+def _signature(cls: type[LUKVCache]) -> inspect.Signature:
+    """``cls(...)``'s signature: its policy's options with their defaults, then the cache's own keywords."""
+    options = option_signature(cls.policy_class)
+    own = inspect.signature(LUKVCache.__init__).parameters.values()  # (self, *args, config, ..., **options)
+    keywords = [
+        p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in options.parameters
+    ]
+    return options.replace(parameters=[*options.parameters.values(), *keywords])
+
+
+add_option_properties(LUKVCache, LUKVCache.policy_class)
+LUKVCache.__signature__ = _signature(LUKVCache)  # type: ignore[attr-defined]
+# LUKVCache.__init__ as called: (self, ratio, scorer, allocator, *, ...)
+LUKVCache.__init__.__signature__ = LUKVCache.__signature__.replace(  # type: ignore[attr-defined]
+    parameters=[
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *LUKVCache.__signature__.parameters.values(),  # type: ignore[attr-defined]
+    ]
+)
+LUKVCache.__doc__ = (LUKVCache.__doc__ or "").replace("    Args:\n", "    Args:\n" + options_args(), 1)

@@ -12,56 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..allocation import Allocator
 from ..allocation.budget import trim_counts as trim_counts  # re-exported: it lived here
 from ..scorers import Scorer, check_scores
-from .layer import FOLD_AT, LUKVLayer
+from .layer import LUKVLayer
+from .policy import CompressionPolicy as CompressionPolicy  # re-exported: it lived here
 from .ragged import keep_mask_from_counts
-
-# What a sliding-window layer does when the prompt is longer than its window (LUKVCache(sliding=...)):
-# "compress" (the default with ratio=): the layer stays a LUKVLayer, drops what is older than its window
-# (as the stock layer does) and evicts from what is left at the same ratio, allocated apart from the
-# full-attention layers (it holds fewer tokens); "keep" (the default under max_tokens / decode_max_tokens):
-# transformers' own sliding layer holds the window whole, and ``ratio`` counts the full-attention layers'
-# entries only. A prompt that fits the window is compressed like a full layer's either way. Measured on
-# Gemma-3-270M (docs/benchmarks.md): at equal bytes "compress" keeps far more of the text.
-SLIDING = ("keep", "compress")
-
-
-@dataclass(frozen=True)
-class CompressionPolicy:
-    """What the cache keeps, shared by all its layers (a layer only stores; the cache decides).
-
-    ``ratio``: fraction of the evictable prompt tokens removed; ``sink``/``window``: protected first/last
-    tokens; ``min_keep``: fraction of its evictable tokens every head keeps (and at least one);
-    ``prefill_chunk_size``: also compress later multi-token forwards once that many uncompressed tokens
-    piled up. ``max_tokens``: instead of a fixed ratio, keep at most this many tokens per (layer, KV head)
-    on average; each prompt (each row of a batch) gets the ratio that does. ``decode_max_tokens``: every
-    ``fold_interval`` tokens after the prompt, re-apply the budgets to everything held so that each row
-    keeps at most this many tokens per (layer, KV head) on average (:mod:`lukv_cache.cache.decoding`),
-    the last ``decode_window`` tokens of each head protected there. ``kv_bits``: the stores' bits per key /
-    value entry (:mod:`lukv_cache.cache.quant`), ``None`` at the model's precision. ``sliding``: what a
-    sliding-window layer does with a prompt longer than its window (:data:`SLIDING`).
-    """
-
-    ratio: float
-    scorer: Scorer
-    allocator: Allocator
-    sink: int
-    window: int
-    min_keep: float
-    prefill_chunk_size: int | None = None
-    max_tokens: int | None = None
-    decode_max_tokens: int | None = None
-    fold_interval: int = FOLD_AT
-    decode_window: int = 0
-    kv_bits: int | None = None
-    sliding: str = "compress"
-
-    @property
-    def defers(self) -> bool:
-        """Whether eviction waits for the whole prefill (budgets need every layer's scores first)."""
-        return self.allocator.whole_model
 
 
 @dataclass(frozen=True, eq=False)

@@ -45,14 +45,14 @@ def check_forward(cache: LUKVCache, key_states: torch.Tensor, layer_idx: int) ->
 def check_scorer(cache: LUKVCache, key_states: torch.Tensor, layer_idx: int) -> None:
     """A reconstruction scorer ranks a context only through ``cache.prefill``."""
     if (
-        cache.scorer.reconstruction is not None
+        cache.policy.scorer.reconstruction is not None
         and cache.state.phase is None
         and cache.evicts
         and key_states.shape[-2] > 1
         and cache.get_seq_length(layer_idx) == 0
     ):
         raise ConfigurationError(
-            f"Scorer {cache.scorer.name!r} scores the context by reconstruction, which needs the model and the "
+            f"Scorer {cache.policy.scorer.name!r} scores the context by reconstruction, which needs the model and the "
             "context's token ids: fill the cache with cache.prefill(model, input_ids, tokenizer=tokenizer) "
             "(then generate from it), or pick a scorer that ranks from the prefill alone (e.g. 'keydiff')."
         )

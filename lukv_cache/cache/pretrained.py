@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..allocation import allocators_reading_profile
 from ..errors import ConfigurationError, HubUnavailableError, ProfileNotFoundError
 from ..scorers import SCORERS, Scorer
-from .policy import check_ratio
+from .policy import bounded_prompt, default_ratio
 
 if TYPE_CHECKING:
     from ..profiles import HubLocation
@@ -46,7 +46,6 @@ def from_pretrained(
     ratio: float | None = None,
     scorer: str | None = None,
     *,
-    max_tokens: int | None = None,
     allocator: str | None = None,
     revision: str | None = None,
     repo_id: str | None = None,
@@ -56,10 +55,8 @@ def from_pretrained(
     endpoint: str | None = None,
     local_files_only: bool = False,
     timeout: float | None = None,
-    sink: int | None = None,
-    window: int | None = None,
     require_profile: bool = False,
-    **kwargs: Any,
+    **options: Any,
 ) -> LUKVCache:
     """A cache whose per-head budgets come from the LU-KV profile of a model.
 
@@ -67,11 +64,14 @@ def from_pretrained(
     ``max_tokens``: at most that many tokens per (layer, KV head) whatever the prompt's length, the
     profile read at each prompt's own ratio; or
     ``decode_max_tokens``: that bound kept for the whole generation (see :class:`LUKVCache`).
+    ``options``: any other option of the cache (its ``policy_class``'s fields, as ``LUKVCache(...)`` takes
+    them; ``config=`` and ``keep_scores=`` too).
 
     ``model_or_profile``: a model id (looked up in ``local_dir`` / ``$LUKV_PROFILE_DIR`` first, then
     in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
     ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
-    The profile's scorer, sink and window become the cache's unless overridden. ``allocator``: by
+    The profile's scorer, sink, window and min_keep become the cache's unless overridden (``sink=None`` or
+    ``window=None`` is not overriding). ``allocator``: by
     default the one the profile's scorer declares (its ``default_allocator``): ``"global"`` for a ``kvzap``
     profile (its scores are comparable across layers and heads, and one model-wide top-k lost the least on
     SmolLM2-135M: docs/kvzap.md) and ``"profile"`` for every other scorer; ``"profile"`` (LU-KV's budgets as they are), ``"hybrid"`` (the profile's layer totals, spread over
@@ -98,10 +98,10 @@ def from_pretrained(
     """
     from ..profiles import HubLocation, resolve_profile
 
-    if max_tokens is None and ratio is None and kwargs.get("decode_max_tokens") is not None:
-        max_tokens = kwargs["decode_max_tokens"]  # the prompt is bounded too, as in LUKVCache()
-    if max_tokens is None:
-        ratio = check_ratio(0.5 if ratio is None else ratio)  # LUKVCache()'s default too
+    # LUKVCache()'s rules, applied before any lookup (a bad ratio fails before the network)
+    options["max_tokens"] = bounded_prompt(ratio, options.get("max_tokens"), options.get("decode_max_tokens"))
+    if options["max_tokens"] is None:
+        ratio = default_ratio(ratio)
     hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)
     config = getattr(model_or_profile, "config", None)
     if config is None and isinstance(model_or_profile, (str, os.PathLike)):
@@ -128,13 +128,11 @@ def from_pretrained(
                 model_id=model_id,
                 scorer=scorer,
             ) from None  # the lookup's own error adds only the same facts, longer
-        cache = _profile_free_cache(
-            cls, model_id, (places, build), ratio, scorer, allocator, max_tokens, sink, window, config, kwargs
-        )
+        cache = _profile_free_cache(cls, model_id, (places, build), ratio, scorer, allocator, config, options)
         return _handed(cache, model_or_profile)
     if config is not None:
         profile.validate_for(config)
-        kwargs.setdefault("config", config)
+        options.setdefault("config", config)
     if scorer is not None and scorer != profile.scorer:
         warnings.warn(
             f"The profile {profile.model_id}/{profile.scorer} was built for scorer {profile.scorer!r}; "
@@ -145,18 +143,13 @@ def from_pretrained(
         allocator = _default_allocator(profile)
     reads_profile = allocator in allocators_reading_profile()
     allocator_kwargs = {"profile": profile} if reads_profile else {}
-    cache = cls(
-        ratio,
-        profile_scorer(profile, scorer or profile.scorer),
-        allocator,
-        sink=profile.sink if sink is None else sink,
-        window=profile.window if window is None else window,
-        min_keep=kwargs.pop("min_keep", profile.min_keep),
-        max_tokens=max_tokens,
-        # the profile's curve, read at the ratio (or each prompt's own ratio under max_tokens)
-        allocator_kwargs={**allocator_kwargs, **(kwargs.pop("allocator_kwargs", None) or {})},
-        **kwargs,
-    )
+    for name in ("sink", "window"):  # the profile's, unless given
+        if options.get(name) is None:
+            options[name] = getattr(profile, name)
+    options.setdefault("min_keep", profile.min_keep)
+    # the profile's curve, read at the ratio (or each prompt's own ratio under max_tokens)
+    options["allocator_kwargs"] = {**allocator_kwargs, **(options.get("allocator_kwargs") or {})}
+    cache = cls(ratio, profile_scorer(profile, scorer or profile.scorer), allocator, **options)
     cache.profile = profile
     return _handed(cache, model_or_profile)
 
@@ -263,11 +256,8 @@ def _profile_free_cache(
     ratio: float | None,
     scorer: str | None,
     allocator: str | None,
-    max_tokens: int | None,
-    sink: int | None,
-    window: int | None,
     config: Any,
-    kwargs: dict[str, Any],
+    options: dict[str, Any],
 ) -> LUKVCache:
     """The cache :func:`from_pretrained` gives a model without a profile (:data:`PROFILE_FREE`, or the
     ``scorer`` / ``allocator`` asked for), after one log line saying so (``said``: where it looked, and
@@ -287,13 +277,10 @@ def _profile_free_cache(
         said[1],
     )
     if config is not None:
-        kwargs.setdefault("config", config)
-    if sink is not None:  # else LUKVCache's defaults
-        kwargs["sink"] = sink
-    if window is not None:
-        kwargs["window"] = window
-    cache = cls(
-        ratio, scorer or PROFILE_FREE[0], allocator or PROFILE_FREE[1], max_tokens=max_tokens, **kwargs
-    )
+        options.setdefault("config", config)
+    for name in ("sink", "window"):  # None: LUKVCache's defaults
+        if options.get(name) is None:
+            options.pop(name, None)
+    cache = cls(ratio, scorer or PROFILE_FREE[0], allocator or PROFILE_FREE[1], **options)
     cache.profile = None
     return cache

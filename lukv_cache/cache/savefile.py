@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
-import inspect
 import json
 import math
 import os
@@ -17,23 +16,21 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
-import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from ..errors import (
     ConfigurationError,
-    LUKVError,
     SavedContextError,
     SavedContextMismatchError,
-    UnknownNameError,
 )
 from ..profiles.files import write_atomically
-from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
+from ..scorers import Scorer
 from .folding import set_fold
 from .layer import LUKVLayer
 from .quant import PackedRows, group_size
 from .ragged import RaggedStore
+from .saved_options import build_cache, save_options
 
 if TYPE_CHECKING:
     from .cache import LUKVCache
@@ -97,7 +94,7 @@ def write_context(cache: LUKVCache, path: Path, model: Any = None) -> Path:
             "fields": fields,
             "weights": _weights_entry(cache, model),
         },
-        "options": _save_options(cache, tensors, path),
+        "options": save_options(cache, tensors, path),
         "cache": {
             "full_layers": list(cache.layout.full_layers),
             "unrouted": bool(cache.state.unrouted),
@@ -375,85 +372,6 @@ def _encode(value: Any, name: str, tensors: dict[str, torch.Tensor], path: Path)
     )
 
 
-def _scorer_entry(scorer: Scorer, profile: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    entry = {
-        "name": scorer.name,
-        "window": scorer.window,
-        "n_queries": scorer.n_queries,
-        "context": scorer.context,
-        "decodes": scorer.decodes,
-        "rescores": scorer.rescores,
-        "reconstruction": None
-        if scorer.reconstruction is None
-        else dataclasses.asdict(scorer.reconstruction),
-        "surrogate": None,
-    }
-    surrogate = scorer.params.get("surrogate") if scorer.from_surrogate is not None else None  # a learned one
-    if surrogate is not None:
-        if profile is not None and profile.surrogate is surrogate:
-            entry["surrogate"] = "profile"  # the embedded profile holds it
-        else:
-            from ..profiles import surrogate as surrogate_format
-
-            arrays, text = surrogate_format.to_file(surrogate)
-            for name, array in arrays.items():
-                _put(tensors, f"scorer.{name}", torch.from_numpy(np.ascontiguousarray(array)))
-            entry["surrogate"] = {"metadata": text, "tensors": sorted(arrays)}
-    return entry
-
-
-def _save_options(cache: LUKVCache, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    from ..profiles import Profile
-
-    policy = cache.policy
-    profiles: dict[str, Any] = {}
-    if cache.profile is not None:
-        profiles["profile"] = cache.profile
-    kwargs: dict[str, Any] = {}
-    for key, value in policy.allocator.params.items():
-        if isinstance(value, Profile):
-            name = next((n for n, p in profiles.items() if p is value), f"allocator.{key}")
-            profiles[name] = value
-            kwargs[key] = {"profile": name}
-        elif isinstance(value, torch.Tensor | np.ndarray):
-            t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
-            kwargs[key] = {
-                "tensor": _put(tensors, f"allocator.{key}", t),
-                "numpy": isinstance(value, np.ndarray),
-            }
-        else:
-            try:
-                json.dumps(value, allow_nan=False)
-            except (TypeError, ValueError):
-                raise SavedContextError(
-                    f"Cannot save this cache's allocator option {key!r} (a {type(value).__name__}): the format "
-                    "stores JSON values, tensors, arrays and profiles. Build the allocator from such options.",
-                    path=str(path),
-                    field=f"options.allocator_kwargs.{key}",
-                ) from None
-            kwargs[key] = {"json": value}
-    for name, profile in profiles.items():
-        _put(tensors, f"profile.{name}", torch.frombuffer(bytearray(profile.to_bytes()), dtype=torch.uint8))
-    return {
-        "ratio": policy.ratio,
-        "scorer": _scorer_entry(policy.scorer, cache.profile, tensors),
-        "allocator": policy.allocator.name,
-        "allocator_kwargs": kwargs,
-        "max_tokens": policy.max_tokens,
-        "decode_max_tokens": policy.decode_max_tokens,
-        "sink": policy.sink,
-        "window": policy.window,
-        "min_keep": policy.min_keep,
-        "prefill_chunk_size": policy.prefill_chunk_size,
-        "fold_interval": policy.fold_interval,
-        "decode_window": policy.decode_window,
-        "keep_scores": cache.prefill_scores is not None,
-        "kv_bits": getattr(cache, "kv_bits", None),
-        "sliding": policy.sliding,
-        "profiles": sorted(profiles),
-    }
-
-
 def _save_prefill_scores(cache: LUKVCache, tensors: dict[str, torch.Tensor]) -> list[int]:
     if not cache.prefill_scores:
         return []
@@ -499,7 +417,7 @@ def read_context(
     reader = _Reader(path)
     meta = reader.read()
     _check_model(meta, model, reader, options.allow_other_model_id)
-    cache = _build_cache(cache_class, meta, model, reader, options.scorer, options.allocator)
+    cache = build_cache(cache_class, meta, model, reader, options.scorer, options.allocator)
     devices = _layer_devices(model, len(cache.layers), options.device)
     text = model.config.get_text_config(decoder=True)
     positions = getattr(text, "max_position_embeddings", None)
@@ -723,158 +641,6 @@ def _check_weights(weights: Any, model: Any, reader: _Reader) -> None:
             saved=weights.get("sha256"),
             got=got,
         )
-
-
-def _option(options: dict, key: str, kinds: tuple, reader: _Reader, *, low: float | None = None) -> Any:
-    value = options.get(key)
-    bad = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
-    if not bad and low is not None and value is not None and value < low:
-        bad = True
-    if bad:
-        reader.fail(
-            f"malformed option {key}={value!r} (damaged file). Save the context again.", f"options.{key}"
-        )
-    return value
-
-
-def _build_cache(
-    cache_class: type[LUKVCache], meta: dict, model: Any, reader: _Reader, scorer: Any, allocator: Any
-) -> LUKVCache:
-    from ..profiles import Profile
-
-    options = meta.get("options")
-    if not isinstance(options, dict):
-        reader.fail("its options are missing (damaged file). Save the context again.", "options")
-    profiles = {}
-    for name in options.get("profiles") or []:
-        data = reader.tensor(f"profile.{name}", dtype=torch.uint8, ndim=1)
-        try:
-            profiles[name] = Profile.from_bytes(
-                data.numpy().tobytes(), source=f"{reader.path} [profile.{name}]"
-            )
-        except LUKVError as err:
-            reader.fail(f"its embedded profile {name!r} is invalid: {err}", f"profile.{name}")
-    kwargs: dict[str, Any] = {}
-    saved_kwargs = options.get("allocator_kwargs")
-    for key, spec in (saved_kwargs if isinstance(saved_kwargs, dict) else {}).items():
-        if isinstance(spec, dict) and "json" in spec:
-            kwargs[key] = spec["json"]
-        elif isinstance(spec, dict) and spec.get("profile") in profiles:
-            kwargs[key] = profiles[spec["profile"]]
-        elif isinstance(spec, dict) and isinstance(spec.get("tensor"), str):
-            t = reader.tensor(spec["tensor"])
-            kwargs[key] = t.numpy() if spec.get("numpy") else t
-        else:
-            reader.fail(
-                f"malformed allocator option {key!r} (damaged file).", f"options.allocator_kwargs.{key}"
-            )
-    ratio = _option(options, "ratio", (float, int), reader, low=0)
-    max_tokens = _option(options, "max_tokens", (int, type(None)), reader, low=1)
-    decode_max_tokens = _option(options, "decode_max_tokens", (int, type(None)), reader, low=1)
-    args: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "sink": _option(options, "sink", (int,), reader, low=0),
-        "window": _option(options, "window", (int,), reader, low=0),
-        "min_keep": _option(options, "min_keep", (float, int), reader, low=0),
-        "prefill_chunk_size": _option(options, "prefill_chunk_size", (int, type(None)), reader, low=1),
-        "decode_max_tokens": decode_max_tokens,
-        "fold_interval": _option(options, "fold_interval", (int,), reader, low=1),
-        "keep_scores": _option(options, "keep_scores", (bool,), reader),
-        "allocator_kwargs": kwargs,
-        "config": model.config,
-    }
-    if decode_max_tokens is not None:
-        args["decode_window"] = _option(options, "decode_window", (int,), reader, low=0)
-    kv_bits = options.get("kv_bits")
-    if kv_bits is not None:
-        if "kv_bits" not in inspect.signature(cache_class.__init__).parameters:
-            reader.fail(
-                f"saved with kv_bits={kv_bits!r} (a quantized store), which this lukv_cache does not support. "
-                "Load it with the version that wrote it.",
-                "options.kv_bits",
-            )
-        args["kv_bits"] = kv_bits
-    # files written before the option: their sliding layers were "keep"'s
-    args["sliding"] = _option(options, "sliding", (str,), reader) if "sliding" in options else "keep"
-    reads_ratio = max_tokens is None and kwargs.get("evict_ratio") is None
-    scorer_obj = scorer if scorer is not None else _saved_scorer(options.get("scorer"), profiles, reader)
-    allocator_name = allocator if allocator is not None else options.get("allocator")
-    try:
-        cache = cache_class(ratio if reads_ratio else None, scorer_obj, allocator_name, **args)
-    except UnknownNameError as err:
-        reader.fail(
-            f"{err}. Register it in this process before loading (register_{err.kind or 'scorer'}(...)), or pass "
-            f"{err.kind or 'scorer'}= to load_cache.",
-            f"options.{err.kind or 'scorer'}",
-        )
-    except LUKVError as err:
-        reader.fail(f"its options do not build a LUKVCache: {err}", "options")
-    cache.profile = profiles.get("profile")
-    return cache
-
-
-def _saved_scorer(entry: Any, profiles: dict, reader: _Reader) -> Scorer:
-    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-        reader.fail("its scorer entry is malformed (damaged file).", "options.scorer")
-    name, window = entry["name"], entry.get("window")  # save_cache writes the scorer's window, an int
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        reader.fail(
-            f"its scorer's window is {window!r}, not a count of tokens (damaged file).",
-            "options.scorer.window",
-        )
-    surrogate = entry.get("surrogate")
-    learned = SCORERS.get(name).from_surrogate if name in SCORERS else None  # kvzap's kvzap_scorer
-    if learned is not None and surrogate is not None:
-        from ..profiles import surrogate as surrogate_format
-
-        if surrogate == "profile":
-            if "profile" not in profiles or profiles["profile"].surrogate is None:
-                reader.fail(
-                    f"its {name} scorer reads the embedded profile, which is missing.", "options.scorer"
-                )
-            return learned(profiles["profile"].surrogate, window=window)
-        names = surrogate.get("tensors") if isinstance(surrogate, dict) else None
-        if not isinstance(names, list):
-            reader.fail(f"its {name} surrogate entry is malformed (damaged file).", "options.scorer")
-        arrays = {n: reader.tensor(f"scorer.{n}").numpy() for n in names}
-        try:
-            surr = surrogate_format.from_file(arrays, surrogate.get("metadata", ""), str(reader.path))
-            text = surr.weight.shape
-            surrogate_format.check(surr, int(text[0]), int(text[1]), None, str(reader.path))
-        except LUKVError as err:
-            reader.fail(f"its {name} surrogate is invalid: {err}", "options.scorer")
-        return learned(surr, window=window)
-    try:
-        registered = get_scorer(name)
-    except UnknownNameError:
-        reader.fail(
-            f"it was saved with scorer {name!r}, which is not registered in this process. Register it "
-            "(register_scorer) before loading, or pass scorer= to load_cache.",
-            "options.scorer",
-        )
-    recon = entry.get("reconstruction")
-    if isinstance(recon, dict):
-        try:
-            saved = Reconstruction(**recon)
-        except TypeError:
-            reader.fail("its scorer's reconstruction settings are malformed.", "options.scorer")
-        if registered.reconstruction == saved and registered.window == window:
-            return registered
-        return kvzip_scorer(**dataclasses.asdict(saved), name=name, window=window)
-    if registered.missing:  # e.g. kvzap without a surrogate: the cache refuses it with its own message
-        return registered
-    same = all(
-        entry.get(key) == getattr(registered, key)
-        for key in ("window", "n_queries", "context", "decodes", "rescores")
-    )
-    if not same:
-        reader.fail(
-            f"the scorer registered as {name!r} in this process is not the one the context was saved with "
-            "(its window, queries or decoding settings differ). Pass the scorer it was saved with: "
-            "load_cache(path, model, scorer=...).",
-            "options.scorer",
-        )
-    return registered
 
 
 def _layer_devices(model: Any, count: int, device: Any) -> list[torch.device]:

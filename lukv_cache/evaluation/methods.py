@@ -184,7 +184,7 @@ def one_line_method(
         )
     except ProfileError:  # none for a scorer that needs one, or a bad one: check skips those rows, saying why
         return scorer or PROFILE_FREE[0], PROFILE_FREE[1]
-    return cache.scorer.name, cache.allocator_name
+    return cache.policy.scorer.name, cache.allocator_name
 
 
 def profile_source(model: Any, scorer: str | None, profiles_dir: str | os.PathLike[str] | None = None) -> Any:
