@@ -359,3 +359,32 @@ def test_attention_leaves_import_only_the_math_they_need(leaf):
     assert inside <= ATTENTION_LEAVES[leaf], (
         f"attention/{leaf}.py imports {sorted(inside - ATTENTION_LEAVES[leaf])}"
     )
+
+
+def _cache_private_uses(tree: ast.AST) -> list[str]:
+    """``cache._name`` (or ``<obj>.cache._name``) in ``tree``: a part reaching into the cache's privates."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            value = node.value
+            named = value.id if isinstance(value, ast.Name) else getattr(value, "attr", None)
+            if named == "cache":
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_part_reaches_into_the_caches_private_members(path):
+    # the cache's parts talk to it through public members, and it to them through cache.compressor
+    if path == PACKAGE / "cache" / "cache.py":
+        return
+    uses = _cache_private_uses(ast.parse(path.read_text()))
+    assert not uses, f"{path.relative_to(PACKAGE)}: " + ", ".join(uses)
+
+
+def test_the_private_member_check_sees_a_call_back_into_the_cache():
+    source = "cache._evict(steps)\nself.cache._fold_evict()\ncache.evict(steps)\ncache.__class__\n"
+    assert _cache_private_uses(ast.parse(source)) == [
+        "line 1: cache._evict",
+        "line 2: self.cache._fold_evict",
+    ]
