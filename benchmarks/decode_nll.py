@@ -35,7 +35,6 @@ import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import _smoke
@@ -46,6 +45,7 @@ from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
 from lukv_cache.cache.cache import kv_cache_bytes
+from lukv_cache.cache.compressor import CompressionStep
 from lukv_cache.models import load_model
 from lukv_cache.texts import python_docs
 
@@ -128,14 +128,12 @@ def cached_nll(model, ids: torch.Tensor, prompt: int, cache: LUKVCache) -> dict:
     """Per-token NLL of the continuation through ``cache``, its bytes after every forward and the
     seconds of every fold."""
     folds: list[float] = []
-    fold = cache._fold_evict
 
-    def timed() -> None:
-        started = time.perf_counter()
-        fold()
-        folds.append(time.perf_counter() - started)
+    def timed(step: CompressionStep) -> None:  # each step of the cache's compression, with its seconds
+        if step.kind == "fold":
+            folds.append(step.seconds)
 
-    cache._fold_evict = timed  # the instance's: the cache calls self._fold_evict()
+    cache.compressor.observe(timed)
     last = cache.prefill(model, ids[:, :prompt]).logits[0, -1:]
     nll, memory = [], [cache.memory_bytes()]
     for start in range(prompt, ids.shape[1], cache.fold_interval):

@@ -32,10 +32,6 @@ SCRIPTS = sorted([*(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "examples").rgl
 
 # (script, private name) -> why it stays
 ALLOWED: dict[tuple[str, str], str] = {
-    ("benchmarks/decode_nll.py", "_fold_evict"): (
-        "times each fold by wrapping the cache's fold; waits for the public fold observer hook "
-        "(issue 45, deliverable 2)"
-    ),
     ("benchmarks/results/prefill_cost_mlp/scorer_in_prefill.py", "_kvzap"): (
         "a committed result script: it is the record of how that result was measured, kept as it ran"
     ),

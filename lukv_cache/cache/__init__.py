@@ -3,9 +3,12 @@
 * :mod:`.cache`: :class:`LUKVCache`, the ``DynamicCache`` subclass; a container that routes to its parts:
   :mod:`.policy` (its arguments, checked into the policy), :mod:`.layout` (what the model's layers mean),
   :mod:`.hybrid` (learning the layout, linear-attention / SSM state calls), :mod:`.state` (what a forward
-  leaves pending), :mod:`.forward` (what ``update`` settles and checks), :mod:`.eviction` (one eviction
-  step), :mod:`.cap` (``max_tokens``), :mod:`.folding` (eviction at fold time), :mod:`.prefill`
-  (``prefill``, KVzip's passes), :mod:`.pretrained` (``from_pretrained``), :mod:`.report` (what it holds);
+  leaves pending), :mod:`.compressor` (the object that owns compression, ``cache.compressor``, and its
+  observers), :mod:`.factory` (the compressed layers, built with the policy's settings), :mod:`.contract`
+  (the cache as the compression parts see it), :mod:`.forward` (what ``update`` settles and checks),
+  :mod:`.eviction` (one eviction step), :mod:`.cap` (``max_tokens``), :mod:`.folding` (eviction at fold
+  time), :mod:`.prefill` (``prefill``, KVzip's passes), :mod:`.pretrained` (``from_pretrained``),
+  :mod:`.report` (what it holds);
 * :mod:`.compression`: one eviction step as pure functions (region, scores, keep mask) and the policy;
 * :mod:`.layer`: :class:`LUKVLayer`, one layer's ragged store and dense suffix (storage only);
 * :mod:`.ragged`: the ragged store's layout and its batched, sync-free operations.

@@ -17,10 +17,7 @@ import torch
 from ..attention.calls import AttentionCall, announce_attention, discard_attention
 from ..errors import ConfigurationError
 from ..scorers.kvzip import RepeatPrompt
-from .compression import Region
-from .eviction import attended, evict, evict_held
-from .folding import fold_evict, set_fold
-from .forward import begin_forward, check_forward
+from .compressor import Compressor
 from .hybrid import HybridRouting
 from .layer import LUKVLayer, select_rows
 from .layout import Layout
@@ -90,6 +87,7 @@ class LUKVCache(HybridRouting, CacheReport):
         self.state = ForwardState()  # what a forward leaves pending: reset() replaces it whole
         if config is not None:
             self.layout.set_layout(self, config)
+        self.compressor = Compressor(self)  # owns compression: the cache forwards to it
 
     # the policy, read-only: cache.ratio, cache.scorer, ... (one OptionProperty per field, added below)
 
@@ -125,13 +123,10 @@ class LUKVCache(HybridRouting, CacheReport):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.layout.undecided:
             self.layout.decide_sliding(self, key_states.shape[-2])
-        if layer_idx == 0:
-            begin_forward(self, key_states.shape[-2])
-        check_forward(self, key_states, layer_idx)
+        self.compressor.on_update(layer_idx, key_states)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
         if isinstance(layer, LUKVLayer) and not self.state.unrouted:
-            set_fold(layer, self.policy)
             self.state.awaiting = layer_idx
             reader = self.state.readers.get(layer_idx)
             announce_attention(
@@ -165,8 +160,8 @@ class LUKVCache(HybridRouting, CacheReport):
         softcap: float | None,
     ) -> None:
         """The layer's attention ran (see :class:`~lukv_cache.attention.AttentionCall`): compress it
-        (:func:`~lukv_cache.cache.eviction.attended`), or hand a sliding-window layer to the stock
-        sliding layer."""
+        (:meth:`Compressor.on_attention <lukv_cache.cache.compressor.Compressor.on_attention>`), or hand a
+        sliding-window layer to the stock sliding layer."""
         self.state.awaiting = None
         idx = call.layer_idx
         layer = cast(LUKVLayer, self.layers[idx])  # only a LUKVLayer announces a call
@@ -181,28 +176,12 @@ class LUKVCache(HybridRouting, CacheReport):
             if not isinstance(self.layers[idx], LUKVLayer):
                 return
             layer = cast(LUKVLayer, self.layers[idx])
-            set_fold(layer, self.policy)
         self.layout.learn_model(self, config)
         if sliding_window is not None and layer.sliding_window is None and not layer.compressed:
             self.layers[idx] = layer.to_sliding(sliding_window, record_past=self.layout.record_past)
             return
         self.layout.learn_heads(layer, module)
-        attended(self, idx, layer, module, query, attention_mask)
-
-    # ------------------------------------------------------------------ eviction (eviction.py, folding.py)
-    def _fold_evict(self) -> None:
-        """Eviction at fold time of the layers whose fold is due
-        (:func:`~lukv_cache.cache.folding.fold_evict`)."""
-        folding, self.state.folding = self.state.folding, {}
-        fold_evict(self.layers, folding, self.policy, self.layout.head_shard, self.num_layers)
-
-    def _evict_deferred(self) -> None:
-        deferred, self.state.deferred = self.state.deferred, {}
-        self._evict(deferred)
-
-    def _evict(self, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
-        """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call."""
-        evict(self, steps)
+        self.compressor.on_attention(idx, layer, module, query, attention_mask)
 
     # ------------------------------------------------------------------ prefill, and reconstruction scorers
     @torch.no_grad()
@@ -250,7 +229,7 @@ class LUKVCache(HybridRouting, CacheReport):
     def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:
         """Compress what :meth:`holding` kept, ranking each layer's tokens by ``scores[layer]`` (fp32
         ``[B, H_kv, T]`` over the layer's dense tokens, higher = keep), with this cache's allocator."""
-        evict_held(self, scores)
+        self.compressor.evict_held(scores)
 
     # ------------------------------------------------------------------ the model
 

@@ -1,13 +1,14 @@
-"""One eviction step as :class:`~lukv_cache.LUKVCache` drives it, as functions taking the cache: whether a
-layer's forward is compressed, its region and scores, then one allocator call over the layers evicted
-together (budgets at each row's ratio, under ``max_tokens`` trimmed to the cap) and each layer's keep
-mask. The pure pieces are :mod:`.compression`'s; the ``max_tokens`` room is :mod:`.cap`'s.
+"""One eviction step, as functions that :class:`~lukv_cache.cache.compressor.Compressor` drives, taking the
+cache's parts (:class:`~lukv_cache.cache.contract.CompressedCache`): whether a layer's forward is
+compressed, its region and scores, then one allocator call over the layers evicted together (budgets at
+each row's ratio, under ``max_tokens`` trimmed to the cap) and each layer's keep mask. The pure pieces are
+:mod:`.compression`'s; the ``max_tokens`` room is :mod:`.cap`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
@@ -23,12 +24,9 @@ from .compression import (
     score_suffix,
     trim_counts,
 )
-from .folding import fold_due, keeps_scores, scorer_context, suffix_valid
+from .contract import CompressedCache
+from .folding import keeps_scores, scorer_context, suffix_valid
 from .layer import LUKVLayer
-from .state import Phase
-
-if TYPE_CHECKING:
-    from .cache import LUKVCache
 
 
 def wants_compression(
@@ -57,32 +55,22 @@ def wants_compression(
     return previous_length == chunk or layer.suffix_length - policy.window >= chunk
 
 
-def attended(
-    cache: LUKVCache,
+def score_step(
+    cache: CompressedCache,
     idx: int,
     layer: LUKVLayer,
     module: Any,
     query: torch.Tensor,
     attention_mask: torch.Tensor | None,
-) -> None:
-    """Full-attention layer ``idx`` attended (``query``: this forward's): compress what it holds, or
-    note a fold that is due; a whole-model allocator's layers wait for the last one."""
-    policy, state = cache.policy, cache.state
-    if not wants_compression(policy, layer, query.shape[2], state.previous_length):
-        decoding = policy.decode_max_tokens is not None and state.phase is None
-        if decoding and fold_due(layer, policy, query):
-            state.folding[idx] = (module, attention_mask)
-            if idx == cache.layout.last_full_layer:
-                cache._fold_evict()
-        return
-    if state.phase is not Phase.HOLD:  # held layers are read whole by the passes that score them
-        layer.drop_out_of_window()  # a sliding layer's prompt older than its window: gone before it waits
-        # the queries before what is left attend none of it (causal): a scorer reads the window's own
-        query = query[:, :, -layer.suffix_length :] if layer.suffix_length else query[:, :, :0]
+) -> tuple[Region, torch.Tensor | None]:
+    """Full-attention layer ``idx`` attended (``query``: this forward's) and wants compression: drop what
+    a sliding layer holds beyond its window, plan the region in play and score it (kept in the cache's
+    ``prefill_scores`` if asked); the region and its masked scores (``None``: nothing to rank)."""
+    policy = cache.policy
+    layer.drop_out_of_window()  # a sliding layer's prompt older than its window: gone before it waits
+    # the queries before what is left attend none of it (causal): a scorer reads the window's own
+    query = query[:, :, -layer.suffix_length :] if layer.suffix_length else query[:, :, :0]
     region = plan_region(layer, policy, attention_mask)
-    if state.phase is Phase.HOLD:
-        state.held[idx] = region
-        return
     scores = None
     evictable = region.length and bool(region.n_evictable.any())
     # ratio 0 keeps every token: no scoring needed (a reconstruction scorer could not score here anyway)
@@ -93,15 +81,10 @@ def attended(
         if cache.prefill_scores is not None:
             cache.prefill_scores[idx] = raw
         scores = masked_scores(raw, region) if evictable and cache.evicts else None
-    if policy.defers:
-        state.deferred[idx] = (region, scores)
-        if idx == cache.layout.last_full_layer:
-            cache._evict_deferred()
-    else:
-        cache._evict({idx: (region, scores)})
+    return region, scores
 
 
-def evict(cache: LUKVCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
+def evict(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
     """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call for
     the layers whose rows have the same evictable tokens and KV heads, each at the ratio (a sliding layer
     compressed under ``sliding="compress"`` has fewer tokens than a full-attention one, and MiMo-V2-Flash's
@@ -114,7 +97,7 @@ def evict(cache: LUKVCache, steps: dict[int, tuple[Region, torch.Tensor | None]]
         _evict_group(cache, group)
 
 
-def _evict_group(cache: LUKVCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
+def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
     scores: torch.Tensor | None
     scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
     counts = {}
@@ -159,8 +142,11 @@ def _evict_group(cache: LUKVCache, steps: dict[int, tuple[Region, torch.Tensor |
         layer.evict(keep, scores if keeps_scores(policy) else None)
 
 
-def evict_held(cache: LUKVCache, scores: Mapping[int, torch.Tensor]) -> None:
-    """Compress what ``cache.holding()`` kept, each layer ranked by ``scores[layer]`` (checked)."""
+def held_steps(
+    cache: CompressedCache, scores: Mapping[int, torch.Tensor]
+) -> dict[int, tuple[Region, torch.Tensor | None]]:
+    """The eviction steps of what ``cache.holding()`` kept (taken from the cache's state), each layer
+    ranked by ``scores[layer]`` (checked), for :func:`evict`."""
     held, cache.state.held = cache.state.held, {}
     steps = {}
     for idx, region in held.items():
@@ -176,4 +162,4 @@ def evict_held(cache: LUKVCache, scores: Mapping[int, torch.Tensor]) -> None:
             cache.prefill_scores[idx] = raw
         evictable = region.length and bool(region.n_evictable.any())
         steps[idx] = (region, masked_scores(raw, region) if evictable else None)
-    cache._evict(steps)
+    return steps

@@ -1,40 +1,35 @@
-"""What :meth:`LUKVCache.update <lukv_cache.LUKVCache.update>` settles and checks before it stores a
-layer's keys: at a forward's first layer, what the previous forward left pending; then that the scorer can
-rank this forward, that the previous layer's attention read the cache, and that the batch matches.
-Functions taking the cache.
+"""What :meth:`Compressor.on_update <lukv_cache.cache.compressor.Compressor.on_update>` settles and checks
+before a cache stores a layer's keys: at a forward's first layer, the state the previous forward left
+(:func:`begin_forward`; the compressor then evicts what it left pending); then that the scorer can rank
+this forward, that the previous layer's attention read the cache, and that the batch matches. Functions
+taking the cache's parts (:class:`~lukv_cache.cache.contract.CompressedCache`).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..attention.calls import discard_attention, guard_attention
 from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
+from .contract import CompressedCache
 from .layer import LUKVLayer
 from .report import stock_keys
-
-if TYPE_CHECKING:
-    from .cache import LUKVCache
+from .state import ForwardState
 
 
-def begin_forward(cache: LUKVCache, length: int) -> None:
-    """A forward of ``length`` tokens starts (its layer 0): settle what an earlier one left pending."""
-    state = cache.state
+def begin_forward(state: ForwardState, length: int) -> None:
+    """A forward of ``length`` tokens starts (its layer 0): its lengths, the attention guard, and no call
+    left waiting by an earlier forward. (What an earlier forward left to evict, the compressor evicts
+    next: :meth:`~lukv_cache.cache.compressor.Compressor.flush`.)"""
     state.previous_length, state.length = state.length, length
     guard_attention()  # implementations registered since import must not read this cache silently
     state.cap_ratio = None
     if state.awaiting is not None:  # a previous forward raised between update() and attention
         state.awaiting = None
         discard_attention()
-    if state.deferred:  # a forward ended before its last full-attention layer compressed
-        cache._evict_deferred()
-    if state.folding:  # likewise for a fold
-        cache._fold_evict()
 
 
-def check_forward(cache: LUKVCache, key_states: torch.Tensor, layer_idx: int) -> None:
+def check_forward(cache: CompressedCache, key_states: torch.Tensor, layer_idx: int) -> None:
     """Before layer ``layer_idx`` stores ``key_states``: the checks of :func:`check_scorer`,
     :func:`check_routed` and :func:`check_batch`, in that order."""
     check_scorer(cache, key_states, layer_idx)
@@ -42,23 +37,24 @@ def check_forward(cache: LUKVCache, key_states: torch.Tensor, layer_idx: int) ->
     check_batch(cache.layers, key_states)
 
 
-def check_scorer(cache: LUKVCache, key_states: torch.Tensor, layer_idx: int) -> None:
+def check_scorer(cache: CompressedCache, key_states: torch.Tensor, layer_idx: int) -> None:
     """A reconstruction scorer ranks a context only through ``cache.prefill``."""
+    scorer = cache.policy.scorer
     if (
-        cache.policy.scorer.reconstruction is not None
+        scorer.reconstruction is not None
         and cache.state.phase is None
         and cache.evicts
         and key_states.shape[-2] > 1
         and cache.get_seq_length(layer_idx) == 0
     ):
         raise ConfigurationError(
-            f"Scorer {cache.policy.scorer.name!r} scores the context by reconstruction, which needs the model and the "
+            f"Scorer {scorer.name!r} scores the context by reconstruction, which needs the model and the "
             "context's token ids: fill the cache with cache.prefill(model, input_ids, tokenizer=tokenizer) "
             "(then generate from it), or pick a scorer that ranks from the prefill alone (e.g. 'keydiff')."
         )
 
 
-def check_routed(cache: LUKVCache) -> None:
+def check_routed(cache: CompressedCache) -> None:
     """The previous layer's announced attention never ran: an error if the model did not read the cache
     as it holds it, else (ratio 0, nothing compressed) the cache stops announcing calls."""
     state, layout = cache.state, cache.layout

@@ -12,16 +12,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from ..errors import ConfigurationError, IncompatibleAttentionError
-from .layer import LUKVLayer
-
-if TYPE_CHECKING:
-    from .layout import Layout
+from .layer import FOLD_AT, LUKVLayer
 
 
 # transformers' two bases declare device / dtype / is_croppable differently (LinearAttentionLayer's win, by
@@ -37,8 +32,16 @@ class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):  # type: ignore[misc, ov
 
     is_compileable = False
 
-    def __init__(self, number_of_states: int = 1, **kwargs) -> None:
-        LUKVLayer.__init__(self)
+    def __init__(
+        self,
+        number_of_states: int = 1,
+        *,
+        kv_bits: int | None = None,
+        fold_at: int = FOLD_AT,
+        bounded: bool = False,
+    ) -> None:
+        # kv_bits, fold_at, bounded: the attention part's settings (LUKVLayer's)
+        LUKVLayer.__init__(self, kv_bits=kv_bits, fold_at=fold_at, bounded=bounded)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
@@ -82,9 +85,7 @@ class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):  # type: ignore[misc, ov
 
 class HybridRouting(DynamicCache):
     """The linear-state routing of :class:`~lukv_cache.LUKVCache` (a base of it, holding nothing itself:
-    the layout is the cache's ``layout``)."""
-
-    layout: Layout
+    it finds the linear-attention / SSM layers among the cache's ``layers``)."""
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return super().get_conv_state(self._linear(layer_idx), state_idx)

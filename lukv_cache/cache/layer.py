@@ -53,7 +53,15 @@ class LUKVLayer(DynamicLayer):
     (torch.Size([1, 2, 5, 4]), torch.Size([1, 2, 5, 4]))
     """
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        sliding_window: int | None = None,
+        *,
+        kv_bits: int | None = None,
+        fold_at: int = FOLD_AT,
+        bounded: bool = False,
+    ) -> None:
+        # kv_bits, fold_at, bounded: fixed at construction by the cache's policy (LayerFactory)
         self.suffix_keys: torch.Tensor | None = None
         self.suffix_values: torch.Tensor | None = None
         super().__init__()
@@ -73,13 +81,13 @@ class LUKVLayer(DynamicLayer):
         # [B] sinks still to protect per row (a chunk of a chunked prefill may be all padding); the cache's
         # eviction reads and updates it, batch operations keep it aligned with the rows
         self.sinks_left: torch.Tensor | None = None
-        self.fold_at = FOLD_AT  # fold a decoding suffix this long into the store
-        self.bounded = False  # the suffix buffer never grows past fold_at + 1 (eviction at fold time)
+        self.fold_at = fold_at  # fold a decoding suffix this long into the store
+        self.bounded = bounded  # the suffix buffer never grows past fold_at + 1 (eviction at fold time)
         # logical length at the last eviction or fold: eviction at fold time counts the tokens since then
         self.settled_length = 0
         # [B, H_q, W, D]: the last post-RoPE queries, kept while they may score a fold (record_queries)
         self.queries: torch.Tensor | None = None
-        self.kv_bits: int | None = None  # the store's bits per key / value entry (None: the model's dtype)
+        self.kv_bits = kv_bits  # the store's bits per key / value entry (None: the model's dtype)
 
     # ------------------------------------------------------------------ the dense suffix
     @property

@@ -21,7 +21,7 @@ from transformers.cache_utils import (
 )
 
 from ..errors import ConfigurationError, IncompatibleAttentionError
-from .hybrid import LUKVHybridLayer
+from .factory import LayerFactory
 from .layer import LUKVLayer
 from .parallel import HeadShard, head_shard
 
@@ -34,13 +34,14 @@ logger = logging.getLogger("lukv_cache")
 _warned: set[tuple[str, str]] = set()
 
 
-def _lukv_layer(layer: Any) -> Any:
+def _lukv_layer(layer: Any, factory: LayerFactory) -> Any:
     """The layer the cache keeps in place of transformers' ``layer``: a compressed one for full attention
-    (alone, or beside a linear-attention state), transformers' own for everything else."""
+    (alone, or beside a linear-attention state), built by ``factory``; transformers' own for everything
+    else."""
     if type(layer) is DynamicLayer:
-        return LUKVLayer()
+        return factory()
     if type(layer) is LinearAttentionAndFullAttentionLayer:
-        return LUKVHybridLayer(number_of_states=layer.number_of_states)
+        return factory.hybrid(layer.number_of_states)
     return layer
 
 
@@ -82,7 +83,8 @@ class Layout:
     def set_layout(self, cache: Any, config: Any) -> None:
         """transformers' own layer for every layer the cache does not compress (sliding and chunked windows,
         linear-attention / SSM states, KV-sharing placeholders, ...), a :class:`LUKVLayer` for every
-        full-attention one; then learn what the model's layers mean for eviction."""
+        full-attention one (built with the cache's policy's settings, :class:`~.factory.LayerFactory`); then
+        learn what the model's layers mean for eviction."""
         text = config.get_text_config(decoder=True)
         kinds = get_layer_types_and_kwargs(text)[0]
         unknown = sorted(set(kinds) - set(DYNAMIC_LAYER_TYPE_MAPPING))
@@ -99,8 +101,9 @@ class Layout:
         # reads its KV from shared_kv_states): kept whole too, or assisted decoding would read a partial KV
         modes = getattr(text, "kv_sharing_modes", None) or ()
         self.kv_producers = [i for i, mode in enumerate(modes) if mode == "store"]
+        factory = LayerFactory.for_policy(cache.policy)
         cache.layers = [
-            layer if i in self.kv_producers else _lukv_layer(layer) for i, layer in enumerate(stock)
+            layer if i in self.kv_producers else _lukv_layer(layer, factory) for i, layer in enumerate(stock)
         ]
         # sliding-window layers: compressed like full ones when the prompt fits their window (decided at the
         # first forward, decide_sliding); chunked layers share the stock class but not the mask: stock
@@ -171,8 +174,9 @@ class Layout:
 
     def pend_sliding(self, cache: Any) -> None:
         """Sliding layers become LUKVLayers that know their window, until the next first forward decides."""
+        factory = LayerFactory.for_policy(cache.policy)
         for i, window in self.sliding_windows.items():
-            cache.layers[i] = LUKVLayer(sliding_window=window)
+            cache.layers[i] = factory(sliding_window=window)
         self.undecided = bool(self.sliding_windows)
 
     def decide_sliding(self, cache: Any, length: int) -> None:

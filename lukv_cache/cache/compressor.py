@@ -1,0 +1,171 @@
+"""The one object that owns a cache's compression (:class:`Compressor`): built once per cache from its
+policy, it builds the cache's compressed layers (:class:`~lukv_cache.cache.factory.LayerFactory`), settles
+and checks each forward as it reaches a layer (:meth:`~Compressor.on_update`), compresses a layer once its
+attention has run or notes a fold that is due (:meth:`~Compressor.on_attention`), evicts what waits for the
+end of a forward (:meth:`~Compressor.flush`), and tells its observers what each step did and how long it
+took (:meth:`~Compressor.observe`). The cache forwards to it; it reads the cache only through
+:class:`~lukv_cache.cache.contract.CompressedCache`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .compression import CompressionPolicy, Region, plan_region
+from .contract import CompressedCache
+from .eviction import evict, held_steps, score_step, wants_compression
+from .factory import LayerFactory
+from .folding import fold_due, fold_evict
+from .forward import begin_forward, check_forward
+from .layer import LUKVLayer
+from .state import Phase
+
+
+@dataclass(frozen=True)
+class CompressionStep:
+    """What one compression step did, as :meth:`Compressor.observe` reports it.
+
+    ``kind``: ``"evict"`` (a prompt's or chunk's eviction, or :meth:`~lukv_cache.LUKVCache.evict_held`'s:
+    one allocator call per group of layers) or ``"fold"`` (eviction at fold time, ``decode_max_tokens``);
+    ``layers``: the layers it compressed, ascending; ``seconds``: its wall-clock time.
+    """
+
+    kind: Literal["evict", "fold"]
+    layers: tuple[int, ...]
+    seconds: float
+
+
+class Compressor:
+    """Owns the compression of one cache (``cache.compressor``; see the module docstring).
+
+    ``new_layer``: the :class:`~lukv_cache.cache.factory.LayerFactory` every compressed layer of the cache
+    is built with (while the layout is unknown, also the cache's ``layer_class_to_replicate``);
+    ``observers``: the functions :meth:`observe` added, called after every step (a
+    :meth:`~lukv_cache.LUKVCache.fork` copy starts with the same ones, in a list of its own).
+
+    >>> from lukv_cache import LUKVCache
+    >>> cache = LUKVCache(decode_max_tokens=32, fold_interval=8)
+    >>> steps = []
+    >>> _ = cache.compressor.observe(steps.append)
+    >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=10, do_sample=False)
+    >>> [(step.kind, step.layers) for step in steps]  # the prompt layer by layer, then one fold of both
+    [('evict', (0,)), ('evict', (1,)), ('fold', (0, 1))]
+    """
+
+    def __init__(self, cache: CompressedCache) -> None:
+        self.cache = cache
+        self.new_layer = LayerFactory.for_policy(cache.policy)
+        self.observers: list[Callable[[CompressionStep], Any]] = []
+        if cache.layer_class_to_replicate is not None:  # the layout is unknown: grown layers are ours too
+            cache.layer_class_to_replicate = self.new_layer
+
+    @property
+    def policy(self) -> CompressionPolicy:
+        """The cache's policy (fixed when the cache is built)."""
+        return self.cache.policy
+
+    def __deepcopy__(self, memo: dict) -> Compressor:
+        # a copy of the cache (fork, deepcopy) gets its own compressor, reporting to the same observers
+        new = Compressor.__new__(Compressor)
+        memo[id(self)] = new
+        new.cache = copy.deepcopy(self.cache, memo)
+        new.new_layer, new.observers = self.new_layer, list(self.observers)
+        return new
+
+    # ------------------------------------------------------------------ observers
+    def observe(self, observer: Callable[[CompressionStep], Any]) -> Callable[[CompressionStep], Any]:
+        """Call ``observer`` with a :class:`CompressionStep` after every eviction and fold of this cache
+        (and of its :meth:`~lukv_cache.LUKVCache.fork` copies made afterwards); returns ``observer``.
+        Remove it from :attr:`observers` to stop."""
+        self.observers.append(observer)
+        return observer
+
+    def _report(self, kind: Literal["evict", "fold"], layers: Any, started: float) -> None:
+        if self.observers:
+            step = CompressionStep(kind, tuple(sorted(layers)), time.perf_counter() - started)
+            for observer in self.observers:
+                observer(step)
+
+    # ------------------------------------------------------------------ the forward, as the cache sees it
+    def on_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Layer ``layer_idx`` is about to store ``key_states``: at a forward's first layer, settle what
+        the previous forward left (its state, then what it left to evict: :meth:`flush`); then check this
+        forward (:func:`~lukv_cache.cache.forward.check_forward`)."""
+        if layer_idx == 0:
+            begin_forward(self.cache.state, key_states.shape[-2])
+            self.flush()
+        check_forward(self.cache, key_states, layer_idx)
+
+    def on_attention(
+        self,
+        idx: int,
+        layer: LUKVLayer,
+        module: Any,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        """Full-attention layer ``idx`` attended (``query``: this forward's): compress what it holds, or
+        note a fold that is due; a whole-model allocator's layers, and folds, wait for the last
+        full-attention layer; in a :meth:`~lukv_cache.LUKVCache.holding` block the layer's region waits for
+        :meth:`evict_held`."""
+        policy, state = self.policy, self.cache.state
+        last = idx == self.cache.layout.last_full_layer
+        if not wants_compression(policy, layer, query.shape[2], state.previous_length):
+            decoding = policy.decode_max_tokens is not None and state.phase is None
+            if decoding and fold_due(layer, policy, query):
+                state.folding[idx] = (module, attention_mask)
+                if last:
+                    self.fold()
+            return
+        if state.phase is Phase.HOLD:  # held layers are read whole by the passes that score them
+            state.held[idx] = plan_region(layer, policy, attention_mask)
+            return
+        step = score_step(self.cache, idx, layer, module, query, attention_mask)
+        if policy.defers:
+            state.deferred[idx] = step
+            if last:
+                self.evict_deferred()
+        else:
+            self.evict({idx: step})
+
+    def flush(self) -> None:
+        """Evict what a forward left waiting (it ended before its last full-attention layer): the deferred
+        layers of a whole-model allocator, then a fold that was due."""
+        if self.cache.state.deferred:
+            self.evict_deferred()
+        if self.cache.state.folding:
+            self.fold()
+
+    # ------------------------------------------------------------------ the steps
+    def evict(self, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
+        """Evict the regions of ``steps`` (layer -> region, masked scores or None; see
+        :func:`~lukv_cache.cache.eviction.evict`)."""
+        started = time.perf_counter()
+        evict(self.cache, steps)
+        self._report("evict", steps, started)
+
+    def evict_deferred(self) -> None:
+        """Evict the layers a whole-model allocator left waiting in this forward, in one step."""
+        state = self.cache.state
+        deferred, state.deferred = state.deferred, {}
+        self.evict(deferred)
+
+    def fold(self) -> None:
+        """Eviction at fold time of the layers whose fold is due
+        (:func:`~lukv_cache.cache.folding.fold_evict`)."""
+        started = time.perf_counter()
+        state, cache = self.cache.state, self.cache
+        folding, state.folding = state.folding, {}
+        fold_evict(cache.layers, folding, self.policy, cache.layout.head_shard, cache.num_layers)
+        self._report("fold", folding, started)
+
+    def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:
+        """Compress what the cache's :meth:`~lukv_cache.LUKVCache.holding` block kept, each layer ranked
+        by ``scores[layer]`` (see :meth:`~lukv_cache.LUKVCache.evict_held`)."""
+        self.evict(held_steps(self.cache, scores))

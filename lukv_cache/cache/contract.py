@@ -1,0 +1,50 @@
+"""What the compression parts of a cache read of it (:class:`CompressedCache`), typed in a leaf module so
+that none of them imports the cache: :class:`~lukv_cache.cache.compressor.Compressor`,
+:mod:`~lukv_cache.cache.eviction` and :mod:`~lukv_cache.cache.forward` take any object with these members,
+and :class:`~lukv_cache.LUKVCache` is one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from .compression import CompressionPolicy
+from .layout import Layout
+from .state import ForwardState
+
+
+class CompressedCache(Protocol):
+    """A cache as its compression parts see it: its policy, its layers and layout, what a forward leaves
+    pending (``state``, replaced whole by ``reset``: read it anew each time), and the prefill scores it
+    keeps (``None`` unless asked). ``layer_class_to_replicate``: what ``DynamicCache`` grows a layer with
+    while the layout is unknown (``None`` once it is known)."""
+
+    layer_class_to_replicate: Any
+
+    @property
+    def policy(self) -> CompressionPolicy: ...
+
+    @property
+    def layers(self) -> list[Any]: ...
+
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def state(self) -> ForwardState: ...
+
+    @property
+    def prefill_scores(self) -> dict[int, torch.Tensor] | None: ...
+
+    @property
+    def evicts(self) -> bool: ...
+
+    @property
+    def is_compressed(self) -> bool: ...
+
+    @property
+    def num_layers(self) -> int | None: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
