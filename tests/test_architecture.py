@@ -287,7 +287,6 @@ def test_no_import_cycles():
 # importing the cache, also for type checkers. The edges left, each to be removed (issue 45): the lead
 # empties this list once the other parts of the redesign are merged.
 CACHE_TYPING_EDGES_LEFT = {
-    ("cache.pretrained", "cache.cache"),  # from_pretrained's LUKVCache annotations (TYPE_CHECKING)
     ("cache.savefile", "cache.cache"),  # write_context / read_context's LUKVCache annotations
 }
 

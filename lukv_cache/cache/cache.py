@@ -117,7 +117,7 @@ class LUKVCache(HybridRouting, CacheReport):
         return self.policy.allocator.name
 
     # ------------------------------------------------------------------ construction from a profile
-    from_pretrained = classmethod(_from_pretrained)
+    from_pretrained: classmethod[LUKVCache, ..., LUKVCache] = classmethod(_from_pretrained)
 
     # ------------------------------------------------------------------ the forward
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -6,13 +6,16 @@ and :class:`~lukv_cache.LUKVCache` is one.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 
 from .compression import CompressionPolicy
 from .layout import Layout
 from .state import ForwardState
+
+if TYPE_CHECKING:
+    from ..profiles import Profile
 
 
 class CompressedCache(Protocol):
@@ -21,7 +24,9 @@ class CompressedCache(Protocol):
     keeps (``None`` unless asked). ``layer_class_to_replicate``: what ``DynamicCache`` grows a layer with
     while the layout is unknown (``None`` once it is known)."""
 
+    policy_class: ClassVar[type[CompressionPolicy]]  # the policy its options build
     layer_class_to_replicate: Any
+    profile: Profile | None  # the profile its budgets come from (set by from_pretrained), else None
 
     @property
     def policy(self) -> CompressionPolicy: ...
@@ -47,4 +52,11 @@ class CompressedCache(Protocol):
     @property
     def num_layers(self) -> int | None: ...
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...  # a cache class is called with its options
+
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+
+CacheT = TypeVar("CacheT", bound=CompressedCache)
+"""A cache class's instances, for the functions a class calls with itself (``from_pretrained``, ``load``):
+they build ``cls(...)`` and return it, whatever subclass ``cls`` is."""

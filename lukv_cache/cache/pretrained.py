@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 from ..allocation import allocators_reading_profile
 from ..errors import ConfigurationError, HubUnavailableError, ProfileNotFoundError
 from ..scorers import SCORERS, Scorer
+from .contract import CacheT
 from .policy import bounded_prompt, default_ratio
 
 if TYPE_CHECKING:
     from ..profiles import HubLocation
-    from .cache import LUKVCache
 
 logger = logging.getLogger("lukv_cache")
 _announced: set[str] = set()  # the model ids whose missing profile was already said at WARNING level
@@ -41,7 +41,7 @@ def _default_allocator(profile: Any) -> str:
 
 
 def from_pretrained(
-    cls: type[LUKVCache],  # the class from_pretrained is called on (or a subclass)
+    cls: type[CacheT],  # the class from_pretrained is called on (or a subclass)
     model_or_profile: Any,
     ratio: float | None = None,
     scorer: str | None = None,
@@ -57,7 +57,7 @@ def from_pretrained(
     timeout: float | None = None,
     require_profile: bool = False,
     **options: Any,
-) -> LUKVCache:
+) -> CacheT:
     """A cache whose per-head budgets come from the LU-KV profile of a model.
 
     ``ratio``: the fraction of the prompt removed (default 0.5, as in ``LUKVCache()``); or
@@ -167,7 +167,7 @@ def _local_config(model_id: str | os.PathLike) -> Any:
         return None
 
 
-def _handed(cache: LUKVCache, model_or_profile: Any) -> LUKVCache:
+def _handed(cache: CacheT, model_or_profile: Any) -> CacheT:
     """``cache``, told of the loaded model it was made for (it warns when that model takes no cache)."""
     if hasattr(model_or_profile, "config"):
         cache.layout.meet_model(cache, model_or_profile)
@@ -250,7 +250,7 @@ def _profile_free_line(scorer: str | None, allocator: str | None) -> str:
 
 
 def _profile_free_cache(
-    cls: type[LUKVCache],
+    cls: type[CacheT],
     model_id: str,
     said: tuple[str, str],
     ratio: float | None,
@@ -258,7 +258,7 @@ def _profile_free_cache(
     allocator: str | None,
     config: Any,
     options: dict[str, Any],
-) -> LUKVCache:
+) -> CacheT:
     """The cache :func:`from_pretrained` gives a model without a profile (:data:`PROFILE_FREE`, or the
     ``scorer`` / ``allocator`` asked for), after one log line saying so (``said``: where it looked, and
     the ``lukv build`` command)."""

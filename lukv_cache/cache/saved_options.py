@@ -15,17 +15,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 import torch
 
 from ..errors import LUKVError, SavedContextError, UnknownNameError
 from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
+from .contract import CacheT, CompressedCache
 from .policy import option_spec
-
-if TYPE_CHECKING:
-    from .cache import LUKVCache
 
 # the keys of "options" that are not a policy's fields: the cache's own, and the embedded profiles' names
 _CACHE_KEYS = ("keep_scores", "profiles")
@@ -81,7 +79,7 @@ def scorer_entry(scorer: Scorer, profile: Any, tensors: dict[str, torch.Tensor])
     return entry
 
 
-def save_options(cache: LUKVCache, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
+def save_options(cache: CompressedCache, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
     """``cache``'s options as the file's ``"options"`` entry (its tables, profiles and surrogate added to
     ``tensors``); a value the format cannot store is a SavedContextError naming the option."""
     from ..profiles import Profile
@@ -162,8 +160,8 @@ def saved_option(
 
 
 def build_cache(
-    cache_class: type[LUKVCache], meta: dict, model: Any, reader: SavedFile, scorer: Any, allocator: Any
-) -> LUKVCache:
+    cache_class: type[CacheT], meta: dict, model: Any, reader: SavedFile, scorer: Any, allocator: Any
+) -> CacheT:
     """An empty ``cache_class`` built with the options of the file's ``meta`` (``scorer`` / ``allocator``,
     when given, replace the saved ones), laid out for ``model``; the file fails on a malformed option, one
     ``cache_class`` does not take, or options that do not build a cache."""
