@@ -32,8 +32,8 @@ from ..profiles.files import write_atomically
 from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
 from .folding import set_fold
 from .layer import LUKVLayer
-from .quant import PackedRows, group_size
 from .ragged import RaggedStore
+from .statecheck import StateCheck, StateShape, dtype_name
 
 if TYPE_CHECKING:
     from .cache import LUKVCache
@@ -65,13 +65,11 @@ _ITEMSIZE = {
     "U64": 8,
     "F64": 8,
 }
-# LUKVLayer attributes handled by name (the rest of the layer's attributes travel generically)
-_LUKV_SPECIAL = {"store", "_kbuf", "_vbuf", "suffix_keys", "suffix_values", "dtype", "device"}
-_STOCK_SPECIAL = {"dtype", "device"}
-_DERIVED = {"_sliding_window_tensor"}  # rebuilt from sliding_window, on the layer's device
+# a stock layer's attributes that do not travel: its dtype and device, its sliding window's tensor (rebuilt
+# from sliding_window, on the layer's device); a LUKVLayer's state is its own (LUKVLayer.state_dict)
+_STOCK_SPECIAL = {"dtype", "device", "_sliding_window_tensor"}
 # layer attributes that are None or a count (every other attribute whose default is None holds a tensor)
 _OPTIONAL_COUNTS = {"kv_bits", "sliding_window"}
-_SUFFIX_ROOM = 16  # a loaded suffix buffer's room beyond its tokens (LUKVLayer's smallest decoding buffer)
 _KINDS = {"lukv": LUKVLayer, "sliding": DynamicSlidingWindowLayer, "dynamic": DynamicLayer}
 _SCALARS = (bool, int, float, str, type(None))
 _DATACLASS_MODULES = ("lukv_cache.cache.",)  # the only classes a file may name (rebuilt from their fields)
@@ -262,7 +260,7 @@ def _weights_hash(modules: dict[int, torch.nn.Module]) -> str:
     for i, module in sorted(modules.items()):
         digest.update(f"\0{i}\0{type(module).__name__}".encode())
         for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
-            digest.update(f"\0{name}\0{_dtype_name(p.dtype)}\0{list(p.shape)}\0".encode())
+            digest.update(f"\0{name}\0{dtype_name(p.dtype)}\0{list(p.shape)}\0".encode())
             if p.device.type == "meta" or type(p.data) is not torch.Tensor or not p.numel():
                 continue
             flat = p.detach().reshape(-1)
@@ -292,10 +290,6 @@ def _put(tensors: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> str:
     return name
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _save_layer(i: int, layer: Any, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
     kind = next((name for name, cls in _KINDS.items() if type(layer) is cls), None)
     if kind is None:
@@ -307,10 +301,9 @@ def _save_layer(i: int, layer: Any, tensors: dict[str, torch.Tensor], path: Path
             field=f"layers.{i}",
         )
     entry: dict[str, Any] = {"kind": kind, "attrs": {}, "tensors": []}
-    special = _LUKV_SPECIAL if kind == "lukv" else _STOCK_SPECIAL
-    for name, value in vars(layer).items():
-        if name in special or name in _DERIVED:
-            continue
+    state = layer.state_dict() if kind == "lukv" else None
+    own = {**state["attrs"], **state["tensors"]} if state is not None else _stock_state(layer)
+    for name, value in own.items():
         if isinstance(value, torch.Tensor):
             entry["tensors"].append(name)
             _put(tensors, f"layers.{i}.{name}", value)
@@ -325,26 +318,27 @@ def _save_layer(i: int, layer: Any, tensors: dict[str, torch.Tensor], path: Path
             )
     initialized = bool(getattr(layer, "is_initialized", False))
     # transformers' own layers keep no dtype from 5.24 on (5.23's did): their keys have it
-    dtype = (layer.dtype if kind == "lukv" else layer.keys.dtype) if initialized else None
-    entry["dtype"] = None if dtype is None else _dtype_name(dtype)
-    if kind == "lukv" and initialized:
-        entry["suffix_capacity"] = int(layer._kbuf.shape[-2])
-        _put(tensors, f"layers.{i}.suffix_keys", layer.suffix_keys)
-        _put(tensors, f"layers.{i}.suffix_values", layer.suffix_values)
-        entry["store"] = None if layer.store is None else _save_store(i, layer.store, tensors, path)
+    dtype = (state["dtype"] if state is not None else layer.keys.dtype) if initialized else None
+    entry["dtype"] = None if dtype is None else dtype_name(dtype)
+    if state is not None and initialized:
+        suffix, store = state["suffix"], state["store"]
+        entry["suffix_capacity"] = suffix["capacity"]
+        _put(tensors, f"layers.{i}.suffix_keys", suffix["keys"])
+        _put(tensors, f"layers.{i}.suffix_values", suffix["values"])
+        # every field of the store (RaggedStore.state_dict): see _encode
+        where = f"layers.{i}.store"
+        fields = (
+            None
+            if store is None
+            else {k: _encode(v, f"{where}.{k}", tensors, path) for k, v in store.items()}
+        )
+        entry["store"] = None if fields is None else {"fields": fields}
     return entry
 
 
-def _save_store(i: int, store: RaggedStore, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    """Every field of the store (``offsets_list`` is ``offsets`` on the host, recomputed on load): see
-    :func:`_encode`; tensors are named ``layers.{i}.store.{field}``."""
-    return {
-        "fields": {
-            f.name: _encode(getattr(store, f.name), f"layers.{i}.store.{f.name}", tensors, path)
-            for f in dataclasses.fields(store)
-            if f.name != "offsets_list"
-        }
-    }
+def _stock_state(layer: Any) -> dict[str, Any]:
+    """A transformers layer's attributes that travel (its keys and values, lengths, flags)."""
+    return {name: value for name, value in vars(layer).items() if name not in _STOCK_SPECIAL}
 
 
 def _encode(value: Any, name: str, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
@@ -355,7 +349,7 @@ def _encode(value: Any, name: str, tensors: dict[str, torch.Tensor], path: Path)
     if isinstance(value, torch.Tensor):
         return {"tensor": _put(tensors, name, value)}
     if isinstance(value, torch.dtype):
-        return {"dtype": _dtype_name(value)}
+        return {"dtype": dtype_name(value)}
     if isinstance(value, _SCALARS) and not (isinstance(value, float) and not math.isfinite(value)):
         return {"value": value}
     cls = type(value)
@@ -531,6 +525,7 @@ class _Reader:
         self.path = path
         self.tensors: dict[str, torch.Tensor] = {}
         self.used: set[str] = set()
+        self.check = _FileCheck(path=str(path))  # a part's state checks, naming this file
 
     def fail(self, why: str, field: str | None = None, cls=SavedContextError, **kw) -> NoReturn:
         raise cls(f"{self.path}: {why}", path=str(self.path), field=field, **kw)
@@ -644,17 +639,17 @@ class _Reader:
         if t is None:
             self.fail(f"tensor {name!r} is missing (damaged file). Save the context again.", name)
         self.used.add(name)
-        bad = (dtype is not None and t.dtype != dtype) or (ndim is not None and t.ndim != ndim)
-        if shape is not None:
-            bad = bad or t.ndim != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape))
-        if bad:
-            want = [("*" if w is None else w) for w in shape] if shape is not None else f"{ndim}-D"
-            self.fail(
-                f"tensor {name!r} is {_dtype_name(t.dtype)} {list(t.shape)}, which does not fit the metadata "
-                f"(expected {'' if dtype is None else _dtype_name(dtype) + ' '}{want}). Save the context again.",
-                name,
-            )
-        return t
+        return self.check.tensor(t, name, dtype=dtype, shape=shape, ndim=ndim)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileCheck(StateCheck):
+    """The checks of a part's state read from the file at ``path``: its errors name the file."""
+
+    path: str = ""
+
+    def fail(self, why: str, field: str | None = None) -> NoReturn:
+        raise SavedContextError(f"{self.path}: {why}", path=self.path, field=field)
 
 
 def _check_model(meta: dict, model: Any, reader: _Reader, allow_other_id: bool) -> None:
@@ -666,7 +661,7 @@ def _check_model(meta: dict, model: Any, reader: _Reader, allow_other_id: bool) 
             f"load_cache needs the transformers model the context was saved from, got {type(model).__name__}."
         )
     dtype = getattr(model, "dtype", None)
-    got = fingerprint_fields(config, _dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype))
+    got = fingerprint_fields(config, dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype))
     for key in got:
         if fields.get(key) != got[key]:
             reader.fail(
@@ -917,11 +912,20 @@ def _restore_layers(
             "layers",
         )
     fields = meta["model"]["fields"]
-    shape = _Shape(fields, reader)
+    dtype = getattr(torch, str(fields["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        reader.fail(f"unknown dtype {fields['dtype']!r} (damaged file).", "dtype")
     folding = LUKVLayer()
     set_fold(folding, cache.policy)
-    shape.fold_state = {name: getattr(folding, name) for name in ("fold_at", "bounded", "kv_bits")}
-    shape.max_length = max_length
+    fold_state = {name: getattr(folding, name) for name in ("fold_at", "bounded", "kv_bits")}
+    shape = StateShape(
+        fields["num_key_value_heads"],
+        fields["head_dim"],
+        fields["num_attention_heads"],
+        dtype,
+        max_length,
+        fold_state,
+    )
     for i, entry in enumerate(layers):
         shape.kv_heads = heads[i]
         cache.layers[i] = _restore_layer(cache, i, entry, reader, shape, devices[i])
@@ -987,28 +991,6 @@ def _restore_layers(
         )
 
 
-class _Shape:
-    """The sizes every layer must agree on: the model's (KV heads, head dim, query heads, dtype) and the
-    batch, taken from the first layer that holds tokens."""
-
-    def __init__(self, fields: dict, reader: _Reader):
-        self.kv_heads, self.head_dim = fields["num_key_value_heads"], fields["head_dim"]
-        self.query_heads = fields["num_attention_heads"]
-        dtype = getattr(torch, str(fields["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            reader.fail(f"unknown dtype {fields['dtype']!r} (damaged file).", "dtype")
-        self.dtype = dtype
-        self.batch: int | None = None
-        self.fold_state: dict[str, Any] = {}  # what the cache's options set on a layer it compresses
-        self.max_length = _MAX_LENGTH  # the model's positions (max_position_embeddings)
-
-    def row_count(self, b: int, reader: _Reader, field: str) -> None:
-        if self.batch is None:
-            self.batch = b
-        elif b != self.batch:
-            reader.fail(f"{field} holds {b} batch rows, other layers {self.batch} (damaged file).", field)
-
-
 def _fits(name: str, value: Any, default: Any) -> bool:
     """Whether a saved layer attribute has the type of a fresh layer's: an attribute that is ``None`` on a
     fresh layer is ``None`` in the file (a tensor travels as a tensor), or a count for ``kv_bits`` and
@@ -1019,7 +1001,7 @@ def _fits(name: str, value: Any, default: Any) -> bool:
 
 
 def _restore_layer(
-    cache: LUKVCache, i: int, entry: Any, reader: _Reader, shape: _Shape, device: torch.device
+    cache: LUKVCache, i: int, entry: Any, reader: _Reader, shape: StateShape, device: torch.device
 ) -> Any:
     where = f"layers.{i}"
     if (
@@ -1049,19 +1031,15 @@ def _restore_layer(
             saved=kind,
             got=type(current).__name__,
         )
-    defaults = vars(fresh)
+    fresh_state = fresh.state_dict() if kind == "lukv" else None
+    defaults = {**fresh_state["attrs"], **fresh_state["tensors"]} if fresh_state else _stock_state(fresh)
     initialized = attrs.get("is_initialized")
     tensors = entry.get("tensors")
     if not isinstance(initialized, bool) or not isinstance(tensors, list):
         reader.fail(f"layer {i}'s entry is malformed (damaged file).", where)
     for name, value in attrs.items():
         default = defaults.get(name, KeyError)
-        if (
-            default is KeyError
-            or name in _LUKV_SPECIAL | _DERIVED
-            or not isinstance(value, _SCALARS)
-            or not _fits(name, value, default)
-        ):
+        if default is KeyError or not isinstance(value, _SCALARS) or not _fits(name, value, default):
             reader.fail(
                 f"layer {i} has an attribute {name}={value!r} this lukv_cache does not know or expects of another "
                 "type (written by another version, or altered).",
@@ -1071,7 +1049,7 @@ def _restore_layer(
         default = defaults.get(name, KeyError)
         if (
             not isinstance(name, str)
-            or name in _LUKV_SPECIAL | _DERIVED
+            or name not in defaults
             or name in _OPTIONAL_COUNTS
             or not (default is None or isinstance(default, torch.Tensor))
         ):
@@ -1086,7 +1064,7 @@ def _restore_layer(
         )
     dims = (shape.kv_heads, shape.head_dim)
     if initialized:
-        if entry.get("dtype") != _dtype_name(shape.dtype):
+        if entry.get("dtype") != dtype_name(shape.dtype):
             reader.fail(
                 f"layer {i} holds {entry.get('dtype')!r}, the model's dtype is {shape.dtype}.",
                 f"{where}.dtype",
@@ -1096,101 +1074,68 @@ def _restore_layer(
         values[name] = reader.tensor(f"{where}.{name}").to(device)
     if kind == "lukv":
         _restore_lukv(fresh, i, entry, values, reader, shape, device)
-    else:
-        if initialized:
-            for name in ("keys", "values"):
-                t = values.get(name)
-                if not isinstance(t, torch.Tensor) or t.ndim != 4 or tuple(t.shape[1:2]) != dims[:1]:
-                    reader.fail(f"layer {i}'s {name} do not fit the model's KV heads.", f"{where}.{name}")
-                if (
-                    t.dtype != shape.dtype
-                    or t.shape[2] > length
-                    or t.shape[3] != shape.head_dim
-                    and name == "keys"
-                ):
-                    reader.fail(
-                        f"layer {i}'s {name} ({list(t.shape)}, {t.dtype}) do not fit its metadata.",
-                        f"{where}.{name}",
-                    )
-                shape.row_count(int(t.shape[0]), reader, f"{where}.{name}")
-        for name, value in values.items():
-            setattr(fresh, name, value)
+        return fresh
+    if initialized:
+        for name in ("keys", "values"):
+            t = values.get(name)
+            if not isinstance(t, torch.Tensor) or t.ndim != 4 or tuple(t.shape[1:2]) != dims[:1]:
+                reader.fail(f"layer {i}'s {name} do not fit the model's KV heads.", f"{where}.{name}")
+            if (
+                t.dtype != shape.dtype
+                or t.shape[2] > length
+                or t.shape[3] != shape.head_dim
+                and name == "keys"
+            ):
+                reader.fail(
+                    f"layer {i}'s {name} ({list(t.shape)}, {t.dtype}) do not fit its metadata.",
+                    f"{where}.{name}",
+                )
+            shape.row_count(int(t.shape[0]), reader.check, f"{where}.{name}")
+    for name, value in values.items():
+        setattr(fresh, name, value)
     if hasattr(fresh, "_sliding_window_tensor"):
         fresh._sliding_window_tensor = fresh._sliding_window_tensor.to(device)
     return fresh
 
 
 def _restore_lukv(
-    layer: LUKVLayer, i: int, entry: dict, values: dict, reader: _Reader, shape: _Shape, device: torch.device
+    layer: LUKVLayer,
+    i: int,
+    entry: dict,
+    values: dict,
+    reader: _Reader,
+    shape: StateShape,
+    device: torch.device,
 ) -> None:
-    where = f"layers.{i}"
-    length = values.get("cumulative_length", 0)
-    for name, value in values.items():
-        if name not in ("store",):
-            setattr(layer, name, value)
-    if not values.get("is_initialized"):
-        if length or entry.get("store") is not None:
-            reader.fail(f"layer {i} holds tokens but is marked empty (damaged file).", where)
-        return
-    s = values.get("_suffix_len")
-    settled, fold_at = values.get("settled_length", 0), values.get("fold_at", 1)
-    if not isinstance(s, int) or not 0 <= s <= length:
-        reader.fail(f"layer {i}'s suffix length {s!r} is out of range [0, {length}].", f"{where}._suffix_len")
-    if not 0 <= settled <= length or fold_at < 1:
-        reader.fail(f"layer {i}'s fold state (settled_length, fold_at) is out of range.", where)
-    compressed = values.get("compressed")
-    if compressed != (entry.get("store") is not None) or not compressed and length != s:
-        reader.fail(
-            f"layer {i} says compressed={compressed!r} but holds {'a' if entry.get('store') else 'no'} store and "
-            f"{s} of its {length} tokens in its suffix (an uncompressed layer holds them all there).",
-            f"{where}.compressed",
-        )
-    if compressed:  # what the cache's options set on a layer it compresses
-        for name, want in shape.fold_state.items():
-            if values.get(name) != want:
-                reader.fail(
-                    f"layer {i} has {name}={values.get(name)!r}, its cache's options give {want!r} (altered file).",
-                    f"{where}.{name}",
-                )
-    keys = reader.tensor(
-        f"{where}.suffix_keys", dtype=shape.dtype, shape=(None, shape.kv_heads, s, shape.head_dim)
-    )
-    b = int(keys.shape[0])
-    shape.row_count(b, reader, f"{where}.suffix_keys")
-    vals = reader.tensor(f"{where}.suffix_values", dtype=shape.dtype, shape=(b, shape.kv_heads, s, None))
-    capacity = entry.get("suffix_capacity")
-    if not isinstance(capacity, int) or not s <= capacity <= 2 * length + fold_at + 17:
-        reader.fail(f"layer {i}'s suffix capacity {capacity!r} is out of range.", f"{where}.suffix_capacity")
-    # the buffers are room to decode into, not data: never more than the stored suffix implies (a larger
-    # saved capacity, after a fold or a crop, regrows on demand as decoding needs it)
-    capacity = min(capacity, max(2 * s, s + _SUFFIX_ROOM))
-    kbuf = keys.new_empty((b, shape.kv_heads, capacity, keys.shape[-1]), device=device)
-    vbuf = vals.new_empty((b, shape.kv_heads, capacity, vals.shape[-1]), device=device)
-    kbuf[:, :, :s] = keys
-    vbuf[:, :, :s] = vals
-    layer._kbuf, layer._vbuf, layer._suffix_len = kbuf, vbuf, s
-    layer._sync_views()
-    sinks = values.get("sinks_left")
-    if sinks is not None and (sinks.shape != (b,) or sinks.is_floating_point()):
-        reader.fail(
-            f"layer {i}'s sinks_left {list(sinks.shape)} does not fit {b} rows.", f"{where}.sinks_left"
-        )
-    queries = values.get("queries")
-    if queries is not None and (
-        queries.ndim != 4
-        or queries.shape[0] != b
-        or queries.shape[1] != shape.query_heads
-        or queries.dtype != shape.dtype
-    ):
-        reader.fail(
-            f"layer {i}'s recorded queries {list(queries.shape)} do not fit the model.", f"{where}.queries"
-        )
-    store = entry.get("store")
-    layer.store = (
-        None
-        if store is None
-        else _restore_store(i, store, reader, shape, b, length - s, int(vals.shape[-1]), device)
-    )
+    """Layer ``i``'s state (:meth:`LUKVLayer.state_dict`) from its entry, its attributes ``values`` (checked
+    by type) and its tensors, into ``layer`` (:meth:`LUKVLayer.load_state` checks it)."""
+    where, names = f"layers.{i}", entry["tensors"]
+    attrs = {
+        name: value for name, value in values.items() if name not in names and name not in ("dtype", "device")
+    }
+    state: dict[str, Any] = {"attrs": attrs, "tensors": {name: values[name] for name in names}}
+    state["dtype"], state["suffix"], state["store"] = shape.dtype, None, None
+    if attrs.get("is_initialized"):
+        keys, vals = reader.tensor(f"{where}.suffix_keys"), reader.tensor(f"{where}.suffix_values")
+        state["suffix"] = {"keys": keys, "values": vals, "capacity": entry.get("suffix_capacity")}
+    check = reader.check.at(f"layer {i}", where)
+    if entry.get("store") is not None:
+        state["store"] = _read_store(entry["store"], check, reader, device)
+    layer.load_state(state, check, shape, device)
+
+
+def _read_store(entry: Any, check: StateCheck, reader: _Reader, device: torch.device) -> dict[str, Any]:
+    """A store's fields (:meth:`RaggedStore.state_dict`) decoded from its entry, after checking their names;
+    :meth:`RaggedStore.from_state` checks their values."""
+    where = f"{check.where}.store"
+    if not isinstance(entry, dict) or not isinstance(entry.get("fields"), dict):
+        reader.fail(f"{check.label}'s store entry is malformed (damaged file).", where)
+    fields = entry["fields"]
+    RaggedStore.check_fields(fields, check)
+    for name in ("offsets", "positions"):
+        if not isinstance(fields.get(name), dict) or "tensor" not in fields[name]:
+            reader.fail(f"{check.label}'s store has no {name} tensor (damaged file).", f"{where}.{name}")
+    return {name: _decode(spec, f"{where}.{name}", reader, device) for name, spec in fields.items()}
 
 
 def _decode(spec: Any, name: str, reader: _Reader, device: torch.device) -> Any:
@@ -1237,129 +1182,3 @@ def _decode(spec: Any, name: str, reader: _Reader, device: torch.device) -> Any:
         except (TypeError, ValueError) as err:
             reader.fail(f"{name} does not rebuild: {err} (damaged file).", name)
     reader.fail(f"{name} is malformed in the metadata (damaged file). Save the context again.", name)
-
-
-def _rows(value: Any, n: int) -> bool:
-    """Whether every tensor of a store field (a tensor, or a dataclass of them) has ``n`` rows."""
-    if isinstance(value, torch.Tensor):
-        return value.ndim >= 1 and value.shape[0] == n
-    if dataclasses.is_dataclass(value):
-        parts = [getattr(value, f.name) for f in dataclasses.fields(value)]
-        return all(_rows(t, n) for t in parts if isinstance(t, torch.Tensor) or dataclasses.is_dataclass(t))
-    return value is None
-
-
-def _packed_fits(value: Any, bits: int | None, dim: int, n: int, dtype: torch.dtype) -> bool:
-    """Whether a quantized store field (:class:`PackedRows`) holds ``n`` rows of ``dim`` channels in the
-    cache's ``bits``: its codes ``[n, dim * bits / 8]`` uint8, a scale and a zero per channel group."""
-    if not isinstance(value, PackedRows) or value.bits != bits or value.dim != dim or value.dtype != dtype:
-        return False
-    groups = dim // group_size(dim)
-    codes, scale, zero = value.codes, value.scale, value.zero
-    return (
-        isinstance(codes, torch.Tensor)
-        and codes.dtype == torch.uint8
-        and dim * bits % 8 == 0
-        and tuple(codes.shape) == (n, dim * bits // 8)
-        and isinstance(scale, torch.Tensor)
-        and isinstance(zero, torch.Tensor)
-        and scale.is_floating_point()
-        and tuple(scale.shape) == tuple(zero.shape) == (n, groups)
-    )
-
-
-def _restore_store(
-    i: int,
-    entry: Any,
-    reader: _Reader,
-    shape: _Shape,
-    batch: int,
-    before: int,
-    value_dim: int,
-    device: torch.device,
-) -> RaggedStore:
-    """Layer ``i``'s store, checked: offsets over ``batch * kv_heads`` segments ending at its length, every
-    position below ``before`` (the suffix follows the store) and ascending inside its segment, every field
-    with a row per token (keys and values of the model's head dim, ``value_dim`` and dtype; in the cache's
-    ``kv_bits`` when it quantizes)."""
-    where = f"layers.{i}.store"
-    if not isinstance(entry, dict) or not isinstance(entry.get("fields"), dict):
-        reader.fail(f"layer {i}'s store entry is malformed (damaged file).", where)
-    known = {f.name: f for f in dataclasses.fields(RaggedStore)}
-    fields = entry["fields"]
-    unknown = [n for n in fields if n not in known or n == "offsets_list"]
-    if unknown:
-        reader.fail(
-            f"layer {i}'s store has fields {unknown} this lukv_cache's RaggedStore does not have (written by "
-            "another version). Load it with the version that wrote it.",
-            where,
-        )
-    missing = [
-        name
-        for name, f in known.items()
-        if name not in fields
-        and name != "offsets_list"
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        reader.fail(f"layer {i}'s store lacks the fields {missing} (damaged file).", where)
-    for name in ("offsets", "positions"):
-        if not isinstance(fields.get(name), dict) or "tensor" not in fields[name]:
-            reader.fail(f"layer {i}'s store has no {name} tensor (damaged file).", f"{where}.{name}")
-    segments = batch * shape.kv_heads
-    offsets = reader.tensor(f"{where}.offsets", dtype=torch.int64, shape=(segments + 1,))
-    positions = reader.tensor(f"{where}.positions", dtype=torch.int32, ndim=1)
-    n = int(positions.shape[0])
-    counts = offsets.diff()
-    if int(offsets[0]) != 0 or bool((counts < 0).any()) or int(offsets[-1]) != n:
-        reader.fail(
-            f"layer {i}'s store offsets do not run from 0 to its {n} tokens in order (damaged or altered file).",
-            f"{where}.offsets",
-        )
-    if n:
-        starts = torch.zeros(n, dtype=torch.bool)
-        starts[offsets[:-1][counts > 0]] = True
-        rising = positions[1:] > positions[:-1]
-        if (
-            int(positions.min()) < 0
-            or int(positions.max()) >= before
-            or not bool((rising | starts[1:]).all())
-        ):
-            reader.fail(
-                f"layer {i}'s store positions are not ascending in [0, {before}) within each (row, KV head), the "
-                "tokens before the dense suffix (damaged or altered file).",
-                f"{where}.positions",
-            )
-    values = {name: _decode(spec, f"{where}.{name}", reader, device) for name, spec in fields.items()}
-    for name, value in values.items():
-        if name in ("offsets", "num_heads"):
-            continue
-        if not _rows(value, n):
-            reader.fail(f"layer {i}'s store {name} does not hold one row per token ({n}).", f"{where}.{name}")
-    for name in ("keys", "values"):
-        value = values.get(name)
-        dims = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(getattr(value, "shape", ()))
-        dtype = getattr(value, "dtype", None)
-        dim = shape.head_dim if name == "keys" else value_dim
-        bits = shape.fold_state.get("kv_bits")
-        fits = (
-            _packed_fits(value, bits, dim, n, shape.dtype)
-            if bits is not None
-            else isinstance(value, torch.Tensor)
-        )
-        if not fits or len(dims) != 2 or dims[1] != dim or dtype != shape.dtype:
-            reader.fail(
-                f"layer {i}'s store {name} ({list(dims)}, {dtype}, {getattr(value, 'bits', None)} bits) do not fit "
-                f"the model and the cache ([{n}, {dim}], {shape.dtype}, kv_bits={bits}).",
-                f"{where}.{name}",
-            )
-    scores = values.get("scores")
-    if scores is not None and (not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32):
-        reader.fail(f"layer {i}'s store scores are not float32.", f"{where}.scores")
-    if values.get("num_heads") != shape.kv_heads:
-        reader.fail(
-            f"layer {i}'s store num_heads={values.get('num_heads')!r}, the model has {shape.kv_heads}.", where
-        )
-    values["offsets_list"] = tuple(offsets.tolist())
-    return RaggedStore(**values)
