@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..errors import (
     ConfigurationError,
@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..profiles.files import write_atomically
 from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
+from .fingerprint import check_model, fields_hash, fingerprint_fields, layer_kv_heads, weights_entry
 from .folding import set_fold
 from .layer import LUKVLayer
 from .ragged import RaggedStore
@@ -91,9 +92,9 @@ def write_context(cache: LUKVCache, path: Path, model: Any = None) -> Path:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": {
             "model_id": str(getattr(config, "name_or_path", "") or ""),
-            "fingerprint": _hash(fields),
+            "fingerprint": fields_hash(fields),
             "fields": fields,
-            "weights": _weights_entry(cache, model),
+            "weights": weights_entry(cache.state.readers.values(), model),
         },
         "options": _save_options(cache, tensors, path),
         "cache": {
@@ -181,94 +182,6 @@ def _config_of(cache: LUKVCache, model: Any, path: Path) -> Any:
             path=str(path),
         )
     return config
-
-
-def fingerprint_fields(config: Any, dtype: str) -> dict[str, Any]:
-    """The fields of a model that decide a cache's shapes (layers, KV and query heads, head dim, layer
-    types, sliding window, the KV dtype, the model type); their hash is the file's model fingerprint.
-
-    >>> from transformers import LlamaConfig
-    >>> fingerprint_fields(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4), "float32")["head_dim"]
-    16
-    """
-    text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None)
-    if head_dim is None and heads:
-        head_dim = getattr(text, "hidden_size", 0) // heads
-    window = getattr(text, "sliding_window", None)
-    return {
-        "model_type": str(getattr(text, "model_type", "")),
-        "num_hidden_layers": int(text.num_hidden_layers),
-        "num_attention_heads": None if heads is None else int(heads),
-        "num_key_value_heads": None if kv_heads is None else int(kv_heads),
-        "head_dim": None if head_dim is None else int(head_dim),
-        "layer_types": [str(kind) for kind in get_layer_types_and_kwargs(text)[0]],
-        "sliding_window": None if window is None else int(window),
-        "dtype": dtype,
-    }
-
-
-def _hash(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-_WEIGHT_SAMPLES = 64  # elements read from each parameter, evenly spaced: cheap, and any dense change shows
-
-
-def _weights_entry(cache: LUKVCache, model: Any) -> dict[str, Any] | None:
-    """The file's weight fingerprint: which attention modules it covers (the first and the last layer's, by
-    ``layer_idx`` and class name) and the hash of their weights (:func:`_weights_hash`). The modules are the
-    ones that read the cache, else ``model``'s; ``None`` when neither has attention modules with a
-    ``layer_idx`` (a model that attends in its own code)."""
-    modules: dict[int, torch.nn.Module] = {}
-    for ref in cache.state.readers.values():
-        module = ref()
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(module, torch.nn.Module) and isinstance(idx, int):
-            modules.setdefault(idx, module)
-    if not modules:
-        modules = _attention_modules(model, None)
-    if not modules:
-        return None
-    chosen = {i: modules[i] for i in sorted({min(modules), max(modules)})}
-    return {"modules": {str(i): type(m).__name__ for i, m in chosen.items()}, "sha256": _weights_hash(chosen)}
-
-
-def _attention_modules(model: Any, classes: dict[int, str] | None) -> dict[int, torch.nn.Module]:
-    """``model``'s modules with an int ``layer_idx``, by it: those of the class ``classes`` names for
-    that layer, or (``classes=None``) those whose class name ends in ``Attention`` (transformers' own)."""
-    found: dict[int, torch.nn.Module] = {}
-    if not isinstance(model, torch.nn.Module):
-        return found
-    for module in model.modules():
-        idx, name = getattr(module, "layer_idx", None), type(module).__name__
-        if not isinstance(idx, int) or idx in found:
-            continue
-        if (classes.get(idx) == name) if classes is not None else name.endswith("Attention"):
-            found[idx] = module
-    return found
-
-
-def _weights_hash(modules: dict[int, torch.nn.Module]) -> str:
-    """sha256 over each module's parameters (name, dtype, shape, and ``_WEIGHT_SAMPLES`` evenly spaced
-    elements): two checkpoints of one architecture differ in it, at a few small reads per parameter.
-    Parameters not held here (on the meta device, offloaded; sharded tensor subclasses) count by name and
-    shape only."""
-    digest = hashlib.sha256()
-    for i, module in sorted(modules.items()):
-        digest.update(f"\0{i}\0{type(module).__name__}".encode())
-        for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
-            digest.update(f"\0{name}\0{dtype_name(p.dtype)}\0{list(p.shape)}\0".encode())
-            if p.device.type == "meta" or type(p.data) is not torch.Tensor or not p.numel():
-                continue
-            flat = p.detach().reshape(-1)
-            k = min(flat.numel(), _WEIGHT_SAMPLES)
-            at = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
-            sample = flat[at.to(flat.device)].cpu().contiguous()
-            digest.update(sample.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def checksum(metadata: str, tensors: dict[str, torch.Tensor]) -> str:
@@ -492,30 +405,16 @@ def read_context(
     path = Path(path)
     reader = _Reader(path)
     meta = reader.read()
-    _check_model(meta, model, reader, options.allow_other_model_id)
+    check_model(meta, model, reader.fail, options.allow_other_model_id)
     cache = _build_cache(cache_class, meta, model, reader, options.scorer, options.allocator)
     devices = _layer_devices(model, len(cache.layers), options.device)
     text = model.config.get_text_config(decoder=True)
     positions = getattr(text, "max_position_embeddings", None)
     max_length = positions if isinstance(positions, int) and positions > 0 else _MAX_LENGTH
-    # the fields _check_model compared with the model's own
-    heads = _layer_kv_heads(model, len(cache.layers), meta["model"]["fields"]["num_key_value_heads"])
+    # the fields check_model compared with the model's own
+    heads = layer_kv_heads(model, len(cache.layers), meta["model"]["fields"]["num_key_value_heads"])
     _restore_layers(cache, meta, reader, devices, max_length, heads)
     return cache
-
-
-def _layer_kv_heads(model: Any, count: int, default: Any) -> list[Any]:
-    """Each layer's KV heads: ``default`` (the config's ``num_key_value_heads``), unless the layer's attention
-    module projects to another count (``k_proj.out_features // head_dim``: MiMo-V2-Flash's sliding layers
-    have twice the global layers' KV heads)."""
-    heads = [default] * count
-    for idx, module in _attention_modules(model, None).items():
-        k_proj, head_dim = getattr(module, "k_proj", None), getattr(module, "head_dim", None)
-        out = getattr(k_proj, "out_features", None)
-        if 0 <= idx < count and isinstance(out, int) and isinstance(head_dim, int) and head_dim > 0:
-            if out % head_dim == 0:
-                heads[idx] = out // head_dim
-    return heads
 
 
 class _Reader:
@@ -650,74 +549,6 @@ class _FileCheck(StateCheck):
 
     def fail(self, why: str, field: str | None = None) -> NoReturn:
         raise SavedContextError(f"{self.path}: {why}", path=self.path, field=field)
-
-
-def _check_model(meta: dict, model: Any, reader: _Reader, allow_other_id: bool) -> None:
-    saved: Any = meta.get("model") if isinstance(meta.get("model"), dict) else {}
-    fields = saved.get("fields") if isinstance(saved.get("fields"), dict) else {}
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
-        reader.fail(
-            f"load_cache needs the transformers model the context was saved from, got {type(model).__name__}."
-        )
-    dtype = getattr(model, "dtype", None)
-    got = fingerprint_fields(config, dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype))
-    for key in got:
-        if fields.get(key) != got[key]:
-            reader.fail(
-                f"saved from a model with {key}={fields.get(key)!r}, this model has {key}={got[key]!r}: a saved "
-                "context fits only the model (and dtype) it was saved from. Load the model it was saved from "
-                f"(model id {saved.get('model_id')!r}), or compress the context again with this one.",
-                key,
-                SavedContextMismatchError,
-                saved=fields.get(key),
-                got=got[key],
-            )
-    if saved.get("fingerprint") != _hash(fields):
-        reader.fail(
-            "its model fingerprint does not match its fields (damaged file). Save the context again.",
-            "fingerprint",
-        )
-    model_id = str(getattr(config, "name_or_path", "") or "")
-    if saved.get("model_id") != model_id and not allow_other_id:
-        reader.fail(
-            f"saved from model {saved.get('model_id')!r}, this model is {model_id!r}. Load that model, or pass "
-            "allow_other_model_id=True if it is the same model under another name (its shape matches).",
-            "model_id",
-            SavedContextMismatchError,
-            saved=saved.get("model_id"),
-            got=model_id,
-        )
-    _check_weights(saved.get("weights"), model, reader)
-
-
-def _check_weights(weights: Any, model: Any, reader: _Reader) -> None:
-    """The weight fingerprint, when the file has one (files written before it, or saved from a model that
-    attends in its own code, are checked by shape and id only)."""
-    if weights is None:
-        return
-    modules = weights.get("modules") if isinstance(weights, dict) else None
-    if not (
-        isinstance(modules, dict)
-        and modules
-        and all(isinstance(i, str) and i.isdigit() and isinstance(c, str) for i, c in modules.items())
-    ):
-        reader.fail("its weight fingerprint is malformed (damaged file). Save the context again.", "weights")
-    classes = {int(i): c for i, c in modules.items()}
-    found = _attention_modules(model, classes)
-    got = _weights_hash(found) if found.keys() == classes.keys() else None
-    if got != weights.get("sha256"):
-        layers = ", ".join(f"{c} of layer {i}" for i, c in sorted(classes.items()))
-        reader.fail(
-            f"saved from a model with other weights (the sampled weights of {layers} differ, or this model "
-            "lacks such modules): another checkpoint of the same architecture, e.g. another fine-tune. A saved "
-            "context fits only the weights that computed it: load that checkpoint, or compress the context "
-            "again with this model.",
-            "weights",
-            SavedContextMismatchError,
-            saved=weights.get("sha256"),
-            got=got,
-        )
 
 
 def _option(options: dict, key: str, kinds: tuple, reader: _Reader, *, low: float | None = None) -> Any:
