@@ -17,23 +17,28 @@ on the forward path), when the layer has one: every KV head of a row holds the s
 tokens run unbroken up to T. Columns before a row's first held token are left padding, never stored, and
 read as zeros (the attention mask hides them). Otherwise reading them raises
 :class:`~lukv_cache.errors.RaggedCacheError`; :meth:`LUKVLayer.head_tokens` reads one (row, KV head).
+
+Its parts: the suffix (:mod:`.suffix`), the store's absorb and rebuild (:mod:`.merge`), the logical view
+(:mod:`.logical`), the sliding window (:mod:`.window`), batch rows and offloading (:mod:`.batchrows`) and
+its state for saved contexts (:mod:`.layerstate`).
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer
 
 from ..errors import BatchIndexError, BatchMismatchError, UnsupportedOperationError
-from .batchrows import select_rows
-from .layerstate import checked_parts
+from .batchrows import BatchRows
+from .batchrows import select_rows as select_rows  # the cache selects its rows as its layers do
+from .layerstate import LayerState
 from .logical import head_tokens, logical_content
 from .merge import absorb, rebuild
 from .ragged import RaggedStore
-from .statecheck import StateCheck, StateShape
 from .suffix import MIN_CAPACITY, DenseSuffix
+from .window import SlidingWindow
 
 # A decoding suffix this long is folded into the ragged store: the store is rebuilt once per this many
 # steps (amortised O(store / 256) per step) and the suffix buffer's slack stays bounded. The default of
@@ -41,7 +46,7 @@ from .suffix import MIN_CAPACITY, DenseSuffix
 FOLD_AT = 256
 
 
-class LUKVLayer(DynamicLayer):
+class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
     """A full-attention layer of :class:`~lukv_cache.LUKVCache` (see the module docstring).
 
     >>> layer = LUKVLayer()
@@ -261,57 +266,6 @@ class LUKVLayer(DynamicLayer):
         if self.store is not None:
             self.store = self.store.select(self.store.positions < self.cumulative_length)
 
-    def _select_rows(self, rows: torch.Tensor) -> None:
-        """Keep batch rows ``rows`` (any order, repeats allowed): beam reorder, repeat, select."""
-        if self.suffix is None:
-            return
-        suffix = self.suffix
-        rows = rows.to(suffix.key_buffer.device)
-        capacity = suffix.capacity if self.compressed else None
-        self.suffix = DenseSuffix.of(
-            suffix.keys.index_select(0, rows), suffix.values.index_select(0, rows), capacity
-        )
-        if self.sinks_left is not None:
-            self.sinks_left = self.sinks_left[rows.to(self.sinks_left.device)]
-        if self.queries is not None:
-            self.queries = self.queries.index_select(0, rows.to(self.queries.device))
-        if self.store is not None:
-            self.store = self.store.select_rows(rows)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices) -> None:
-        """Keep the batch rows ``indices`` selects, as ``DynamicCache`` does (``keys[indices, ...]``): a
-        tensor, tuple or list of row indices (negative ones count from the end) or a bool mask over the
-        rows; out of range is a :class:`~lukv_cache.errors.BatchIndexError` (the cache is unchanged)."""
-        if self.is_initialized:
-            self._select_rows(select_rows(indices, self.batch_size))
-
-    # ------------------------------------------------------------------ offloading (transformers' layer API)
-    def offload(self) -> None:
-        """Move every tensor the layer holds to the CPU (transformers' ``Cache(offloading=True)``)."""
-        if self.is_initialized:
-            self._move("cpu")
-
-    def prefetch(self) -> None:
-        """Move an offloaded layer back to its device."""
-        if self.suffix is not None and self.suffix.key_buffer.device != self.device:
-            self._move(self.device)
-
-    def _move(self, device) -> None:
-        self.suffix = cast(DenseSuffix, self.suffix).to(device)
-        if self.sinks_left is not None:
-            self.sinks_left = self.sinks_left.to(device, non_blocking=True)
-        if self.queries is not None:
-            self.queries = self.queries.to(device, non_blocking=True)
-        if self.store is not None:
-            self.store = self.store.to(device)
-
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> int:
         """Bytes of every tensor this layer holds (store, positions, offsets, suffix buffers)."""
@@ -391,81 +345,3 @@ class LUKVLayer(DynamicLayer):
         if self.queries is not None and self.queries.shape[0] == recent.shape[0]:
             recent = torch.cat([self.queries, recent], dim=2)[:, :, -count:]
         self.queries = recent.clone()  # never a view: it would pin the forward's queries
-
-    # ------------------------------------------------------------------ sliding windows
-    def activate_past_recording(self) -> None:
-        """Assisted decoding crops rejected drafts: a sliding layer then keeps the tokens it could drop."""
-        self.keeps_past = True
-
-    @property
-    def window_start(self) -> int | None:
-        """A sliding layer: the oldest logical column a later query can read (the next token, at column
-        ``cumulative_length``, reads columns after ``cumulative_length - sliding_window``, as transformers'
-        sliding mask and ``DynamicSlidingWindowLayer``, which keeps the last ``sliding_window - 1``); ``None``
-        for a full-attention layer."""
-        return None if self.sliding_window is None else self.cumulative_length - self.sliding_window + 1
-
-    def slide(self) -> None:
-        """A sliding layer: drop the stored tokens no later query can attend (older than :attr:`window_start`)."""
-        oldest = self.window_start
-        if oldest is None or self.keeps_past or self.store is None or not self.store.num_tokens:
-            return
-        if oldest > 0 and int(self.store.positions.min()) < oldest:
-            self.store = self.store.select(self.store.positions >= oldest)
-
-    def drop_out_of_window(self) -> None:
-        """A sliding layer: drop what no later query can attend from the dense suffix too (the prompt's
-        tokens older than the window, once its forward attended them), so that a sliding layer never holds
-        a long prompt whole while the rest of the prefill runs; nothing while it keeps its past."""
-        oldest, suffix = self.window_start, self.suffix
-        if oldest is None or self.keeps_past or suffix is None or not suffix.length:
-            return
-        drop = oldest - (self.cumulative_length - suffix.length)  # suffix tokens before it
-        if drop > 0:
-            self.suffix = DenseSuffix.of(suffix.keys[:, :, drop:], suffix.values[:, :, drop:])
-        self.slide()
-
-    def to_sliding(self, sliding_window: int, *, record_past: bool = False) -> DynamicSlidingWindowLayer:
-        """The stock sliding layer holding what this (never compressed) layer holds."""
-        layer = DynamicSlidingWindowLayer(sliding_window=sliding_window)
-        if record_past:
-            layer.activate_past_recording()
-        if self.suffix is not None and self.suffix.length:
-            layer.update(self.suffix.keys.clone(), self.suffix.values.clone())
-        return layer
-
-    # ------------------------------------------------------------------ state (saved contexts)
-    def state_dict(self) -> dict[str, Any]:
-        """The layer's state: ``attrs`` (its plain attributes by name, transformers' included, and
-        ``_suffix_len``, the suffix's length, under the saved-context format's name), ``tensors`` (its
-        other tensors: ``sinks_left``, ``queries``), ``dtype`` (None before the first update) and its parts'
-        states, ``suffix`` (:meth:`DenseSuffix.state_dict`) and ``store`` (:meth:`RaggedStore.state_dict`),
-        each None when the layer has none."""
-        own = {name: value for name, value in vars(self).items() if name not in _PARTS}
-        own["_suffix_len"] = self.suffix_length
-        return {
-            "attrs": {name: value for name, value in own.items() if not isinstance(value, torch.Tensor)},
-            "tensors": {name: value for name, value in own.items() if isinstance(value, torch.Tensor)},
-            "dtype": self.dtype if self.is_initialized else None,
-            "suffix": None if self.suffix is None else self.suffix.state_dict(),
-            "store": None if self.store is None else self.store.state_dict(),
-        }
-
-    def load_state(self, state: dict, check: StateCheck, shape: StateShape, device) -> None:
-        """Take :meth:`state_dict`'s ``state``, its tensors on ``device``, checked against ``shape`` (the
-        model's sizes, the cache's fold settings, the other layers' batch) by
-        :func:`~lukv_cache.cache.layerstate.checked_parts`; ``state["attrs"]`` have the types a fresh
-        layer's have (the caller checks them)."""
-        for name, value in {**state["attrs"], **state["tensors"]}.items():
-            if name != "_suffix_len":
-                setattr(self, name, value)
-        if self.sliding_window is not None:
-            self._sliding_window_tensor = self._sliding_window_tensor.to(device)
-        if self.is_initialized:
-            self.dtype, self.device = state["dtype"], device
-        self.suffix, self.store = checked_parts(state, check, shape, device)
-
-
-# what state_dict gives as parts of their own, or leaves out: the dtype and device (the suffix's), the
-# sliding window's tensor (rebuilt from sliding_window, on the layer's device)
-_PARTS = {"suffix", "store", "dtype", "device", "_sliding_window_tensor"}

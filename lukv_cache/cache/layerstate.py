@@ -1,9 +1,13 @@
-"""A :class:`~lukv_cache.cache.layer.LUKVLayer`'s state checked before it is used (a saved context is
-untrusted input): :func:`checked_parts` checks the state :meth:`LUKVLayer.state_dict
-<lukv_cache.cache.layer.LUKVLayer.state_dict>` gives and builds the layer's parts from it, the dense suffix
-and the ragged store, each checked by its own ``from_state``."""
+"""A :class:`~lukv_cache.cache.layer.LUKVLayer`'s state: what it gives and takes (:class:`LayerState`,
+``state_dict`` / ``load_state``), checked before it is used (a saved context is untrusted input):
+:func:`checked_parts` checks the state and builds the layer's parts from it, the dense suffix and the
+ragged store, each checked by its own ``from_state``."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 from .ragged import RaggedStore
 from .statecheck import StateCheck, StateShape
@@ -57,3 +61,50 @@ def checked_parts(
     return suffix, None if store is None else RaggedStore.from_state(
         store, check, shape, b, length - s, value_dim
     )
+
+
+# what state_dict gives as parts of their own, or leaves out: the dtype and device (the suffix's), the
+# sliding window's tensor (rebuilt from sliding_window, on the layer's device)
+_PARTS = {"suffix", "store", "dtype", "device", "_sliding_window_tensor"}
+
+
+class LayerState:
+    """A layer's state as a plain dict (a mixin of LUKVLayer): its own attributes (``vars``: every plain
+    attribute the layer sets, transformers' included, travels), its parts' states and its dtype."""
+
+    suffix: DenseSuffix | None
+    store: RaggedStore | None
+    is_initialized: bool
+    sliding_window: int | None
+    _sliding_window_tensor: torch.Tensor  # a sliding layer's window, on its device (transformers' name)
+    dtype: Any
+    device: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        """The layer's state: ``attrs`` (its plain attributes by name, transformers' included, and
+        ``_suffix_len``, the suffix's length, under the saved-context format's name), ``tensors`` (its
+        other tensors: ``sinks_left``, ``queries``), ``dtype`` (None before the first update) and its parts'
+        states, ``suffix`` (:meth:`DenseSuffix.state_dict`) and ``store`` (:meth:`RaggedStore.state_dict`),
+        each None when the layer has none."""
+        own = {name: value for name, value in vars(self).items() if name not in _PARTS}
+        own["_suffix_len"] = 0 if self.suffix is None else self.suffix.length
+        return {
+            "attrs": {name: value for name, value in own.items() if not isinstance(value, torch.Tensor)},
+            "tensors": {name: value for name, value in own.items() if isinstance(value, torch.Tensor)},
+            "dtype": self.dtype if self.is_initialized else None,
+            "suffix": None if self.suffix is None else self.suffix.state_dict(),
+            "store": None if self.store is None else self.store.state_dict(),
+        }
+
+    def load_state(self, state: dict, check: StateCheck, shape: StateShape, device) -> None:
+        """Take :meth:`state_dict`'s ``state``, its tensors on ``device``, checked against ``shape`` (the
+        model's sizes, the cache's fold settings, the other layers' batch) by :func:`checked_parts`;
+        ``state["attrs"]`` have the types a fresh layer's have (the caller checks them)."""
+        for name, value in {**state["attrs"], **state["tensors"]}.items():
+            if name != "_suffix_len":
+                setattr(self, name, value)
+        if self.sliding_window is not None:
+            self._sliding_window_tensor = self._sliding_window_tensor.to(device)
+        if self.is_initialized:
+            self.dtype, self.device = state["dtype"], device
+        self.suffix, self.store = checked_parts(state, check, shape, device)
