@@ -272,63 +272,36 @@ def test_the_import_graph_is_read_whole():
     assert _cycles({"a": {"b": 1}, "b": {"c": 1, "a": 1}, "c": {"a": 1}}) == {("a", "b", "c"), ("a", "b")}
 
 
-def test_no_import_cycles():
-    graph = _import_graph()
+def _cycle_lines(graph: dict[str, dict[str, int]]) -> list[str]:
+    """The import cycles of ``graph``, each in words (``a (line n) -> b; b (line m) -> a``)."""
     lines = []
     for cycle in sorted(tuple(_short(m) for m in cycle) for cycle in _cycles(graph)):
         hops = [
             f"{a} (line {graph[_full(a)][_full(b)]}) -> {b}" for a, b in zip(cycle, cycle[1:] + cycle[:1])
         ]
         lines.append("; ".join(hops))
-    assert not lines, "import cycles:\n" + "\n".join(lines)
-
-
-# The cache's modules type against a leaf (cache/contract.py's CompressedCache, the Compressor) instead of
-# importing the cache, also for type checkers. The edges left, each to be removed (issue 45): the lead
-# empties this list once the other parts of the redesign are merged.
-CACHE_TYPING_EDGES_LEFT = {
-    ("cache.savefile", "cache.cache"),  # write_context / read_context's LUKVCache annotations
-}
-
-
-def _cache_cycles(graph: dict[str, dict[str, int]], allowed: set[tuple[str, str]]) -> list[str]:
-    """The cycles among lukv_cache/cache's modules in ``graph``, without the ``allowed`` edges, in words."""
-    inside = {
-        name: {
-            target: line
-            for target, line in targets.items()
-            if target.startswith("lukv_cache.cache.") and (_short(name), _short(target)) not in allowed
-        }
-        for name, targets in graph.items()
-        if name.startswith("lukv_cache.cache.")
-    }
-    lines = []
-    for cycle in sorted(tuple(_short(m) for m in cycle) for cycle in _cycles(inside)):
-        hops = [
-            f"{a} (line {inside[_full(a)][_full(b)]}) -> {b}" for a, b in zip(cycle, cycle[1:] + cycle[:1])
-        ]
-        lines.append("; ".join(hops))
     return lines
 
 
-def test_no_import_cycles_in_the_cache_counting_type_checking_imports():
-    lines = _cache_cycles(_import_graph(typing=True), CACHE_TYPING_EDGES_LEFT)
-    assert not lines, "import cycles in lukv_cache/cache (TYPE_CHECKING imports included):\n" + "\n".join(
-        lines
+def test_no_import_cycles():
+    # TYPE_CHECKING imports count too: a module that needs a class above it only for its annotations types
+    # against a protocol in a leaf instead (cache/contract.py's CompressedCache, profiles/location.py's
+    # PublishedProfile), so the package reads top-down for a type checker as it does when it runs
+    lines = _cycle_lines(_import_graph(typing=True))
+    assert not lines, "import cycles (TYPE_CHECKING imports included):\n" + "\n".join(lines)
+
+
+def test_the_cycle_check_sees_type_checking_imports(tmp_path):
+    a, b = "lukv_cache.a", "lukv_cache.b"
+    assert _cycle_lines({a: {b: 1}, b: {a: 3}}) == ["a (line 1) -> b; b (line 3) -> a"]
+    # an import under ``if TYPE_CHECKING:`` is an edge of the graph the cycle test reads, not of what runs
+    module = tmp_path / "savefile.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .cache import LUKVCache\n"
     )
-
-
-def test_the_cache_cycle_check_sees_type_checking_imports():
-    graph = _import_graph(typing=True)
-    for edge in CACHE_TYPING_EDGES_LEFT:  # each allowed edge is still there (else: drop it from the list)
-        assert _full(edge[1]) in graph[_full(edge[0])], edge
-    # a cycle through an ``if TYPE_CHECKING:`` import alone is one
-    a, b = "lukv_cache.cache.a", "lukv_cache.cache.b"
-    typed = {a: {b: 1}, b: {a: 3}}
-    assert _cache_cycles(typed, set()) == ["cache.a (line 1) -> cache.b; cache.b (line 3) -> cache.a"]
-    assert _cache_cycles(typed, {("cache.b", "cache.a")}) == []
-    # savefile imports the cache for its annotations only: the runtime graph has no such edge
-    assert "lukv_cache.cache.cache" not in _import_graph()["lukv_cache.cache.savefile"]
+    name = "lukv_cache.cache.savefile"
+    assert _imported_modules(name, module, typing=True) == {"lukv_cache.cache.cache": 3}
+    assert _imported_modules(name, module) == {}
 
 
 # attention's leaf modules decide nothing about each other: each imports (within attention) only these

@@ -187,10 +187,10 @@ def test_the_checks_see_each_kind_of_private_use():
         "_builtin._helper()\n"  # a module's private name through the module
         "import lukv_cache.texts\n"
         "lukv_cache.texts._wikipedia_articles = None\n"
-        "obj._kbuf\n"
-        "self._kbuf\n"
+        "obj._logical\n"
+        "self._logical\n"
     )
     uses = _private_uses(ast.parse(source), own, False)
     assert {name for _, name, _ in uses} == {"_group_queries", "_softcap", "_helper", "_wikipedia_articles"}
-    assert [name for _, name, _ in _object_private_uses(ast.parse(source))] == ["_kbuf"]
-    assert "_kbuf" in _class_private_names()  # LUKVLayer's suffix buffer
+    assert [name for _, name, _ in _object_private_uses(ast.parse(source))] == ["_logical"]
+    assert "_logical" in _class_private_names()  # LUKVLayer's logical content

@@ -17,9 +17,10 @@ import torch
 from ..attention.calls import AttentionCall, announce_attention, discard_attention
 from ..errors import ConfigurationError
 from ..scorers.kvzip import RepeatPrompt
+from .batchrows import select_rows
 from .compressor import Compressor
 from .hybrid import HybridRouting
-from .layer import LUKVLayer, select_rows
+from .layer import LUKVLayer
 from .layout import Layout
 from .parallel import HeadShard, mesh_shard
 from .policy import (

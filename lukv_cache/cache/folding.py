@@ -15,7 +15,6 @@ from ..allocation import AllocationRequest
 from ..allocation.budget import MAX_RATIO, fill_ratio, fit_counts
 from .compression import CompressionPolicy, score_suffix, suffix_positions, valid_from_mask
 from .decoding import Held, gather_held, held_tokens, masked_held, rescore
-from .factory import LayerFactory
 from .layer import LUKVLayer
 from .parallel import HeadShard
 from .ragged import keep_mask_from_counts
@@ -45,15 +44,6 @@ def scorer_context(
 def keeps_scores(policy: CompressionPolicy) -> bool:
     """Whether stores keep each token's score (eviction at fold time with a scorer that reuses them)."""
     return policy.decode_max_tokens is not None and policy.scorer.keeps_scores
-
-
-def set_fold(layer: LUKVLayer, policy: CompressionPolicy) -> None:
-    """Give ``layer``, built without the cache's :class:`~lukv_cache.cache.factory.LayerFactory`, the
-    settings that factory builds its layers with (when it folds its dense suffix into the store, and in
-    how many bits it stores). A cache builds every layer with its factory, so the cache never calls this;
-    build layers with ``cache.compressor.new_layer`` instead."""
-    factory = LayerFactory.for_policy(policy)
-    layer.kv_bits, layer.fold_at, layer.bounded = factory.kv_bits, factory.fold_at, factory.bounded
 
 
 def fold_due(layer: LUKVLayer, policy: CompressionPolicy, query: torch.Tensor) -> bool:

@@ -134,6 +134,31 @@ class PackedRows:
         codes = ((groups - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, top)
         return cls(_pack(codes.flatten(1), bits), scale, zero, bits, d, rows.dtype)
 
+    @staticmethod
+    def fits(value, bits: int, dim: int, n: int, dtype: torch.dtype) -> bool:
+        """Whether ``value`` is :class:`PackedRows` holding ``n`` rows of ``dim`` channels of ``dtype`` in
+        ``bits``: its codes ``[n, dim * bits / 8]`` uint8, a scale and a zero per channel group (a restored
+        store's rows, checked before use)."""
+        if (
+            not isinstance(value, PackedRows)
+            or value.bits != bits
+            or value.dim != dim
+            or value.dtype != dtype
+        ):
+            return False
+        groups = dim // group_size(dim)
+        codes, scale, zero = value.codes, value.scale, value.zero
+        return (
+            isinstance(codes, torch.Tensor)
+            and codes.dtype == torch.uint8
+            and dim * bits % 8 == 0
+            and tuple(codes.shape) == (n, dim * bits // 8)
+            and isinstance(scale, torch.Tensor)
+            and isinstance(zero, torch.Tensor)
+            and scale.is_floating_point()
+            and tuple(scale.shape) == tuple(zero.shape) == (n, groups)
+        )
+
     @property
     def shape(self) -> tuple[int, int]:
         return (int(self.codes.shape[0]), self.dim)

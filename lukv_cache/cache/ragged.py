@@ -15,12 +15,14 @@ build and edit stores on any device with one gather and no host sync (sizes come
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .quant import PackedRows
+from .statecheck import StateCheck, StateShape
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -177,6 +179,98 @@ class RaggedStore:
         keys, values, positions, offsets, scores = moved
         return RaggedStore(keys, values, positions, offsets, self.offsets_list, self.num_heads, scores)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Every field but ``offsets_list`` (the host copy of ``offsets``): tensors, ``num_heads``, and the
+        quantized rows (:class:`~lukv_cache.cache.quant.PackedRows`, a frozen dataclass of tensors and plain
+        values) of a quantized store."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "offsets_list"}
+
+    @classmethod
+    def check_fields(cls, names, check: StateCheck) -> None:
+        """Refuse a state with a field this store does not have, or without one it needs."""
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "offsets_list"}
+        where = f"{check.where}.store"
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            check.fail(
+                f"{check.label}'s store has fields {unknown} this lukv_cache's RaggedStore does not have (written "
+                "by another version). Load it with the version that wrote it.",
+                where,
+            )
+        no_default = dataclasses.MISSING
+        needed = (n for n, f in known.items() if f.default is no_default and f.default_factory is no_default)
+        missing = [n for n in needed if n not in names]
+        if missing:
+            check.fail(f"{check.label}'s store lacks the fields {missing} (damaged file).", where)
+
+    @classmethod
+    def from_state(
+        cls, state: dict, check: StateCheck, shape: StateShape, batch: int, before: int, value_dim: int
+    ) -> RaggedStore:
+        """The store of :meth:`state_dict`, checked: offsets over ``batch * kv_heads`` segments ending at its
+        length, every position below ``before`` (the suffix follows the store) and ascending inside its
+        segment, every field with a row per token (keys and values of the model's head dim, ``value_dim``
+        and dtype; in the cache's ``kv_bits`` when it quantizes)."""
+        cls.check_fields(state, check)
+        label, where = f"{check.label}'s store", f"{check.where}.store"
+        for name in ("offsets", "positions"):
+            if not isinstance(state[name], torch.Tensor):
+                check.fail(f"{label} has no {name} tensor (damaged file).", f"{where}.{name}")
+        segments = batch * shape.kv_heads
+        offsets = check.tensor(state["offsets"], f"{where}.offsets", dtype=torch.int64, shape=(segments + 1,))
+        positions = check.tensor(state["positions"], f"{where}.positions", dtype=torch.int32, ndim=1)
+        n = int(positions.shape[0])
+        counts = offsets.diff()
+        if int(offsets[0]) != 0 or bool((counts < 0).any()) or int(offsets[-1]) != n:
+            check.fail(
+                f"{label} offsets do not run from 0 to its {n} tokens in order (damaged or altered file).",
+                f"{where}.offsets",
+            )
+        if n:
+            starts = torch.zeros(n, dtype=torch.bool, device=positions.device)
+            starts[offsets[:-1][counts > 0].to(positions.device)] = True
+            rising = positions[1:] > positions[:-1]
+            if (
+                int(positions.min()) < 0
+                or int(positions.max()) >= before
+                or not bool((rising | starts[1:]).all())
+            ):
+                check.fail(
+                    f"{label} positions are not ascending in [0, {before}) within each (row, KV head), the "
+                    "tokens before the dense suffix (damaged or altered file).",
+                    f"{where}.positions",
+                )
+        for name, value in state.items():
+            if name not in ("offsets", "num_heads") and not _holds_rows(value, n):
+                check.fail(f"{label} {name} does not hold one row per token ({n}).", f"{where}.{name}")
+        bits = shape.fold_state.get("kv_bits")
+        for name in ("keys", "values"):
+            value = state[name]
+            dims = (
+                tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(getattr(value, "shape", ()))
+            )
+            dtype = getattr(value, "dtype", None)
+            dim = shape.head_dim if name == "keys" else value_dim
+            fits = (
+                PackedRows.fits(value, bits, dim, n, shape.dtype)
+                if bits is not None
+                else isinstance(value, torch.Tensor)
+            )
+            if not fits or len(dims) != 2 or dims[1] != dim or dtype != shape.dtype:
+                check.fail(
+                    f"{label} {name} ({list(dims)}, {dtype}, {getattr(value, 'bits', None)} bits) do not fit "
+                    f"the model and the cache ([{n}, {dim}], {shape.dtype}, kv_bits={bits}).",
+                    f"{where}.{name}",
+                )
+        scores = state.get("scores")
+        if scores is not None and (not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32):
+            check.fail(f"{label} scores are not float32.", f"{where}.scores")
+        if state.get("num_heads") != shape.kv_heads:
+            check.fail(
+                f"{label} num_heads={state.get('num_heads')!r}, the model has {shape.kv_heads}.", where
+            )
+        return cls(**state, offsets_list=tuple(offsets.tolist()))
+
     def _tensors(self) -> tuple:
         return (self.keys, self.values, self.positions, self.offsets, self.scores)
 
@@ -190,6 +284,18 @@ class RaggedStore:
             elif t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+
+def _holds_rows(value: Any, n: int) -> bool:
+    """Whether every tensor of a store field (a tensor, or a dataclass of them) has ``n`` rows."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim >= 1 and value.shape[0] == n
+    if dataclasses.is_dataclass(value):
+        parts = [getattr(value, f.name) for f in dataclasses.fields(value)]
+        return all(
+            _holds_rows(t, n) for t in parts if isinstance(t, torch.Tensor) or dataclasses.is_dataclass(t)
+        )
+    return value is None
 
 
 def _take(rows, index: torch.Tensor):

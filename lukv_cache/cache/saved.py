@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import SavedContextError
 from .cache import LUKVCache
+from .fingerprint import fingerprint_fields
 from .savefile import (
     CHECKSUM_KEY,
     FORMAT_KEY,
@@ -34,7 +35,6 @@ from .savefile import (
     METADATA_KEY,
     LoadOptions,
     checksum,
-    fingerprint_fields,
     read_context,
     write_context,
 )

@@ -24,6 +24,7 @@ from ..errors import LUKVError, SavedContextError, UnknownNameError
 from ..scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
 from .contract import CacheT, CompressedCache
 from .policy import option_spec
+from .statecheck import put_tensor
 
 # the keys of "options" that are not a policy's fields: the cache's own, and the embedded profiles' names
 _CACHE_KEYS = ("keep_scores", "profiles")
@@ -40,13 +41,6 @@ class SavedFile(Protocol):
     def tensor(
         self, name: str, *, dtype: torch.dtype | None = ..., shape: tuple | None = ..., ndim: int | None = ...
     ) -> torch.Tensor: ...
-
-
-def put_tensor(tensors: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> str:
-    """Add ``t`` to the file's ``tensors`` as ``name`` (returned): a fresh, contiguous CPU copy, since
-    safetensors refuses tensors that share memory."""
-    tensors[name] = t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-    return name
 
 
 # ---------------------------------------------------------------------------------------------- saving

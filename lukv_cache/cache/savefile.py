@@ -2,38 +2,33 @@
 (:func:`write_context`), and read back, checked, into a cache of the class it is given (:func:`read_context`).
 :mod:`.saved` gives the public functions (``save_cache``, ``load_cache``) and ``LUKVCache.save`` / ``load``
 call these directly, so this module never imports the cache class (no import cycle). The file layout is
-described in docs/saved.md."""
+described in docs/saved.md; the layers' entries are :mod:`.savedlayers`'s, the model's identity
+:mod:`.fingerprint`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from ..errors import (
     ConfigurationError,
     SavedContextError,
-    SavedContextMismatchError,
 )
 from ..profiles.files import write_atomically
 from ..scorers import Scorer
-from .folding import set_fold
-from .layer import LUKVLayer
-from .quant import PackedRows, group_size
-from .ragged import RaggedStore
+from .contract import CacheT, CompressedCache
+from .fingerprint import check_model, fields_hash, fingerprint_fields, layer_kv_heads, weights_entry
 from .saved_options import build_cache, save_options
-
-if TYPE_CHECKING:
-    from .cache import LUKVCache
+from .savedlayers import check_savable, restore_layers, save_layer
+from .statecheck import StateCheck, put_tensor
 
 FORMAT_NAME = "lukv-saved-context"
 FORMAT_VERSION = 1
@@ -62,25 +57,15 @@ _ITEMSIZE = {
     "U64": 8,
     "F64": 8,
 }
-# LUKVLayer attributes handled by name (the rest of the layer's attributes travel generically)
-_LUKV_SPECIAL = {"store", "_kbuf", "_vbuf", "suffix_keys", "suffix_values", "dtype", "device"}
-_STOCK_SPECIAL = {"dtype", "device"}
-_DERIVED = {"_sliding_window_tensor"}  # rebuilt from sliding_window, on the layer's device
-# layer attributes that are None or a count (every other attribute whose default is None holds a tensor)
-_OPTIONAL_COUNTS = {"kv_bits", "sliding_window"}
-_SUFFIX_ROOM = 16  # a loaded suffix buffer's room beyond its tokens (LUKVLayer's smallest decoding buffer)
-_KINDS = {"lukv": LUKVLayer, "sliding": DynamicSlidingWindowLayer, "dynamic": DynamicLayer}
-_SCALARS = (bool, int, float, str, type(None))
-_DATACLASS_MODULES = ("lukv_cache.cache.",)  # the only classes a file may name (rebuilt from their fields)
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def write_context(cache: LUKVCache, path: Path, model: Any = None) -> Path:
+def write_context(cache: CompressedCache, path: Path, model: Any = None) -> Path:
     """Write ``cache`` to ``path`` (see :func:`lukv_cache.cache.saved.save_cache`); ``cache`` is a LUKVCache."""
-    _check_savable(cache, path)
+    check_savable(cache, path)
     config = _config_of(cache, model, path)
     tensors: dict[str, torch.Tensor] = {}
-    layers = [_save_layer(i, layer, tensors, path) for i, layer in enumerate(cache.layers)]
+    layers = [save_layer(i, layer, tensors, path) for i, layer in enumerate(cache.layers)]
     dtype = next(entry["dtype"] for entry in layers if entry.get("dtype"))
     fields = fingerprint_fields(config, dtype)
     meta = {
@@ -90,9 +75,9 @@ def write_context(cache: LUKVCache, path: Path, model: Any = None) -> Path:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": {
             "model_id": str(getattr(config, "name_or_path", "") or ""),
-            "fingerprint": _hash(fields),
+            "fingerprint": fields_hash(fields),
             "fields": fields,
-            "weights": _weights_entry(cache, model),
+            "weights": weights_entry(cache.state.readers.values(), model),
         },
         "options": save_options(cache, tensors, path),
         "cache": {
@@ -110,62 +95,7 @@ def write_context(cache: LUKVCache, path: Path, model: Any = None) -> Path:
     return path
 
 
-def _check_savable(cache: LUKVCache, path: Path) -> None:
-    why = cache.state.pending()
-    if why:
-        raise SavedContextError(
-            f"Cannot save this LUKVCache now: {'; '.join(why)}. Save it between forwards, once the context is "
-            "compressed (after cache.prefill(...), model(...) or model.generate(...) has returned; after "
-            "cache.evict_held(...) for a holding() block).",
-            path=str(path),
-        )
-    if cache.layout.head_shard is not None or cache.layout.mesh_shard is not None:
-        raise SavedContextError(
-            "Cannot save a tensor-parallel LUKVCache: each rank holds only its block of KV heads. Save the "
-            "context from a single-process run of the model.",
-            path=str(path),
-        )
-    if (
-        not any(getattr(layer, "is_initialized", False) for layer in cache.layers)
-        or not cache.get_seq_length()
-    ):
-        raise SavedContextError(
-            "Cannot save an empty LUKVCache: fill it first (cache.prefill(model, input_ids, ...), or a forward "
-            "or generate with past_key_values=cache), then save it.",
-            path=str(path),
-        )
-    stored = [layer for layer in cast("list[Any]", cache.layers) if type(layer) in _KINDS.values()]
-    lengths = [layer.get_seq_length() for layer in stored]
-    if len(set(lengths)) > 1:
-        raise SavedContextError(
-            f"Cannot save this LUKVCache: its layers have seen different numbers of tokens ({_seen_tokens(lengths)}"
-            "): a forward stopped part-way through the model (an exception, Ctrl-C or out of memory in a layer), "
-            "so the later layers lack tokens the earlier ones hold. Re-run the prompt: cache.reset(), fill the "
-            "cache again, then save it.",
-            path=str(path),
-            field="layers",
-        )
-
-
-def _seen_tokens(lengths: list[int]) -> str:
-    """Per-layer token counts in words, runs of equal layers merged.
-
-    >>> _seen_tokens([40, 40, 0, 0, 0])
-    'layers 0-1: 40 tokens, layers 2-4: 0 tokens'
-    """
-    runs: list[list[int]] = []  # [first layer, last layer] of each run of equal counts
-    for i, n in enumerate(lengths):
-        if runs and lengths[runs[-1][0]] == n:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(
-        f"layer {a}: {lengths[a]} tokens" if a == b else f"layers {a}-{b}: {lengths[a]} tokens"
-        for a, b in runs
-    )
-
-
-def _config_of(cache: LUKVCache, model: Any, path: Path) -> Any:
+def _config_of(cache: CompressedCache, model: Any, path: Path) -> Any:
     config = getattr(model, "config", None) if model is not None else None
     if config is None:
         for ref in cache.state.readers.values():
@@ -182,94 +112,6 @@ def _config_of(cache: LUKVCache, model: Any, path: Path) -> Any:
     return config
 
 
-def fingerprint_fields(config: Any, dtype: str) -> dict[str, Any]:
-    """The fields of a model that decide a cache's shapes (layers, KV and query heads, head dim, layer
-    types, sliding window, the KV dtype, the model type); their hash is the file's model fingerprint.
-
-    >>> from transformers import LlamaConfig
-    >>> fingerprint_fields(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4), "float32")["head_dim"]
-    16
-    """
-    text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None)
-    if head_dim is None and heads:
-        head_dim = getattr(text, "hidden_size", 0) // heads
-    window = getattr(text, "sliding_window", None)
-    return {
-        "model_type": str(getattr(text, "model_type", "")),
-        "num_hidden_layers": int(text.num_hidden_layers),
-        "num_attention_heads": None if heads is None else int(heads),
-        "num_key_value_heads": None if kv_heads is None else int(kv_heads),
-        "head_dim": None if head_dim is None else int(head_dim),
-        "layer_types": [str(kind) for kind in get_layer_types_and_kwargs(text)[0]],
-        "sliding_window": None if window is None else int(window),
-        "dtype": dtype,
-    }
-
-
-def _hash(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-_WEIGHT_SAMPLES = 64  # elements read from each parameter, evenly spaced: cheap, and any dense change shows
-
-
-def _weights_entry(cache: LUKVCache, model: Any) -> dict[str, Any] | None:
-    """The file's weight fingerprint: which attention modules it covers (the first and the last layer's, by
-    ``layer_idx`` and class name) and the hash of their weights (:func:`_weights_hash`). The modules are the
-    ones that read the cache, else ``model``'s; ``None`` when neither has attention modules with a
-    ``layer_idx`` (a model that attends in its own code)."""
-    modules: dict[int, torch.nn.Module] = {}
-    for ref in cache.state.readers.values():
-        module = ref()
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(module, torch.nn.Module) and isinstance(idx, int):
-            modules.setdefault(idx, module)
-    if not modules:
-        modules = _attention_modules(model, None)
-    if not modules:
-        return None
-    chosen = {i: modules[i] for i in sorted({min(modules), max(modules)})}
-    return {"modules": {str(i): type(m).__name__ for i, m in chosen.items()}, "sha256": _weights_hash(chosen)}
-
-
-def _attention_modules(model: Any, classes: dict[int, str] | None) -> dict[int, torch.nn.Module]:
-    """``model``'s modules with an int ``layer_idx``, by it: those of the class ``classes`` names for
-    that layer, or (``classes=None``) those whose class name ends in ``Attention`` (transformers' own)."""
-    found: dict[int, torch.nn.Module] = {}
-    if not isinstance(model, torch.nn.Module):
-        return found
-    for module in model.modules():
-        idx, name = getattr(module, "layer_idx", None), type(module).__name__
-        if not isinstance(idx, int) or idx in found:
-            continue
-        if (classes.get(idx) == name) if classes is not None else name.endswith("Attention"):
-            found[idx] = module
-    return found
-
-
-def _weights_hash(modules: dict[int, torch.nn.Module]) -> str:
-    """sha256 over each module's parameters (name, dtype, shape, and ``_WEIGHT_SAMPLES`` evenly spaced
-    elements): two checkpoints of one architecture differ in it, at a few small reads per parameter.
-    Parameters not held here (on the meta device, offloaded; sharded tensor subclasses) count by name and
-    shape only."""
-    digest = hashlib.sha256()
-    for i, module in sorted(modules.items()):
-        digest.update(f"\0{i}\0{type(module).__name__}".encode())
-        for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
-            digest.update(f"\0{name}\0{_dtype_name(p.dtype)}\0{list(p.shape)}\0".encode())
-            if p.device.type == "meta" or type(p.data) is not torch.Tensor or not p.numel():
-                continue
-            flat = p.detach().reshape(-1)
-            k = min(flat.numel(), _WEIGHT_SAMPLES)
-            at = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
-            sample = flat[at.to(flat.device)].cpu().contiguous()
-            digest.update(sample.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def checksum(metadata: str, tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the structured metadata (the JSON string) and every tensor's name, dtype, shape and
     bytes, in name order: what the file's ``lukv_sha256`` entry holds."""
@@ -283,100 +125,11 @@ def checksum(metadata: str, tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _put(tensors: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> str:
-    # a fresh, contiguous CPU tensor: safetensors refuses tensors that share memory
-    tensors[name] = t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-    return name
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _save_layer(i: int, layer: Any, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    kind = next((name for name, cls in _KINDS.items() if type(layer) is cls), None)
-    if kind is None:
-        raise SavedContextError(
-            f"Cannot save layer {i} ({type(layer).__name__}): this format stores LUKVCache's compressed layers "
-            "and transformers' DynamicLayer / DynamicSlidingWindowLayer, not linear-attention, SSM or other "
-            "layer states. Recompute the context for this model instead of saving it.",
-            path=str(path),
-            field=f"layers.{i}",
-        )
-    entry: dict[str, Any] = {"kind": kind, "attrs": {}, "tensors": []}
-    special = _LUKV_SPECIAL if kind == "lukv" else _STOCK_SPECIAL
-    for name, value in vars(layer).items():
-        if name in special or name in _DERIVED:
-            continue
-        if isinstance(value, torch.Tensor):
-            entry["tensors"].append(name)
-            _put(tensors, f"layers.{i}.{name}", value)
-        elif isinstance(value, _SCALARS) and not (isinstance(value, float) and not math.isfinite(value)):
-            entry["attrs"][name] = value
-        else:
-            raise SavedContextError(
-                f"Cannot save layer {i}: its attribute {name!r} is a {type(value).__name__}, which this format "
-                "version does not store (tensors and plain numbers only).",
-                path=str(path),
-                field=f"layers.{i}.{name}",
-            )
-    initialized = bool(getattr(layer, "is_initialized", False))
-    # transformers' own layers keep no dtype from 5.24 on (5.23's did): their keys have it
-    dtype = (layer.dtype if kind == "lukv" else layer.keys.dtype) if initialized else None
-    entry["dtype"] = None if dtype is None else _dtype_name(dtype)
-    if kind == "lukv" and initialized:
-        entry["suffix_capacity"] = int(layer._kbuf.shape[-2])
-        _put(tensors, f"layers.{i}.suffix_keys", layer.suffix_keys)
-        _put(tensors, f"layers.{i}.suffix_values", layer.suffix_values)
-        entry["store"] = None if layer.store is None else _save_store(i, layer.store, tensors, path)
-    return entry
-
-
-def _save_store(i: int, store: RaggedStore, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    """Every field of the store (``offsets_list`` is ``offsets`` on the host, recomputed on load): see
-    :func:`_encode`; tensors are named ``layers.{i}.store.{field}``."""
-    return {
-        "fields": {
-            f.name: _encode(getattr(store, f.name), f"layers.{i}.store.{f.name}", tensors, path)
-            for f in dataclasses.fields(store)
-            if f.name != "offsets_list"
-        }
-    }
-
-
-def _encode(value: Any, name: str, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    """One field as the metadata holds it: ``{"tensor": name}`` (the tensor stored under ``name``),
-    ``{"value": v}`` (a plain number, string or None), ``{"dtype": "float16"}``, or ``{"dataclass":
-    "lukv_cache.cache.<module>.<Class>", "fields": {...}}`` for a dataclass of lukv_cache's cache (e.g. a
-    quantized store's rows: codes, scales and zeros), its fields encoded alike as ``name.<field>``."""
-    if isinstance(value, torch.Tensor):
-        return {"tensor": _put(tensors, name, value)}
-    if isinstance(value, torch.dtype):
-        return {"dtype": _dtype_name(value)}
-    if isinstance(value, _SCALARS) and not (isinstance(value, float) and not math.isfinite(value)):
-        return {"value": value}
-    cls = type(value)
-    if dataclasses.is_dataclass(value) and cls.__module__.startswith(_DATACLASS_MODULES):
-        return {
-            "dataclass": f"{cls.__module__}.{cls.__qualname__}",
-            "fields": {
-                f.name: _encode(getattr(value, f.name), f"{name}.{f.name}", tensors, path)
-                for f in dataclasses.fields(value)
-            },
-        }
-    raise SavedContextError(
-        f"Cannot save {name}: a {cls.__name__}, which this format version does not store (tensors, plain "
-        "numbers, dtypes and lukv_cache's own cache dataclasses only).",
-        path=str(path),
-        field=name,
-    )
-
-
-def _save_prefill_scores(cache: LUKVCache, tensors: dict[str, torch.Tensor]) -> list[int]:
+def _save_prefill_scores(cache: CompressedCache, tensors: dict[str, torch.Tensor]) -> list[int]:
     if not cache.prefill_scores:
         return []
     for idx, scores in cache.prefill_scores.items():
-        _put(tensors, f"prefill_scores.{idx}", scores)
+        put_tensor(tensors, f"prefill_scores.{idx}", scores)
     return sorted(int(i) for i in cache.prefill_scores)
 
 
@@ -410,36 +163,27 @@ class LoadOptions:
 
 
 def read_context(
-    cache_class: type[LUKVCache], path: str | os.PathLike, model: Any, options: LoadOptions = LoadOptions()
-) -> LUKVCache:
+    cache_class: type[CacheT], path: str | os.PathLike, model: Any, options: LoadOptions = LoadOptions()
+) -> CacheT:
     """The ``cache_class`` (LUKVCache) saved at ``path`` (see :func:`lukv_cache.cache.saved.load_cache`)."""
     path = Path(path)
     reader = _Reader(path)
     meta = reader.read()
-    _check_model(meta, model, reader, options.allow_other_model_id)
+    check_model(meta, model, reader.fail, options.allow_other_model_id)
     cache = build_cache(cache_class, meta, model, reader, options.scorer, options.allocator)
     devices = _layer_devices(model, len(cache.layers), options.device)
     text = model.config.get_text_config(decoder=True)
     positions = getattr(text, "max_position_embeddings", None)
     max_length = positions if isinstance(positions, int) and positions > 0 else _MAX_LENGTH
-    # the fields _check_model compared with the model's own
-    heads = _layer_kv_heads(model, len(cache.layers), meta["model"]["fields"]["num_key_value_heads"])
-    _restore_layers(cache, meta, reader, devices, max_length, heads)
+    # the fields check_model compared with the model's own
+    heads = layer_kv_heads(model, len(cache.layers), meta["model"]["fields"]["num_key_value_heads"])
+    restore_layers(cache, meta, reader, devices, max_length, heads)
+    unused = set(reader.tensors) - reader.used
+    if unused:
+        reader.fail(
+            f"tensors {sorted(unused)[:5]} that its metadata does not name (altered file).", sorted(unused)[0]
+        )
     return cache
-
-
-def _layer_kv_heads(model: Any, count: int, default: Any) -> list[Any]:
-    """Each layer's KV heads: ``default`` (the config's ``num_key_value_heads``), unless the layer's attention
-    module projects to another count (``k_proj.out_features // head_dim``: MiMo-V2-Flash's sliding layers
-    have twice the global layers' KV heads)."""
-    heads = [default] * count
-    for idx, module in _attention_modules(model, None).items():
-        k_proj, head_dim = getattr(module, "k_proj", None), getattr(module, "head_dim", None)
-        out = getattr(k_proj, "out_features", None)
-        if 0 <= idx < count and isinstance(out, int) and isinstance(head_dim, int) and head_dim > 0:
-            if out % head_dim == 0:
-                heads[idx] = out // head_dim
-    return heads
 
 
 class _Reader:
@@ -449,6 +193,7 @@ class _Reader:
         self.path = path
         self.tensors: dict[str, torch.Tensor] = {}
         self.used: set[str] = set()
+        self.check = _FileCheck(path=str(path))  # a part's state checks, naming this file
 
     def fail(self, why: str, field: str | None = None, cls=SavedContextError, **kw) -> NoReturn:
         raise cls(f"{self.path}: {why}", path=str(self.path), field=field, **kw)
@@ -562,85 +307,17 @@ class _Reader:
         if t is None:
             self.fail(f"tensor {name!r} is missing (damaged file). Save the context again.", name)
         self.used.add(name)
-        bad = (dtype is not None and t.dtype != dtype) or (ndim is not None and t.ndim != ndim)
-        if shape is not None:
-            bad = bad or t.ndim != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape))
-        if bad:
-            want = [("*" if w is None else w) for w in shape] if shape is not None else f"{ndim}-D"
-            self.fail(
-                f"tensor {name!r} is {_dtype_name(t.dtype)} {list(t.shape)}, which does not fit the metadata "
-                f"(expected {'' if dtype is None else _dtype_name(dtype) + ' '}{want}). Save the context again.",
-                name,
-            )
-        return t
+        return self.check.tensor(t, name, dtype=dtype, shape=shape, ndim=ndim)
 
 
-def _check_model(meta: dict, model: Any, reader: _Reader, allow_other_id: bool) -> None:
-    saved: Any = meta.get("model") if isinstance(meta.get("model"), dict) else {}
-    fields = saved.get("fields") if isinstance(saved.get("fields"), dict) else {}
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
-        reader.fail(
-            f"load_cache needs the transformers model the context was saved from, got {type(model).__name__}."
-        )
-    dtype = getattr(model, "dtype", None)
-    got = fingerprint_fields(config, _dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype))
-    for key in got:
-        if fields.get(key) != got[key]:
-            reader.fail(
-                f"saved from a model with {key}={fields.get(key)!r}, this model has {key}={got[key]!r}: a saved "
-                "context fits only the model (and dtype) it was saved from. Load the model it was saved from "
-                f"(model id {saved.get('model_id')!r}), or compress the context again with this one.",
-                key,
-                SavedContextMismatchError,
-                saved=fields.get(key),
-                got=got[key],
-            )
-    if saved.get("fingerprint") != _hash(fields):
-        reader.fail(
-            "its model fingerprint does not match its fields (damaged file). Save the context again.",
-            "fingerprint",
-        )
-    model_id = str(getattr(config, "name_or_path", "") or "")
-    if saved.get("model_id") != model_id and not allow_other_id:
-        reader.fail(
-            f"saved from model {saved.get('model_id')!r}, this model is {model_id!r}. Load that model, or pass "
-            "allow_other_model_id=True if it is the same model under another name (its shape matches).",
-            "model_id",
-            SavedContextMismatchError,
-            saved=saved.get("model_id"),
-            got=model_id,
-        )
-    _check_weights(saved.get("weights"), model, reader)
+@dataclasses.dataclass(frozen=True)
+class _FileCheck(StateCheck):
+    """The checks of a part's state read from the file at ``path``: its errors name the file."""
 
+    path: str = ""
 
-def _check_weights(weights: Any, model: Any, reader: _Reader) -> None:
-    """The weight fingerprint, when the file has one (files written before it, or saved from a model that
-    attends in its own code, are checked by shape and id only)."""
-    if weights is None:
-        return
-    modules = weights.get("modules") if isinstance(weights, dict) else None
-    if not (
-        isinstance(modules, dict)
-        and modules
-        and all(isinstance(i, str) and i.isdigit() and isinstance(c, str) for i, c in modules.items())
-    ):
-        reader.fail("its weight fingerprint is malformed (damaged file). Save the context again.", "weights")
-    classes = {int(i): c for i, c in modules.items()}
-    found = _attention_modules(model, classes)
-    got = _weights_hash(found) if found.keys() == classes.keys() else None
-    if got != weights.get("sha256"):
-        layers = ", ".join(f"{c} of layer {i}" for i, c in sorted(classes.items()))
-        reader.fail(
-            f"saved from a model with other weights (the sampled weights of {layers} differ, or this model "
-            "lacks such modules): another checkpoint of the same architecture, e.g. another fine-tune. A saved "
-            "context fits only the weights that computed it: load that checkpoint, or compress the context "
-            "again with this model.",
-            "weights",
-            SavedContextMismatchError,
-            saved=weights.get("sha256"),
-            got=got,
-        )
+    def fail(self, why: str, field: str | None = None) -> NoReturn:
+        raise SavedContextError(f"{self.path}: {why}", path=self.path, field=field)
 
 
 def _layer_devices(model: Any, count: int, device: Any) -> list[torch.device]:
@@ -662,470 +339,3 @@ def _layer_devices(model: Any, count: int, device: Any) -> list[torch.device]:
     except (AttributeError, StopIteration, TypeError):
         pass
     return [torch.device(default)] * count
-
-
-def _restore_layers(
-    cache: LUKVCache,
-    meta: dict,
-    reader: _Reader,
-    devices: list[torch.device],
-    max_length: int,
-    heads: list[Any],
-) -> None:
-    """The file's layers into ``cache``, each checked against its tensors, the model and the cache's options;
-    no layer may be longer than ``max_length`` (the model's ``max_position_embeddings``), and layer ``i``
-    holds ``heads[i]`` KV heads."""
-    layers, state = meta.get("layers"), meta.get("cache")
-    if not isinstance(layers, list) or len(layers) != len(cache.layers) or not isinstance(state, dict):
-        reader.fail(
-            f"it holds {len(layers) if isinstance(layers, list) else '?'} layers, the model's cache has "
-            f"{len(cache.layers)} (damaged file).",
-            "layers",
-        )
-    fields = meta["model"]["fields"]
-    shape = _Shape(fields, reader)
-    folding = LUKVLayer()
-    set_fold(folding, cache.policy)
-    shape.fold_state = {name: getattr(folding, name) for name in ("fold_at", "bounded", "kv_bits")}
-    shape.max_length = max_length
-    for i, entry in enumerate(layers):
-        shape.kv_heads = heads[i]
-        cache.layers[i] = _restore_layer(cache, i, entry, reader, shape, devices[i])
-    # every layer, empty ones included: a cache saved after a forward that stopped part-way through the
-    # model holds e.g. [40, 40, 0, 0] tokens
-    lengths = [layer.get_seq_length() for layer in cast("list[Any]", cache.layers)]
-    if len(set(lengths)) > 1:
-        reader.fail(
-            f"its layers have seen different numbers of tokens ({_seen_tokens(lengths)}): it was saved after a "
-            "forward stopped part-way through the model, or damaged. Re-run the prompt and save the context "
-            "again.",
-            "layers",
-        )
-    full = state.get("full_layers")
-    if not isinstance(full, list) or not all(
-        isinstance(i, int) and 0 <= i < len(cache.layers) and isinstance(cache.layers[i], LUKVLayer)
-        for i in full
-    ):
-        reader.fail("its list of compressed layers is malformed (damaged file).", "cache.full_layers")
-    cache.layout.full_layers = sorted(full)
-    cache.layout.last_full_layer = cache.layout.full_layers[-1] if full else None
-    cache.layout.undecided = False
-    cache.layout.layout_warning = None
-    flags = {}
-    for key in ("unrouted", "other_keys", "record_past"):
-        value = state.get(key)
-        if not isinstance(value, bool):
-            reader.fail(f"malformed cache state {key}={value!r} (damaged file).", f"cache.{key}")
-        flags[key] = value
-    if flags["unrouted"] and any(getattr(layer, "compressed", False) for layer in cache.layers):
-        reader.fail(
-            "it says the model attends in its own code (unrouted), which only a cache that compressed nothing "
-            "can have, but it holds compressed layers (altered file).",
-            "cache.unrouted",
-        )
-    if not flags["record_past"] and any(getattr(layer, "keeps_past", False) for layer in cache.layers):
-        reader.fail(
-            "a layer keeps the past its window hides, which only assisted decoding (record_past) asks for, "
-            "and the file says it did not (altered file).",
-            "cache.record_past",
-        )
-    cache.state.unrouted = flags["unrouted"]
-    cache.layout.other_keys, cache.layout.record_past = flags["other_keys"], flags["record_past"]
-    scores = state.get("prefill_scores") or []
-    if scores and cache.prefill_scores is None:
-        reader.fail(
-            "it holds prefill scores but was saved without keep_scores (damaged file).",
-            "cache.prefill_scores",
-        )
-    for idx in scores:
-        layer = cache.layers[idx] if isinstance(idx, int) and 0 <= idx < len(cache.layers) else None
-        if not isinstance(layer, LUKVLayer):
-            reader.fail(
-                f"prefill scores for layer {idx!r}, which is not a compressed layer.", "cache.prefill_scores"
-            )
-        t = reader.tensor(f"prefill_scores.{idx}", dtype=torch.float32, shape=(shape.batch, heads[idx], None))
-        assert cache.prefill_scores is not None  # refused above when there are scores
-        cache.prefill_scores[idx] = t.to(devices[idx])
-    unused = set(reader.tensors) - reader.used
-    if unused:
-        reader.fail(
-            f"tensors {sorted(unused)[:5]} that its metadata does not name (altered file).", sorted(unused)[0]
-        )
-
-
-class _Shape:
-    """The sizes every layer must agree on: the model's (KV heads, head dim, query heads, dtype) and the
-    batch, taken from the first layer that holds tokens."""
-
-    def __init__(self, fields: dict, reader: _Reader):
-        self.kv_heads, self.head_dim = fields["num_key_value_heads"], fields["head_dim"]
-        self.query_heads = fields["num_attention_heads"]
-        dtype = getattr(torch, str(fields["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            reader.fail(f"unknown dtype {fields['dtype']!r} (damaged file).", "dtype")
-        self.dtype = dtype
-        self.batch: int | None = None
-        self.fold_state: dict[str, Any] = {}  # what the cache's options set on a layer it compresses
-        self.max_length = _MAX_LENGTH  # the model's positions (max_position_embeddings)
-
-    def row_count(self, b: int, reader: _Reader, field: str) -> None:
-        if self.batch is None:
-            self.batch = b
-        elif b != self.batch:
-            reader.fail(f"{field} holds {b} batch rows, other layers {self.batch} (damaged file).", field)
-
-
-def _fits(name: str, value: Any, default: Any) -> bool:
-    """Whether a saved layer attribute has the type of a fresh layer's: an attribute that is ``None`` on a
-    fresh layer is ``None`` in the file (a tensor travels as a tensor), or a count for ``kv_bits`` and
-    ``sliding_window``."""
-    if default is None:
-        return value is None or (name in _OPTIONAL_COUNTS and type(value) is int)
-    return type(value) is type(default)
-
-
-def _restore_layer(
-    cache: LUKVCache, i: int, entry: Any, reader: _Reader, shape: _Shape, device: torch.device
-) -> Any:
-    where = f"layers.{i}"
-    if (
-        not isinstance(entry, dict)
-        or entry.get("kind") not in _KINDS
-        or not isinstance(entry.get("attrs"), dict)
-    ):
-        reader.fail(f"layer {i}'s entry is malformed (damaged file).", where)
-    kind, attrs = entry["kind"], entry["attrs"]
-    sliding = cache.layout.sliding_windows
-    window = sliding.get(i)
-    current = cache.layers[i]
-    fresh: Any  # the restored layer, of the saved kind
-    if i in sliding:  # a sliding layer: compressed (the prompt fit its window) or transformers' own
-        assert window is not None  # i is in sliding
-        allowed = kind == "sliding" or (kind == "lukv" and attrs.get("sliding_window") == window)
-        fresh = DynamicSlidingWindowLayer(sliding_window=window) if kind == "sliding" else LUKVLayer(window)
-    else:
-        allowed = type(current) is _KINDS[kind] and (kind != "lukv" or attrs.get("sliding_window") is None)
-        fresh = current
-    if not allowed:
-        reader.fail(
-            f"layer {i} was saved as a {_KINDS[kind].__name__}, the model's cache has a {type(current).__name__} "
-            "there (another layer layout).",
-            where,
-            SavedContextMismatchError,
-            saved=kind,
-            got=type(current).__name__,
-        )
-    defaults = vars(fresh)
-    initialized = attrs.get("is_initialized")
-    tensors = entry.get("tensors")
-    if not isinstance(initialized, bool) or not isinstance(tensors, list):
-        reader.fail(f"layer {i}'s entry is malformed (damaged file).", where)
-    for name, value in attrs.items():
-        default = defaults.get(name, KeyError)
-        if (
-            default is KeyError
-            or name in _LUKV_SPECIAL | _DERIVED
-            or not isinstance(value, _SCALARS)
-            or not _fits(name, value, default)
-        ):
-            reader.fail(
-                f"layer {i} has an attribute {name}={value!r} this lukv_cache does not know or expects of another "
-                "type (written by another version, or altered).",
-                f"{where}.{name}",
-            )
-    for name in tensors:
-        default = defaults.get(name, KeyError)
-        if (
-            not isinstance(name, str)
-            or name in _LUKV_SPECIAL | _DERIVED
-            or name in _OPTIONAL_COUNTS
-            or not (default is None or isinstance(default, torch.Tensor))
-        ):
-            reader.fail(f"layer {i} has a tensor {name!r} this lukv_cache does not know.", f"{where}.{name}")
-    values = dict(attrs)
-    length = values.get("cumulative_length", 0)
-    if not isinstance(length, int) or not 0 <= length <= shape.max_length:
-        reader.fail(
-            f"layer {i}'s length {length!r} is out of range [0, {shape.max_length}] (the model's "
-            "max_position_embeddings: it has no positions beyond).",
-            f"{where}.cumulative_length",
-        )
-    dims = (shape.kv_heads, shape.head_dim)
-    if initialized:
-        if entry.get("dtype") != _dtype_name(shape.dtype):
-            reader.fail(
-                f"layer {i} holds {entry.get('dtype')!r}, the model's dtype is {shape.dtype}.",
-                f"{where}.dtype",
-            )
-        values["dtype"], values["device"] = shape.dtype, device
-    for name in tensors:
-        values[name] = reader.tensor(f"{where}.{name}").to(device)
-    if kind == "lukv":
-        _restore_lukv(fresh, i, entry, values, reader, shape, device)
-    else:
-        if initialized:
-            for name in ("keys", "values"):
-                t = values.get(name)
-                if not isinstance(t, torch.Tensor) or t.ndim != 4 or tuple(t.shape[1:2]) != dims[:1]:
-                    reader.fail(f"layer {i}'s {name} do not fit the model's KV heads.", f"{where}.{name}")
-                if (
-                    t.dtype != shape.dtype
-                    or t.shape[2] > length
-                    or t.shape[3] != shape.head_dim
-                    and name == "keys"
-                ):
-                    reader.fail(
-                        f"layer {i}'s {name} ({list(t.shape)}, {t.dtype}) do not fit its metadata.",
-                        f"{where}.{name}",
-                    )
-                shape.row_count(int(t.shape[0]), reader, f"{where}.{name}")
-        for name, value in values.items():
-            setattr(fresh, name, value)
-    if hasattr(fresh, "_sliding_window_tensor"):
-        fresh._sliding_window_tensor = fresh._sliding_window_tensor.to(device)
-    return fresh
-
-
-def _restore_lukv(
-    layer: LUKVLayer, i: int, entry: dict, values: dict, reader: _Reader, shape: _Shape, device: torch.device
-) -> None:
-    where = f"layers.{i}"
-    length = values.get("cumulative_length", 0)
-    for name, value in values.items():
-        if name not in ("store",):
-            setattr(layer, name, value)
-    if not values.get("is_initialized"):
-        if length or entry.get("store") is not None:
-            reader.fail(f"layer {i} holds tokens but is marked empty (damaged file).", where)
-        return
-    s = values.get("_suffix_len")
-    settled, fold_at = values.get("settled_length", 0), values.get("fold_at", 1)
-    if not isinstance(s, int) or not 0 <= s <= length:
-        reader.fail(f"layer {i}'s suffix length {s!r} is out of range [0, {length}].", f"{where}._suffix_len")
-    if not 0 <= settled <= length or fold_at < 1:
-        reader.fail(f"layer {i}'s fold state (settled_length, fold_at) is out of range.", where)
-    compressed = values.get("compressed")
-    if compressed != (entry.get("store") is not None) or not compressed and length != s:
-        reader.fail(
-            f"layer {i} says compressed={compressed!r} but holds {'a' if entry.get('store') else 'no'} store and "
-            f"{s} of its {length} tokens in its suffix (an uncompressed layer holds them all there).",
-            f"{where}.compressed",
-        )
-    if compressed:  # what the cache's options set on a layer it compresses
-        for name, want in shape.fold_state.items():
-            if values.get(name) != want:
-                reader.fail(
-                    f"layer {i} has {name}={values.get(name)!r}, its cache's options give {want!r} (altered file).",
-                    f"{where}.{name}",
-                )
-    keys = reader.tensor(
-        f"{where}.suffix_keys", dtype=shape.dtype, shape=(None, shape.kv_heads, s, shape.head_dim)
-    )
-    b = int(keys.shape[0])
-    shape.row_count(b, reader, f"{where}.suffix_keys")
-    vals = reader.tensor(f"{where}.suffix_values", dtype=shape.dtype, shape=(b, shape.kv_heads, s, None))
-    capacity = entry.get("suffix_capacity")
-    if not isinstance(capacity, int) or not s <= capacity <= 2 * length + fold_at + 17:
-        reader.fail(f"layer {i}'s suffix capacity {capacity!r} is out of range.", f"{where}.suffix_capacity")
-    # the buffers are room to decode into, not data: never more than the stored suffix implies (a larger
-    # saved capacity, after a fold or a crop, regrows on demand as decoding needs it)
-    capacity = min(capacity, max(2 * s, s + _SUFFIX_ROOM))
-    kbuf = keys.new_empty((b, shape.kv_heads, capacity, keys.shape[-1]), device=device)
-    vbuf = vals.new_empty((b, shape.kv_heads, capacity, vals.shape[-1]), device=device)
-    kbuf[:, :, :s] = keys
-    vbuf[:, :, :s] = vals
-    layer._kbuf, layer._vbuf, layer._suffix_len = kbuf, vbuf, s
-    layer._sync_views()
-    sinks = values.get("sinks_left")
-    if sinks is not None and (sinks.shape != (b,) or sinks.is_floating_point()):
-        reader.fail(
-            f"layer {i}'s sinks_left {list(sinks.shape)} does not fit {b} rows.", f"{where}.sinks_left"
-        )
-    queries = values.get("queries")
-    if queries is not None and (
-        queries.ndim != 4
-        or queries.shape[0] != b
-        or queries.shape[1] != shape.query_heads
-        or queries.dtype != shape.dtype
-    ):
-        reader.fail(
-            f"layer {i}'s recorded queries {list(queries.shape)} do not fit the model.", f"{where}.queries"
-        )
-    store = entry.get("store")
-    layer.store = (
-        None
-        if store is None
-        else _restore_store(i, store, reader, shape, b, length - s, int(vals.shape[-1]), device)
-    )
-
-
-def _decode(spec: Any, name: str, reader: _Reader, device: torch.device) -> Any:
-    """A field encoded by :func:`_encode`; a dataclass is rebuilt only if it is one of lukv_cache's cache
-    classes, from exactly its fields."""
-    if isinstance(spec, dict) and len(spec) == 1 and isinstance(spec.get("tensor"), str):
-        return reader.tensor(spec["tensor"]).to(device)
-    if isinstance(spec, dict) and len(spec) == 1 and "value" in spec and isinstance(spec["value"], _SCALARS):
-        return spec["value"]
-    if isinstance(spec, dict) and len(spec) == 1 and isinstance(spec.get("dtype"), str):
-        dtype = getattr(torch, spec["dtype"], None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    if (
-        isinstance(spec, dict)
-        and isinstance(spec.get("dataclass"), str)
-        and isinstance(spec.get("fields"), dict)
-    ):
-        module, _, qualname = spec["dataclass"].rpartition(".")
-        cls = None
-        if module.startswith(_DATACLASS_MODULES) and module.removeprefix("lukv_cache.cache.").isidentifier():
-            try:
-                cls = getattr(importlib.import_module(module), qualname, None)
-            except ImportError:
-                cls = None
-        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-            reader.fail(
-                f"{name} is a {spec['dataclass']}, which this lukv_cache does not have (written by another "
-                "version). Load it with the version that wrote it.",
-                name,
-            )
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if set(spec["fields"]) != fields:
-            reader.fail(
-                f"{name} ({cls.__name__}) has the fields {sorted(spec['fields'])}, this lukv_cache's has "
-                f"{sorted(fields)} (written by another version). Load it with the version that wrote it.",
-                name,
-            )
-        kwargs = {
-            key: _decode(value, f"{name}.{key}", reader, device) for key, value in spec["fields"].items()
-        }
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as err:
-            reader.fail(f"{name} does not rebuild: {err} (damaged file).", name)
-    reader.fail(f"{name} is malformed in the metadata (damaged file). Save the context again.", name)
-
-
-def _rows(value: Any, n: int) -> bool:
-    """Whether every tensor of a store field (a tensor, or a dataclass of them) has ``n`` rows."""
-    if isinstance(value, torch.Tensor):
-        return value.ndim >= 1 and value.shape[0] == n
-    if dataclasses.is_dataclass(value):
-        parts = [getattr(value, f.name) for f in dataclasses.fields(value)]
-        return all(_rows(t, n) for t in parts if isinstance(t, torch.Tensor) or dataclasses.is_dataclass(t))
-    return value is None
-
-
-def _packed_fits(value: Any, bits: int | None, dim: int, n: int, dtype: torch.dtype) -> bool:
-    """Whether a quantized store field (:class:`PackedRows`) holds ``n`` rows of ``dim`` channels in the
-    cache's ``bits``: its codes ``[n, dim * bits / 8]`` uint8, a scale and a zero per channel group."""
-    if not isinstance(value, PackedRows) or value.bits != bits or value.dim != dim or value.dtype != dtype:
-        return False
-    groups = dim // group_size(dim)
-    codes, scale, zero = value.codes, value.scale, value.zero
-    return (
-        isinstance(codes, torch.Tensor)
-        and codes.dtype == torch.uint8
-        and dim * bits % 8 == 0
-        and tuple(codes.shape) == (n, dim * bits // 8)
-        and isinstance(scale, torch.Tensor)
-        and isinstance(zero, torch.Tensor)
-        and scale.is_floating_point()
-        and tuple(scale.shape) == tuple(zero.shape) == (n, groups)
-    )
-
-
-def _restore_store(
-    i: int,
-    entry: Any,
-    reader: _Reader,
-    shape: _Shape,
-    batch: int,
-    before: int,
-    value_dim: int,
-    device: torch.device,
-) -> RaggedStore:
-    """Layer ``i``'s store, checked: offsets over ``batch * kv_heads`` segments ending at its length, every
-    position below ``before`` (the suffix follows the store) and ascending inside its segment, every field
-    with a row per token (keys and values of the model's head dim, ``value_dim`` and dtype; in the cache's
-    ``kv_bits`` when it quantizes)."""
-    where = f"layers.{i}.store"
-    if not isinstance(entry, dict) or not isinstance(entry.get("fields"), dict):
-        reader.fail(f"layer {i}'s store entry is malformed (damaged file).", where)
-    known = {f.name: f for f in dataclasses.fields(RaggedStore)}
-    fields = entry["fields"]
-    unknown = [n for n in fields if n not in known or n == "offsets_list"]
-    if unknown:
-        reader.fail(
-            f"layer {i}'s store has fields {unknown} this lukv_cache's RaggedStore does not have (written by "
-            "another version). Load it with the version that wrote it.",
-            where,
-        )
-    missing = [
-        name
-        for name, f in known.items()
-        if name not in fields
-        and name != "offsets_list"
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        reader.fail(f"layer {i}'s store lacks the fields {missing} (damaged file).", where)
-    for name in ("offsets", "positions"):
-        if not isinstance(fields.get(name), dict) or "tensor" not in fields[name]:
-            reader.fail(f"layer {i}'s store has no {name} tensor (damaged file).", f"{where}.{name}")
-    segments = batch * shape.kv_heads
-    offsets = reader.tensor(f"{where}.offsets", dtype=torch.int64, shape=(segments + 1,))
-    positions = reader.tensor(f"{where}.positions", dtype=torch.int32, ndim=1)
-    n = int(positions.shape[0])
-    counts = offsets.diff()
-    if int(offsets[0]) != 0 or bool((counts < 0).any()) or int(offsets[-1]) != n:
-        reader.fail(
-            f"layer {i}'s store offsets do not run from 0 to its {n} tokens in order (damaged or altered file).",
-            f"{where}.offsets",
-        )
-    if n:
-        starts = torch.zeros(n, dtype=torch.bool)
-        starts[offsets[:-1][counts > 0]] = True
-        rising = positions[1:] > positions[:-1]
-        if (
-            int(positions.min()) < 0
-            or int(positions.max()) >= before
-            or not bool((rising | starts[1:]).all())
-        ):
-            reader.fail(
-                f"layer {i}'s store positions are not ascending in [0, {before}) within each (row, KV head), the "
-                "tokens before the dense suffix (damaged or altered file).",
-                f"{where}.positions",
-            )
-    values = {name: _decode(spec, f"{where}.{name}", reader, device) for name, spec in fields.items()}
-    for name, value in values.items():
-        if name in ("offsets", "num_heads"):
-            continue
-        if not _rows(value, n):
-            reader.fail(f"layer {i}'s store {name} does not hold one row per token ({n}).", f"{where}.{name}")
-    for name in ("keys", "values"):
-        value = values.get(name)
-        dims = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(getattr(value, "shape", ()))
-        dtype = getattr(value, "dtype", None)
-        dim = shape.head_dim if name == "keys" else value_dim
-        bits = shape.fold_state.get("kv_bits")
-        fits = (
-            _packed_fits(value, bits, dim, n, shape.dtype)
-            if bits is not None
-            else isinstance(value, torch.Tensor)
-        )
-        if not fits or len(dims) != 2 or dims[1] != dim or dtype != shape.dtype:
-            reader.fail(
-                f"layer {i}'s store {name} ({list(dims)}, {dtype}, {getattr(value, 'bits', None)} bits) do not fit "
-                f"the model and the cache ([{n}, {dim}], {shape.dtype}, kv_bits={bits}).",
-                f"{where}.{name}",
-            )
-    scores = values.get("scores")
-    if scores is not None and (not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32):
-        reader.fail(f"layer {i}'s store scores are not float32.", f"{where}.scores")
-    if values.get("num_heads") != shape.kv_heads:
-        reader.fail(
-            f"layer {i}'s store num_heads={values.get('num_heads')!r}, the model has {shape.kv_heads}.", where
-        )
-    values["offsets_list"] = tuple(offsets.tolist())
-    return RaggedStore(**values)

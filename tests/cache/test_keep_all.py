@@ -230,7 +230,7 @@ def test_long_decode_folds_the_suffix_into_the_store_and_still_matches_dynamic_c
     )
     assert_same_generation(ref, out)
     for layer in cache.layers:
-        assert layer._kbuf.shape[-2] <= 257, "the suffix buffer kept growing instead of folding"
+        assert layer.suffix_buffers[0].shape[-2] <= 257, "the suffix buffer kept growing instead of folding"
         assert int(layer.store.positions.max()) >= 256, "decoded tokens never reached the store"
         assert layer.stored_counts().tolist() == cache.layers[0].stored_counts().tolist()
 

@@ -75,7 +75,7 @@ def unique_storage_bytes(tensors) -> int:
 def suffix_buffer_bytes(cache) -> int:
     total = 0
     for layer in cache.layers:
-        for t in (layer._kbuf, layer._vbuf):
+        for t in layer.suffix_buffers:
             total += t.untyped_storage().nbytes()
     return total
 
@@ -122,7 +122,7 @@ def test_store_tensors_are_compact_and_not_views_of_the_prefill():
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{name} is a view of more"
         assert layer.store.positions.dtype == torch.int32
         # the suffix is its own small buffer (protected window + room to decode), not the prefill tensor
-        for buf, view in ((layer._kbuf, layer.suffix_keys), (layer._vbuf, layer.suffix_values)):
+        for buf, view in zip(layer.suffix_buffers, (layer.suffix_keys, layer.suffix_values)):
             assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
             assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
             assert buf.shape[-2] < PROMPT // 4

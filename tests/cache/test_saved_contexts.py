@@ -195,7 +195,7 @@ def test_the_file_holds_the_documented_metadata_and_only_the_used_suffix(tmp_pat
     assert "layers.0.store.offsets_list" not in names
     with safe_open(str(path), "pt") as f:
         assert f.get_slice("layers.0.suffix_keys").get_shape()[2] == layer.suffix_length
-    assert meta["layers"][0]["suffix_capacity"] == layer._kbuf.shape[-2] >= layer.suffix_length
+    assert meta["layers"][0]["suffix_capacity"] == layer.suffix_buffers[0].shape[-2] >= layer.suffix_length
 
 
 # ------------------------------------------------------------------------------------------ bad files

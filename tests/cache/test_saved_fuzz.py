@@ -241,7 +241,7 @@ def test_a_large_suffix_capacity_allocates_only_what_the_stored_suffix_implies(t
     attrs = meta["layers"][0]["attrs"]
     meta["layers"][0]["suffix_capacity"] = 2 * attrs["cumulative_length"] + attrs["fold_at"]  # in range
     layer = load_cache(_resigned(src, tmp_path / "edited.safetensors", meta), model).layers[0]
-    assert layer._kbuf.shape[-2] == max(2 * layer.suffix_length, layer.suffix_length + 16)
+    assert layer.suffix_buffers[0].shape[-2] == max(2 * layer.suffix_length, layer.suffix_length + 16)
 
 
 @pytest.mark.parametrize(
