@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -365,4 +366,15 @@ LUKVCache.__init__.__signature__ = LUKVCache.__signature__.replace(  # type: ign
         *LUKVCache.__signature__.parameters.values(),  # type: ignore[attr-defined]
     ]
 )
-LUKVCache.__doc__ = (LUKVCache.__doc__ or "").replace("    Args:\n", "    Args:\n" + options_args(), 1)
+
+
+def _with_options(doc: str) -> str:
+    """``doc`` with the policy's options as its Args entries (Python 3.13 strips a docstring's indentation:
+    the entries take the ``Args:`` line's own, plus four)."""
+    found = re.search(r"^( *)Args:\n", doc, re.M)
+    if found is None:
+        return doc
+    return doc[: found.end()] + options_args(indent=len(found.group(1)) + 4) + doc[found.end() :]
+
+
+LUKVCache.__doc__ = _with_options(LUKVCache.__doc__ or "")
