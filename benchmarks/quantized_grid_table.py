@@ -8,6 +8,9 @@ run has seed 0, so every run has the same samples and its own full-cache row; th
 are taken against the run's own full cache.
 
     python benchmarks/quantized_grid_table.py 1000 > benchmarks/results/quantized/equal_bytes_1000.md
+    python benchmarks/quantized_grid_table.py 1000 --results benchmarks/results/quantized_qwen > ...
+
+``--results``: another folder of such runs (another model's grid).
 
 ``--smoke``: the table of two tiny ``lukv bench`` runs on the stand-ins of ``benchmarks/_smoke.py`` (full
 precision and 4 bits), written in a temporary folder instead of ``results/quantized`` (``benchmarks/smoke.py``).
@@ -28,9 +31,15 @@ RESULTS = Path(__file__).resolve().parent / "results" / "quantized"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tokens", nargs="?", default="1000", help="the runs' context tokens (1000)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="the folder of the grid's runs (benchmarks/results/quantized)",
+    )
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    tokens, results = args.tokens, RESULTS
+    tokens, results = args.tokens, args.results
     if args.smoke:
         tokens, results = "200", _smoke.begin().out("quantized")
         for name, bits in (("full", None), ("int4", 4)):
@@ -54,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             elif method == "full":
                 row["nll"] = (0.0, 0.0)
     print(f"# Equal bytes: the quantized store's grid at ~{tokens} context tokens\n")
-    print("Made by `python benchmarks/quantized_grid_table.py " + tokens + "` from the runs of:\n")
+    where = "" if results == RESULTS or args.smoke else f" --results {_shown(results)}"
+    print(f"Made by `python benchmarks/quantized_grid_table.py {tokens}{where}` from the runs of:\n")
     for command in commands:
         print(f"* `{command}`")
     print("\n| method | bytes of the full fp32 cache | multikey retrieval % ± SE | excess NLL ± SE |")
@@ -67,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{nll[0]:+.3f} ± {nll[1]:.3f} |"
         )
     return 0
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the command line gave it from the repository root, when it lies inside it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":
