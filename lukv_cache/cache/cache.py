@@ -23,8 +23,10 @@ from .compressor import Compressor
 from .hybrid import HybridRouting
 from .layer import LUKVLayer
 from .layout import Layout
+from .memory import MemoryChoice
 from .parallel import HeadShard, mesh_shard
 from .policy import (
+    ChosenBits,
     CompressionPolicy,
     add_option_properties,
     check_flag,
@@ -92,6 +94,15 @@ class LUKVCache(HybridRouting, CacheReport):
         self.compressor = Compressor(self)  # owns compression: the cache forwards to it
 
     # the policy, read-only: cache.ratio, cache.scorer, ... (one OptionProperty per field, added below)
+    kv_bits = ChosenBits()
+
+    @property
+    def memory_choice(self) -> MemoryChoice | None:
+        """Under ``memory=`` / ``max_bytes=``, what the budget chose at the prompt's compression (the
+        bits, the budget in bytes per row, the fraction of tokens each precision could keep, and whether
+        the profile's table or the fallback rule chose); ``None`` before it, after :meth:`reset`, or
+        without a budget."""
+        return self.compressor.memory_choice
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass gets the properties and the signature of its ``policy_class``'s options."""
@@ -112,7 +123,12 @@ class LUKVCache(HybridRouting, CacheReport):
     def evicts(self) -> bool:
         """Whether this cache removes anything (a ratio above 0, or a token budget)."""
         policy = self.policy
-        return policy.ratio > 0 or policy.max_tokens is not None or policy.decode_max_tokens is not None
+        return (
+            policy.ratio > 0
+            or policy.max_tokens is not None
+            or policy.decode_max_tokens is not None
+            or policy.in_bytes
+        )
 
     @property
     def allocator_name(self) -> str:
@@ -275,6 +291,7 @@ class LUKVCache(HybridRouting, CacheReport):
         if self.prefill_scores is not None:
             self.prefill_scores = {}
         self.layout.reset_sliding(self)
+        self.compressor.forget_choice()
 
     # ------------------------------------------------------------------ batch rows: the layers', then the scores'
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -1,4 +1,4 @@
-"""The ``max_tokens`` cap (``LUKVCache(max_tokens=N)``): how many evictable tokens one eviction step may keep
+"""The ``max_tokens`` cap (``LUKVCache(max_tokens=N)``, and the tokens a memory budget's bytes hold): how many evictable tokens one eviction step may keep
 so that every row holds at most ``N`` tokens per (full-attention layer, KV head) on average after the
 forward, and the ratio each row's budgets are read at (one per forward, so every layer reads its profile
 at the same ratio).
@@ -12,7 +12,9 @@ import torch
 
 from ..allocation.budget import MAX_RATIO, fill_ratio
 from .compression import CompressionPolicy, Region
+from .folding import keeps_scores
 from .layer import LUKVLayer
+from .memory import layer_budget
 from .parallel import HeadShard
 
 
@@ -50,15 +52,23 @@ def token_cap(
     protected window, and the sinks of the layers still to evict in this forward all count); and the
     number of (layer, head) pairs still to evict. ``(None, 0)`` without a cap. ``layers``: the cache's;
     ``full``: its full-attention layers, if known."""
-    if policy.max_tokens is None:
+    if policy.max_tokens is None and not policy.in_bytes:
         return None, 0
     full = full or [i for i, layer in enumerate(layers) if isinstance(layer, LUKVLayer)]
     later = 0 if policy.defers else sum(1 for i in full if i > max(evicted))
     layer = layers[evicted[0]]
     window = layer.suffix_length - region.length
     sinks = region.sinks.sum(-1).cpu()
-    budget = policy.max_tokens * len(full) * num_heads
-    protected = num_heads * (len(full) * window + (len(evicted) + later) * sinks)
+    if policy.in_bytes:
+        # the bytes hold this many tokens at the layers' bits; the layers evicted before this step have
+        # folded their windows into their stores (counted there)
+        budget = layer_budget(policy, layer, len(full), num_heads, keeps_scores(policy))
+        windows = len(evicted) + later
+    else:
+        assert policy.max_tokens is not None  # a cap: max_tokens or a budget
+        budget = policy.max_tokens * len(full) * num_heads
+        windows = len(full)
+    protected = num_heads * (windows * window + (len(evicted) + later) * sinks)
     cap = budget - stored_in_stores(layers, shard, sinks.shape[0]) - protected
     return cap, (len(evicted) + later) * num_heads
 

@@ -10,20 +10,24 @@ took (:meth:`~Compressor.observe`). The cache forwards to it; it reads the cache
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
+from ..errors import ConfigurationError
 from .compression import CompressionPolicy, Region, plan_region
 from .contract import CompressedCache
 from .eviction import evict, held_steps, score_step, wants_compression
 from .factory import LayerFactory
-from .folding import fold_due, fold_evict
+from .folding import fold_due, fold_evict, keeps_scores
 from .forward import begin_forward, check_forward
 from .layer import LUKVLayer
+from .layout import BUDGET_NEEDS_FULL_ATTENTION
+from .memory import MemoryChoice, choose_bits, layer_shapes, log_choice
 from .state import Phase
 
 
@@ -62,6 +66,8 @@ class Compressor:
         self.cache = cache
         self.new_layer = LayerFactory.for_policy(cache.policy)
         self.observers: list[Callable[[CompressionStep], Any]] = []
+        # under a memory budget: what it chose at the first compression (None before, and after reset)
+        self.memory_choice: MemoryChoice | None = None
         if cache.layer_class_to_replicate is not None:  # the layout is unknown: grown layers are ours too
             cache.layer_class_to_replicate = self.new_layer
 
@@ -76,6 +82,7 @@ class Compressor:
         memo[id(self)] = new
         new.cache = copy.deepcopy(self.cache, memo)
         new.new_layer, new.observers = self.new_layer, list(self.observers)
+        new.memory_choice = self.memory_choice
         return new
 
     # ------------------------------------------------------------------ observers
@@ -147,8 +154,64 @@ class Compressor:
         """Evict the regions of ``steps`` (layer -> region, masked scores or None; see
         :func:`~lukv_cache.cache.eviction.evict`)."""
         started = time.perf_counter()
+        budgeted = self.policy.in_bytes and bool(steps)
+        if budgeted and self.memory_choice is None:
+            self.choose_bits(min(steps))
         evict(self.cache, steps)
+        if budgeted:  # every kept token costs the same: the window joins the store, in its bits
+            for idx in steps:
+                cast(LUKVLayer, self.cache.layers[idx]).fold()
         self._report("evict", steps, started)
+
+    def choose_bits(self, idx: int) -> MemoryChoice:
+        """Under a memory budget, at the first compression (layer ``idx``'s, holding the prompt): choose
+        the bits (:func:`~lukv_cache.cache.memory.choose_bits`, with the profile's measured table when it
+        has one), build every compressed layer's store in them from now on, log the choice in one line."""
+        cache, policy = self.cache, self.policy
+        layout = cache.layout
+        layer = cast(LUKVLayer, cache.layers[idx])
+        full = layout.full_layers or [i for i, each in enumerate(cache.layers) if isinstance(each, LUKVLayer)]
+        count = layout.num_layers or len(cache.layers)
+        if len(full) != count or not all(type(each) is LUKVLayer for each in cache.layers):
+            raise ConfigurationError(BUDGET_NEEDS_FULL_ATTENTION)
+        heads = layer.num_heads * (1 if layout.head_shard is None else layout.head_shard.size)
+        shapes = layer_shapes(layer, len(full), heads)
+        profile = (policy.allocator_kwargs or {}).get("profile") or getattr(cache, "profile", None)
+        choice = choose_bits(
+            policy.memory,
+            policy.max_bytes,
+            layer.cumulative_length,
+            shapes,
+            keeps_scores(policy),
+            policy.sink + policy.window,
+            getattr(profile, "memory_table", None),
+        )
+        self.adopt_choice(choice)
+        log_choice(choice)
+        return choice
+
+    def adopt_choice(self, choice: MemoryChoice) -> None:
+        """Build every compressed layer's store in ``choice``'s bits from now on (the layers without one)."""
+        cache = self.cache
+        self.new_layer = dataclasses.replace(self.new_layer, kv_bits=choice.kv_bits)
+        if cache.layer_class_to_replicate is not None:
+            cache.layer_class_to_replicate = self.new_layer
+        for each in cache.layers:
+            if isinstance(each, LUKVLayer) and each.store is None:
+                each.kv_bits = choice.kv_bits
+        self.memory_choice = choice
+
+    def forget_choice(self) -> None:
+        """A memory budget chooses again for the next prompt (the cache was reset)."""
+        if self.memory_choice is None:
+            return
+        self.memory_choice = None
+        self.new_layer = LayerFactory.for_policy(self.policy)
+        if self.cache.layer_class_to_replicate is not None:
+            self.cache.layer_class_to_replicate = self.new_layer
+        for each in self.cache.layers:
+            if isinstance(each, LUKVLayer):
+                each.kv_bits = self.new_layer.kv_bits
 
     def evict_deferred(self) -> None:
         """Evict the layers a whole-model allocator left waiting in this forward, in one step."""

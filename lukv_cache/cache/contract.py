@@ -12,6 +12,7 @@ import torch
 
 from .compression import CompressionPolicy
 from .layout import Layout
+from .memory import MemoryChoice
 from .state import ForwardState
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ class CompressedCache(Protocol):
 
     @property
     def num_layers(self) -> int | None: ...
+
+    @property
+    def memory_choice(self) -> MemoryChoice | None: ...  # what a memory budget chose
 
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...  # a cache class is called with its options
 

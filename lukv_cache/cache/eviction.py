@@ -50,7 +50,7 @@ def wants_compression(
     chunk = policy.prefill_chunk_size
     if chunk is None:
         return False
-    if policy.max_tokens is not None:
+    if policy.max_tokens is not None or policy.in_bytes:
         return True  # a cap holds after every chunk, the last shorter one too
     return previous_length == chunk or layer.suffix_length - policy.window >= chunk
 

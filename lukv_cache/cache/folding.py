@@ -16,6 +16,7 @@ from ..allocation.budget import MAX_RATIO, fill_ratio, fit_counts
 from .compression import CompressionPolicy, score_suffix, suffix_positions, valid_from_mask
 from .decoding import Held, gather_held, held_tokens, masked_held, rescore
 from .layer import LUKVLayer
+from .memory import layer_budget
 from .parallel import HeadShard
 from .ragged import keep_mask_from_counts
 
@@ -77,7 +78,7 @@ def fold_evict(
     the ratio that total implies over the row's tokens."""
     kept_scores = keeps_scores(policy)
     idxs = sorted(folding)
-    layers = [layers[i] for i in idxs]
+    all_layers, layers = layers, [layers[i] for i in idxs]
     for layer in layers:  # a sliding layer's tokens older than its window are not held (nor counted)
         layer.slide()
     first = layers[0]
@@ -98,7 +99,13 @@ def fold_evict(
     # [B] evictable tokens the folding layers may keep in all, so that each row holds at most
     # decode_max_tokens per (layer, KV head) on average, protected tokens included
     assert policy.decode_max_tokens is not None  # folds evict only under decode_max_tokens
-    allowed = (policy.decode_max_tokens * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
+    per_head = policy.decode_max_tokens
+    if policy.in_bytes:  # and no more than the memory budget's bytes hold at the layers' bits
+        full = sum(1 for layer in all_layers if isinstance(layer, LUKVLayer))
+        per_head = min(
+            per_head, max(layer_budget(policy, first, full, heads, kept_scores), 0) // (full * heads)
+        )
+    allowed = (per_head * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
     protected = protected.double().mean((0, 2))  # [B], per head
     row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator
     fits = bool(row_fits.all())

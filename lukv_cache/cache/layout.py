@@ -34,6 +34,13 @@ logger = logging.getLogger("lukv_cache")
 _warned: set[tuple[str, str]] = set()
 
 
+BUDGET_NEEDS_FULL_ATTENTION = (
+    "memory= and max_bytes= need a model whose every layer is full attention (this one has sliding-window, "
+    "linear-attention or shared layers, whose bytes the budget does not count yet): use ratio= with kv_bits= "
+    "on it."
+)
+
+
 def _lukv_layer(layer: Any, factory: LayerFactory) -> Any:
     """The layer the cache keeps in place of transformers' ``layer``: a compressed one for full attention
     (alone, or beside a linear-attention state), built by ``factory``; transformers' own for everything
@@ -247,6 +254,8 @@ class Layout:
         # layers without per-token KV (linear attention, SSM, conv, KV-sharing placeholders) hold nothing to evict
         windowed = [i for i, kind in enumerate(layer_types) if kind in _WINDOWED]
         whole = [i for i, kind in enumerate(layer_types) if kind in _HELD_WHOLE]
+        if cache.policy.in_bytes and len(full) != len(layer_types):
+            raise ConfigurationError(BUDGET_NEEDS_FULL_ATTENTION)
         if self.undecided:  # what the sliding layers become is known at the first forward: warn then
             self.layout_warning = (layer_types, full, windowed, whole, producers)
         else:

@@ -65,6 +65,7 @@ def check_flag(name: str, value: Any) -> bool:
 
 SINK = 4  # the first tokens every head keeps, by default
 RATIO = 0.5  # the fraction removed when nothing sets it (no ratio=, max_tokens=, decode_max_tokens= or table)
+BUDGET_FOLD_AT = 8  # fold_interval under a memory budget: the dense decode room counts in its bytes
 _MAX_TOKENS_LIMIT = 2**40  # far beyond any context; larger numbers are a mistake (None means no cap)
 
 # What a sliding-window layer does when the prompt is longer than its window (LUKVCache(sliding=...)):
@@ -129,6 +130,16 @@ def _fraction(name: str, value: Any, default: Any) -> float:
     return float(value)
 
 
+def _memory(name: str, value: Any, default: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
+        raise ConfigurationError(
+            f"memory must be a fraction in (0, 1] of the full cache's bytes (0.1: a tenth), got {value!r}."
+        )
+    return float(value)
+
+
 def _scorer(name: str, value: Any, default: Any) -> Scorer:
     scorer = get_scorer(value)
     if scorer.missing:
@@ -158,6 +169,9 @@ def _allocator_options(name: str, value: Any, default: Any) -> Mapping | None:
     return value
 
 
+EVERY_FILE: Any = object()  # Option.before of an option every saved file has
+
+
 @dataclass(frozen=True)
 class Option:
     """How a field of :class:`CompressionPolicy` is an option of the cache (the field's ``metadata``).
@@ -169,7 +183,7 @@ class Option:
     under a saved context's ``"options"`` as the kept value (``False``: saved by its own code, or not at all);
     ``kinds`` / ``low``: the JSON types and lower bound a saved value must have (``None``: ``check`` decides
     at load); ``before``: what a file written before the option existed meant (its key is missing: a new
-    option's default, so that older files load; ``None``: every file has the key).
+    option's default, so that older files load; unset: every file has the key).
     """
 
     doc: str
@@ -179,12 +193,12 @@ class Option:
     saved: bool = True
     kinds: tuple[type, ...] | None = None
     low: float | None = None
-    before: Any = None  # with has_before
+    before: Any = EVERY_FILE  # with has_before
 
     @property
     def has_before(self) -> bool:
         """Whether a file may lack this option (it came after the format's first files)."""
-        return self.before is not None
+        return self.before is not EVERY_FILE
 
 
 def option(default: Any, doc: str, more: str = "", **spec: Any) -> Any:
@@ -297,9 +311,11 @@ class CompressionPolicy:
         low=1,
     )
     fold_interval: int = option(
-        FOLD_AT,
-        "The dense suffix of decoded tokens is folded into the ragged store every this many tokens.",
-        "With ``decode_max_tokens`` it is evicted there.",
+        None,
+        f"The dense suffix of decoded tokens is folded into the ragged store every this many tokens (None: "
+        f"{FOLD_AT}, {BUDGET_FOLD_AT} under `memory`/`max_bytes`).",
+        "With ``decode_max_tokens`` it is evicted there. Under a memory budget the dense suffix is decode room "
+        "that counts in the budget, so it folds sooner.",
         check=count(positive=True),
         kinds=(int,),
         low=1,
@@ -316,13 +332,38 @@ class CompressionPolicy:
     )
     kv_bits: int | None = option(
         None,
-        "Bits per entry of the stored keys and values (8 or 4), `None` at the model's precision.",
+        "Bits per entry of the stored keys and values (8 or 4), `None` at the model's precision (or what `memory` chose).",
         "Per token, groups of 32 channels with a 2-byte scale and zero each, bf16 or an fp16 model's fp16 "
         "(:mod:`lukv_cache.cache.quant`); the dense suffix (window, new tokens) stays at full precision until "
         "it folds. Scores are computed before quantization, so the prompt's eviction is the same for every "
         "``kv_bits``. A cache that evicts nothing (``ratio=0``) still quantizes: its logits are no longer the "
         "full cache's (on a tiny fp32 model about 1e-3 off at 8 bits, 1e-2 at 4).",
         check=_kv_bits,
+    )
+    memory: float | None = option(
+        None,
+        "Instead of `ratio`/`max_tokens`/`kv_bits`: a fraction of the full cache's bytes to fit after the prompt.",
+        "The cache chooses the bits (the model's precision, 8 or 4) and how many tokens to keep so that "
+        "everything its compressed layers hold after the prompt (keys and values with their scales and zeros, "
+        "positions, offsets, the window and the decode room) fits ``memory`` times the bytes a full "
+        "``DynamicCache`` holds for that prompt at the model's dtype; the profile's measured table picks the "
+        "bits when it has one, else a fixed rule (``docs/memory.md``). ``cache.kv_bits`` and "
+        "``cache.memory_choice`` say what it chose. Full-attention models only, for now.",
+        check=_memory,
+        kinds=(float, int, type(None)),
+        low=0,
+        before=None,  # files written before the option: no budget
+    )
+    max_bytes: int | None = option(
+        None,
+        "Like `memory`, a hard bound instead: at most this many bytes per batch row after the prompt.",
+        "The byte analogue of ``max_tokens``: the same choice of bits and tokens as ``memory=``, for a number "
+        "of bytes per row whatever the prompt's length (a prompt that fits is kept whole, at the model's "
+        "precision when it fits so).",
+        check=count(positive=True),
+        kinds=(int, type(None)),
+        low=1,
+        before=None,  # files written before the option: no budget
     )
     sliding: str = option(
         None,
@@ -352,6 +393,11 @@ class CompressionPolicy:
         check=_allocator_options,
         saved=False,  # saved from the allocator's own options (JSON, tensors and profiles)
     )
+
+    @property
+    def in_bytes(self) -> bool:
+        """Whether a memory budget (``memory=`` or ``max_bytes=``) sets what the cache keeps."""
+        return self.memory is not None or self.max_bytes is not None
 
     @property
     def defers(self) -> bool:
@@ -390,10 +436,16 @@ class CompressionPolicy:
         if given["evict_ratio"] is not None:
             kwargs["evict_ratio"] = given["evict_ratio"]
         _check_table_alone(kwargs.get("evict_ratio"), ratio, max_tokens)
+        memory = check("memory", given["memory"])
+        max_bytes = check("max_bytes", given["max_bytes"])
+        _check_budget_alone(memory, max_bytes, given, kwargs.get("evict_ratio"))
         decode_max_tokens = check("decode_max_tokens", given["decode_max_tokens"])
         fold_interval = check("fold_interval", given["fold_interval"])
+        if fold_interval is None:
+            fold_interval = BUDGET_FOLD_AT if memory is not None or max_bytes is not None else FOLD_AT
         kv_bits = check("kv_bits", given["kv_bits"])
-        bounded = max_tokens is not None or decode_max_tokens is not None
+        in_bytes = memory is not None or max_bytes is not None
+        bounded = max_tokens is not None or decode_max_tokens is not None or in_bytes
         sliding = given["sliding"]
         if (
             sliding is None
@@ -411,7 +463,8 @@ class CompressionPolicy:
                 raise ConfigurationError(
                     f"decode_max_tokens={decode_max_tokens} is beyond any context; pass None for no bound."
                 )
-            max_tokens = bounded_prompt(ratio, max_tokens, decode_max_tokens, kwargs.get("evict_ratio"))
+            if not in_bytes:  # a byte budget bounds the prompt itself
+                max_tokens = bounded_prompt(ratio, max_tokens, decode_max_tokens, kwargs.get("evict_ratio"))
         if max_tokens is not None:
             if ratio is not None:
                 raise ConfigurationError(
@@ -423,6 +476,8 @@ class CompressionPolicy:
                     f"max_tokens={max_tokens} is beyond any context; pass max_tokens=None for no cap."
                 )
             ratio = 0.0  # decided per prompt, at prefill
+        if in_bytes:
+            ratio = 0.0  # decided per prompt, at prefill, with the bits
         scorer = check("scorer", given["scorer"])
         if decode_max_tokens is not None:
             _check_decodes(scorer)
@@ -456,6 +511,8 @@ class CompressionPolicy:
             fold_interval=fold_interval,
             decode_window=decode_window,
             kv_bits=kv_bits,
+            memory=memory,
+            max_bytes=max_bytes,
             sliding=sliding,
             evict_ratio=given["evict_ratio"],
             allocator_kwargs=allocator_kwargs,
@@ -468,11 +525,12 @@ class CompressionPolicy:
     @classmethod
     def rebuilt_options(cls, kept: Mapping[str, Any]) -> dict[str, Any]:
         """The options as given that :meth:`build` turns into a policy holding ``kept`` again (a saved
-        policy's values): ``kept`` less what build derives (the ratio a ``max_tokens`` bound or an
-        ``evict_ratio`` table sets; ``decode_window``'s 0 without ``decode_max_tokens``)."""
+        policy's values): ``kept`` less what build derives (the ratio a ``max_tokens`` bound, a memory
+        budget or an ``evict_ratio`` table sets; ``decode_window``'s 0 without ``decode_max_tokens``)."""
         options = dict(kept)
         table = (options.get("allocator_kwargs") or {}).get("evict_ratio")
-        if options.get("max_tokens") is not None or table is not None:
+        budget = options.get("memory") is not None or options.get("max_bytes") is not None
+        if options.get("max_tokens") is not None or table is not None or budget:
             options["ratio"] = None
         if options.get("decode_max_tokens") is None:
             options.pop("decode_window", None)
@@ -533,6 +591,25 @@ def _check_table_alone(evict_ratio: Any, ratio: Any, max_tokens: Any) -> None:
         f"Drop {given}, or read a profile's curve at your ratio: LUKVCache(ratio, allocator='profile', "
         "allocator_kwargs={'profile': profile}) or LUKVCache.from_pretrained(model_id, ratio=...)."
     )
+
+
+def _check_budget_alone(memory: Any, max_bytes: Any, given: Mapping[str, Any], evict_ratio: Any) -> None:
+    """A memory budget chooses the ratio and the bits itself: refuse a second answer to either."""
+    if memory is None and max_bytes is None:
+        return
+    if memory is not None and max_bytes is not None:
+        raise ConfigurationError(
+            "Pass either memory= (a fraction of the full cache's bytes) or max_bytes= (bytes per row), not both."
+        )
+    budget = "memory=" if memory is not None else "max_bytes="
+    others = [f"{name}=" for name in ("ratio", "max_tokens", "kv_bits") if given[name] is not None]
+    if evict_ratio is not None:
+        others.append("evict_ratio=")
+    if others:
+        raise ConfigurationError(
+            f"{budget} chooses how many tokens to keep and at how many bits, so {', '.join(others)} cannot "
+            f"also apply: drop {' and '.join(others)}, or drop {budget} and choose them yourself."
+        )
 
 
 def _decode_window(decode_window: int | None, decode_max_tokens: int | None, sink: int, window: int) -> int:
@@ -596,11 +673,25 @@ def option_signature(policy_class: type, *extra: inspect.Parameter) -> inspect.S
 
 
 class OptionProperty(property):
-    """A read-only property of the cache that reads an option of ``cache.policy`` (``cache.ratio``)."""
+    """A read-only property of the cache that reads an option of ``cache.policy`` (``cache.ratio``), or
+    what ``read(cache)`` says of it."""
 
-    def __init__(self, name: str, doc: str | None = None):
-        super().__init__(lambda cache: getattr(cache.policy, name))
+    def __init__(self, name: str, doc: str | None = None, read: Callable[[Any], Any] | None = None):
+        super().__init__(read or (lambda cache: getattr(cache.policy, name)))
         self.__doc__ = doc  # a property subclass's doc= is shadowed by the class's own docstring
+
+
+class ChosenBits(OptionProperty):
+    """``cache.kv_bits``: the option, or under a memory budget the bits it chose (``None`` until then)."""
+
+    def __init__(self) -> None:
+        doc = option_spec(_fields_of(CompressionPolicy)["kv_bits"]).doc
+        super().__init__("kv_bits", doc, _chosen_bits)
+
+
+def _chosen_bits(cache: Any) -> int | None:
+    choice = cache.compressor.memory_choice
+    return cache.policy.kv_bits if choice is None else choice.kv_bits
 
 
 def policy_property(name: str, doc: str | None = None) -> property:

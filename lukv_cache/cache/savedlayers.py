@@ -21,6 +21,7 @@ from ..errors import SavedContextError, SavedContextMismatchError
 from .contract import CompressedCache
 from .factory import LayerFactory
 from .layer import LUKVLayer
+from .memory import MemoryChoice
 from .ragged import RaggedStore
 from .statecheck import StateCheck, StateShape, dtype_name, put_tensor
 
@@ -209,6 +210,9 @@ def restore_layers(
     if not isinstance(dtype, torch.dtype):
         reader.fail(f"unknown dtype {fields['dtype']!r} (damaged file).", "dtype")
     factory = LayerFactory.for_policy(cache.policy)  # the settings the cache's layers are built with
+    choice = _memory_choice(cache, state, reader)
+    if choice is not None:  # a memory budget chose the layers' bits
+        factory = dataclasses.replace(factory, kv_bits=choice.kv_bits)
     fold_state = {"fold_at": factory.fold_at, "bounded": factory.bounded, "kv_bits": factory.kv_bits}
     shape = StateShape(
         fields["num_key_value_heads"],
@@ -288,6 +292,20 @@ def _fits(name: str, value: Any, default: Any) -> bool:
     if default is None:
         return value is None or (name in _OPTIONAL_COUNTS and type(value) is int)
     return type(value) is type(default)
+
+
+def _memory_choice(cache: Any, state: Any, reader: Any) -> MemoryChoice | None:
+    """What the saved cache's memory budget chose (``None``: no budget, or saved before its first
+    compression), checked; the cache adopts it."""
+    entry = state.get("memory_choice") if isinstance(state, dict) else None
+    if entry is None:
+        return None
+    choice = MemoryChoice.from_json(entry)
+    if choice is None or not cache.policy.in_bytes:
+        why = "is malformed" if choice is None else "comes without memory= or max_bytes= in its options"
+        reader.fail(f"its memory budget's choice {why} (damaged or altered file).", "cache.memory_choice")
+    cache.compressor.adopt_choice(choice)
+    return choice
 
 
 def _restore_layer(

@@ -68,6 +68,7 @@ def write_context(cache: CompressedCache, path: Path, model: Any = None) -> Path
     layers = [save_layer(i, layer, tensors, path) for i, layer in enumerate(cache.layers)]
     dtype = next(entry["dtype"] for entry in layers if entry.get("dtype"))
     fields = fingerprint_fields(config, dtype)
+    choice = cache.memory_choice  # what a memory budget chose: the layers' bits
     meta = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -86,6 +87,7 @@ def write_context(cache: CompressedCache, path: Path, model: Any = None) -> Path
             "other_keys": bool(cache.layout.other_keys),
             "record_past": bool(cache.layout.record_past),
             "prefill_scores": _save_prefill_scores(cache, tensors),
+            "memory_choice": None if choice is None else choice.to_json(),
         },
         "layers": layers,
     }

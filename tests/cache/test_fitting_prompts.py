@@ -27,9 +27,11 @@ def test_a_bound_above_the_prompts_length_keeps_every_token(allocator, bound):
     assert bool((cache.stored_tokens() == 200).all()), cache.stored_tokens()
 
 
-def test_fold_interval_none_is_a_typed_error():
+def test_fold_interval_none_is_the_default_and_zero_a_typed_error():
+    assert LUKVCache(0.5, fold_interval=None).fold_interval == LUKVCache(0.5).fold_interval == 256
+    assert LUKVCache(memory=0.1).fold_interval == 8  # under a budget the decode room counts: it folds sooner
     with pytest.raises(ConfigurationError, match="fold_interval must be a positive integer"):
-        LUKVCache(0.5, fold_interval=None)
+        LUKVCache(0.5, fold_interval=0)
 
 
 def test_from_pretrained_without_a_ratio_means_what_lukv_cache_without_one_means(tmp_path):

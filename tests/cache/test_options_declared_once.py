@@ -26,6 +26,8 @@ USAGE = Path(__file__).resolve().parents[2] / "docs" / "usage.md"
 # have exactly these, so they must stay)
 SAVED_KEYS = {
     "ratio",
+    "memory",
+    "max_bytes",
     "scorer",
     "allocator",
     "allocator_kwargs",

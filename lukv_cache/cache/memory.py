@@ -1,0 +1,255 @@
+"""The memory budget (``LUKVCache(memory=0.1)`` or ``max_bytes=N``): bytes instead of tokens and bits.
+
+A budget is a number of bytes per batch row that everything the compressed layers hold after a prompt must
+fit: the stored keys and values (codes, scales and zeros when quantized), their positions, their scores
+when the cache keeps them, the offsets, and the dense decode room (the suffix buffer each layer decodes
+into, ``fold_interval + 1`` tokens at the model's precision). ``memory=f`` is ``f`` times the bytes a full
+``DynamicCache`` holds for the prompt (every token of every layer and KV head at the model's dtype);
+``max_bytes=N`` is ``N`` bytes per row whatever the prompt's length. Under a budget the protected window
+does not stay dense: it is folded into the store with the kept tokens, so every kept token costs the same.
+
+At the first compression the cache knows the model's shapes, its dtype and the prompt's length, and
+:func:`choose_bits` picks the precision: for each of ``None`` (the model's dtype), 8 and 4 bits, how many
+tokens the budget holds (:func:`tokens_allowed`); then the profile's measured table
+(:class:`~lukv_cache.profiles.MemoryTable`, ``lukv build``), when the cache's profile has one, picks the
+mix of least loss; without one, :func:`fallback_bits`' rule. The bits are fixed from then on (the layers'
+stores are built in them); each later compression's token budget is what the bytes hold at those bits,
+enforced like ``max_tokens`` (:mod:`.cap`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigurationError
+from .quant import PackedRows
+
+logger = logging.getLogger("lukv_cache")
+
+BITS = (None, 8, 4)  # the precisions a budget chooses among, most bits first
+OFFSET_BYTES = 8  # one int64 offset per (row, KV head) segment of a layer's store (and its sinks_left)
+POSITION_BYTES = 4  # int32 positions
+SCORE_BYTES = 4  # float32 scores, when the cache keeps them
+# the fallback rule: 8 bits while they keep at least this fraction of the prompt's tokens, else 4 bits
+# (docs/memory.md: what the equal-bytes grids of SmolLM2-135M and Qwen2.5-Coder-0.5B support)
+MIN_KEPT_AT_8_BITS = 0.15
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What a budget's arithmetic needs of the model: the compressed layers' count, KV heads (all of the
+    model's, under tensor parallelism too), key and value head dims, dtype, and each layer's decode room
+    in tokens (``fold_at + 1``)."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    room: int
+
+    @property
+    def slots(self) -> int:
+        """(layer, KV head) pairs of one row."""
+        return self.layers * self.heads
+
+    @property
+    def dense_token(self) -> int:
+        """Bytes of one token of one KV head at the model's precision (a key and a value)."""
+        return (self.head_dim + self.value_dim) * torch.empty((), dtype=self.dtype).element_size()
+
+    def stored_token(self, bits: int | None, scores: bool) -> int:
+        """Bytes of one stored token of one KV head in ``bits`` (``None``: the model's dtype): its key and
+        value (codes, scales and zeros), its position, and its score when the cache keeps scores."""
+        extra = POSITION_BYTES + (SCORE_BYTES if scores else 0)
+        if bits is None:
+            return self.dense_token + extra
+        return (
+            _packed_row(self.head_dim, bits, self.dtype)
+            + _packed_row(self.value_dim, bits, self.dtype)
+            + extra
+        )
+
+    def fixed(self) -> int:
+        """Bytes of one row that do not depend on how many tokens are kept: every layer's decode room,
+        its store's offsets (one per KV head, and the last) and its count of sinks still to keep."""
+        return self.slots * (self.room * self.dense_token + OFFSET_BYTES) + self.layers * 2 * OFFSET_BYTES
+
+
+def layer_shapes(layer: Any, layers: int, heads: int) -> Shapes:
+    """The :class:`Shapes` of a model whose ``layers`` compressed layers are like ``layer`` (a
+    :class:`~lukv_cache.cache.layer.LUKVLayer` holding a forward), ``heads`` KV heads each."""
+    keys, values = layer.suffix_keys, layer.suffix_values
+    return Shapes(layers, heads, keys.shape[-1], values.shape[-1], keys.dtype, layer.fold_at + 1)
+
+
+def layer_budget(policy: Any, layer: Any, layers: int, heads: int, scores: bool) -> int:
+    """The tokens one row may keep over ``layers`` compressed layers of ``heads`` KV heads like ``layer``
+    under ``policy``'s budget, at ``layer``'s bits and for its length so far (``scores``: the store keeps
+    a score per token)."""
+    shapes = layer_shapes(layer, layers, heads)
+    budget = row_budget(policy.memory, policy.max_bytes, layer.cumulative_length, shapes)
+    return tokens_allowed(budget, shapes, layer.kv_bits, scores)
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_row(dim: int, bits: int, dtype: torch.dtype) -> int:
+    """Bytes of one quantized row of ``dim`` channels (measured on the store's own format)."""
+    return PackedRows.quantize(torch.zeros(1, dim, dtype=dtype), bits).memory_bytes()
+
+
+def row_budget(memory: float | None, max_bytes: int | None, length: int, shapes: Shapes) -> int:
+    """Bytes one row may hold: ``memory`` times the full cache's bytes for ``length`` tokens, or
+    ``max_bytes``.
+
+    >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
+    >>> row_budget(0.5, None, 100, shapes), row_budget(None, 4096, 100, shapes)
+    (12800, 4096)
+    """
+    if max_bytes is not None:
+        return max_bytes
+    assert memory is not None
+    return int(memory * length * shapes.slots * shapes.dense_token)
+
+
+def tokens_allowed(budget: int, shapes: Shapes, bits: int | None, scores: bool) -> int:
+    """Tokens one row may keep over all its (layer, KV head) pairs in ``budget`` bytes at ``bits``
+    (negative when the fixed bytes alone do not fit).
+
+    >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
+    >>> [tokens_allowed(12800, shapes, b, False) for b in (None, 8, 4)]
+    [168, 409, 572]
+    """
+    return (budget - shapes.fixed()) // shapes.stored_token(bits, scores)
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """What a budget chose at a cache's first compression: ``kv_bits`` (``None``: the model's dtype), the
+    budget in bytes per row for that prompt (``budget``), the prompt's ``length``, and for each precision
+    the fraction of the prompt's tokens its bytes hold (``kept``, at most 1); ``by``: ``"table"`` (the
+    profile's measured table) or ``"rule"`` (:func:`fallback_bits`)."""
+
+    kv_bits: int | None
+    budget: int
+    length: int
+    kept: dict[int | None, float]
+    by: str
+
+    @property
+    def ratio(self) -> float:
+        """The eviction ratio the chosen precision allows on this prompt (before sinks and window)."""
+        return 1.0 - self.kept[self.kv_bits]
+
+    def to_json(self) -> dict[str, Any]:
+        """The choice as a saved context's JSON (``kept``'s keys as text: ``"none"``, ``"8"``, ``"4"``)."""
+        return {
+            "kv_bits": self.kv_bits,
+            "budget": self.budget,
+            "length": self.length,
+            "kept": {_bits_key(bits): kept for bits, kept in self.kept.items()},
+            "by": self.by,
+        }
+
+    @classmethod
+    def from_json(cls, entry: Any) -> MemoryChoice | None:
+        """The choice of :meth:`to_json`'s ``entry``, or ``None`` if it is malformed."""
+        if not isinstance(entry, dict) or set(entry) != {"kv_bits", "budget", "length", "kept", "by"}:
+            return None
+        bits, budget, length, kept, by = (entry[k] for k in ("kv_bits", "budget", "length", "kept", "by"))
+        keys = {_bits_key(b): b for b in BITS}
+        if (
+            bits not in BITS
+            or isinstance(bits, bool)
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in (budget, length))
+            or not isinstance(kept, dict)
+            or set(kept) != set(keys)
+            or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
+                for v in kept.values()
+            )
+            or by not in ("table", "rule")
+        ):
+            return None
+        return cls(bits, budget, length, {keys[k]: float(v) for k, v in kept.items()}, by)
+
+    def describe(self) -> str:
+        """One line: what was chosen and why."""
+        bits = "the model's precision" if self.kv_bits is None else f"{self.kv_bits}-bit keys and values"
+        return (
+            f"lukv_cache: memory budget {self.budget} bytes per row for {self.length} tokens: {bits}, "
+            f"keeping {100 * self.kept[self.kv_bits]:.1f}% of the tokens (ratio {self.ratio:.3f}; chosen by "
+            f"the profile's {'measured table' if self.by == 'table' else 'fallback rule'})."
+        )
+
+
+def _bits_key(bits: int | None) -> str:
+    return "none" if bits is None else str(bits)
+
+
+def fallback_bits(kept: dict[int | None, float]) -> int | None:
+    """The precision of the rule used without a measured table: the model's own when it keeps every
+    token; else 8 bits while they keep at least :data:`MIN_KEPT_AT_8_BITS` of the tokens; else 4 bits.
+
+    >>> fallback_bits({None: 1.0, 8: 1.0, 4: 1.0}), fallback_bits({None: 0.3, 8: 0.9, 4: 1.0})
+    (None, 8)
+    >>> fallback_bits({None: 0.03, 8: 0.1, 4: 0.18})
+    4
+    """
+    if kept[None] >= 1.0:
+        return None
+    return 8 if kept[8] >= MIN_KEPT_AT_8_BITS else 4
+
+
+def choose_bits(
+    memory: float | None,
+    max_bytes: int | None,
+    length: int,
+    shapes: Shapes,
+    scores: bool,
+    protected: int,
+    table: Any = None,
+) -> MemoryChoice:
+    """The precision for a prompt of ``length`` tokens (see the module docstring). ``protected``: tokens
+    each (layer, KV head) keeps whatever the budget (sinks and window): a precision whose bytes cannot hold
+    them is out; none can is a :class:`~lukv_cache.errors.ConfigurationError`. ``table``: the profile's
+    measured table (its ``choose`` picks among the precisions that fit), or ``None``.
+
+    >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
+    >>> choice = choose_bits(0.2, None, 100, shapes, False, protected=5)
+    >>> choice.kv_bits, {bits: round(kept, 2) for bits, kept in choice.kept.items()}
+    (8, {None: 0.14, 8: 0.34, 4: 0.47})
+    >>> choose_bits(0.1, None, 100, shapes, False, protected=5).kv_bits  # 8 bits would keep 11%
+    4
+    """
+    budget = row_budget(memory, max_bytes, length, shapes)
+    slots = shapes.slots * max(length, 1)
+    counts = {bits: tokens_allowed(budget, shapes, bits, scores) for bits in BITS}
+    kept = {bits: min(max(count, 0) / slots, 1.0) for bits, count in counts.items()}
+    fits = [bits for bits in BITS if counts[bits] >= protected * shapes.slots]
+    if not fits:
+        least = shapes.fixed() + protected * shapes.slots * shapes.stored_token(4, scores)
+        asked = f"memory={memory}" if max_bytes is None else f"max_bytes={max_bytes}"
+        raise ConfigurationError(
+            f"{asked} gives {budget} bytes per row for this {length}-token prompt, but even at 4 bits the "
+            f"cache needs {least} for the tokens every head keeps (sink + window: {protected} per head) and "
+            "its decode room: raise the budget, or lower sink=, window= or fold_interval=."
+        )
+    if table is not None:
+        bits = table.choose({bits: 1.0 - kept[bits] for bits in fits})
+        by = "table"
+    else:
+        bits = fallback_bits(kept)
+        if bits not in fits:
+            bits = fits[-1]
+        by = "rule"
+    return MemoryChoice(bits, budget, length, kept, by)
+
+
+def log_choice(choice: MemoryChoice) -> None:
+    logger.info(choice.describe())

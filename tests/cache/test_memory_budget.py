@@ -1,0 +1,223 @@
+"""The memory budget (``LUKVCache(memory=f)`` / ``max_bytes=N``): the cache chooses the bits and the tokens,
+and what it holds after the prompt never exceeds the budget, for every scorer and allocator, padded batch
+rows, chunked prefill and ``decode_max_tokens``; the choice is deterministic, refused when mixed with the
+knobs it sets, and kept by saved contexts."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import scorer_for, tiny_model
+from test_registry_contracts import PROMPT, _cache_args
+from transformers import DynamicCache
+
+from lukv_cache import LUKVCache
+from lukv_cache.allocation import ALLOCATORS
+from lukv_cache.cache.memory import MemoryChoice, Shapes, layer_shapes
+from lukv_cache.errors import ConfigurationError
+from lukv_cache.scorers import SCORERS
+from lukv_cache.testing import flat_profile, left_padded, prompt
+
+
+def _full_bytes(model, ids, mask=None) -> int:
+    """Bytes a full DynamicCache holds for the prompt (every row, padding included)."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+def _shapes(cache: LUKVCache) -> Shapes:
+    layer = cache.layers[0]
+    return layer_shapes(layer, len(cache.layers), layer.num_heads)
+
+
+def _row_bytes(cache: LUKVCache) -> list[int]:
+    """Each row's bytes: the tokens of its stores at the chosen bits, plus the fixed decode room (which
+    holds the suffix's tokens) and offsets."""
+    shapes = _shapes(cache)
+    per_token = shapes.stored_token(cache.kv_bits, scores=False)
+    rows = sum(layer.stored_counts() - layer.suffix_length for layer in cache.layers).sum(-1)  # [B]
+    return [int(n) * per_token + shapes.fixed() for n in rows]
+
+
+def _check_bound(cache: LUKVCache, budget_per_row: int, batch: int) -> None:
+    assert cache.memory_bytes() <= budget_per_row * batch
+    assert max(_row_bytes(cache)) <= budget_per_row
+
+
+@pytest.mark.parametrize("memory", [0.3, 0.12])
+@pytest.mark.parametrize("name", SCORERS.names())
+def test_every_scorer_fits_the_budget_on_padded_rows(name, memory):
+    model = tiny_model("llama", "sdpa")
+    ids, mask = left_padded((300, 211), seed=3)
+    cache = LUKVCache(memory=memory, scorer=scorer_for(name, model))
+    cache.prefill(model, ids, mask, repeat_prompt=PROMPT)
+    budget = int(memory * _full_bytes(model, ids, mask)) // 2  # per row: the padded row's full bytes
+    _check_bound(cache, budget, batch=2)
+    # it evicted what it had to, and used the budget: no more than one stored token per slot below it
+    slack = budget - max(_row_bytes(cache))
+    assert slack < _shapes(cache).slots * _shapes(cache).stored_token(cache.kv_bits, scores=False) * 2
+
+
+@pytest.mark.parametrize("name", ALLOCATORS.names())
+def test_every_allocator_fits_the_budget(name):
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 400, seed=5)
+    cache = LUKVCache(memory=0.1, scorer="keydiff", allocator=name, allocator_kwargs=_cache_args(name))
+    cache.prefill(model, ids)
+    _check_bound(cache, int(0.1 * _full_bytes(model, ids)), batch=1)
+
+
+def test_max_bytes_is_a_bound_per_row_whatever_the_prompts_length():
+    model = tiny_model("llama", "sdpa")
+    for length in (150, 600):
+        cache = LUKVCache(max_bytes=20_000, scorer="snapkv")
+        cache.prefill(model, prompt(2, length, seed=length))
+        _check_bound(cache, 20_000, batch=2)
+    short = LUKVCache(max_bytes=10**7)  # a prompt that fits at the model's precision is kept whole
+    short.prefill(model, prompt(1, 50))
+    assert short.kv_bits is None and bool((short.stored_tokens() == 50).all())
+
+
+def test_the_choice_follows_the_budget_and_is_logged(caplog):
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 500, seed=2)
+    chosen = {}
+    for memory in (0.3, 0.1, 0.05):
+        cache = LUKVCache(memory=memory)
+        with caplog.at_level(logging.INFO, logger="lukv_cache"):
+            cache.prefill(model, ids)
+        choice = cache.memory_choice
+        assert isinstance(choice, MemoryChoice) and choice.by == "rule" and choice.kv_bits == cache.kv_bits
+        assert choice.length == 500 and 0 < choice.kept[cache.kv_bits] <= 1
+        assert (
+            f"keeping {100 * choice.kept[cache.kv_bits]:.1f}% of the tokens"
+            in caplog.records[-1].getMessage()
+        )
+        chosen[memory] = cache.kv_bits
+    order = [None, 8, 4]
+    assert order.index(chosen[0.3]) <= order.index(chosen[0.1]) <= order.index(chosen[0.05]) == 2
+    cache.reset()
+    assert cache.memory_choice is None and cache.kv_bits is None
+    cache.prefill(model, prompt(1, 900))  # a new prompt chooses again, for its own length
+    assert cache.memory_choice is not None and cache.memory_choice.length == 900
+
+
+def test_the_choice_is_deterministic():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(2, 300, seed=7)
+    caches = [LUKVCache(memory=0.08, scorer="snapkv", allocator="adakv") for _ in range(2)]
+    for cache in caches:
+        cache.prefill(model, ids)
+    assert caches[0].memory_choice == caches[1].memory_choice
+    assert torch.equal(caches[0].stored_tokens(), caches[1].stored_tokens())
+    for row in range(2):
+        assert torch.equal(
+            caches[0].layers[1].head_tokens(row, 1)[0], caches[1].layers[1].head_tokens(row, 1)[0]
+        )
+
+
+class PreferFullPrecision:
+    """A measured table that says the model's precision loses least wherever it fits."""
+
+    def choose(self, candidates):
+        return None if None in candidates else min(candidates, key=lambda bits: -(bits or 99))
+
+
+def test_a_profiles_measured_table_chooses_the_bits():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 400, seed=1)
+    ruled = LUKVCache(memory=0.2)
+    ruled.prefill(model, ids)
+    tabled = LUKVCache(memory=0.2)
+    profile = flat_profile(2, 2)
+    object.__setattr__(profile, "memory_table", PreferFullPrecision())
+    tabled.profile = profile
+    tabled.prefill(model, ids)
+    assert ruled.memory_choice.by == "rule" and ruled.kv_bits == 8
+    assert tabled.memory_choice.by == "table" and tabled.kv_bits is None
+    _check_bound(tabled, int(0.2 * _full_bytes(model, ids)), batch=1)
+
+
+def test_chunked_prefill_holds_the_bound_after_every_chunk():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 480, seed=4)
+    cache = LUKVCache(memory=0.15, prefill_chunk_size=120)
+    with torch.no_grad():
+        for start in range(0, 480, 120):
+            model(ids[:, start : start + 120], past_key_values=cache, use_cache=True)
+            _check_bound(cache, int(0.15 * _full_bytes(model, ids[:, : start + 120])), batch=1)
+    assert cache.get_seq_length() == 480
+
+
+def test_decode_max_tokens_keeps_max_bytes_while_generating():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(2, 300, seed=6)
+    cache = LUKVCache(max_bytes=24_000, decode_max_tokens=400, scorer="keydiff")
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(120):
+            _check_bound(cache, 24_000, batch=2)
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+    assert cache.get_seq_length() == 420
+
+
+def test_bf16_models_fit_too():
+    model = tiny_model("llama", "sdpa", dtype=torch.bfloat16)
+    ids = prompt(1, 400, seed=8)
+    cache = LUKVCache(memory=0.4)
+    cache.prefill(model, ids)
+    _check_bound(cache, int(0.4 * _full_bytes(model, ids)), batch=1)
+    assert cache.kv_bits == 8  # at bf16, 8-bit rows cost about half a token: they keep most of the prompt
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"memory": 0.1, "ratio": 0.5}, "ratio= cannot also apply"),
+        ({"memory": 0.1, "max_tokens": 64}, "max_tokens= cannot also apply"),
+        ({"max_bytes": 10_000, "kv_bits": 4}, "kv_bits= cannot also apply"),
+        ({"memory": 0.1, "evict_ratio": [[0.5, 0.5]] * 2, "allocator": "profile"}, "evict_ratio="),
+        ({"memory": 0.1, "max_bytes": 10_000}, "either memory= .* or max_bytes="),
+        ({"memory": 0.0}, r"memory must be a fraction in \(0, 1\]"),
+        ({"memory": 1.5}, r"memory must be a fraction in \(0, 1\]"),
+        ({"memory": True}, r"memory must be a fraction"),
+        ({"max_bytes": 0}, "max_bytes must be a positive integer"),
+    ],
+)
+def test_mixing_the_budget_with_the_knobs_it_sets_is_refused(options, match):
+    with pytest.raises(ConfigurationError, match=match):
+        LUKVCache(**options)
+
+
+def test_a_budget_too_small_for_the_protected_tokens_is_a_typed_error():
+    model = tiny_model("llama", "sdpa")
+    with pytest.raises(ConfigurationError, match="even at 4 bits the cache needs"):
+        LUKVCache(memory=0.01, window=32).prefill(model, prompt(1, 200))
+
+
+def test_a_model_with_sliding_layers_is_refused_for_now():
+    model = tiny_model("gemma2", "eager")
+    with pytest.raises(ConfigurationError, match="every layer is full attention"):
+        LUKVCache(memory=0.2).prefill(model, prompt(1, 200))
+
+
+def test_saved_contexts_keep_the_choice(tmp_path):
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 400, seed=9)
+    cache = LUKVCache(memory=0.06)
+    cache.prefill(model, ids)
+    path = cache.save(tmp_path / "c.safetensors")
+    loaded = LUKVCache.load(path, model)
+    assert loaded.memory_choice == cache.memory_choice and loaded.kv_bits == cache.kv_bits == 4
+    assert loaded.memory_bytes() == cache.memory_bytes()
+    with torch.no_grad():
+        step = prompt(1, 1, seed=10)
+        want = model(step, past_key_values=cache, use_cache=True).logits
+        got = model(step, past_key_values=loaded, use_cache=True).logits
+    assert torch.equal(got, want)
