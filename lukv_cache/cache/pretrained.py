@@ -63,7 +63,9 @@ def from_pretrained(
     ``ratio``: the fraction of the prompt removed (default 0.5, as in ``LUKVCache()``); or
     ``max_tokens``: at most that many tokens per (layer, KV head) whatever the prompt's length, the
     profile read at each prompt's own ratio; or
-    ``decode_max_tokens``: that bound kept for the whole generation (see :class:`LUKVCache`).
+    ``decode_max_tokens``: that bound kept for the whole generation (see :class:`LUKVCache`); or
+    ``memory`` / ``max_bytes``: a memory budget that chooses the bits and the tokens (docs/memory.md), with
+    the profile's measured table when it has one.
     ``options``: any other option of the cache (its ``policy_class``'s fields, as ``LUKVCache(...)`` takes
     them; ``config=`` and ``keep_scores=`` too).
 
@@ -99,9 +101,11 @@ def from_pretrained(
     from ..profiles import HubLocation, resolve_profile
 
     # LUKVCache()'s rules, applied before any lookup (a bad ratio fails before the network)
-    options["max_tokens"] = bounded_prompt(ratio, options.get("max_tokens"), options.get("decode_max_tokens"))
-    if options["max_tokens"] is None:
-        ratio = default_ratio(ratio)
+    budget = options.get("memory") is not None or options.get("max_bytes") is not None
+    if not budget:  # a memory budget chooses the ratio itself (and refuses one given)
+        options["max_tokens"] = bounded_prompt(ratio, options.get("max_tokens"), options.get("decode_max_tokens"))
+        if options["max_tokens"] is None:
+            ratio = default_ratio(ratio)
     hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)
     config = getattr(model_or_profile, "config", None)
     if config is None and isinstance(model_or_profile, (str, os.PathLike)):
