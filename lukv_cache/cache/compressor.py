@@ -27,7 +27,7 @@ from .folding import fold_due, fold_evict, keeps_scores
 from .forward import begin_forward, check_forward
 from .layer import LUKVLayer
 from .layout import BUDGET_NEEDS_FULL_ATTENTION
-from .memory import MemoryChoice, choose_bits, layer_shapes, log_choice
+from .memory import BITS, MemoryChoice, choose_bits, layer_shapes, log_choice
 from .state import Phase
 
 
@@ -66,8 +66,10 @@ class Compressor:
         self.cache = cache
         self.new_layer = LayerFactory.for_policy(cache.policy)
         self.observers: list[Callable[[CompressionStep], Any]] = []
-        # under a memory budget: what it chose at the first compression (None before, and after reset)
+        # under a memory budget: what it chose at the first compression (None before, and after reset),
+        # and the precisions it chooses among (a benchmark fixes one to compare them at the same bytes)
         self.memory_choice: MemoryChoice | None = None
+        self.precisions: tuple[int | None, ...] = BITS
         if cache.layer_class_to_replicate is not None:  # the layout is unknown: grown layers are ours too
             cache.layer_class_to_replicate = self.new_layer
 
@@ -82,7 +84,7 @@ class Compressor:
         memo[id(self)] = new
         new.cache = copy.deepcopy(self.cache, memo)
         new.new_layer, new.observers = self.new_layer, list(self.observers)
-        new.memory_choice = self.memory_choice
+        new.memory_choice, new.precisions = self.memory_choice, self.precisions
         return new
 
     # ------------------------------------------------------------------ observers
@@ -185,6 +187,7 @@ class Compressor:
             keeps_scores(policy),
             policy.sink + policy.window,
             getattr(profile, "memory_table", None),
+            self.precisions,
         )
         self.adopt_choice(choice)
         log_choice(choice)

@@ -188,6 +188,10 @@ class MemoryChoice:
         )
 
 
+def _bits_text(bits: int | None) -> str:
+    return "the model's precision" if bits is None else f"{bits} bits"
+
+
 def _bits_key(bits: int | None) -> str:
     return "none" if bits is None else str(bits)
 
@@ -214,11 +218,13 @@ def choose_bits(
     scores: bool,
     protected: int,
     table: Any = None,
+    precisions: tuple[int | None, ...] = BITS,
 ) -> MemoryChoice:
     """The precision for a prompt of ``length`` tokens (see the module docstring). ``protected``: tokens
     each (layer, KV head) keeps whatever the budget (sinks and window): a precision whose bytes cannot hold
     them is out; none can is a :class:`~lukv_cache.errors.ConfigurationError`. ``table``: the profile's
-    measured table (its ``choose`` picks among the precisions that fit), or ``None``.
+    measured table (its ``choose`` picks among the precisions that fit), or ``None``. ``precisions``: the
+    ones to choose among (a benchmark fixes one to compare them at the same bytes).
 
     >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
     >>> choice = choose_bits(0.2, None, 100, shapes, False, protected=5)
@@ -231,12 +237,12 @@ def choose_bits(
     slots = shapes.slots * max(length, 1)
     counts = {bits: tokens_allowed(budget, shapes, bits, scores) for bits in BITS}
     kept = {bits: min(max(count, 0) / slots, 1.0) for bits, count in counts.items()}
-    fits = [bits for bits in BITS if counts[bits] >= protected * shapes.slots]
+    fits = [bits for bits in BITS if bits in precisions and counts[bits] >= protected * shapes.slots]
     if not fits:
-        least = shapes.fixed() + protected * shapes.slots * shapes.stored_token(4, scores)
+        least = shapes.fixed() + protected * shapes.slots * shapes.stored_token(precisions[-1], scores)
         asked = f"memory={memory}" if max_bytes is None else f"max_bytes={max_bytes}"
         raise ConfigurationError(
-            f"{asked} gives {budget} bytes per row for this {length}-token prompt, but even at 4 bits the "
+            f"{asked} gives {budget} bytes per row for this {length}-token prompt, but even at {_bits_text(precisions[-1])} the "
             f"cache needs {least} for the tokens every head keeps (sink + window: {protected} per head) and "
             "its decode room: raise the budget, or lower sink=, window= or fold_interval=."
         )
@@ -245,8 +251,9 @@ def choose_bits(
         by = "table"
     else:
         bits = fallback_bits(kept)
-        if bits not in fits:
-            bits = fits[-1]
+        if bits not in fits:  # the rule's precision is ruled out: the next one down that fits, else up
+            below = [b for b in fits if BITS.index(b) > BITS.index(bits)]
+            bits = below[0] if below else fits[-1]
         by = "rule"
     return MemoryChoice(bits, budget, length, kept, by)
 
