@@ -72,6 +72,16 @@ def profile_summary(profile, ratios: Sequence[float] = (0.5, 0.8, 0.9)) -> str:
         lines.append(
             "extra     " + ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(profile.extra.items()))
         )
+    table = getattr(profile, "memory_table", None)
+    if table is not None:
+        bits = ", ".join("model" if b is None else f"int{b}" for b in table.bits)
+        ratios_text = " ".join(f"{r:.2f}" for r in table.ratios)
+        lines.append(
+            f"memory    loss of {bits} at ratios {ratios_text} ({table.measure or 'unnamed measure'})"
+        )
+        for b, row in zip(table.bits, table.loss, strict=True):
+            name = "model" if b is None else f"int{b}"
+            lines.append(f"          {name:>5}  " + " ".join(f"{v:+.3f}" for v in row))
     for rho in ratios:
         keep = 1.0 - profile.at(rho).astype(np.float64)
         lo, hi = np.unravel_index(keep.argmin(), keep.shape), np.unravel_index(keep.argmax(), keep.shape)
