@@ -174,7 +174,10 @@ def test_the_table_adds_no_tensor_and_no_format_version(tmp_path, make_profile):
     with safe_open(str(plain), framework="np") as a, safe_open(str(with_table), framework="np") as b:
         assert sorted(a.keys()) == sorted(b.keys()) == ["evict_ratio", "grid"]
         extra = set(b.metadata()) - set(a.metadata())
-        assert extra == {"memory_table"} and a.metadata()["format_version"] == b.metadata()["format_version"] == "1"
+        assert (
+            extra == {"memory_table"}
+            and a.metadata()["format_version"] == b.metadata()["format_version"] == "1"
+        )
         assert json.loads(b.metadata()["memory_table"])["bits"] == [None, 8, 4]
 
 
@@ -228,7 +231,10 @@ def _write_table(path: Path, profile: Profile, text: str) -> Path:
         ('{"bits": [null, "8"], "ratios": [0.5], "loss": [[0.1], [0.2]], "measure": ""}', "integers in"),
         ('{"bits": null, "ratios": [0.5], "loss": [[0.1], [0.2]], "measure": ""}', "must be lists"),
         ('{"bits": [null, 8], "ratios": [0.5], "loss": [[0.1], [0.2]], "measure": 7}', "measure must be"),
-        ('{"bits": [null, 8], "ratios": [' + "9" * 400 + '], "loss": [[0.1], [0.2]], "measure": ""}', "malformed"),
+        (
+            '{"bits": [null, 8], "ratios": [' + "9" * 400 + '], "loss": [[0.1], [0.2]], "measure": ""}',
+            "malformed",
+        ),
         ("[" * 100 + "]" * 100, "malformed memory_table"),
     ],
 )
