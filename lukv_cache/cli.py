@@ -268,9 +268,50 @@ def _profiling_commands(subparsers: Any) -> None:
     build.add_argument(
         "--model-id", help="model id recorded in the profile (default: the model's name_or_path)"
     )
+    build.add_argument(
+        "--no-memory-table",
+        action="store_true",
+        help="skip measuring the profile's memory table (the loss at each kv_bits x eviction ratio, what a "
+        "memory budget picks its precision by; default: measured after the build, on the calibration text)",
+    )
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     add_threads_argument(build)
     build.set_defaults(func=_command(run, "_build", _precheck_build))
+
+    table = _add(
+        subparsers,
+        "memory-table",
+        "measure the memory table of an existing profile file and write it into the file",
+        "Measure a profile's loss at each kv_bits x eviction ratio (the continuation's excess NLL against the "
+        "full cache on windows of the calibration text) and write the profile with it, atomically; the rest "
+        "of the profile is unchanged. What `lukv build` does after a build, for a profile built without it.",
+    )
+    table.add_argument(
+        "model",
+        metavar="MODEL_PATH_OR_ID",
+        help=f"the model the profile is for: a local folder, a Hub id or a packaged model: {PACKAGED_NAMES}",
+    )
+    table.add_argument("profile", metavar="PROFILE", type=Path, help="a profile (.safetensors)")
+    table.add_argument(
+        "--calibration",
+        help="shipped set name or JSONL file the profile was built from (default: the shipped set its "
+        "calibration names)",
+    )
+    table.add_argument("--out", type=Path, help="write here instead of over PROFILE (default: PROFILE)")
+    table.add_argument("--replace", action="store_true", help="measure again a table the profile holds")
+    table.add_argument("--contexts", type=int, default=4, help="windows of the calibration text")
+    table.add_argument(
+        "--continuation-tokens", type=int, default=128, help="teacher-forced tokens after each context"
+    )
+    table.add_argument(
+        "--context-tokens",
+        type=int,
+        help="tokens prefilled per window (default: the longest that leaves --contexts windows)",
+    )
+    table.add_argument("--seed", type=int, default=0, help="seed of the windows")
+    table.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_threads_argument(table)
+    table.set_defaults(func=_command(run, "_memory_table", _precheck_memory_table))
 
     show = _add(subparsers, "show", "summarise a profile; optionally plot it")
     show.add_argument("profile", metavar="PROFILE", type=Path, help="a profile (.safetensors)")
@@ -592,6 +633,22 @@ def _precheck_bench(args: argparse.Namespace) -> None:
 def _precheck_build(args: argparse.Namespace) -> None:
     _model_exists(args.model)
     refuse_unknown("scorer", args.scorer or ())
+
+
+def _precheck_memory_table(args: argparse.Namespace) -> None:
+    _model_exists(args.model)
+    _file_exists("PROFILE", str(args.profile))
+    if args.contexts < 1 or args.continuation_tokens < 2:
+        raise ConfigurationError(
+            f"--contexts must be >= 1 and --continuation-tokens >= 2, got {args.contexts} and "
+            f"{args.continuation_tokens}."
+        )
+    if args.context_tokens is not None and args.context_tokens < 1:
+        raise ConfigurationError(f"--context-tokens must be >= 1, got {args.context_tokens}.")
+    if args.calibration is not None:
+        from .profiling.calibration import calibration_path  # light: json and paths
+
+        calibration_path(args.calibration)
 
 
 SHOW_LEGEND = (

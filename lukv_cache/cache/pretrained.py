@@ -71,7 +71,8 @@ def from_pretrained(
 
     ``model_or_profile``: a model id (looked up in ``local_dir`` / ``$LUKV_PROFILE_DIR`` first, then
     in the shared Hub repository at ``<model id>/<scorer>.safetensors``), a loaded model (its
-    ``config.name_or_path`` is the key and its shape is checked), or a path to a profile file.
+    ``config.name_or_path`` is the key and its shape is checked), a path to a profile file, or a
+    :class:`~lukv_cache.profiles.Profile` in memory.
     The profile's scorer, sink, window and min_keep become the cache's unless overridden (``sink=None`` or
     ``window=None`` is not overriding). ``allocator``: by
     default the one the profile's scorer declares (its ``default_allocator``): ``"global"`` for a ``kvzap``

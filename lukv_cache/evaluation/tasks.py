@@ -39,6 +39,7 @@ import torch
 from .._compat import cache_kwarg
 from ..cache import kv_cache_bytes
 from ..errors import ConfigurationError
+from ..profiling.continuation import continuation_nll, prefill
 from ..texts import Article, wikipedia_articles
 from .methods import TASKS  # the names live there, light, for the command line's help
 
@@ -445,16 +446,6 @@ def _device(model: Any) -> torch.device:
 
 
 @torch.no_grad()
-def prefill(model: Any, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
-    """Run the context through ``model`` into ``cache``; return the last position's logits ``[B, V]``.
-
-    >>> last_logits = prefill(model, ids, cache)  # doctest: +SKIP
-    """
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
-    return out.logits[:, -1, :]
-
-
-@torch.no_grad()
 def greedy_decode(
     model: Any,
     cache: Any,
@@ -538,11 +529,7 @@ def score_prefilled(
     device = _device(model)
     if isinstance(sample, ContinuationSample):
         target = torch.tensor([sample.continuation_ids], dtype=torch.long, device=device)
-        # Position 0 of the continuation is predicted by the prefill's last logits; the rest by the forward.
-        logits = model(input_ids=target[:, :-1], use_cache=True, **{cache_kwarg(model): cache}).logits
-        logits = torch.cat([last_logits[:, None, :].to(logits.dtype), logits], dim=1).float()
-        nll = torch.nn.functional.cross_entropy(logits[0], target[0], reduction="mean")
-        return float(nll), [], []
+        return continuation_nll(model, cache, last_logits, target), [], []
     if isinstance(sample, RecallSample):
         return _score_recall(model, tokenizer, sample, cache)
 

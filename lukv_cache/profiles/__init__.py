@@ -4,6 +4,7 @@
 * :mod:`.location`: where profiles live (:class:`HubLocation`, file names);
 * :mod:`.download`: finding one (:func:`resolve_profile`);
 * :mod:`.index`: ``index.json`` and the local mirror; :mod:`.publish`: uploading; :mod:`.files`: writing;
+* :mod:`.memory_table`: the measured loss at (kv_bits, ratio) a profile may hold (:class:`MemoryTable`);
 * :mod:`.convert`: LU-KV / kvpress ``.npy`` curves; :mod:`.cli`: ``lukv pull | push | list | convert``.
 
 >>> from lukv_cache.profiles import Profile, resolve_profile
@@ -35,6 +36,7 @@ _LAZY = {
     "LOCAL_DIR_ENV": ".location",
     "REPO_ID_ENV": ".location",
     "HubLocation": ".location",
+    "MemoryTable": ".memory_table",
     "profile_filename": ".location",
     "profile_repo_id": ".location",
     "FORMAT_VERSION": ".profile",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
         profile_filename,
         profile_repo_id,
     )
+    from .memory_table import MemoryTable
     from .profile import FORMAT_VERSION, Profile
     from .publish import push_profile
 
@@ -71,6 +74,7 @@ __all__ = [
     "INDEX_FORMAT_VERSION",
     "KVPRESS_GRID",
     "LOCAL_DIR_ENV",
+    "MemoryTable",
     "REPO_ID_ENV",
     "HubLocation",
     "Profile",

@@ -51,7 +51,8 @@ def resolve_profile(
     hub: HubLocation | None = None,
     local_dir: str | os.PathLike | None = None,
 ) -> Profile:
-    """The profile for ``model``: a profile file, a model id, or a loaded model (its ``name_or_path``).
+    """The profile for ``model``: a profile file, a model id, a loaded model (its ``name_or_path``), or a
+    :class:`Profile` already in memory (returned as it is).
 
     A model id is looked up first in ``local_dir`` (else ``$LUKV_PROFILE_DIR``) at
     ``<local_dir>/<model_id>/<scorer>.safetensors``, then in the shared Hub repository through
@@ -62,6 +63,8 @@ def resolve_profile(
     >>> profile = resolve_profile("meta-llama/Llama-3.1-8B-Instruct", "snapkv")  # doctest: +SKIP
     >>> profile = resolve_profile("./my_profile.safetensors")                   # doctest: +SKIP
     """
+    if isinstance(model, Profile):
+        return model
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
         if path.is_file():

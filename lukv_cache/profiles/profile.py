@@ -7,6 +7,12 @@ says which model and scorer it was built for and how. No pickle anywhere.
 Format version 2 adds an optional score-to-gain table (``gain_scores`` and ``gain_values``, float32
 ``[L, H_kv, Q]``, what the ``calibrated`` allocator reads); a profile without it is written as version 1,
 so older readers still read it. A kvzap profile also holds its surrogate's tensors.
+
+An optional measured loss table (:class:`~lukv_cache.profiles.memory_table.MemoryTable`: the loss at a grid
+of (kv_bits, eviction ratio), what a memory budget chooses its precision by) is one JSON metadata entry,
+``memory_table``, not tensors: every lukv_cache reader ignores metadata it does not know, while it refuses
+tensors it does not know, so a profile with a table still loads, without it, in older releases; it changes
+no format version.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from ..errors import ConfigurationError, ProfileFormatError, ProfileMismatchErro
 from . import surrogate as surrogate_format
 from .files import atomic_write, library_version
 from .jsonfile import parse_json
+from .memory_table import METADATA_KEY as _MEMORY_TABLE_KEY
+from .memory_table import MemoryTable
 
 FORMAT_VERSION = 2  # written when the profile holds a score-to-gain table; 1 otherwise (see to_bytes)
 SUPPORTED_FORMAT_VERSIONS = (1, 2)
@@ -88,6 +96,9 @@ class Profile:
     # much (non-decreasing, >= 0), both float32 [L, H_kv, Q]; built by lukv_cache.profiling.gains
     gain_scores: np.ndarray | None = field(default=None, repr=False)
     gain_values: np.ndarray | None = field(default=None, repr=False)
+    # the measured loss at a grid of (kv_bits, eviction ratio) (lukv_cache.profiling.memory_table), stored as
+    # the JSON metadata entry "memory_table"; what a memory budget picks its precision by
+    memory_table: MemoryTable | None = field(default=None, repr=False)
     # where this profile was read from, for error messages; not part of the file
     source: str | None = field(default=None, repr=False, compare=False)
 
@@ -100,6 +111,12 @@ class Profile:
         self.evict_ratio = _as_float32(self.evict_ratio, "evict_ratio", where)
         _check_values(self, where)
         _check_gains(self, where)
+        if self.memory_table is not None and not isinstance(self.memory_table, MemoryTable):
+            raise ProfileFormatError(
+                f"{where}: memory_table must be a MemoryTable or None, got {type(self.memory_table).__name__}.",
+                source=self.source,
+                field="memory_table",
+            )
         if self.surrogate is not None:
             surrogate_format.check(
                 self.surrogate, self.num_layers, self.num_kv_heads, self.head_dim, where, self.source
@@ -201,6 +218,8 @@ class Profile:
         if self.surrogate is not None:
             arrays, metadata[surrogate_format.METADATA_KEY] = surrogate_format.to_file(self.surrogate)
             tensors |= arrays
+        if self.memory_table is not None:
+            metadata[_MEMORY_TABLE_KEY] = self.memory_table.to_json()
         return save(tensors, metadata=metadata)
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -258,7 +277,18 @@ class Profile:
                 source=source,
                 field="format_version",
             )
-        return cls(grid=grid, evict_ratio=ratios, source=source, surrogate=surrogate, **gains, **values)
+        memory_table = None
+        if _MEMORY_TABLE_KEY in metadata:
+            memory_table = MemoryTable.from_json(metadata[_MEMORY_TABLE_KEY], source)
+        return cls(
+            grid=grid,
+            evict_ratio=ratios,
+            source=source,
+            surrogate=surrogate,
+            memory_table=memory_table,
+            **gains,
+            **values,
+        )
 
     def _metadata(self) -> dict[str, str]:
         return {
@@ -304,6 +334,22 @@ class Profile:
             "created": self.created,
             "library_version": self.library_version,
             "format_version": self.file_format_version,
+            **({"memory_table": self.memory_table_summary()} if self.memory_table is not None else {}),
+        }
+
+    def memory_table_summary(self) -> dict[str, Any] | None:
+        """What :meth:`summary` says of the memory table: its bits, ratios and measure (``None``: no table).
+
+        >>> profile.memory_table_summary() is None
+        True
+        """
+        table = self.memory_table
+        if table is None:
+            return None
+        return {
+            "bits": list(table.bits),
+            "ratios": [round(float(r), 4) for r in table.ratios],
+            "measure": table.measure,
         }
 
     def push_to_hub(

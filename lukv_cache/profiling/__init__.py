@@ -21,6 +21,8 @@ _LAZY = {
     "default_cache_dir": ".build",
     "load_calibration": ".calibration",
     "shipped_calibrations": ".calibration",
+    "add_memory_table": ".memory_table",
+    "measure_memory_table": ".memory_table",
     "prefill_scores": ".scores",
     "DEFAULT_GRID": ".solver",
     "exact_keep_counts": ".solver",
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from ..errors import CalibrationFormatError
     from .build import BuildSettings, build_profile, build_profiles, default_cache_dir
     from .calibration import load_calibration, shipped_calibrations
+    from .memory_table import add_memory_table, measure_memory_table
     from .scores import prefill_scores
     from .solver import DEFAULT_GRID, exact_keep_counts, greedy_keep_counts, pava, solve_evict_ratios
 
@@ -44,12 +47,14 @@ __all__ = [
     "DEFAULT_GRID",
     "BuildSettings",
     "CalibrationFormatError",
+    "add_memory_table",
     "build_profile",
     "build_profiles",
     "default_cache_dir",
     "exact_keep_counts",
     "greedy_keep_counts",
     "load_calibration",
+    "measure_memory_table",
     "pava",
     "prefill_scores",
     "shipped_calibrations",

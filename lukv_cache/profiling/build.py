@@ -392,7 +392,10 @@ class BuildSettings:
     ``model.config.name_or_path``. ``extra``: free JSON metadata stored in the profile (e.g. where the
     weights came from). ``kvzap``: for the ``kvzap`` scorer, how its surrogate is trained
     (:class:`~lukv_cache.profiling.kvzap_options.KVzapTraining`: documents, corpora, family; the profile
-    records it).
+    records it). ``memory_table``: after the profile is built, measure its loss at a grid of (kv_bits,
+    eviction ratio) on windows of the calibration context and store it in the profile
+    (:func:`~lukv_cache.profiling.memory_table.measure_memory_table`, what a memory budget picks its
+    precision by; its 3 x 5 cells cost 4 windows x 16 prefills of about a quarter of the context each).
 
     >>> BuildSettings(k_max=32).scope
     'all'
@@ -412,6 +415,7 @@ class BuildSettings:
     model_id: str | None = None
     extra: dict | None = None
     kvzap: KVzapTraining | None = None
+    memory_table: bool = True
 
     def __post_init__(self) -> None:
         if self.scope not in ("all", "layer"):
@@ -567,7 +571,7 @@ def build_profiles(
         "ratio_of": "evictable tokens (sinks and window excluded)",
         **(settings.extra or {}),
     }
-    return {
+    profiles = {
         s.name: Profile(
             grid=grid_arr.astype(np.float32),
             evict_ratio=(sums[s.name] / len(selected)).astype(np.float32),
@@ -585,6 +589,26 @@ def build_profiles(
         )
         for s in scorer_objs
     }
+    if settings.memory_table:
+        profiles = {name: _with_memory_table(p, run, calibration, settings) for name, p in profiles.items()}
+    return profiles
+
+
+def _with_memory_table(profile, run: CalibrationRun, calibration, settings: BuildSettings):
+    """``profile`` with its memory table, measured on windows of the calibration context (a context too
+    short for 128-token continuations gets shorter ones: :func:`~.memory_table.continuation_for`)."""
+    from .memory_table import calibration_texts, continuation_for, measure_memory_table
+
+    table = measure_memory_table(
+        run.model,
+        run.tokenizer,
+        profile,
+        calibration_texts(calibration),
+        continuation_tokens=continuation_for(run.context_len),
+        seed=settings.seed,
+        show_progress=settings.show_progress,
+    )
+    return dataclasses.replace(profile, memory_table=table)
 
 
 def targets_root(cache_dir) -> Path | None:

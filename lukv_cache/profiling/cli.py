@@ -1,4 +1,5 @@
-"""``lukv build`` and ``lukv show``: build a profile from the shell, and look at one.
+"""``lukv build``, ``lukv memory-table`` and ``lukv show``: build a profile from the shell, add its memory
+table to one built without it, and look at one.
 
 Their flags are declared in :mod:`lukv_cache.cli` (argparse alone, so help needs no torch); commands
 return an exit code and let :class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:``
@@ -106,6 +107,7 @@ def _build_into(args: argparse.Namespace, scorers: list[str], mirror: Path | Non
         model_id=args.model_id,
         extra=extra,
         kvzap=kvzap,
+        memory_table=not args.no_memory_table,
     )
     for name, profile in profiles.items():
         if mirror is not None:
@@ -150,6 +152,37 @@ def _check_kvzap(training: KVzapTraining, args: argparse.Namespace) -> None:
         free = shutil.disk_usage(existing).free if existing is not None else None
     training.check_for(config, free_disk=free)
     training.corpus(load_tokenizer(args.model), args.seed, max_positions(config))
+
+
+def _memory_table(args: argparse.Namespace) -> int:
+    """``lukv memory-table MODEL PROFILE``: measure the profile's memory table and write it in."""
+    from ..profiles.profile import Profile
+    from .diagnostics import memory_table_lines
+    from .memory_table import add_memory_table
+
+    Profile.load(args.profile)  # a broken file fails before the model loads
+    start = time.perf_counter()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model, tokenizer, _ = _load_model(args.model)
+    path = add_memory_table(
+        args.profile,
+        model,
+        tokenizer,
+        args.calibration,
+        out=args.out,
+        replace=args.replace,
+        contexts=args.contexts,
+        continuation_tokens=args.continuation_tokens,
+        context_tokens=args.context_tokens,
+        seed=args.seed,
+        show_progress=not args.quiet,
+    )
+    print("\n".join(memory_table_lines(Profile.load(path).memory_table)))
+    print(f"wrote {path} in {time.perf_counter() - start:.1f} s")
+    return 0
 
 
 def _show(args: argparse.Namespace) -> int:

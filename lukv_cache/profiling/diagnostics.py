@@ -72,6 +72,8 @@ def profile_summary(profile, ratios: Sequence[float] = (0.5, 0.8, 0.9)) -> str:
         lines.append(
             "extra     " + ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(profile.extra.items()))
         )
+    if getattr(profile, "memory_table", None) is not None:
+        lines += memory_table_lines(profile.memory_table)
     for rho in ratios:
         keep = 1.0 - profile.at(rho).astype(np.float64)
         lo, hi = np.unravel_index(keep.argmin(), keep.shape), np.unravel_index(keep.argmax(), keep.shape)
@@ -85,6 +87,27 @@ def profile_summary(profile, ratios: Sequence[float] = (0.5, 0.8, 0.9)) -> str:
             bars = "".join(_BARS[min(len(_BARS) - 1, int(round(k * (len(_BARS) - 1))))] for k in row)
             lines.append(f"  {layer:5d}  {row.mean():9.3f}  {bars}")
     return "\n".join(lines)
+
+
+def memory_table_lines(table) -> list[str]:
+    """A :class:`~lukv_cache.profiles.memory_table.MemoryTable` as text: what it measured, then one row of
+    losses per precision (``model``: the model's own).
+
+    >>> import numpy as np
+    >>> from lukv_cache.profiles.memory_table import MemoryTable
+    >>> print("\\n".join(memory_table_lines(MemoryTable((None, 4), np.array([0.5]), np.array([[0.1], [0.2]]), "m"))))
+    memory    loss of model, int4 at ratios 0.50 (m)
+              model  +0.100
+               int4  +0.200
+    """
+    names = ["model" if b is None else f"int{b}" for b in table.bits]
+    ratios = " ".join(f"{r:.2f}" for r in table.ratios)
+    lines = [
+        f"memory    loss of {', '.join(names)} at ratios {ratios} ({table.measure or 'unnamed measure'})"
+    ]
+    for name, row in zip(names, table.loss, strict=True):
+        lines.append(f"          {name:>5}  " + " ".join(f"{v:+.3f}" for v in row))
+    return lines
 
 
 def plot_heatmap(profile, ratios: Sequence[float] = (0.5, 0.8)):

@@ -1,0 +1,293 @@
+"""Measuring a profile's memory table: the loss of each (kv_bits, eviction ratio) on calibration text.
+
+For each of a few windows of the calibration text, the first part (the context) is prefilled into the
+profile's cache at one eviction ratio and one precision (``LUKVCache.from_pretrained(profile, ratio,
+kv_bits=...)``, as a user would build it), and the next tokens are teacher-forced through it; the table holds
+their mean NLL minus the full cache's (``DynamicCache``) on the same tokens, averaged over the windows
+(:class:`~lukv_cache.profiles.memory_table.MemoryTable`). :func:`add_memory_table` adds one to a profile
+file that has none, without rebuilding it.
+
+>>> table = measure_memory_table(model, tokenizer, profile, calibration_texts("planted"))  # doctest: +SKIP
+>>> table.choose({None: 0.95, 8: 0.9, 4: 0.8})  # doctest: +SKIP
+8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigurationError
+from ..profiles.memory_table import MemoryTable
+from .calibration import SHIPPED_FOLDER, load_calibration
+from .continuation import continuation_nll, prefill
+
+DEFAULT_BITS: tuple[int | None, ...] = (None, 8, 4)
+DEFAULT_RATIOS: tuple[float, ...] = (0.5, 0.7, 0.8, 0.9, 0.95)
+DEFAULT_CONTEXTS = 4
+DEFAULT_CONTINUATION = 128
+
+
+def calibration_texts(calibration: str | os.PathLike) -> list[str]:
+    """The texts a memory table is measured on: the calibration set's context (the one a profile is built
+    from; its questions are not used).
+
+    >>> len(calibration_texts("planted")[0]) > 10_000
+    True
+    """
+    return [load_calibration(calibration)[0]]
+
+
+def calibration_of(profile: Any) -> str | None:
+    """The shipped calibration set a profile was built from, by name, when its ``calibration`` says so
+    (``"planted.jsonl: ..."`` -> ``"planted"``); ``None`` for a user's file or an unsaid one.
+
+    >>> calibration_of(type("P", (), {"calibration": "planted.jsonl: The lighthouse keeper"})())
+    'planted'
+    >>> calibration_of(type("P", (), {"calibration": "mine.jsonl: 3 questions"})()) is None
+    True
+    """
+    name = str(getattr(profile, "calibration", "") or "").partition(":")[0].strip()
+    if name.endswith(".jsonl") and (SHIPPED_FOLDER / name).is_file():
+        return name.removesuffix(".jsonl")
+    return None
+
+
+def windows_fit(lengths: Sequence[int], contexts: int, continuation_tokens: int, context_tokens: int) -> int:
+    """How many non-overlapping windows of ``context_tokens + continuation_tokens`` tokens texts of
+    ``lengths`` tokens hold (a window never spans two texts).
+
+    >>> windows_fit([1000, 300], 4, 128, 100)
+    5
+    """
+    need = context_tokens + continuation_tokens
+    return sum(length // need for length in lengths)
+
+
+def _context_length(lengths: list[int], contexts: int, continuation_tokens: int, limit: int | None) -> int:
+    """The longest context that still leaves ``contexts`` non-overlapping windows (within ``limit``
+    positions); 0 when even one token does not fit."""
+    longest = max(lengths) - continuation_tokens
+    if limit is not None:
+        longest = min(longest, limit - continuation_tokens)
+    lo, hi = 0, max(longest, 0)
+    while lo < hi:  # the largest c with enough windows (fewer fit as c grows)
+        mid = (lo + hi + 1) // 2
+        if windows_fit(lengths, contexts, continuation_tokens, mid) >= contexts:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _windows(
+    token_lists: list[list[int]], contexts: int, need: int, rng: np.random.Generator
+) -> list[list[int]]:
+    """``contexts`` non-overlapping windows of ``need`` tokens, chosen at random (seeded) among those the
+    texts hold; each text's windows sit on a grid shifted by a random offset."""
+    slots = []
+    for index, ids in enumerate(token_lists):
+        count = len(ids) // need
+        if count:
+            shift = int(rng.integers(0, len(ids) - count * need + 1))
+            slots += [(index, shift + k * need) for k in range(count)]
+    chosen = sorted(rng.choice(len(slots), size=contexts, replace=False).tolist())
+    return [token_lists[slots[i][0]][slots[i][1] : slots[i][1] + need] for i in chosen]
+
+
+def _check_grid(
+    bits: Sequence[int | None], ratios: Sequence[float]
+) -> tuple[tuple[int | None, ...], list[float]]:
+    from ..cache.quant import check_kv_bits
+
+    bits = tuple(bits)
+    if not bits or len(set(bits)) != len(bits):
+        raise ConfigurationError(
+            f"bits must be distinct kv_bits values, e.g. (None, 8, 4); got {list(bits)}."
+        )
+    for value in bits:
+        check_kv_bits(value)
+    values = [float(r) for r in ratios]
+    if (
+        not values
+        or any(not 0.0 < r < 1.0 for r in values)
+        or any(b <= a for a, b in zip(values, values[1:]))
+    ):
+        raise ConfigurationError(
+            f"ratios must be strictly increasing inside (0, 1), e.g. (0.5, 0.8, 0.9); got {values}."
+        )
+    return bits, values
+
+
+@torch.no_grad()
+def measure_memory_table(
+    model: Any,
+    tokenizer: Any,
+    profile: Any,
+    texts: str | Sequence[str],
+    *,
+    bits: Sequence[int | None] = DEFAULT_BITS,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    contexts: int = DEFAULT_CONTEXTS,
+    continuation_tokens: int = DEFAULT_CONTINUATION,
+    context_tokens: int | None = None,
+    seed: int = 0,
+    allocator: str | None = None,
+    show_progress: bool = False,
+) -> MemoryTable:
+    """The loss of ``profile``'s cache on ``model`` at every (``bits``, ``ratios``): the mean over
+    ``contexts`` windows of ``texts`` of the continuation's excess NLL (nats per token) against the full
+    cache.
+
+    Each window is ``context_tokens`` tokens prefilled into ``LUKVCache.from_pretrained(profile, ratio,
+    allocator=allocator, kv_bits=bits)`` (the profile's scorer, kvzap's surrogate included, its sink and
+    window; ``allocator=None``: the one ``from_pretrained`` gives the profile's scorer, ``"profile"`` for
+    all but kvzap) with ``cache.prefill`` (so a reconstruction scorer, ``kvzip``, runs its repeat passes
+    with ``tokenizer``), then ``continuation_tokens`` tokens teacher-forced. ``texts``: the calibration set's
+    context (:func:`calibration_texts`), tokenised without special tokens; the windows do not overlap
+    and are chosen with ``seed``. ``context_tokens=None``: the longest that leaves ``contexts`` windows
+    (within the model's positions). The same arguments give the same table.
+
+    >>> table = measure_memory_table(model, tokenizer, profile, calibration_texts("planted"))  # doctest: +SKIP
+    >>> table.loss.shape  # doctest: +SKIP
+    (3, 5)
+    """
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    from ..cache import LUKVCache
+
+    bits, ratio_list = _check_grid(bits, ratios)
+    if contexts < 1 or continuation_tokens < 2:
+        raise ConfigurationError(
+            f"contexts must be >= 1 and continuation_tokens >= 2, got {contexts} and {continuation_tokens}."
+        )
+    if context_tokens is not None and context_tokens < 1:
+        raise ConfigurationError(f"context_tokens must be >= 1 (or None), got {context_tokens}.")
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    token_lists = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    lengths = [len(ids) for ids in token_lists] or [0]
+    config = model.config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    limit = limit if isinstance(limit, int) else None
+    if context_tokens is None:
+        context_tokens = _context_length(lengths, contexts, continuation_tokens, limit)
+    need = context_tokens + continuation_tokens
+    if context_tokens < 1 or windows_fit(lengths, contexts, continuation_tokens, context_tokens) < contexts:
+        raise ConfigurationError(
+            f"The calibration text ({sum(lengths):,} tokens) does not hold {contexts} windows of "
+            f"{max(context_tokens, 1)} context + {continuation_tokens} continuation tokens; ask for fewer "
+            "contexts or continuation tokens, or use a longer calibration text."
+        )
+    if limit is not None and need > limit:
+        raise ConfigurationError(
+            f"A window of {context_tokens} context + {continuation_tokens} continuation tokens needs {need} "
+            f"positions but the model has {limit}; ask for a shorter context_tokens."
+        )
+    profile.validate_for(model.config)
+    windows = _windows(token_lists, contexts, need, np.random.default_rng(seed))
+    device = next(model.parameters()).device
+    excess = np.zeros((len(bits), len(ratio_list), contexts), dtype=np.float64)
+    allocator_name = allocator
+
+    was_training = model.training
+    model.eval()
+    bar = tqdm(
+        total=contexts * (1 + len(bits) * len(ratio_list)),
+        desc="memory table",
+        unit="run",
+        disable=not show_progress,
+    )
+    try:
+        with bar, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for w, window in enumerate(windows):
+                ids = torch.tensor([window], dtype=torch.long, device=device)
+                context, target = ids[:, :context_tokens], ids[:, context_tokens:]
+
+                def nll(cache: Any, context: torch.Tensor = context, target: torch.Tensor = target) -> float:
+                    torch.manual_seed(seed)  # a scorer that draws random numbers draws the same ones
+                    if isinstance(cache, LUKVCache):  # as a user fills one: reconstruction scorers too
+                        out = cache.prefill(model, context, tokenizer=tokenizer, logits_to_keep=1)
+                        last_logits = out.logits[:, -1, :]
+                    else:
+                        last_logits = prefill(model, context, cache)
+                    return continuation_nll(model, cache, last_logits, target)
+
+                full = nll(DynamicCache(config=model.config))
+                bar.update(1)
+                for i, b in enumerate(bits):
+                    for j, ratio in enumerate(ratio_list):
+                        cache = LUKVCache.from_pretrained(
+                            profile, ratio, allocator=allocator, kv_bits=b, config=model.config
+                        )
+                        allocator_name = cache.allocator_name
+                        excess[i, j, w] = nll(cache) - full
+                        bar.update(1)
+    finally:
+        model.train(was_training)
+    return MemoryTable(
+        bits=bits,
+        ratios=np.asarray(ratio_list, dtype=np.float32),
+        loss=excess.mean(axis=-1).astype(np.float32),
+        measure=(
+            f"continuation excess NLL (nats/token) vs the full cache, {contexts} contexts of {context_tokens} "
+            f"tokens x {continuation_tokens} continuation tokens, allocator {allocator_name}, seed {seed}"
+        ),
+    )
+
+
+def continuation_for(calibration_tokens: int, contexts: int = DEFAULT_CONTEXTS) -> int:
+    """The continuation a build measures its table with: :data:`DEFAULT_CONTINUATION` tokens, or for a
+    calibration context too short to hold ``contexts`` windows of that, half of each window (so a short
+    calibration file still gets a table, measured on fewer tokens; its ``measure`` says how many).
+
+    >>> continuation_for(4500), continuation_for(135)
+    (128, 16)
+    """
+    return max(2, min(DEFAULT_CONTINUATION, calibration_tokens // contexts // 2))
+
+
+def add_memory_table(
+    path: str | os.PathLike,
+    model: Any,
+    tokenizer: Any,
+    calibration: str | os.PathLike | None = None,
+    *,
+    out: str | os.PathLike | None = None,
+    replace: bool = False,
+    **options: Any,
+) -> Path:
+    """Measure the memory table of the profile file at ``path`` and write the profile with it, atomically, to
+    ``out`` (default: ``path`` itself); nothing else in the profile changes. Returns the path written.
+
+    ``calibration``: the texts' calibration set (default: the shipped set the profile names in its
+    ``calibration``; a profile built from a file of your own needs it). A profile that already holds a
+    table raises :class:`~lukv_cache.errors.ConfigurationError` unless ``replace=True``. ``options``:
+    :func:`measure_memory_table`'s keywords (``contexts``, ``ratios``, ``bits``, ``seed``, ...).
+
+    >>> add_memory_table("keydiff.safetensors", model, tokenizer)  # doctest: +SKIP
+    PosixPath('keydiff.safetensors')
+    """
+    from ..profiles.profile import Profile
+
+    profile = Profile.load(path)
+    if profile.memory_table is not None and not replace:
+        raise ConfigurationError(
+            f"{path} already holds a memory table ({profile.memory_table.measure}); pass replace=True "
+            "(--replace) to measure it again."
+        )
+    if calibration is None:
+        calibration = calibration_of(profile)
+        if calibration is None:
+            raise ConfigurationError(
+                f"{path} was built from calibration {profile.calibration!r}, not a shipped set; pass the "
+                "calibration file it was built from (--calibration)."
+            )
+    table = measure_memory_table(model, tokenizer, profile, calibration_texts(calibration), **options)
+    return dataclasses.replace(profile, memory_table=table).save(out if out is not None else path)

@@ -1,0 +1,222 @@
+"""Measuring a profile's memory table on a tiny random model: the numbers, the build's setting, adding one to
+an existing profile file (API and ``lukv memory-table``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from lukv_cache import LUKVCache, build_profile, testing
+from lukv_cache.cli import main
+from lukv_cache.errors import ConfigurationError
+from lukv_cache.profiles import Profile
+from lukv_cache.profiling import cli as profiling_cli
+from lukv_cache.profiling.continuation import continuation_nll, prefill
+from lukv_cache.profiling.memory_table import add_memory_table, measure_memory_table
+
+TEXT = testing.prose(1200, seed=3)  # one token a character with byte_tokenizer()
+
+
+def _profile(model, scorer="keydiff", **fields):
+    config = model.config
+    return testing.curve_profile(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        grid=np.linspace(0.1, 0.95, 6),
+        spread=0.1,
+        model_id="org/tiny",
+        scorer=scorer,
+        head_dim=config.head_dim,
+        **fields,
+    )
+
+
+def test_the_table_has_the_grids_shape_finite_values_and_repeats(tiny_model, byte_tokenizer):
+    profile = _profile(tiny_model)
+    kwargs = dict(contexts=2, continuation_tokens=32, ratios=(0.3, 0.6, 0.9))
+    table = measure_memory_table(tiny_model, byte_tokenizer, profile, TEXT, **kwargs)
+    assert table.bits == (None, 8, 4) and table.loss.shape == (3, 3) and table.loss.dtype == np.float32
+    np.testing.assert_allclose(table.ratios, [0.3, 0.6, 0.9])
+    assert np.isfinite(table.loss).all() and np.abs(table.loss).max() > 0
+    assert not np.array_equal(table.loss[0], table.loss[2])  # 4-bit codes change the logits
+    # 2 windows of 600 tokens fit, but the model has 512 positions: 480 + 32
+    assert "2 contexts of 480 tokens x 32 continuation tokens, allocator profile, seed 0" in table.measure
+    assert measure_memory_table(tiny_model, byte_tokenizer, profile, [TEXT], **kwargs) == table
+    other_seed = measure_memory_table(tiny_model, byte_tokenizer, profile, TEXT, seed=1, **kwargs)
+    assert not np.array_equal(other_seed.loss, table.loss)  # other windows
+
+
+def test_a_cell_is_the_caches_nll_minus_the_full_caches(tiny_model, byte_tokenizer):
+    profile = _profile(tiny_model)
+    text = TEXT[:300]  # exactly one window of 268 + 32 tokens
+    table = measure_memory_table(
+        tiny_model,
+        byte_tokenizer,
+        profile,
+        text,
+        bits=(8,),
+        ratios=(0.7,),
+        contexts=1,
+        continuation_tokens=32,
+    )
+    ids = torch.tensor([byte_tokenizer(text, add_special_tokens=False)["input_ids"]])
+    context, target = ids[:, :268], ids[:, 268:]
+
+    def nll(cache):
+        return continuation_nll(tiny_model, cache, prefill(tiny_model, context, cache), target)
+
+    cache = LUKVCache(
+        0.7,
+        "keydiff",
+        "profile",
+        allocator_kwargs={"profile": profile},
+        sink=profile.sink,
+        window=profile.window,
+        min_keep=profile.min_keep,
+        kv_bits=8,
+    )
+    expected = nll(cache) - nll(DynamicCache(config=tiny_model.config))
+    assert expected != 0.0
+    assert table.loss[0, 0] == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_kvzap_profile_scores_with_its_surrogate_and_its_allocator(tiny_model, byte_tokenizer):
+    config = tiny_model.config
+    surrogate = testing.random_surrogate(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    )
+    profile = _profile(tiny_model, scorer="kvzap", surrogate=surrogate)
+    table = measure_memory_table(
+        tiny_model, byte_tokenizer, profile, TEXT, bits=(None,), ratios=(0.5, 0.9), continuation_tokens=16
+    )
+    assert table.loss.shape == (1, 2) and np.isfinite(table.loss).all()
+    assert "allocator global" in table.measure
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(contexts=40, continuation_tokens=32), "does not hold 40 windows"),
+        (dict(context_tokens=600, continuation_tokens=32), "does not hold 4 windows"),
+        (dict(bits=(None, 3)), "kv_bits must be"),
+        (dict(bits=(8, 8)), "distinct"),
+        (dict(ratios=(0.5, 0.5)), "strictly increasing"),
+        (dict(ratios=(0.5, 1.0)), "strictly increasing"),
+        (dict(contexts=0), "contexts must be >= 1"),
+    ],
+)
+def test_what_cannot_be_measured_is_a_configuration_error(tiny_model, byte_tokenizer, kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        measure_memory_table(tiny_model, byte_tokenizer, _profile(tiny_model), TEXT, **kwargs)
+
+
+def test_a_profile_for_another_shape_is_refused(tiny_model, byte_tokenizer):
+    from lukv_cache.errors import ProfileMismatchError
+
+    profile = testing.curve_profile(3, 2, model_id="org/other", head_dim=16)
+    with pytest.raises(ProfileMismatchError):
+        measure_memory_table(tiny_model, byte_tokenizer, profile, TEXT, continuation_tokens=16)
+
+
+# ------------------------------------------------------------------------------------------ the build
+
+
+def _build(model, tokenizer, calibration, tmp_path, **options):
+    return build_profile(
+        model,
+        tokenizer,
+        "keydiff",
+        calibration,
+        k_max=2,
+        model_id="org/tiny",
+        cache_dir=tmp_path / "cache",
+        show_progress=False,
+        **options,
+    )
+
+
+def test_a_build_measures_the_table_on_its_calibration_context(
+    tiny_model, byte_tokenizer, calibration_writer, tmp_path
+):
+    text = TEXT[:440]  # with the questions, within the tiny model's 512 positions
+    calibration = calibration_writer(tmp_path / "c.jsonl", context=text)
+    profile = _build(tiny_model, byte_tokenizer, calibration, tmp_path)
+    table = profile.memory_table
+    assert table is not None and table.loss.shape == (3, 5) and np.isfinite(table.loss).all()
+    # 4 windows of 110 tokens: too short for 128 continuation tokens, so half of each window
+    assert "4 contexts of 55 tokens x 55 continuation tokens" in table.measure
+    expected = measure_memory_table(tiny_model, byte_tokenizer, profile, text, continuation_tokens=55)
+    assert table == expected  # the calibration's context, the build's seed
+    assert Profile.load(profile.save(tmp_path / "p.safetensors")).memory_table == table
+
+
+def test_a_short_calibration_gets_shorter_continuations(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path
+):
+    table = _build(tiny_model, byte_tokenizer, tiny_calibration, tmp_path).memory_table
+    assert table is not None and "x 16 continuation tokens" in table.measure
+
+
+def test_a_build_without_the_table_has_none(tiny_model, byte_tokenizer, tiny_calibration, tmp_path):
+    assert (
+        _build(tiny_model, byte_tokenizer, tiny_calibration, tmp_path, memory_table=False).memory_table
+        is None
+    )
+
+
+def test_lukv_build_no_memory_table(tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch):
+    monkeypatch.setattr(profiling_cli, "_load_model", lambda name: (tiny_model, byte_tokenizer, {}))
+    args = ["build", "tiny", "--k-max", "2", "--calibration", str(tiny_calibration), "--model-id", "org/t"]
+    args += ["--cache-dir", str(tmp_path / "c"), "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "a.safetensors")]) == 0
+    assert main([*args, "--no-memory-table", "--out", str(tmp_path / "b.safetensors")]) == 0
+    assert Profile.load(tmp_path / "a.safetensors").memory_table is not None
+    assert Profile.load(tmp_path / "b.safetensors").memory_table is None
+
+
+# ------------------------------------------------------------------------------------------ an existing file
+
+
+def test_add_memory_table_writes_the_same_profile_with_a_table(
+    tiny_model, byte_tokenizer, calibration_writer, tmp_path
+):
+    calibration = calibration_writer(tmp_path / "c.jsonl", context=TEXT)
+    original = _profile(tiny_model, calibration="c.jsonl: Tiny")
+    path = original.save(tmp_path / "p.safetensors")
+    with pytest.raises(ConfigurationError, match="not a shipped set"):
+        add_memory_table(path, tiny_model, byte_tokenizer)
+    assert add_memory_table(path, tiny_model, byte_tokenizer, calibration, continuation_tokens=32) == path
+    loaded = Profile.load(path)
+    assert loaded.memory_table == measure_memory_table(
+        tiny_model, byte_tokenizer, original, TEXT, continuation_tokens=32
+    )
+    assert loaded._metadata() == original._metadata()  # nothing else changed
+    np.testing.assert_array_equal(loaded.evict_ratio, original.evict_ratio)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "p.safetensors"]  # no temp file left
+    with pytest.raises(ConfigurationError, match="already holds a memory table"):
+        add_memory_table(path, tiny_model, byte_tokenizer, calibration)
+
+
+def test_add_memory_table_reads_a_shipped_set_from_the_profile(tiny_model, byte_tokenizer, tmp_path):
+    path = _profile(tiny_model, calibration="expository.jsonl: whatever").save(tmp_path / "p.safetensors")
+    out = tmp_path / "q.safetensors"
+    add_memory_table(path, tiny_model, byte_tokenizer, out=out, bits=(None,), ratios=(0.8,))
+    assert Profile.load(path).memory_table is None and Profile.load(out).memory_table is not None
+
+
+def test_lukv_memory_table(tiny_model, byte_tokenizer, calibration_writer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(profiling_cli, "_load_model", lambda name: (tiny_model, byte_tokenizer, {}))
+    calibration = calibration_writer(tmp_path / "c.jsonl", context=TEXT)
+    path = _profile(tiny_model).save(tmp_path / "p.safetensors")
+    args = ["memory-table", "tiny", str(path), "--calibration", str(calibration), "--quiet"]
+    assert main([*args, "--contexts", "2", "--continuation-tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "memory    loss of model, int8, int4 at ratios 0.50 0.70 0.80 0.90 0.95" in out
+    assert f"wrote {path}" in out
+    assert Profile.load(path).memory_table.measure.startswith("continuation excess NLL")
+    assert main(args) == 2  # already there
+    assert "--replace" in capsys.readouterr().err
+    assert main([*args, "--replace", "--contexts", "0"]) == 2
+    assert main(["memory-table", "tiny", str(tmp_path / "none.safetensors")]) == 2
