@@ -5,8 +5,10 @@ knobs it sets, and kept by saved contexts."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import numpy as np
 import pytest
 import torch
 from helpers import scorer_for, tiny_model
@@ -17,6 +19,7 @@ from lukv_cache import LUKVCache
 from lukv_cache.allocation import ALLOCATORS
 from lukv_cache.cache.memory import MemoryChoice, Shapes, layer_shapes
 from lukv_cache.errors import ConfigurationError
+from lukv_cache.profiles import MemoryTable
 from lukv_cache.scorers import SCORERS
 from lukv_cache.testing import flat_profile, left_padded, prompt
 
@@ -120,26 +123,37 @@ def test_the_choice_is_deterministic():
         )
 
 
-class PreferFullPrecision:
-    """A measured table that says the model's precision loses least wherever it fits."""
+def _table(loss_none: float, loss_8: float, loss_4: float) -> MemoryTable:
+    """A measured table whose loss at every ratio is the one given per precision (flat in the ratio)."""
+    ratios = np.array([0.5, 0.9], dtype=np.float32)
+    loss = np.array([[loss_none] * 2, [loss_8] * 2, [loss_4] * 2], dtype=np.float32)
+    return MemoryTable((None, 8, 4), ratios, loss, "test")
 
-    def choose(self, candidates):
-        return None if None in candidates else min(candidates, key=lambda bits: -(bits or 99))
 
-
-def test_a_profiles_measured_table_chooses_the_bits():
+@pytest.mark.parametrize("losses, bits", [((0.01, 0.5, 0.5), None), ((0.5, 0.5, 0.01), 4)])
+def test_a_profiles_measured_table_chooses_the_bits(tmp_path, losses, bits):
     model = tiny_model("llama", "sdpa")
     ids = prompt(1, 400, seed=1)
     ruled = LUKVCache(memory=0.2)
     ruled.prefill(model, ids)
-    tabled = LUKVCache(memory=0.2)
-    profile = flat_profile(2, 2)
-    object.__setattr__(profile, "memory_table", PreferFullPrecision())
-    tabled.profile = profile
+    path = tmp_path / "keydiff.safetensors"
+    dataclasses.replace(flat_profile(2, 2), memory_table=_table(*losses)).save(path)
+    tabled = LUKVCache.from_pretrained(path, memory=0.2, config=model.config)
     tabled.prefill(model, ids)
     assert ruled.memory_choice.by == "rule" and ruled.kv_bits == 8
-    assert tabled.memory_choice.by == "table" and tabled.kv_bits is None
+    assert tabled.memory_choice.by == "table" and tabled.kv_bits == bits
     _check_bound(tabled, int(0.2 * _full_bytes(model, ids)), batch=1)
+
+
+def test_one_precision_can_be_fixed_for_comparisons_at_the_same_bytes():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 400, seed=1)
+    for bits in (None, 8, 4):
+        cache = LUKVCache(memory=0.2)
+        cache.compressor.precisions = (bits,)
+        cache.prefill(model, ids)
+        assert cache.kv_bits == bits
+        _check_bound(cache, int(0.2 * _full_bytes(model, ids)), batch=1)
 
 
 def test_chunked_prefill_holds_the_bound_after_every_chunk():
