@@ -102,6 +102,12 @@ class SharedPrefill:
             for layer_idx, (keys, values) in enumerate(zip(self.keys, self.values)):
                 cache.update(keys.clone(), values.clone(), layer_idx)
             return cache
+        return self.replay_into(cache, scores)
+
+    def replay_into(self, cache: Any, scores: dict[int, torch.Tensor] | None = None) -> Any:
+        """``cache`` (a compressed cache you built, e.g. with settings a :class:`Method` does not name)
+        holding this context, as if the context had been prefilled into it; ``scores``: as
+        :meth:`cache_for`'s. Returns ``cache``."""
         with cache.holding() if scores is not None else contextlib.nullcontext():
             self._replay(cache)
         if scores is not None:
