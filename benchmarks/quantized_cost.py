@@ -57,7 +57,15 @@ def ideal_bytes(cache) -> tuple[int, int]:
     return store, suffix
 
 
-def run(tokens: int, batch: int, threads: int, ratio: float, steps: int, small: bool = False) -> dict:
+def run(
+    tokens: int,
+    batch: int,
+    threads: int,
+    ratio: float,
+    steps: int,
+    small: bool = False,
+    memory: float | None = None,
+) -> dict:
     from lukv_cache import LUKVCache
 
     torch.set_num_threads(threads)
@@ -70,11 +78,16 @@ def run(tokens: int, batch: int, threads: int, ratio: float, steps: int, small: 
         "ragged fp32": dict(allocator="profile", evict_ratio=table, scorer="keydiff"),
         "ragged int4": dict(allocator="profile", evict_ratio=table, scorer="keydiff", kv_bits=4),
     }
+    if memory is not None:  # the budget's own choice, and the same bytes at full precision (eviction alone)
+        specs["memory"] = dict(memory=memory, scorer="keydiff", allocator="uniform", config=model.config)
+        specs["memory fp32"] = dict(specs["memory"])
     caches = {}
     with torch.no_grad():
         for name, kwargs in specs.items():
             gen = torch.Generator().manual_seed(1)  # the same keys and values in every cache
             caches[name] = LUKVCache(**kwargs)
+            if name == "memory fp32":
+                caches[name].compressor.precisions = (None,)
             cache_bench._fill(model, caches[name], batch, tokens, gen)
     row = {"tokens": tokens, "batch": batch, "threads": threads, "ratio": ratio}
     for name, cache in caches.items():
@@ -84,6 +97,7 @@ def run(tokens: int, batch: int, threads: int, ratio: float, steps: int, small: 
             "ideal": store + suffix,
             "store_ideal": store,
             "kept_per_head": float(cache.stored_tokens().double().mean()),
+            "bits": cache.kv_bits,
         }
     token = torch.zeros((batch, 1), dtype=torch.long)
     times = {name: [] for name in caches}
@@ -106,13 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ratio", type=float, default=0.8)
     parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument(
+        "--memory",
+        type=float,
+        help="also LUKVCache(memory=M) and the same bytes at full precision (its base)",
+    )
     parser.add_argument("--block-rows", type=int, help="AttentionLimits.block_rows (default: the library's)")
     parser.add_argument("--out", help="write the table here too")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
     if args.smoke:
         args.out = str(_smoke.begin(stand_ins=False).out("quantized_cost.md"))
-        args.tokens, args.batch, args.threads, args.decode_steps = [256], [1], 1, 2
+        args.tokens, args.batch, args.threads, args.decode_steps, args.memory = [256], [1], 1, 2, 0.3
     if args.block_rows:
         from dataclasses import replace
 
@@ -122,23 +141,34 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"Command: python benchmarks/quantized_cost.py --tokens {' '.join(map(str, args.tokens))} --batch "
         f"{' '.join(map(str, args.batch))} --threads {args.threads} --ratio {args.ratio} --decode-steps "
-        f"{args.decode_steps}" + (f" --block-rows {args.block_rows}" if args.block_rows else ""),
+        f"{args.decode_steps}"
+        + (f" --block-rows {args.block_rows}" if args.block_rows else "")
+        + (f" --memory {args.memory:g}" if args.memory is not None else ""),
         "",
         "| context | batch | cache | kept/head | MiB | bytes / ideal | store bytes / fp32 store | decode ms | / fp32 |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for tokens in args.tokens:
         for batch in args.batch:
-            row = run(tokens, batch, args.threads, args.ratio, args.decode_steps, small=args.smoke)
-            for name in ("fp32", "int8", "int4", "ragged fp32", "ragged int4"):
+            row = run(tokens, batch, args.threads, args.ratio, args.decode_steps, args.smoke, args.memory)
+            names = ["fp32", "int8", "int4", "ragged fp32", "ragged int4"]
+            names += [] if args.memory is None else ["memory fp32", "memory"]
+            for name in names:
                 r = row[name]
-                base = row["ragged fp32" if name.startswith("ragged") else "fp32"]
+                base = row[next((f"{k} fp32" for k in ("ragged", "memory") if name.startswith(k)), "fp32")]
+                label = (
+                    name
+                    if not name.startswith("memory")
+                    else f"{name.replace('memory', f'memory={args.memory:g}')}"
+                )
+                if name == "memory":
+                    label += f" (int{r['bits']})" if r["bits"] else " (fp32)"
                 lines.append(
-                    f"| {tokens} | {batch} | {name} | {r['kept_per_head']:.1f} | {r['bytes'] / 2**20:.2f} | "
+                    f"| {tokens} | {batch} | {label} | {r['kept_per_head']:.1f} | {r['bytes'] / 2**20:.2f} | "
                     f"{r['bytes'] / r['ideal']:.3f} | {r['store_ideal'] / base['store_ideal']:.3f} | "
                     f"{r['median_ms']:.2f} | {r['median_ms'] / base['median_ms']:.3f} |"
                 )
-            print("\n".join(lines[-5:]), flush=True)
+            print("\n".join(lines[-len(names) :]), flush=True)
     text = "\n".join(lines)
     print("\n" + text)
     if args.out:
