@@ -45,6 +45,7 @@ def token_cap(
     region: Region,
     evicted: list[int],
     num_heads: int,
+    query_heads: int | None = None,
 ) -> tuple[torch.Tensor | None, int]:
     """With ``max_tokens``: int64 ``[B]``, the evictable tokens that the layers ``evicted`` now (over all
     ``num_heads`` KV heads of the model) may keep in all, so that after this forward every row holds at
@@ -62,7 +63,8 @@ def token_cap(
     if policy.in_bytes:
         # the bytes hold this many tokens at the layers' bits; the layers evicted before this step have
         # folded their windows into their stores (counted there)
-        budget = layer_budget(policy, layer, len(full), num_heads, keeps_scores(policy))
+        queries = query_heads or num_heads  # the model's query heads (their kept queries count)
+        budget = layer_budget(policy, layer, len(full), num_heads, keeps_scores(policy), queries)
         windows = len(evicted) + later
     else:
         assert policy.max_tokens is not None  # a cap: max_tokens or a budget

@@ -27,7 +27,7 @@ from .folding import fold_due, fold_evict, keeps_scores
 from .forward import begin_forward, check_forward
 from .layer import LUKVLayer
 from .layout import BUDGET_NEEDS_FULL_ATTENTION
-from .memory import BITS, MemoryChoice, choose_bits, layer_shapes, log_choice
+from .memory import BITS, MemoryChoice, choose_bits, kept_queries, layer_shapes, log_choice
 from .state import Phase
 
 
@@ -177,7 +177,8 @@ class Compressor:
         if len(full) != count or not all(type(each) is LUKVLayer for each in cache.layers):
             raise ConfigurationError(BUDGET_NEEDS_FULL_ATTENTION)
         heads = layer.num_heads * (1 if layout.head_shard is None else layout.head_shard.size)
-        shapes = layer_shapes(layer, len(full), heads)
+        queries = kept_queries(policy, layout.query_heads or heads)
+        shapes = layer_shapes(layer, len(full), heads, queries)
         profile = (policy.allocator_kwargs or {}).get("profile") or getattr(cache, "profile", None)
         choice = choose_bits(
             policy.memory,
@@ -228,7 +229,10 @@ class Compressor:
         started = time.perf_counter()
         state, cache = self.cache.state, self.cache
         folding, state.folding = state.folding, {}
-        fold_evict(cache.layers, folding, self.policy, cache.layout.head_shard, cache.num_layers)
+        layout = cache.layout
+        fold_evict(
+            cache.layers, folding, self.policy, layout.head_shard, cache.num_layers, layout.query_heads
+        )
         self._report("fold", folding, started)
 
     def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:

@@ -109,7 +109,14 @@ def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Te
         if shard is not None:  # allocate over every head of the model, keep this rank's block
             scores = shard.gather(scores, dim=2)
         cap, slots = token_cap(
-            policy, cache.layers, cache.layout.full_layers, shard, region, scored, scores.shape[2]
+            policy,
+            cache.layers,
+            cache.layout.full_layers,
+            shard,
+            region,
+            scored,
+            scores.shape[2],
+            cache.layout.query_heads,
         )
         ratio, cache.state.cap_ratio = row_ratios(policy, region, cap, slots, cache.state.cap_ratio)
         request = AllocationRequest(

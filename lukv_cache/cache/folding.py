@@ -71,6 +71,7 @@ def fold_evict(
     policy: CompressionPolicy,
     shard: HeadShard | None,
     num_layers: int | None,
+    query_heads: int | None = None,
 ) -> None:
     """Eviction at fold time (:mod:`lukv_cache.cache.decoding`): the layers whose fold is due (``folding``:
     layer -> the attention module that read it, its mask) keep, per row, at most ``decode_max_tokens``
@@ -103,7 +104,9 @@ def fold_evict(
     if policy.in_bytes:  # and no more than the memory budget's bytes hold at the layers' bits
         full = sum(1 for layer in all_layers if isinstance(layer, LUKVLayer))
         per_head = min(
-            per_head, max(layer_budget(policy, first, full, heads, kept_scores), 0) // (full * heads)
+            per_head,
+            max(layer_budget(policy, first, full, heads, kept_scores, query_heads or heads), 0)
+            // (full * heads),
         )
     allowed = (per_head * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
     protected = protected.double().mean((0, 2))  # [B], per head

@@ -67,6 +67,7 @@ class Layout:
     def __init__(self, mesh_shard: HeadShard | None = None):
         self.mesh_shard = mesh_shard
         self.kv_heads: int | None = None  # the model's KV heads per layer (from its config)
+        self.query_heads: int | None = None  # and its query heads
         self.head_shard: HeadShard | None = None
         self.heads_checked = False
         self.num_layers: int | None = None
@@ -251,6 +252,8 @@ class Layout:
         self.last_full_layer = full[-1] if full else None
         heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
         self.kv_heads = heads if isinstance(heads, int) else None
+        queries = getattr(text, "num_attention_heads", None)
+        self.query_heads = queries if isinstance(queries, int) else self.kv_heads
         # layers without per-token KV (linear attention, SSM, conv, KV-sharing placeholders) hold nothing to evict
         windowed = [i for i, kind in enumerate(layer_types) if kind in _WINDOWED]
         whole = [i for i, kind in enumerate(layer_types) if kind in _HELD_WHOLE]

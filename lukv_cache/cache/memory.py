@@ -52,6 +52,7 @@ class Shapes:
     value_dim: int
     dtype: torch.dtype
     room: int
+    queries: int = 0  # bytes of the queries a layer keeps for its next fold's scorer, per row
 
     @property
     def slots(self) -> int:
@@ -77,22 +78,34 @@ class Shapes:
 
     def fixed(self) -> int:
         """Bytes of one row that do not depend on how many tokens are kept: every layer's decode room,
-        its store's offsets (one per KV head, and the last) and its count of sinks still to keep."""
-        return self.slots * (self.room * self.dense_token + OFFSET_BYTES) + self.layers * 2 * OFFSET_BYTES
+        its store's offsets (one per KV head, and the last), its count of sinks still to keep and the
+        queries it keeps for its next fold's scorer."""
+        per_layer = 2 * OFFSET_BYTES + self.queries
+        return self.slots * (self.room * self.dense_token + OFFSET_BYTES) + self.layers * per_layer
 
 
-def layer_shapes(layer: Any, layers: int, heads: int) -> Shapes:
+def layer_shapes(layer: Any, layers: int, heads: int, queries: int = 0) -> Shapes:
     """The :class:`Shapes` of a model whose ``layers`` compressed layers are like ``layer`` (a
-    :class:`~lukv_cache.cache.layer.LUKVLayer` holding a forward), ``heads`` KV heads each."""
+    :class:`~lukv_cache.cache.layer.LUKVLayer` holding a forward), ``heads`` KV heads each; ``queries``:
+    query vectors (of all query heads) each layer keeps for its next fold's scorer."""
     keys, values = layer.suffix_keys, layer.suffix_values
-    return Shapes(layers, heads, keys.shape[-1], values.shape[-1], keys.dtype, layer.fold_at + 1)
+    query_bytes = queries * keys.shape[-1] * keys.element_size()
+    return Shapes(layers, heads, keys.shape[-1], values.shape[-1], keys.dtype, layer.fold_at + 1, query_bytes)
 
 
-def layer_budget(policy: Any, layer: Any, layers: int, heads: int, scores: bool) -> int:
+def kept_queries(policy: Any, query_heads: int) -> int:
+    """Query vectors a layer keeps between folds under ``policy`` (``decode_max_tokens`` with a scorer
+    that reads queries: its last ``n_queries``, at most ``fold_interval``, of every query head)."""
+    if policy.decode_max_tokens is None or not policy.scorer.n_queries:
+        return 0
+    return min(policy.scorer.n_queries, policy.fold_interval) * query_heads
+
+
+def layer_budget(policy: Any, layer: Any, layers: int, heads: int, scores: bool, query_heads: int) -> int:
     """The tokens one row may keep over ``layers`` compressed layers of ``heads`` KV heads like ``layer``
     under ``policy``'s budget, at ``layer``'s bits and for its length so far (``scores``: the store keeps
-    a score per token)."""
-    shapes = layer_shapes(layer, layers, heads)
+    a score per token; ``query_heads``: the model's, whose queries a layer may keep for its next fold)."""
+    shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads))
     budget = row_budget(policy.memory, policy.max_bytes, layer.cumulative_length, shapes)
     return tokens_allowed(budget, shapes, layer.kv_bits, scores)
 

@@ -104,7 +104,9 @@ def from_pretrained(
     # LUKVCache()'s rules, applied before any lookup (a bad ratio fails before the network)
     budget = options.get("memory") is not None or options.get("max_bytes") is not None
     if not budget:  # a memory budget chooses the ratio itself (and refuses one given)
-        options["max_tokens"] = bounded_prompt(ratio, options.get("max_tokens"), options.get("decode_max_tokens"))
+        options["max_tokens"] = bounded_prompt(
+            ratio, options.get("max_tokens"), options.get("decode_max_tokens")
+        )
         if options["max_tokens"] is None:
             ratio = default_ratio(ratio)
     hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)

@@ -167,15 +167,17 @@ def test_chunked_prefill_holds_the_bound_after_every_chunk():
     assert cache.get_seq_length() == 480
 
 
-def test_decode_max_tokens_keeps_max_bytes_while_generating():
+@pytest.mark.parametrize("name, max_bytes", [("keydiff", 24_000), ("snapkv", 60_000), ("kvzap", 60_000)])
+def test_decode_max_tokens_keeps_max_bytes_while_generating(name, max_bytes):
+    # snapkv and kvzap keep the last queries between folds (their bytes count) and a 32-token window
     model = tiny_model("llama", "sdpa")
     ids = prompt(2, 300, seed=6)
-    cache = LUKVCache(max_bytes=24_000, decode_max_tokens=400, scorer="keydiff")
+    cache = LUKVCache(max_bytes=max_bytes, decode_max_tokens=400, scorer=scorer_for(name, model))
     with torch.no_grad():
         out = model(ids, past_key_values=cache, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(120):
-            _check_bound(cache, 24_000, batch=2)
+            _check_bound(cache, max_bytes, batch=2)
             out = model(token, past_key_values=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
     assert cache.get_seq_length() == 420
