@@ -35,6 +35,7 @@ from .evaluation.methods import (
     SCORERS,
     TASKS,
     kv_bits_list,
+    memory_list,
 )
 from .models import PACKAGED_NAMES, SMOLLM2_ALIAS, add_threads_argument
 from .profiles.location import DEFAULT_REPO_ID, DEFAULT_SCORER, LOCAL_DIR_ENV, REPO_ID_ENV
@@ -316,7 +317,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=20, help="contexts per task")
     parser.add_argument("--context-tokens", type=int, default=1000, help="context length in tokens")
     parser.add_argument(
-        "--ratios", nargs="+", help=f"fractions evicted (default: {' '.join(map(str, RATIOS))})"
+        "--ratios",
+        nargs="+",
+        help=f"fractions evicted (default: {' '.join(map(str, RATIOS))}; none with --memory)",
+    )
+    parser.add_argument(
+        "--memory",
+        nargs="+",
+        metavar="FRACTION",
+        help="memory budgets, each a method per allocator x scorer: the cache may hold this fraction of the "
+        "full cache's bytes and chooses the bits and the tokens kept (LUKVCache(memory=...)); the results say "
+        "what it chose and the bytes it held. With --memory alone only the budgets (and the full cache) run; "
+        "add --ratios to run ratios too (default: none)",
     )
     parser.add_argument("--scorers", nargs="+", help=f"default: {' '.join(SCORERS)}")
     parser.add_argument("--allocators", nargs="+", help=f"default: {' '.join(ALLOCATORS)}")
@@ -338,10 +350,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-bits",
         nargs="+",
-        default=["none"],
         metavar="BITS",
         help="bits per stored key / value entry, each a column of the grid: none (the model's precision), 8 "
-        "or 4 (default: none)",
+        "or 4; for the --ratios only (a --memory budget chooses its bits) (default: none)",
     )
     parser.add_argument(
         "--sliding",
@@ -584,6 +595,11 @@ def _precheck_bench(args: argparse.Namespace) -> None:
     refuse_unknown("scorer", _parts(args.scorers))
     refuse_unknown("allocator", _parts(args.allocators))
     kv_bits_list(_parts(args.kv_bits))
+    if memory_list(_parts(args.memory)) and args.kv_bits and not args.ratios:
+        raise ConfigurationError(
+            "--kv-bits sets the bits of the --ratios' caches, and --memory runs no ratio unless --ratios is "
+            "given: a memory budget chooses its own bits. Drop --kv-bits, or add --ratios."
+        )
     for task in _parts(args.tasks):  # the runner's own check, before the model loads
         if task not in TASKS:
             raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")

@@ -92,15 +92,18 @@ def _check(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; write markdown, JSON and a plot; print the table."""
-    from .methods import ALLOCATORS, DEFAULT_TASKS, RATIOS, SCORERS, kv_bits_list
+    from .methods import ALLOCATORS, DEFAULT_TASKS, RATIOS, SCORERS, kv_bits_list, memory_list
     from .report import command_line, write_results
     from .runner import BenchSettings, run_benchmark
 
+    memory = memory_list(_split(getattr(args, "memory", None)) or [])
+    # with budgets and no --ratios, only the budgets run (and the full cache)
+    ratios = _split(args.ratios) or ([] if memory else RATIOS)
     settings = BenchSettings(
         tasks=tuple(_split(args.tasks) or DEFAULT_TASKS),
         samples=args.samples,
         context_tokens=args.context_tokens,
-        ratios=tuple(float(r) for r in (_split(args.ratios) or RATIOS)),
+        ratios=tuple(float(r) for r in ratios),
         scorers=tuple(_split(args.scorers) or SCORERS),
         allocators=tuple(_split(args.allocators) or ALLOCATORS),
         full=not args.no_full,
@@ -112,6 +115,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         share_prefill=not args.no_share_prefill,
         kv_bits=kv_bits_list(_split(args.kv_bits) or []),
         sliding=args.sliding,
+        memory=memory,
     )
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}
