@@ -67,6 +67,8 @@ def _check(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         tolerance=args.tolerance,
         ratios=args.ratios,
+        memory=args.memory or (),
+        kv_bits=args.kv_bits,
     )
     contexts = read_contexts(args.calibration or (), args.text or (), args.questions, args.answers)
     encode_contexts(load_tokenizer(args.model), contexts, load_config(args.model), args.max_new_tokens)
@@ -75,7 +77,8 @@ def _check(args: argparse.Namespace) -> int:
         model,
         tokenizer,
         contexts,
-        ratios=ratios,
+        ratios=ratios if args.memory is None else None,
+        memory=args.memory or (),
         allocators=args.allocators,
         scorer=args.scorer,
         max_new_tokens=args.max_new_tokens,

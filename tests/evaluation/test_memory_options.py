@@ -12,6 +12,7 @@ from lukv_cache import LUKVCache
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.evaluation import cli as evaluation_cli
+from lukv_cache.evaluation.check import CheckReport, CheckRow, check, format_check, read_contexts
 from lukv_cache.evaluation.methods import Method, build_methods, make_cache, memory_list
 from lukv_cache.evaluation.prefill import SharedPrefill
 from lukv_cache.evaluation.report import memory_summary, write_results
@@ -169,3 +170,112 @@ def test_lukv_bench_takes_kv_bits_with_budgets_when_ratios_run_too():
     _precheck_bench(build_parser().parse_args(["bench", "--memory", "0.1", "--ratios", "0.5", "--kv-bits", "4"]))
     with pytest.raises(ConfigurationError, match="Drop --kv-bits, or add --ratios"):
         _precheck_bench(build_parser().parse_args(["bench", "--memory", "0.1", "--kv-bits", "4"]))
+
+
+# -------------------------------------------------------------------------------------- lukv check --memory
+TEXT = "The ferry to Kestrel Quay leaves at nine. The harbour master is called Ada. " * 8
+
+
+def _memory_report(agreements: dict[tuple[str, float], float], bits: str = "int8") -> CheckReport:
+    rows = [
+        CheckRow(allocator, None, agree=round(10 * agreement), asked=10, excess_nll=[0.1 - memory], memory=memory,
+                 chosen=[bits, bits])
+        for (allocator, memory), agreement in agreements.items()
+    ]  # fmt: skip
+    return CheckReport("keydiff", rows, contexts=2, questions=5, tolerance=0.9)
+
+
+def test_check_recommends_the_smallest_budget_that_keeps_the_tolerance():
+    report = _memory_report(
+        {("uniform", 0.2): 1.0, ("uniform", 0.1): 0.9, ("uniform", 0.05): 0.5,
+         ("adakv", 0.2): 1.0, ("adakv", 0.1): 0.6, ("adakv", 0.05): 1.0}
+    )  # fmt: skip
+    assert report.by_memory and report.safe_memory("uniform") == 0.1
+    assert report.safe_memory("adakv") == 0.2  # 0.05 passes, but 0.1, a larger budget, did not
+    text = format_check(report)
+    assert "allocator      memory  bits  agreement  excess NLL" in text
+    assert "uniform          0.05  int8        50%      +0.050" in text
+    assert "uniform: agreement >= 90% down to memory 0.1 (int8)." in text
+    last = text.splitlines()[-1]
+    assert last.startswith("Recommended: memory=0.1 with allocator uniform (scorer keydiff; it chose int8)")
+    assert "90% of the answers unchanged" in last
+
+
+def test_check_without_a_safe_budget_suggests_a_larger_one():
+    report = _memory_report({("uniform", 0.1): 0.5, ("uniform", 0.05): 0.2})
+    text = format_check(report)
+    assert "uniform: no budget checked keeps agreement >= 90% (best 50% at memory 0.1)." in text
+    last = text.splitlines()[-1]
+    assert last.startswith("Recommended: none. No budget checked") and "(--memory 0.2)" in last
+
+
+def test_check_memory_rows_measure_each_budget_and_record_the_bits_chosen(model, tokenizer, tmp_path):
+    text, questions = tmp_path / "notes.txt", tmp_path / "q.txt"
+    text.write_text(TEXT)
+    questions.write_text("When does the ferry leave?\nWho is the harbour master?\n")
+    contexts = read_contexts(texts=[text, text], questions=questions)
+    report = check(
+        model, tokenizer, contexts, memory=(0.5, 0.05), allocators=("uniform",), scorer="keydiff",
+        max_new_tokens=4, show_progress=False,
+    )  # fmt: skip
+    assert [(r.ratio, r.memory) for r in report.rows] == [(None, 0.5), (None, 0.05)]
+    assert [r.chosen for r in report.rows] == [["int8", "int8"], ["int4", "int4"]]  # the rule, per context
+    assert all(r.asked == 4 for r in report.rows)
+    assert report.rows[0].agreement == 1.0  # half the bytes at 8 bits keep every token of this context
+    text = format_check(report)
+    assert "uniform           0.5  int8" in text and "memory budgets" in text
+    assert text.splitlines()[-1].startswith("Recommended: memory=")
+
+
+def test_check_skips_a_budget_too_small_for_a_context(model, tokenizer, tmp_path):
+    text, questions = tmp_path / "short.txt", tmp_path / "q.txt"
+    text.write_text("The ferry leaves at nine. " * 2)
+    questions.write_text("When?\n")
+    contexts = read_contexts(texts=[text], questions=questions)
+    report = check(
+        model, tokenizer, contexts, memory=(0.5, 0.01), allocators=("uniform",), scorer="keydiff",
+        max_new_tokens=2, show_progress=False,
+    )  # fmt: skip
+    assert report.rows[0].skipped is None and report.rows[1].skipped.startswith("context 1: memory=0.01")
+    assert "0.01  skipped: context 1: memory=0.01 gives" in format_check(report)
+
+
+def test_check_refuses_budgets_with_ratios_or_kv_bits(model, tokenizer):
+    contexts = [(TEXT, ["When?"])]
+    with pytest.raises(ConfigurationError, match="not both"):
+        check(model, tokenizer, contexts, ratios=(0.5,), memory=(0.1,), show_progress=False)
+    with pytest.raises(ConfigurationError, match="chooses the bits itself"):
+        check(model, tokenizer, contexts, memory=(0.1,), kv_bits=4, show_progress=False)
+    with pytest.raises(ConfigurationError, match=r"\(0, 1\]"):
+        check(model, tokenizer, contexts, memory=(1.5,), show_progress=False)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--memory", "0.1", "--kv-bits", "4"], "--memory and --kv-bits do not combine"),
+        (["--memory", "0.1", "--ratios", "0.5"], "Give --memory or --ratios, not both"),
+        (["--memory", "0"], "--memory takes fractions in (0, 1]"),
+        (["--memory", "2"], "--memory takes fractions in (0, 1]"),
+    ],
+)
+def test_lukv_check_refuses_bad_budgets_before_the_model_loads(extra, message, model_dir, tmp_path, no_weights, capsys):
+    text, questions = tmp_path / "notes.txt", tmp_path / "q.txt"
+    text.write_text(TEXT)
+    questions.write_text("When?\n")
+    argv = ["check", str(model_dir), "--text", str(text), "--questions", str(questions), "--quiet", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "\n" not in err.strip()
+
+
+def test_lukv_check_memory_prints_the_budgets_and_recommends_one(model_dir, tmp_path, capsys):
+    text, questions = tmp_path / "notes.txt", tmp_path / "q.txt"
+    text.write_text(TEXT)
+    questions.write_text("When does the ferry leave?\n")
+    argv = ["check", str(model_dir), "--text", str(text), "--questions", str(questions), "--quiet"]
+    argv += ["--memory", "0.5", "0.1", "--allocators", "uniform", "--scorer", "keydiff", "--max-new-tokens", "3"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "allocator      memory  bits" in out and "uniform           0.5  int8" in out
+    assert out.strip().splitlines()[-1].startswith("Recommended: ")
