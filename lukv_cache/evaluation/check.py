@@ -586,7 +586,12 @@ def check(
                     continue
                 try:
                     cache, scores[row.allocator] = shared.scored_cache(
-                        method_of(row), model, tokenizer, profiles_dir, hub=hub, scores=scores.get(row.allocator)
+                        method_of(row),
+                        model,
+                        tokenizer,
+                        profiles_dir,
+                        hub=hub,
+                        scores=scores.get(row.allocator),
                     )
                 except ConfigurationError as err:
                     if row.memory is None:
@@ -731,7 +736,9 @@ def format_check(report: CheckReport) -> str:
         lines.append(
             f"{row.allocator:<14} {value}{bits}  {_pct(row.agreement):>9}{accuracy}  {row.mean_excess:>+10.3f}"
         )
-    lines += ["", LEGEND] + ([MEMORY_LEGEND] if by_memory else []) + ([ACCURACY_LEGEND] if graded else []) + [""]
+    lines += (
+        ["", LEGEND] + ([MEMORY_LEGEND] if by_memory else []) + ([ACCURACY_LEGEND] if graded else []) + [""]
+    )
     if graded and not report.by_accuracy:
         lines += [
             "The full cache answered none of the graded questions rightly, so accuracy cannot tell the "
@@ -746,9 +753,11 @@ def format_check(report: CheckReport) -> str:
             lines.append(f"{allocator}: not measured (see the skipped rows).")
             continue
         if by_memory:
-            row = report.safe_row(allocator)
-            if row is not None:
-                lines.append(f"{allocator}: {what} >= {bar} down to memory {row.memory:g} ({row.bits}).")
+            safe_row = report.safe_row(allocator)
+            if safe_row is not None:
+                lines.append(
+                    f"{allocator}: {what} >= {bar} down to memory {safe_row.memory:g} ({safe_row.bits})."
+                )
             else:
                 best = max(measured, key=lambda r: (_metric(report, r), r.strength))
                 lines.append(

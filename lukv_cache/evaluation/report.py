@@ -306,7 +306,9 @@ def plot_results(
                 ax.axhline(value(task_rows[FULL])[0], color="black", linestyle="--", label="full")
             ax.set_title(f"{task} / {scorer}", fontsize=9)
             ax.set_xlabel(
-                "memory budget (fraction of the full cache's bytes)" if by_memory else "ratio (fraction evicted)"
+                "memory budget (fraction of the full cache's bytes)"
+                if by_memory
+                else "ratio (fraction evicted)"
             )
             ax.set_ylabel("accuracy %" if retrieval else "excess NLL (nats/token)")
             ax.grid(alpha=0.3)

@@ -42,7 +42,11 @@ def test_build_methods_adds_a_method_per_budget_after_the_ratios():
     assert len(set(names)) == len(names)
     # kv_bits multiplies the ratios only: the budget chooses its own bits
     grid = build_methods(["uniform"], ["keydiff"], [0.5], full=False, kv_bits=(None, 4), memory=(0.1,))
-    assert [(m.ratio, m.kv_bits, m.memory) for m in grid] == [(0.5, None, None), (0.5, 4, None), (None, None, 0.1)]
+    assert [(m.ratio, m.kv_bits, m.memory) for m in grid] == [
+        (0.5, None, None),
+        (0.5, 4, None),
+        (None, None, 0.1),
+    ]
 
 
 @pytest.mark.parametrize("value", ["0", "-0.1", "1.5", "nan", "half"])
@@ -68,14 +72,22 @@ def test_make_cache_passes_the_budget_and_the_cache_holds_no_more(model, allocat
     cache = make_cache(method, model, tmp_path)
     assert isinstance(cache, LUKVCache) and cache.memory == 0.1
     assert cache.allocator_name == allocator
-    shared = SharedPrefill.record(model, torch.randint(0, 256, (1, 400), generator=torch.Generator().manual_seed(0)), 2)
+    shared = SharedPrefill.record(
+        model, torch.randint(0, 256, (1, 400), generator=torch.Generator().manual_seed(0)), 2
+    )
     replayed = shared.cache_for(method, model, tmp_path)
     assert replayed.memory_choice is not None and replayed.kv_bits == replayed.memory_choice.kv_bits
     assert replayed.memory_bytes() <= 0.1 * _full_bytes(shared)
 
 
 def test_memory_summary_reports_one_bits_value_or_the_counts():
-    choice = {"kv_bits": 8, "budget": 100, "length": 10, "kept": {"none": 0.1, "8": 0.3, "4": 0.5}, "by": "rule"}
+    choice = {
+        "kv_bits": 8,
+        "budget": 100,
+        "length": 10,
+        "kept": {"none": 0.1, "8": 0.3, "4": 0.5},
+        "by": "rule",
+    }
     assert memory_summary([choice, choice])["kv_bits"] == 8
     mixed = memory_summary([choice, choice | {"kv_bits": None}, choice | {"kv_bits": 4}])
     assert mixed["kv_bits"] == {"8": 1, "none": 1, "4": 1}
@@ -112,9 +124,14 @@ def test_bench_with_budgets_records_the_chosen_bits_and_holds_at_most_the_budget
             assert row["kv_bytes_of_full_max"] <= memory
             assert row["kv_bytes_of_full"] > 0.9 * memory  # it used the budget
             record = results.results[(task, row["method"])]
-            assert all(h <= memory * f for h, f in zip(record.kv_bytes, results.results[(task, "full")].kv_bytes))
+            assert all(
+                h <= memory * f for h, f in zip(record.kv_bytes, results.results[(task, "full")].kv_bytes)
+            )
     markdown = paths["md"].read_text()
-    assert "| allocator | scorer | memory | accuracy % | bits chosen | tokens kept | bytes of the full cache's |" in markdown
+    assert (
+        "| allocator | scorer | memory | accuracy % | bits chosen | tokens kept | bytes of the full cache's |"
+        in markdown
+    )
     assert "| uniform | keydiff | 0.05 |" in markdown and "| int4 |" in markdown
     assert "ratio 0.5" not in markdown  # no ratio grid ran
     assert "excess_nll" in rows[("continuation", "uniform/keydiff@mem0.05")]
@@ -138,7 +155,17 @@ def no_weights(monkeypatch):
 
 
 def test_lukv_bench_memory_alone_runs_the_budgets_and_the_full_cache(model_dir, tmp_path, capsys):
-    argv = ["bench", "--model", str(model_dir), "--memory", "0.1", "--tasks", "continuation", "--samples", "1"]
+    argv = [
+        "bench",
+        "--model",
+        str(model_dir),
+        "--memory",
+        "0.1",
+        "--tasks",
+        "continuation",
+        "--samples",
+        "1",
+    ]
     argv += ["--context-tokens", "300", "--continuation-tokens", "8", "--scorers", "keydiff"]
     argv += ["--allocators", "uniform", "--out", str(tmp_path), "--name", "mem", "--threads", "1"]
     assert main(argv) == 0, capsys.readouterr().err
@@ -167,7 +194,9 @@ def test_lukv_bench_takes_kv_bits_with_budgets_when_ratios_run_too():
     """--kv-bits then multiplies the ratios (the budgets choose their own): the flags pass the early check."""
     from lukv_cache.cli import _precheck_bench, build_parser
 
-    _precheck_bench(build_parser().parse_args(["bench", "--memory", "0.1", "--ratios", "0.5", "--kv-bits", "4"]))
+    _precheck_bench(
+        build_parser().parse_args(["bench", "--memory", "0.1", "--ratios", "0.5", "--kv-bits", "4"])
+    )
     with pytest.raises(ConfigurationError, match="Drop --kv-bits, or add --ratios"):
         _precheck_bench(build_parser().parse_args(["bench", "--memory", "0.1", "--kv-bits", "4"]))
 
@@ -259,7 +288,9 @@ def test_check_refuses_budgets_with_ratios_or_kv_bits(model, tokenizer):
         (["--memory", "2"], "--memory takes fractions in (0, 1]"),
     ],
 )
-def test_lukv_check_refuses_bad_budgets_before_the_model_loads(extra, message, model_dir, tmp_path, no_weights, capsys):
+def test_lukv_check_refuses_bad_budgets_before_the_model_loads(
+    extra, message, model_dir, tmp_path, no_weights, capsys
+):
     text, questions = tmp_path / "notes.txt", tmp_path / "q.txt"
     text.write_text(TEXT)
     questions.write_text("When?\n")
@@ -274,7 +305,17 @@ def test_lukv_check_memory_prints_the_budgets_and_recommends_one(model_dir, tmp_
     text.write_text(TEXT)
     questions.write_text("When does the ferry leave?\n")
     argv = ["check", str(model_dir), "--text", str(text), "--questions", str(questions), "--quiet"]
-    argv += ["--memory", "0.5", "0.1", "--allocators", "uniform", "--scorer", "keydiff", "--max-new-tokens", "3"]
+    argv += [
+        "--memory",
+        "0.5",
+        "0.1",
+        "--allocators",
+        "uniform",
+        "--scorer",
+        "keydiff",
+        "--max-new-tokens",
+        "3",
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "allocator      memory  bits" in out and "uniform           0.5  int8" in out
