@@ -1,7 +1,8 @@
 """The equal-bytes table of the quantized store's grid: every method of the ``lukv bench`` runs that
 ``benchmarks/results/quantized/grid.sh`` wrote for one context length, sorted by the bytes it holds.
 
-Each row: the method (``allocator/scorer@ratio[/intN]``), its bytes after the prefill as a share of the full
+Each row: the method (``allocator/scorer@ratio[/intN]``, or ``allocator/scorer@memF`` for a ``lukv bench
+--memory F`` budget, with the bits it chose), its bytes after the prefill as a share of the full
 fp32 cache's (the mean over the multikey contexts, ``kv_bytes_mean``), multikey retrieval (% ± SE over
 contexts) and continuation excess NLL against the full cache (nats/token ± SE, paired per document). Every
 run has seed 0, so every run has the same samples and its own full-cache row; the share and the excess
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             row = rows.setdefault(method, {})
             if task == "niah_multikey":
+                if r.get("memory_choice"):  # a budget: the bits it chose on the multikey contexts
+                    row["chosen"] = _bits(r["memory_choice"]["kv_bits"])
                 row["bytes"] = r["kv_bytes_mean"] / full_bytes
                 row["keys"] = (100 * r["mean"], 100 * r["sem"])
             elif "excess_nll" in r:
@@ -72,11 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     for method, row in sorted(rows.items(), key=lambda item: -item[1].get("bytes", 0)):
         keys = row.get("keys", (float("nan"), 0.0))
         nll = row.get("nll", (float("nan"), 0.0))
+        name = f"{method} ({row['chosen']})" if "chosen" in row else method
         print(
-            f"| {method} | {100 * row.get('bytes', float('nan')):.1f}% | {keys[0]:.1f} ± {keys[1]:.1f} | "
+            f"| {name} | {100 * row.get('bytes', float('nan')):.1f}% | {keys[0]:.1f} ± {keys[1]:.1f} | "
             f"{nll[0]:+.3f} ± {nll[1]:.3f} |"
         )
     return 0
+
+
+def _bits(bits: object) -> str:
+    """A ``memory_choice``'s ``kv_bits``: ``int8``, ``fp`` (the model's precision), or ``int8 x3, int4 x1``."""
+    if isinstance(bits, dict):
+        return ", ".join(f"{_bits(None if k == 'none' else int(k))} x{n}" for k, n in bits.items())
+    return "fp" if bits is None else f"int{bits}"
 
 
 def _shown(path: Path) -> str:

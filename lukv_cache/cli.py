@@ -35,6 +35,7 @@ from .evaluation.methods import (
     SCORERS,
     TASKS,
     kv_bits_list,
+    memory_list,
 )
 from .models import PACKAGED_NAMES, SMOLLM2_ALIAS, add_threads_argument
 from .profiles.location import DEFAULT_REPO_ID, DEFAULT_SCORER, LOCAL_DIR_ENV, REPO_ID_ENV
@@ -357,7 +358,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=20, help="contexts per task")
     parser.add_argument("--context-tokens", type=int, default=1000, help="context length in tokens")
     parser.add_argument(
-        "--ratios", nargs="+", help=f"fractions evicted (default: {' '.join(map(str, RATIOS))})"
+        "--ratios",
+        nargs="+",
+        help=f"fractions evicted (default: {' '.join(map(str, RATIOS))}; none with --memory)",
+    )
+    parser.add_argument(
+        "--memory",
+        nargs="+",
+        metavar="FRACTION",
+        help="memory budgets, each a method per allocator x scorer: the cache may hold this fraction of the "
+        "full cache's bytes and chooses the bits and the tokens kept (LUKVCache(memory=...)); the results say "
+        "what it chose and the bytes it held. With --memory alone only the budgets (and the full cache) run; "
+        "add --ratios to run ratios too (default: none)",
     )
     parser.add_argument("--scorers", nargs="+", help=f"default: {' '.join(SCORERS)}")
     parser.add_argument("--allocators", nargs="+", help=f"default: {' '.join(ALLOCATORS)}")
@@ -379,10 +391,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-bits",
         nargs="+",
-        default=["none"],
         metavar="BITS",
         help="bits per stored key / value entry, each a column of the grid: none (the model's precision), 8 "
-        "or 4 (default: none)",
+        "or 4; for the --ratios only (a --memory budget chooses its bits) (default: none)",
     )
     parser.add_argument(
         "--sliding",
@@ -449,7 +460,9 @@ def _evaluation_commands(subparsers: Any) -> None:
         "For each context, the full cache answers every question; each allocator at each ratio then answers "
         "through its compressed cache (one shared prefill and one scoring per context). Prints how often the "
         "answers agree, the excess NLL of the full cache's answers, and the ratio it recommends: the highest "
-        "that keeps agreement at or above --tolerance. With reference answers (--answers, or question<TAB>"
+        "that keeps agreement at or above --tolerance. With --memory, memory budgets replace the ratios: "
+        "each chooses its bits (shown) and tokens, and the smallest budget that keeps --tolerance is "
+        "recommended. With reference answers (--answers, or question<TAB>"
         "answer lines), it also prints the accuracy of the full and the compressed caches (an answer is right "
         "when it contains the reference, case and punctuation ignored) and recommends on accuracy: the "
         "highest ratio that keeps --tolerance times the full cache's.",
@@ -481,7 +494,20 @@ def _evaluation_commands(subparsers: Any) -> None:
         "question): accuracy is reported and ratios are recommended on it (default: none; agreement only)",
     )
     check.add_argument(
-        "--ratios", type=float, nargs="+", default=list(CHECK_RATIOS), help="fractions evicted"
+        "--ratios",
+        type=float,
+        nargs="+",
+        help=f"fractions evicted (default: {' '.join(map(str, CHECK_RATIOS))}; none with --memory)",
+    )
+    check.add_argument(
+        "--memory",
+        type=float,
+        nargs="+",
+        metavar="FRACTION",
+        help="measure memory budgets instead of ratios: fractions of the full cache's bytes "
+        "(LUKVCache(memory=...)), each choosing its bits and tokens per context; the table shows the bits "
+        "chosen and the smallest budget that keeps --tolerance is recommended; not with --ratios or "
+        "--kv-bits (default: none)",
     )
     check.add_argument(
         "--allocators",
@@ -508,7 +534,8 @@ def _evaluation_commands(subparsers: Any) -> None:
         "--kv-bits",
         type=int,
         choices=(8, 4),
-        help="store every compressed cache's kept keys and values in 8 or 4 bits (default: the model's precision)",
+        help="store every compressed cache's kept keys and values in 8 or 4 bits (default: the model's "
+        "precision; with --memory the budget chooses)",
     )
     check.add_argument("--profiles", help="a folder of profiles searched first (default: the shipped ones)")
     check.add_argument("--hub", action="store_true", help="look profiles up in the shared Hub repository too")
@@ -570,9 +597,21 @@ def _file_exists(option: str, path: str | None) -> None:
 
 def _precheck_check(args: argparse.Namespace) -> None:
     _model_exists(args.model)
-    for ratio in args.ratios:
+    for ratio in args.ratios or ():
         _ratio(ratio)
-    if not args.ratios or (args.allocators is not None and not args.allocators):
+    if args.memory is not None:
+        memory_list(args.memory)
+        if args.ratios is not None:
+            raise ConfigurationError(
+                "Give --memory or --ratios, not both: --memory measures each budget (which chooses the ratio "
+                "and the bits), --ratios each ratio."
+            )
+        if args.kv_bits is not None:
+            raise ConfigurationError(
+                "--memory and --kv-bits do not combine: a memory budget chooses the bits itself (the table "
+                "shows what it chose). Drop --kv-bits, or use --ratios with --kv-bits."
+            )
+    if args.ratios == [] or args.memory == [] or (args.allocators is not None and not args.allocators):
         raise ConfigurationError(
             "Give at least one ratio and one allocator, e.g. --ratios 0.5 --allocators uniform."
         )
@@ -625,6 +664,11 @@ def _precheck_bench(args: argparse.Namespace) -> None:
     refuse_unknown("scorer", _parts(args.scorers))
     refuse_unknown("allocator", _parts(args.allocators))
     kv_bits_list(_parts(args.kv_bits))
+    if memory_list(_parts(args.memory)) and args.kv_bits and not args.ratios:
+        raise ConfigurationError(
+            "--kv-bits sets the bits of the --ratios' caches, and --memory runs no ratio unless --ratios is "
+            "given: a memory budget chooses its own bits. Drop --kv-bits, or add --ratios."
+        )
     for task in _parts(args.tasks):  # the runner's own check, before the model loads
         if task not in TASKS:
             raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")

@@ -65,6 +65,11 @@ CASES = {
     "check-ratio-out-of-range": lambda t: ["check", "smollm2", "--ratios", "2"],
     "check-text-missing": lambda t: ["check", "smollm2", "--text", str(t / "none.txt"), "--questions", "q"],
     "bench-ratio-out-of-range": lambda t: ["bench", "--ratios", "0.5,1.5"],
+    "bench-memory-out-of-range": lambda t: ["bench", "--memory", "0"],
+    "bench-memory-with-kv-bits": lambda t: ["bench", "--memory", "0.1", "--kv-bits", "4"],
+    "check-memory-out-of-range": lambda t: ["check", "smollm2", "--memory", "1.5"],
+    "check-memory-with-kv-bits": lambda t: ["check", "smollm2", "--memory", "0.1", "--kv-bits", "8"],
+    "check-memory-with-ratios": lambda t: ["check", "smollm2", "--memory", "0.1", "--ratios", "0.5"],
 }
 
 

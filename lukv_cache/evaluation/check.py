@@ -59,6 +59,7 @@ from .methods import (
     FULL,
     Method,
     make_cache,
+    memory_list,
     one_line_method,
     scorer_reads_profile,
 )
@@ -174,19 +175,36 @@ def check_options(
     scorer: str | None,
     max_new_tokens: int,
     tolerance: float,
-    ratios: Sequence[float] = CHECK_RATIOS,
+    ratios: Sequence[float] | None = CHECK_RATIOS,
+    memory: Sequence[float] = (),
+    kv_bits: int | None = None,
 ) -> list[float]:
     """Refuse bad settings of :func:`check` before any model loads: unknown scorer or allocator names
-    (:class:`~lukv_cache.errors.UnknownNameError`), ratios outside [0, 1), no ratio or allocator, a
+    (:class:`~lukv_cache.errors.UnknownNameError`), ratios outside [0, 1), memory budgets outside (0, 1],
+    budgets with ratios or ``kv_bits`` (a budget chooses both), no ratio (or budget) or allocator, a
     tolerance outside (0, 1] or fewer than one decoded token (:class:`ConfigurationError`; with none,
     every ratio would trivially "agree"). ``None`` for ``allocators`` or ``scorer``: the defaults, chosen
-    once the model is known (:func:`check`). Returns the ratios as floats.
+    once the model is known (:func:`check`); for ``ratios``: :data:`CHECK_RATIOS`, none with budgets.
+    Returns the ratios as floats (empty with budgets).
 
     >>> check_options(allocators=["uniform"], scorer="keydiff", max_new_tokens=8, tolerance=0.9, ratios=[0.5])
     [0.5]
+    >>> check_options(allocators=None, scorer=None, max_new_tokens=8, tolerance=0.9, ratios=None, memory=[0.1])
+    []
     """
-    checked = [check_ratio(r) for r in ratios]
-    if not checked or (allocators is not None and not allocators):
+    budgets = memory_list(memory)
+    if budgets and ratios is not None:
+        raise ConfigurationError(
+            "Give memory budgets or ratios, not both: --memory measures each budget (which chooses the ratio "
+            "and the bits), --ratios each ratio."
+        )
+    if budgets and kv_bits is not None:
+        raise ConfigurationError(
+            "--memory and --kv-bits do not combine: a memory budget chooses the bits itself (the table shows "
+            "what it chose). Drop --kv-bits, or use --ratios with --kv-bits."
+        )
+    checked = [check_ratio(r) for r in (() if budgets else CHECK_RATIOS if ratios is None else ratios)]
+    if not (checked or budgets) or (allocators is not None and not allocators):
         raise ConfigurationError(
             "Give at least one ratio and one allocator, e.g. --ratios 0.5 --allocators uniform."
         )
@@ -260,20 +278,50 @@ def _encode(tokenizer: Any, text: str) -> torch.Tensor:
 
 @dataclass
 class CheckRow:
-    """One allocator at one ratio: questions asked, answers that agree, excess NLL of each answer."""
+    """One allocator at one ratio, or at one memory budget (``memory``, a fraction of the full cache's
+    bytes; ``ratio`` is then ``None``): questions asked, answers that agree, excess NLL of each answer and,
+    under a budget, the bits it chose for each context (``chosen``: ``"int8"``, ``"int4"`` or the model's
+    dtype)."""
 
     allocator: str
-    ratio: float
+    ratio: float | None
     agree: int = 0
     asked: int = 0
     excess_nll: list[float] = field(default_factory=list)
     skipped: str | None = None
     correct: int = 0  # of the ``graded`` questions (those with a reference answer), answered rightly
     graded: int = 0
+    memory: float | None = None
+    chosen: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
-        return f"{self.allocator} {self.ratio:g}"
+        return f"{self.allocator} {self.setting}"
+
+    @property
+    def setting(self) -> str:
+        """The ratio (``0.8``) or the memory budget (``mem0.1``), as the table shows it."""
+        return f"mem{self.memory:g}" if self.memory is not None else f"{self.ratio:g}"
+
+    @property
+    def strength(self) -> float:
+        """How much the row compresses, to order the rows: its ratio, or under a budget 1 - the budget."""
+        return 1.0 - self.memory if self.memory is not None else cast(float, self.ratio)
+
+    @property
+    def bits(self) -> str:
+        """The bits a budget chose over the contexts: one value (``int8``) when every context chose it,
+        else each with its count (``int8 x2, int4 x1``); ``-`` before any context.
+
+        >>> CheckRow("uniform", None, memory=0.1, chosen=["int8", "int4", "int8"]).bits
+        'int8 x2, int4 x1'
+        """
+        counts: dict[str, int] = {}
+        for bits in self.chosen:
+            counts[bits] = counts.get(bits, 0) + 1
+        if len(counts) <= 1:
+            return next(iter(counts), "-")
+        return ", ".join(f"{bits} x{n}" for bits, n in counts.items())
 
     @property
     def agreement(self) -> float:
@@ -331,32 +379,48 @@ class CheckReport:
             return row.accuracy >= self.tolerance * self.full_accuracy - 1e-9
         return row.agreement >= self.tolerance
 
-    def safe_ratio(self, allocator: str) -> float | None:
-        """The highest ratio that meets the tolerance (:meth:`passes`), every lower ratio meeting it too."""
+    @property
+    def by_memory(self) -> bool:
+        """Whether the rows are memory budgets (``lukv check --memory``) rather than ratios."""
+        return any(row.memory is not None for row in self.rows)
+
+    def safe_row(self, allocator: str) -> CheckRow | None:
+        """The most compressing row of ``allocator`` that meets the tolerance (:meth:`passes`), every less
+        compressing one meeting it too: the highest ratio, or the smallest memory budget."""
         safe = None
         for row in sorted(
-            (r for r in self.rows if r.allocator == allocator and not r.skipped), key=lambda r: r.ratio
+            (r for r in self.rows if r.allocator == allocator and not r.skipped), key=lambda r: r.strength
         ):
             if not self.passes(row):
                 break
-            safe = row.ratio
+            safe = row
         return safe
 
+    def safe_ratio(self, allocator: str) -> float | None:
+        """The highest ratio that meets the tolerance (:meth:`passes`), every lower ratio meeting it too."""
+        row = self.safe_row(allocator)
+        return None if row is None else row.ratio
+
+    def safe_memory(self, allocator: str) -> float | None:
+        """The smallest memory budget that meets the tolerance, every larger budget meeting it too."""
+        row = self.safe_row(allocator)
+        return None if row is None else row.memory
+
     def recommended(self) -> CheckRow | None:
-        """The row to deploy: the highest safe ratio above 0 (0 evicts nothing) of any allocator; ties go to
-        the higher accuracy (with answers), then the lower excess NLL."""
+        """The row to deploy: the highest safe ratio above 0 (0 evicts nothing), or the smallest safe
+        memory budget, of any allocator; ties go to the higher accuracy (with answers), then the lower
+        excess NLL."""
         best = None
         for allocator in dict.fromkeys(r.allocator for r in self.rows):
-            safe = self.safe_ratio(allocator)
-            if not safe:
+            row = self.safe_row(allocator)
+            if row is None or (row.memory is None and not row.ratio):
                 continue
-            row = next(r for r in self.rows if r.allocator == allocator and r.ratio == safe and not r.skipped)
             if best is None or self._rank(row) > self._rank(best):
                 best = row
         return best
 
     def _rank(self, row: CheckRow) -> tuple[float, float, float]:
-        return (row.ratio, row.accuracy if self.by_accuracy else 0.0, -row.mean_excess)
+        return (row.strength, row.accuracy if self.by_accuracy else 0.0, -row.mean_excess)
 
 
 _STOP = -1  # every stop token predicts the same thing: the answer ends
@@ -398,7 +462,7 @@ def check(
     tokenizer: Any,
     contexts: Sequence[Context],
     *,
-    ratios: Sequence[float] = CHECK_RATIOS,
+    ratios: Sequence[float] | None = None,
     allocators: Sequence[str] | None = None,
     scorer: str | None = None,
     max_new_tokens: int = 24,
@@ -409,6 +473,7 @@ def check(
     show_answers: bool = False,
     answers: Sequence[Sequence[str | None] | None] | None = None,
     kv_bits: int | None = None,
+    memory: Sequence[float] = (),
 ) -> CheckReport:
     """Compare each allocator at each ratio with the full cache on ``contexts`` (see the module docstring).
 
@@ -421,12 +486,22 @@ def check(
     without one). An answer is right when :func:`is_correct`; a compressed cache's answer is decoded only
     where it differs from the full cache's. ``kv_bits``: every compressed cache stores its kept keys and
     values in that many bits (8 or 4; ``LUKVCache(kv_bits=...)``), so the table shows what it costs.
+    ``ratios``: default :data:`CHECK_RATIOS`. ``memory``: memory budgets (fractions of the full cache's
+    bytes, ``LUKVCache(memory=...)``) measured instead of ratios: each chooses its bits and tokens per
+    context (the table shows the bits chosen), and the smallest budget that keeps the tolerance is
+    recommended; not with ``ratios`` or ``kv_bits``. A budget too small for a context (the tokens every
+    head keeps do not fit) skips its rows, saying so.
 
     By default (``scorer`` / ``allocators`` ``None``) it measures what ``LUKVCache.from_pretrained(model,
     ratio=..., scorer=scorer)`` would use (:func:`~lukv_cache.evaluation.methods.one_line_method`: its
     scorer, and its allocator first), then :data:`CHECK_ALLOCATORS` with that scorer."""
     started = time.perf_counter()
     kv_bits = check_kv_bits(kv_bits)
+    budgets = memory_list(memory)
+    check_options(  # the ratios, budgets and kv_bits together, before the model's defaults are looked up
+        allocators=allocators, scorer=scorer, max_new_tokens=max_new_tokens, tolerance=tolerance,
+        ratios=ratios, memory=budgets, kv_bits=kv_bits,
+    )  # fmt: skip
     if scorer is None or allocators is None:
         scorer, one_allocator = one_line_method(model, profiles_dir, hub=hub, scorer=scorer)
         if allocators is None:
@@ -437,15 +512,24 @@ def check(
         max_new_tokens=max_new_tokens,
         tolerance=tolerance,
         ratios=ratios,
+        memory=budgets,
+        kv_bits=kv_bits,
     )
     references = _references(contexts, answers)
     encoded = encode_contexts(tokenizer, contexts, model.config, max_new_tokens)  # before any prefill
     rows = [CheckRow(a, r) for a in dict.fromkeys(allocators) for r in dict.fromkeys(ratios)]
+    rows += [CheckRow(a, None, memory=m) for a in dict.fromkeys(allocators) for m in budgets]
+
+    def method_of(row: CheckRow) -> Method:
+        if row.memory is not None:
+            return Method(row.allocator, scorer, memory=row.memory)
+        return Method(row.allocator, scorer, row.ratio, kv_bits)
+
     reads_profile = allocators_reading_profile()
     for row in rows:  # a profile that is not there: said once, before any work
         if row.allocator in reads_profile or scorer_reads_profile(scorer):
             try:
-                make_cache(Method(row.allocator, scorer, row.ratio, kv_bits), model, profiles_dir, hub=hub)
+                make_cache(method_of(row), model, profiles_dir, hub=hub)
             except ProfileError as err:
                 row.skipped = str(err).split(". ")[0]
     active = [row for row in rows if not row.skipped]
@@ -497,10 +581,28 @@ def check(
             scores: dict[str, Any] = {}  # allocator -> its scored prefill of this context
             for row in active:
                 progress.set_postfix_str(f"{where}: {row.name}", refresh=True)
-                method = Method(row.allocator, scorer, row.ratio, kv_bits)
-                cache, scores[row.allocator] = shared.scored_cache(
-                    method, model, tokenizer, profiles_dir, hub=hub, scores=scores.get(row.allocator)
-                )
+                if row.skipped:  # a budget too small for an earlier context
+                    progress.update(1 + len(prompts) * per_answer)
+                    continue
+                try:
+                    cache, scores[row.allocator] = shared.scored_cache(
+                        method_of(row),
+                        model,
+                        tokenizer,
+                        profiles_dir,
+                        hub=hub,
+                        scores=scores.get(row.allocator),
+                    )
+                except ConfigurationError as err:
+                    if row.memory is None:
+                        raise
+                    # the budget cannot hold the tokens every head keeps for this context: the row is out
+                    row.skipped = f"context {number}: {err}"
+                    progress.update(1 + len(prompts) * per_answer)
+                    continue
+                choice = getattr(cache, "memory_choice", None)
+                if choice is not None:
+                    row.chosen.append(_bits_name(choice.kv_bits, model))
                 progress.update(1)
                 for i, (prompt, answer) in enumerate(zip(prompts, full_answers)):
                     predicted, nll = _predictions(
@@ -523,6 +625,13 @@ def check(
         progress.set_postfix_str("done", refresh=True)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _bits_name(bits: int | None, model: Any) -> str:
+    """``int8`` / ``int4``, or the model's dtype (``float32``) for a budget that kept the model's precision."""
+    if bits is not None:
+        return f"int{bits}"
+    return str(getattr(model, "dtype", "the model's precision")).removeprefix("torch.")
 
 
 def _references(
@@ -574,6 +683,11 @@ LEGEND = (
     "  distractions and sharpen a prediction, and over a few questions noise goes both ways, so read\n"
     "  small values either side of 0 as 0."
 )
+MEMORY_LEGEND = (
+    "memory: the budget, a fraction of the full cache's bytes (LUKVCache(memory=...)); bits: the precision\n"
+    "  it chose for the kept keys and values (per context: 'int8 x2, int4 x1' when they differ); it keeps\n"
+    "  as many tokens as those bits fit in the budget (docs/memory.md)."
+)
 ACCURACY_LEGEND = (
     "accuracy: share of the questions with a reference answer whose answer contains it (case, accents,\n"
     "  punctuation and spacing ignored; whole words; '|' separates alternatives). Agreement says whether\n"
@@ -593,27 +707,38 @@ def format_check(report: CheckReport) -> str:
     if report.answers:
         lines += format_answers(report)
     graded = report.graded > 0
+    by_memory = report.by_memory
     accuracy_head = f"  {'accuracy':>8}" if graded else ""
+    # under budgets: the budget, then the bits it chose (as wide as the widest, e.g. "int8 x2, int4 x1")
+    setting = "memory" if by_memory else "ratio"
+    width = max([len(r.bits) for r in report.rows if by_memory] + [len("bits")])
+    bits_head = f"  {'bits':<{width}}" if by_memory else ""
     lines += [
         f"lukv check: scorer {report.scorer}"
         + ("" if report.kv_bits is None else f", kept keys and values in {report.kv_bits} bits")
+        + (", memory budgets (each chooses its bits and tokens per context)" if by_memory else "")
         + f", {report.contexts} context(s), {report.questions} question(s)"
         + (f" ({report.graded} with a reference answer)" if graded else "")
         + (f", {report.seconds:.0f} s" if report.seconds else ""),
         "",
-        f"{'allocator':<14} {'ratio':>5}  {'agreement':>9}{accuracy_head}  {'excess NLL':>10}",
+        f"{'allocator':<14} {setting:>6}{bits_head}  {'agreement':>9}{accuracy_head}  {'excess NLL':>10}",
     ]
     if graded:
-        lines.append(f"{'full cache':<14} {'':>5}  {'':>9}  {_pct(report.full_accuracy):>8}  {'':>10}")
+        blank = f"  {'':<{width}}" if by_memory else ""
+        lines.append(f"{'full cache':<14} {'':>6}{blank}  {'':>9}  {_pct(report.full_accuracy):>8}  {'':>10}")
     for row in report.rows:
+        value = f"{row.memory if row.memory is not None else row.ratio:>6g}"
         if row.skipped:
-            lines.append(f"{row.allocator:<14} {row.ratio:>5g}  skipped: {row.skipped}")
+            lines.append(f"{row.allocator:<14} {value}  skipped: {row.skipped}")
             continue
+        bits = f"  {row.bits:<{width}}" if by_memory else ""
         accuracy = f"  {_pct(row.accuracy):>8}" if graded else ""
         lines.append(
-            f"{row.allocator:<14} {row.ratio:>5g}  {_pct(row.agreement):>9}{accuracy}  {row.mean_excess:>+10.3f}"
+            f"{row.allocator:<14} {value}{bits}  {_pct(row.agreement):>9}{accuracy}  {row.mean_excess:>+10.3f}"
         )
-    lines += ["", LEGEND] + ([ACCURACY_LEGEND] if graded else []) + [""]
+    lines += (
+        ["", LEGEND] + ([MEMORY_LEGEND] if by_memory else []) + ([ACCURACY_LEGEND] if graded else []) + [""]
+    )
     if graded and not report.by_accuracy:
         lines += [
             "The full cache answered none of the graded questions rightly, so accuracy cannot tell the "
@@ -625,7 +750,20 @@ def format_check(report: CheckReport) -> str:
     for allocator in dict.fromkeys(r.allocator for r in report.rows):
         measured = [r for r in report.rows if r.allocator == allocator and not r.skipped]
         if not measured:
-            lines.append(f"{allocator}: not measured (no profile).")
+            lines.append(f"{allocator}: not measured (see the skipped rows).")
+            continue
+        if by_memory:
+            safe_row = report.safe_row(allocator)
+            if safe_row is not None:
+                lines.append(
+                    f"{allocator}: {what} >= {bar} down to memory {safe_row.memory:g} ({safe_row.bits})."
+                )
+            else:
+                best = max(measured, key=lambda r: (_metric(report, r), r.strength))
+                lines.append(
+                    f"{allocator}: no budget checked keeps {what} >= {bar} "
+                    f"(best {_pct(_metric(report, best))} at memory {best.memory:g})."
+                )
             continue
         safe = report.safe_ratio(allocator)
         if safe:
@@ -633,10 +771,10 @@ def format_check(report: CheckReport) -> str:
         elif safe == 0:
             lines.append(f"{allocator}: {what} >= {bar} only at ratio 0 (nothing evicted).")
         else:
-            best = max(measured, key=lambda r: (_metric(report, r), -r.ratio))
+            best = max(measured, key=lambda r: (_metric(report, r), -r.strength))
             lines.append(
                 f"{allocator}: no ratio checked keeps {what} >= {bar} "
-                f"(best {_pct(_metric(report, best))} at {best.ratio:g})."
+                f"(best {_pct(_metric(report, best))} at {best.setting})."
             )
     lines.append("")
     lines.append(recommendation(report))
@@ -660,6 +798,8 @@ def recommendation(report: CheckReport) -> str:
     """The last line: the ratio and allocator to deploy, or that none met the tolerance and what to try."""
     tolerance = f"{100 * report.tolerance:.0f}%"
     best = report.recommended()
+    if report.by_memory:
+        return _memory_recommendation(report, best, tolerance)
     if best is not None:
         if report.by_accuracy:
             return (
@@ -673,10 +813,10 @@ def recommendation(report: CheckReport) -> str:
             f"{_pct(best.agreement)} of the answers unchanged (tolerance {tolerance}), excess NLL "
             f"{best.mean_excess:+.3f}."
         )
-    measured = [r for r in report.rows if not r.skipped and r.ratio > 0]
+    measured = [r for r in report.rows if not r.skipped and cast(float, r.ratio) > 0]
     if not measured:
         return "Recommended: none; no allocator was measured at a ratio above 0 (see the skipped rows)."
-    lowest = min(r.ratio for r in measured)
+    lowest = min(cast(float, r.ratio) for r in measured)
     lower = math.floor(lowest / 2 * 20) / 20  # half the lowest ratio checked, on a 0.05 step
     try_ratio = f" (--ratios {lower:g})" if lower > 0 else ""
     if report.by_accuracy:
@@ -690,6 +830,36 @@ def recommendation(report: CheckReport) -> str:
     return (
         f"Recommended: none. No ratio checked {kept} with any allocator; try lower ratios{try_ratio}, "
         f"another --scorer (e.g. kvzip), shorter answers (--max-new-tokens 8), {closer}"
+    )
+
+
+def _memory_recommendation(report: CheckReport, best: CheckRow | None, tolerance: str) -> str:
+    """:func:`recommendation` for memory budgets: the smallest that keeps the tolerance, or what to try."""
+    if best is not None:
+        kept = (
+            f"accuracy {_pct(best.accuracy)} against the full cache's {_pct(report.full_accuracy)} (tolerance "
+            f"{tolerance} of it), {_pct(best.agreement)} of the answers unchanged"
+            if report.by_accuracy
+            else f"{_pct(best.agreement)} of the answers unchanged (tolerance {tolerance})"
+        )
+        return (
+            f"Recommended: memory={best.memory:g} with allocator {best.allocator} (scorer {report.scorer}; it "
+            f"chose {best.bits}): {kept}, excess NLL {best.mean_excess:+.3f}."
+        )
+    measured = [r for r in report.rows if not r.skipped]
+    if not measured:
+        return "Recommended: none; no budget was measured (see the skipped rows)."
+    largest = max(cast(float, r.memory) for r in measured)
+    larger = min(1.0, math.ceil(largest * 2 * 100) / 100)  # twice the largest budget checked, on a 0.01 step
+    try_memory = f" (--memory {larger:g})" if larger > largest else ""
+    what = (
+        f"keeps {tolerance} of the full cache's accuracy ({_pct(report.full_accuracy)})"
+        if report.by_accuracy
+        else f"keeps {tolerance} of the answers unchanged"
+    )
+    return (
+        f"Recommended: none. No budget checked {what} with any allocator; try larger budgets{try_memory}, "
+        "another --scorer (e.g. kvzip), shorter answers (--max-new-tokens 8), or a lower --tolerance."
     )
 
 

@@ -67,6 +67,8 @@ def _check(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         tolerance=args.tolerance,
         ratios=args.ratios,
+        memory=args.memory or (),
+        kv_bits=args.kv_bits,
     )
     contexts = read_contexts(args.calibration or (), args.text or (), args.questions, args.answers)
     encode_contexts(load_tokenizer(args.model), contexts, load_config(args.model), args.max_new_tokens)
@@ -75,7 +77,8 @@ def _check(args: argparse.Namespace) -> int:
         model,
         tokenizer,
         contexts,
-        ratios=ratios,
+        ratios=ratios if args.memory is None else None,
+        memory=args.memory or (),
         allocators=args.allocators,
         scorer=args.scorer,
         max_new_tokens=args.max_new_tokens,
@@ -92,15 +95,18 @@ def _check(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; write markdown, JSON and a plot; print the table."""
-    from .methods import ALLOCATORS, DEFAULT_TASKS, RATIOS, SCORERS, kv_bits_list
+    from .methods import ALLOCATORS, DEFAULT_TASKS, RATIOS, SCORERS, kv_bits_list, memory_list
     from .report import command_line, write_results
     from .runner import BenchSettings, run_benchmark
 
+    memory = memory_list(_split(getattr(args, "memory", None)) or [])
+    # with budgets and no --ratios, only the budgets run (and the full cache)
+    ratios = _split(args.ratios) or ([] if memory else RATIOS)
     settings = BenchSettings(
         tasks=tuple(_split(args.tasks) or DEFAULT_TASKS),
         samples=args.samples,
         context_tokens=args.context_tokens,
-        ratios=tuple(float(r) for r in (_split(args.ratios) or RATIOS)),
+        ratios=tuple(float(r) for r in ratios),
         scorers=tuple(_split(args.scorers) or SCORERS),
         allocators=tuple(_split(args.allocators) or ALLOCATORS),
         full=not args.no_full,
@@ -112,6 +118,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         share_prefill=not args.no_share_prefill,
         kv_bits=kv_bits_list(_split(args.kv_bits) or []),
         sliding=args.sliding,
+        memory=memory,
     )
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}

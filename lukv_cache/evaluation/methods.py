@@ -1,4 +1,5 @@
-"""The ways to hold a context that the evaluation compares: the full cache, or allocator x scorer x ratio.
+"""The ways to hold a context that the evaluation compares: the full cache, or allocator x scorer x ratio
+(or x memory budget).
 
 Light on purpose (torch and transformers load in :func:`make_cache`): the ``lukv`` command line reads the
 defaults below for its help.
@@ -6,6 +7,7 @@ defaults below for its help.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +30,9 @@ FULL = "full"
 
 @dataclass(frozen=True)
 class Method:
-    """One way to hold the context: the full cache, or an allocator + scorer at a compression ratio.
+    """One way to hold the context: the full cache, or an allocator + scorer at a compression ratio, or
+    at a memory budget (``memory``: a fraction of the full cache's bytes, ``LUKVCache(memory=...)``, which
+    chooses the bits and the tokens kept; ``ratio`` and ``kv_bits`` are then ``None``).
 
     >>> Method("uniform", "keydiff", 0.8).name
     'uniform/keydiff@0.8'
@@ -36,6 +40,8 @@ class Method:
     'full'
     >>> Method("global", "kvzap", 0.6, kv_bits=4).name  # the kept keys and values in 4 bits
     'global/kvzap@0.6/int4'
+    >>> Method("global", "kvzap", memory=0.1).name  # a tenth of the full cache's bytes
+    'global/kvzap@mem0.1'
     """
 
     allocator: str
@@ -44,6 +50,14 @@ class Method:
     kv_bits: int | None = None
     # LUKVCache(sliding=...): one value per run (`lukv bench --sliding`), not in the name; None: its default
     sliding: str | None = None
+    memory: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory is not None and (self.ratio is not None or self.kv_bits is not None):
+            raise ConfigurationError(
+                f"A method with a memory budget ({self.memory:g}) has no ratio or kv_bits: the budget chooses "
+                f"them (got ratio={self.ratio!r}, kv_bits={self.kv_bits!r})."
+            )
 
     @property
     def is_full(self) -> bool:
@@ -53,6 +67,8 @@ class Method:
     def name(self) -> str:
         if self.is_full:
             return FULL
+        if self.memory is not None:
+            return f"{self.allocator}/{self.scorer}@mem{self.memory:g}"
         bits = "" if self.kv_bits is None else f"/int{self.kv_bits}"
         return f"{self.allocator}/{self.scorer}@{self.ratio:g}{bits}"
 
@@ -74,6 +90,27 @@ def kv_bits_list(values: list[str]) -> tuple[int | None, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def memory_list(values: Sequence[Any]) -> tuple[float, ...]:
+    """``--memory 0.2 0.1`` as the grid's budgets: fractions in (0, 1] of the full cache's bytes, repeats
+    dropped (refused before torch is imported).
+
+    >>> memory_list(["0.2", "0.1", "0.2"])
+    (0.2, 0.1)
+    """
+    out = []
+    for value in values:
+        try:
+            memory = float(value)
+        except (TypeError, ValueError):
+            memory = math.nan
+        if math.isnan(memory) or not 0.0 < memory <= 1.0:
+            raise ConfigurationError(
+                f"--memory takes fractions in (0, 1] of the full cache's bytes (0.1: a tenth), got {value!r}."
+            )
+        out.append(memory)
+    return tuple(dict.fromkeys(out))
+
+
 def build_methods(
     allocators: Sequence[str],
     scorers: Sequence[str],
@@ -82,13 +119,17 @@ def build_methods(
     full: bool = True,
     kv_bits: Sequence[int | None] = (None,),
     sliding: str | None = None,
+    memory: Sequence[float] = (),
 ) -> list[Method]:
-    """The grid: the full cache (first) and every allocator x scorer x ratio (x ``kv_bits``).
+    """The grid: the full cache (first) and every allocator x scorer x ratio (x ``kv_bits``), then every
+    allocator x scorer x ``memory`` budget (the budget chooses the bits: ``kv_bits`` does not apply).
 
     >>> [m.name for m in build_methods(["uniform"], ["keydiff"], [0.5])]
     ['full', 'uniform/keydiff@0.5']
     >>> [m.name for m in build_methods(["uniform"], ["keydiff"], [0.5], full=False, kv_bits=(None, 4))]
     ['uniform/keydiff@0.5', 'uniform/keydiff@0.5/int4']
+    >>> [m.name for m in build_methods(["global"], ["kvzap"], [], memory=(0.1, 0.05))]
+    ['full', 'global/kvzap@mem0.1', 'global/kvzap@mem0.05']
     """
     grid = [
         Method(a, s, float(r), b, sliding)
@@ -96,6 +137,12 @@ def build_methods(
         for s in scorers
         for r in ratios
         for b in dict.fromkeys(kv_bits)
+    ]
+    grid += [
+        Method(a, s, sliding=sliding, memory=float(m))
+        for a in allocators
+        for s in scorers
+        for m in dict.fromkeys(memory)
     ]
     return ([Method(FULL)] if full else []) + grid
 
@@ -134,14 +181,18 @@ def make_cache(
     from ..allocation import allocators_reading_profile
     from ..cache import LUKVCache
 
+    # a memory budget chooses the ratio and the bits (passing either with it is refused)
+    sizing: dict[str, Any] = (
+        {"memory": method.memory} if method.memory is not None else {"kv_bits": method.kv_bits}
+    )
     if method.allocator not in allocators_reading_profile() and not scorer_reads_profile(method.scorer):
         return LUKVCache(
-            method.ratio,
-            cast(str, method.scorer),
-            method.allocator,
+            *([] if method.memory is not None else [method.ratio]),
+            scorer=cast(str, method.scorer),
+            allocator=method.allocator,
             config=model.config,
-            kv_bits=method.kv_bits,
             sliding=method.sliding,
+            **sizing,
         )
     # the model's profile: the budgets, or (kvzap) the surrogate whatever the allocator
     source = profile_source(model, method.scorer, profiles_dir)
@@ -153,8 +204,8 @@ def make_cache(
         allocator=method.allocator,
         local_dir=profiles_dir,
         local_files_only=not hub,
-        kv_bits=method.kv_bits,
         sliding=method.sliding,
+        **sizing,
         **({} if source is model else {"config": model.config}),
     )
     if source is not model:  # a file or a model id: from_pretrained saw no model to check the shape against

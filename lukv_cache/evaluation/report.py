@@ -34,6 +34,7 @@ def summarize(results: BenchResults) -> list[dict[str, Any]]:
     """
     rows = []
     for (task, _name), record in results.results.items():
+        full = results.results.get((task, FULL))
         mean, sem = mean_and_sem(record.scores)
         row: dict[str, Any] = {
             "task": task,
@@ -52,7 +53,14 @@ def summarize(results: BenchResults) -> list[dict[str, Any]]:
             "seconds": record.seconds,
             "per_sample": record.scores,
         }
-        full = results.results.get((task, FULL))
+        if full is not None and len(full.kv_bytes) == len(record.kv_bytes) and record.kv_bytes:
+            # paired per sample: what this method holds of what the full cache holds for the same context
+            shares = [held / max(1, whole) for held, whole in zip(record.kv_bytes, full.kv_bytes)]
+            row["kv_bytes_of_full"] = sum(shares) / len(shares)
+            row["kv_bytes_of_full_max"] = max(shares)
+        if record.method.memory is not None:
+            row["memory"] = record.method.memory
+            row["memory_choice"] = memory_summary(record.memory_choices)
         if not _is_retrieval(task) and full is not None and len(full.scores) == len(record.scores):
             excess = [a - b for a, b in zip(record.scores, full.scores)]
             e_mean, e_sem = mean_and_sem(excess)
@@ -63,6 +71,45 @@ def summarize(results: BenchResults) -> list[dict[str, Any]]:
             }
         rows.append(row)
     return rows
+
+
+def memory_summary(choices: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What a memory budget chose over the samples (each a ``MemoryChoice.to_json()``): ``kv_bits`` (one
+    value when every sample chose the same, else ``{"none" | "8" | "4": samples}``), the mean fraction of
+    the prompt's tokens its bytes hold at the chosen bits (``kept``), the mean budget in bytes per row, and
+    how the bits were chosen (``by``: ``"table"``, ``"rule"``, or both ``"table/rule"``).
+
+    >>> c = {"kv_bits": 8, "budget": 100, "length": 10, "kept": {"none": 0.1, "8": 0.3, "4": 0.5}, "by": "rule"}
+    >>> memory_summary([c, c | {"kv_bits": 4, "budget": 200}])
+    {'kv_bits': {'8': 1, '4': 1}, 'kept': 0.4, 'budget_bytes_mean': 150.0, 'by': 'rule'}
+    >>> memory_summary([c])["kv_bits"]
+    8
+    """
+    if not choices:
+        return {}
+    bits = [c["kv_bits"] for c in choices]
+    counts: dict[str, int] = {}
+    for b in bits:
+        key = "none" if b is None else str(b)
+        counts[key] = counts.get(key, 0) + 1
+    kept = [c["kept"]["none" if c["kv_bits"] is None else str(c["kv_bits"])] for c in choices]
+    return {
+        "kv_bits": bits[0] if len(counts) == 1 else counts,
+        "kept": sum(kept) / len(kept),
+        "budget_bytes_mean": sum(c["budget"] for c in choices) / len(choices),
+        "by": "/".join(sorted({c["by"] for c in choices})),
+    }
+
+
+def bits_text(bits: Any) -> str:
+    """A :func:`memory_summary` ``kv_bits`` in words: ``int8``, ``model precision``, ``int8 x3, int4 x1``.
+
+    >>> bits_text(8), bits_text(None), bits_text({"8": 3, "4": 1})
+    ('int8', 'model precision', 'int8 x3, int4 x1')
+    """
+    if isinstance(bits, dict):
+        return ", ".join(f"{bits_text(None if k == 'none' else int(k))} x{n}" for k, n in bits.items())
+    return "model precision" if bits is None else f"int{bits}"
 
 
 def _cell(row: dict[str, Any] | None) -> str:
@@ -110,6 +157,14 @@ def format_markdown(results: BenchResults, rows: list[dict[str, Any]] | None = N
         "the full cache, paired per document, ± SE. 95% CI ≈ ± 1.96 SE (in the JSON).",
         "* `ratio` = fraction of the context's KV entries removed (0.8 keeps 20%).",
     ]
+    if getattr(s, "memory", ()):
+        lines.append(
+            "* `memory` = a budget (`LUKVCache(memory=...)`): what the cache may hold after the context, as a "
+            "fraction of the full cache's bytes; it chooses the bits and the tokens kept (docs/memory.md). Its "
+            "table says what it chose: the bits (per context, when they differ), the share of the context's "
+            "tokens stored per head, and the bytes held as a share of the full cache's for the same context "
+            "(mean, and the largest)."
+        )
     for name, reason in results.skipped.items():
         lines.append(f"* Skipped {name}: {reason}")
     for task in s.tasks:
@@ -131,15 +186,17 @@ def format_markdown(results: BenchResults, rows: list[dict[str, Any]] | None = N
                 f"Full cache: {_cell(task_rows[FULL]) if _is_retrieval(task) else _full_nll(task_rows)}."
             )
         ratios = list(s.ratios)
-        lines += [
-            "",
-            "| allocator | scorer | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |",
-            "|---|---|" + "---|" * len(ratios),
-        ]
-        for allocator in s.allocators:
-            for scorer in s.scorers:
-                cells = [_cell(task_rows.get(f"{allocator}/{scorer}@{r:g}")) for r in ratios]
-                lines.append(f"| {allocator} | {scorer} | " + " | ".join(cells) + " |")
+        if ratios:
+            lines += [
+                "",
+                "| allocator | scorer | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |",
+                "|---|---|" + "---|" * len(ratios),
+            ]
+            for allocator in s.allocators:
+                for scorer in s.scorers:
+                    cells = [_cell(task_rows.get(f"{allocator}/{scorer}@{r:g}")) for r in ratios]
+                    lines.append(f"| {allocator} | {scorer} | " + " | ".join(cells) + " |")
+        lines += _memory_table(s, task_rows, _is_retrieval(task))
         kept = [
             f"{r:g}: {100 * task_rows[m]['kept_fraction_mean']:.1f}%"
             for r in ratios
@@ -148,7 +205,7 @@ def format_markdown(results: BenchResults, rows: list[dict[str, Any]] | None = N
         ]
         if kept:
             lines += ["", "Mean share of context tokens stored per head (uniform): " + ", ".join(kept) + "."]
-        if "profile" in s.allocators:
+        if "profile" in s.allocators and ratios:
             lines += [
                 "",
                 "LU-KV (profile) recovery of the uniform→full gap:",
@@ -162,6 +219,37 @@ def format_markdown(results: BenchResults, rows: list[dict[str, Any]] | None = N
     return "\n".join(line for line in lines) + "\n"
 
 
+def _memory_table(s: Any, task_rows: dict[str, dict[str, Any]], retrieval: bool) -> list[str]:
+    """The memory budgets' rows of one task: score, chosen bits, tokens kept, bytes of the full cache's."""
+    budgets = list(getattr(s, "memory", ()))
+    if not budgets:
+        return []
+    score = "accuracy %" if retrieval else "excess NLL"
+    lines = [
+        "",
+        f"| allocator | scorer | memory | {score} | bits chosen | tokens kept | bytes of the full cache's |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for allocator in s.allocators:
+        for scorer in s.scorers:
+            for memory in budgets:
+                row = task_rows.get(f"{allocator}/{scorer}@mem{memory:g}")
+                if row is None:
+                    continue
+                choice = row.get("memory_choice") or {}
+                held = (
+                    f"{100 * row['kv_bytes_of_full']:.2f}% (max {100 * row['kv_bytes_of_full_max']:.2f}%)"
+                    if "kv_bytes_of_full" in row
+                    else f"{row['kv_bytes_mean']:.0f} B (no full cache run)"
+                )
+                lines.append(
+                    f"| {allocator} | {scorer} | {memory:g} | {_cell(row)} | "
+                    f"{bits_text(choice['kv_bits']) if choice else '–'} | "
+                    f"{100 * row['kept_fraction_mean']:.1f}% | {held} |"
+                )
+    return lines
+
+
 def _full_nll(task_rows: dict[str, dict[str, Any]]) -> str:
     full = task_rows[FULL]
     return f"NLL {full['mean']:.3f} ± {full['sem']:.3f} nats/token"
@@ -170,7 +258,7 @@ def _full_nll(task_rows: dict[str, dict[str, Any]]) -> str:
 def plot_results(
     results: BenchResults, path: str | os.PathLike[str], rows: list[dict[str, Any]] | None = None
 ) -> Path:
-    """Accuracy (or excess NLL) vs ratio, one panel per (task, scorer), one line per allocator; the full
+    """Accuracy (or excess NLL) vs ratio (vs the memory budget in a run of budgets alone), one panel per (task, scorer), one line per allocator; the full
     cache as a dashed line. Returns the PNG path.
 
     >>> plot_results(results, "bench.png")  # doctest: +SKIP
@@ -183,6 +271,10 @@ def plot_results(
     rows = rows if rows is not None else summarize(results)
     s = results.settings
     tasks = [t for t in s.tasks if any(r["task"] == t for r in rows)]
+    # x: the ratios; a run of memory budgets alone (no ratios): the budgets
+    by_memory = not s.ratios and bool(getattr(s, "memory", ()))
+    xs = sorted(s.memory if by_memory else s.ratios)
+    at = "@mem" if by_memory else "@"
     fig, axes = plt.subplots(
         len(tasks), len(s.scorers), figsize=(4 * len(s.scorers), 3.2 * len(tasks)), squeeze=False
     )
@@ -199,7 +291,7 @@ def plot_results(
         for j, scorer in enumerate(s.scorers):
             ax = axes[i][j]
             for allocator in s.allocators:
-                found = [(r, task_rows.get(f"{allocator}/{scorer}@{r:g}")) for r in sorted(s.ratios)]
+                found = [(x, task_rows.get(f"{allocator}/{scorer}{at}{x:g}")) for x in xs]
                 points = [(r, value(row)) for r, row in found if row is not None]
                 if points:
                     ax.errorbar(
@@ -213,7 +305,11 @@ def plot_results(
             if FULL in task_rows:
                 ax.axhline(value(task_rows[FULL])[0], color="black", linestyle="--", label="full")
             ax.set_title(f"{task} / {scorer}", fontsize=9)
-            ax.set_xlabel("ratio (fraction evicted)")
+            ax.set_xlabel(
+                "memory budget (fraction of the full cache's bytes)"
+                if by_memory
+                else "ratio (fraction evicted)"
+            )
             ax.set_ylabel("accuracy %" if retrieval else "excess NLL (nats/token)")
             ax.grid(alpha=0.3)
             if i == 0 and j == 0:

@@ -49,6 +49,8 @@ class BenchSettings:
     share_prefill: bool = True
     kv_bits: Sequence[int | None] = (None,)  # the stores' bits per entry, each a column of the grid
     sliding: str | None = None  # what every cache's sliding-window layers do (LUKVCache(sliding=...))
+    # memory budgets (fractions of the full cache's bytes), each a method per allocator x scorer
+    memory: Sequence[float] = ()
 
 
 @dataclass
@@ -62,6 +64,8 @@ class MethodResult:
     outputs: list[list[str]] = field(default_factory=list)
     kv_bytes: list[int] = field(default_factory=list)
     kept_fraction: list[float] = field(default_factory=list)
+    # under a memory budget, each sample's choice (MemoryChoice.to_json(): the bits, bytes per row, ...)
+    memory_choices: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -119,6 +123,7 @@ def run_benchmark(
         full=settings.full,
         kv_bits=settings.kv_bits,
         sliding=settings.sliding,
+        memory=settings.memory,
     )
     results = BenchResults(settings, started_utc=datetime.datetime.now(datetime.UTC).isoformat())
     say = log or (lambda _msg: None)
@@ -193,6 +198,9 @@ def run_benchmark(
                 record.question_scores.append(question_scores)
                 record.kv_bytes.append(held)
                 record.kept_fraction.append(kept)
+                choice = getattr(cache, "memory_choice", None)  # what a memory budget chose
+                if choice is not None:
+                    record.memory_choices.append(choice.to_json())
                 record.seconds += time.perf_counter() - method_started
                 line.append(f"{method.name}={score:.3g}")
             say(
