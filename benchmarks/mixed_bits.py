@@ -134,7 +134,8 @@ def main() -> int:
             ids = context_ids(tokenizer, sample, "cpu")
             shared = SharedPrefill.record(model, ids, n_queries)
             full = shared.cache_for(Method(FULL), model)
-            target = args.memory * kv_cache_bytes(full)
+            full_bytes = kv_cache_bytes(full)  # before scoring: answering grows the cache (and its rows)
+            target = args.memory * full_bytes
             full_score, _, _ = score_prefilled(model, tokenizer, sample, full, shared.last_logits)
             line = []
             for name, bits in configs.items():
@@ -145,7 +146,7 @@ def main() -> int:
                 slope = (measured[0.9] - measured[0.5]) / 0.4
                 ratio = min(0.999, max(0.0, 0.5 + (target - measured[0.5]) / slope))
                 cache = shared.replay_into(cache_with(bits, ratio))
-                fit[name].append(kv_cache_bytes(cache) / kv_cache_bytes(full))
+                fit[name].append(kv_cache_bytes(cache) / full_bytes)
                 score, _, _ = score_prefilled(model, tokenizer, sample, cache, shared.last_logits)
                 value = score - full_score if task == "continuation" else 100 * score
                 results[name].setdefault(task, []).append(value)
