@@ -28,12 +28,13 @@ import torch
 
 from ..errors import ConfigurationError
 from .quant import PackedRows
+from .ragged import POSITION_LIMIT
 
 logger = logging.getLogger("lukv_cache")
 
 BITS = (None, 8, 4)  # the precisions a budget chooses among, most bits first
 OFFSET_BYTES = 8  # one int64 offset per (row, KV head) segment of a layer's store (and its sinks_left)
-POSITION_BYTES = 4  # int32 positions
+POSITION_BYTES = 2  # int16 positions (a store's positions are int16 while they fit: every prompt below 32k)
 SCORE_BYTES = 4  # float32 scores, when the cache keeps them
 # the fallback rule: 8 bits while they keep at least this fraction of the prompt's tokens, else 4 bits
 # (docs/memory.md: what the equal-bytes grids of SmolLM2-135M and Qwen2.5-Coder-0.5B support)
@@ -53,6 +54,7 @@ class Shapes:
     dtype: torch.dtype
     room: int
     queries: int = 0  # bytes of the queries a layer keeps for its next fold's scorer, per row
+    position_bytes: int = POSITION_BYTES  # 4 where positions pass int16's range (int32)
 
     @property
     def slots(self) -> int:
@@ -67,7 +69,7 @@ class Shapes:
     def stored_token(self, bits: int | None, scores: bool) -> int:
         """Bytes of one stored token of one KV head in ``bits`` (``None``: the model's dtype): its key and
         value (codes, scales and zeros), its position, and its score when the cache keeps scores."""
-        extra = POSITION_BYTES + (SCORE_BYTES if scores else 0)
+        extra = self.position_bytes + (SCORE_BYTES if scores else 0)
         if bits is None:
             return self.dense_token + extra
         return (
@@ -90,7 +92,11 @@ def layer_shapes(layer: Any, layers: int, heads: int, queries: int = 0) -> Shape
     query vectors (of all query heads) each layer keeps for its next fold's scorer."""
     keys, values = layer.suffix_keys, layer.suffix_values
     query_bytes = queries * keys.shape[-1] * keys.element_size()
-    return Shapes(layers, heads, keys.shape[-1], values.shape[-1], keys.dtype, layer.fold_at + 1, query_bytes)
+    # positions up to the decode room's last are int16 while they fit (lukv_cache.cache.ragged)
+    position = 2 if layer.cumulative_length + layer.fold_at < POSITION_LIMIT else 4
+    return Shapes(
+        layers, heads, keys.shape[-1], values.shape[-1], keys.dtype, layer.fold_at + 1, query_bytes, position
+    )
 
 
 def kept_queries(policy: Any, query_heads: int) -> int:
@@ -136,7 +142,7 @@ def tokens_allowed(budget: int, shapes: Shapes, bits: int | None, scores: bool) 
 
     >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
     >>> [tokens_allowed(12800, shapes, b, False) for b in (None, 8, 4)]
-    [168, 409, 572]
+    [173, 440, 636]
     """
     return (budget - shapes.fixed()) // shapes.stored_token(bits, scores)
 
@@ -242,7 +248,7 @@ def choose_bits(
     >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
     >>> choice = choose_bits(0.2, None, 100, shapes, False, protected=5)
     >>> choice.kv_bits, {bits: round(kept, 2) for bits, kept in choice.kept.items()}
-    (8, {None: 0.14, 8: 0.34, 4: 0.47})
+    (8, {None: 0.14, 8: 0.36, 4: 0.52})
     >>> choose_bits(0.1, None, 100, shapes, False, protected=5).kv_bits  # 8 bits would keep 11%
     4
     """

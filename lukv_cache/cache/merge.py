@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 
-from .ragged import RaggedStore, flat_index_from_mask, gather_ragged
+from .ragged import RaggedStore, flat_index_from_mask, gather_ragged, position_dtype
 
 
 def absorb(
@@ -39,11 +39,14 @@ def absorb(
     flat = flat_index_from_mask(keep)  # segment-major, positions ascending: the store layout
     # gather straight from [B, H, R, D] (often a strided view): no copy of the whole block
     new_k, new_v = gather_ragged(keys, flat), gather_ragged(values, flat)
-    new_pos = (flat % r + start).to(torch.int32)
+    last = start + r - 1  # no kept position is above it
+    new_pos = (flat % r + start).to(position_dtype(last))
     new_s = None if scores is None else scores.reshape(-1)[flat.to(scores.device)].to(new_k.device)
     if store is None:
-        return RaggedStore.build(new_k, new_v, new_pos, counts, num_heads=h, scores=new_s, kv_bits=kv_bits)
-    return store.extend(new_k, new_v, new_pos, counts, new_s)
+        return RaggedStore.build(
+            new_k, new_v, new_pos, counts, num_heads=h, scores=new_s, kv_bits=kv_bits, last=last
+        )
+    return store.extend(new_k, new_v, new_pos, counts, new_s, last=last)
 
 
 def rebuild(
@@ -64,13 +67,14 @@ def rebuild(
     s = suffix_keys.shape[-2]
     from_store = source < n
     in_suffix = source[~from_store] - n
-    suffix_pos = (in_suffix % max(s, 1) + start).to(torch.int32)
+    last = start + max(s, 1) - 1  # no kept position is above it
+    suffix_pos = (in_suffix % max(s, 1) + start).to(position_dtype(last))
 
     def pick(stored: torch.Tensor | None, from_suffix: torch.Tensor) -> torch.Tensor:
         out = from_suffix.new_empty((source.shape[0], *from_suffix.shape[1:]))
         out[~from_store] = from_suffix
         if stored is not None:
-            out[from_store] = stored[source[from_store]]
+            out[from_store] = stored[source[from_store]].to(out.dtype)
         return out
 
     held = store if n else None
@@ -89,7 +93,14 @@ def rebuild(
     positions = pick(None if held is None else held.positions, suffix_pos)
     heads = suffix_keys.shape[1]
     return RaggedStore.build(
-        keys, values, positions, counts.to(positions.device), num_heads=heads, scores=scores, kv_bits=kv_bits
+        keys,
+        values,
+        positions,
+        counts.to(positions.device),
+        num_heads=heads,
+        scores=scores,
+        kv_bits=kv_bits,
+        last=last,
     )
 
 

@@ -1,7 +1,8 @@
 """The ragged store: every kept token of every (batch row, KV head) of one layer, back to back.
 
 * ``keys``, ``values``: ``[N, D]``; segment ``s = b * H_kv + h`` is rows ``offsets[s]:offsets[s + 1]``;
-* ``positions``: int32 ``[N]``, each token's original (logical) position, ascending inside a segment;
+* ``positions``: int16 ``[N]`` while every position is below 32768 (int32 from there on), each token's
+  original (logical) position, ascending inside a segment;
 * ``offsets``: int64 ``[B * H_kv + 1]``;
 * ``scores``: fp32 ``[N]`` or ``None``, each token's score from when it was first scored (kept only when
   eviction at fold time reuses scores: ``decode_max_tokens`` with a scorer that keeps them, e.g. ``kvzap``).
@@ -58,15 +59,19 @@ class RaggedStore:
         num_heads: int,
         scores: torch.Tensor | None = None,
         kv_bits: int | None = None,
+        last: int | None = None,
     ) -> RaggedStore:
         """A store from its rows and per-segment ``counts [B * H_kv]`` (offsets are their cumulative sum).
 
         ``kv_bits``: quantize full-precision ``keys``/``values``; rows already :class:`PackedRows` stay
-        as they are."""
+        as they are. ``last``: no position is above it (the positions are then int16 where it fits)."""
         offsets = offsets_from_counts(counts.to(keys.device))
         if scores is not None:
             scores = scores.float()
-        pos = positions.to(torch.int32)
+        if last is not None:
+            pos = positions.to(position_dtype(last))
+        else:  # rows of a store (kept as they are) or positions of unknown range (int32)
+            pos = positions if positions.dtype in (torch.int16, torch.int32) else positions.to(torch.int32)
         if kv_bits is not None and not isinstance(keys, PackedRows):
             values = cast(torch.Tensor, values)  # full precision like keys
             keys, values = PackedRows.quantize(keys, kv_bits), PackedRows.quantize(values, kv_bits)
@@ -146,14 +151,17 @@ class RaggedStore:
         positions: torch.Tensor,
         counts: torch.Tensor,
         scores: torch.Tensor | None = None,
+        last: int | None = None,
     ) -> RaggedStore:
         """Segment-wise append of new rows (segment-major, ``counts [S]``) after each segment's rows.
-        ``scores``: the new rows' scores (NaN for rows without one, when only one side has scores)."""
+        ``scores``: the new rows' scores (NaN for rows without one, when only one side has scores);
+        ``last``: no new position is above it (the store's positions widen to int32 when it passes int16's)."""
         new_offsets = offsets_from_counts(counts.to(self.offsets.device))
         keys, values = self.quantize_like(keys, values)
         merged_k, offsets = _concat(self.keys, self.offsets, keys, new_offsets)
         merged_v, _ = _concat(self.values, self.offsets, values, new_offsets)
-        merged_p, _ = concat_ragged(self.positions, self.offsets, positions.to(torch.int32), new_offsets)
+        kind = torch.int32 if last is None else wider(self.positions.dtype, position_dtype(last))
+        merged_p, _ = concat_ragged(self.positions.to(kind), self.offsets, positions.to(kind), new_offsets)
         merged_s = None
         if self.scores is not None or scores is not None:
             old, new = (
@@ -218,7 +226,9 @@ class RaggedStore:
                 check.fail(f"{label} has no {name} tensor (damaged file).", f"{where}.{name}")
         segments = batch * shape.kv_heads
         offsets = check.tensor(state["offsets"], f"{where}.offsets", dtype=torch.int64, shape=(segments + 1,))
-        positions = check.tensor(state["positions"], f"{where}.positions", dtype=torch.int32, ndim=1)
+        kind = state["positions"].dtype if isinstance(state["positions"], torch.Tensor) else None
+        kind = kind if kind in (torch.int16, torch.int32) else torch.int32  # int16 where the positions fit
+        positions = check.tensor(state["positions"], f"{where}.positions", dtype=kind, ndim=1)
         n = int(positions.shape[0])
         counts = offsets.diff()
         if int(offsets[0]) != 0 or bool((counts < 0).any()) or int(offsets[-1]) != n:
@@ -311,6 +321,23 @@ def _concat(first, first_offsets: torch.Tensor, second, second_offsets: torch.Te
         concat_ragged(a, first_offsets, b, second_offsets) for a, b in zip(first.tensors(), second.tensors())
     ]
     return first.with_tensors(*(t for t, _ in parts)), parts[0][1]
+
+
+POSITION_LIMIT = 2**15  # positions below it are stored as int16
+
+
+def position_dtype(last: int) -> torch.dtype:
+    """The narrowest dtype the store keeps positions up to ``last`` in: int16 below 32768, else int32.
+
+    >>> position_dtype(4095), position_dtype(40_000)
+    (torch.int16, torch.int32)
+    """
+    return torch.int16 if last < POSITION_LIMIT else torch.int32
+
+
+def wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The wider of two position dtypes."""
+    return torch.int32 if torch.int32 in (a, b) else torch.int16
 
 
 def segment_ids_from_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:

@@ -120,7 +120,7 @@ def test_store_tensors_are_compact_and_not_views_of_the_prefill():
         for name in ("keys", "values", "positions", "offsets"):
             t = getattr(layer.store, name)
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{name} is a view of more"
-        assert layer.store.positions.dtype == torch.int32
+        assert layer.store.positions.dtype == torch.int16  # every position below 32768
         # the suffix is its own small buffer (protected window + room to decode), not the prefill tensor
         for buf, view in zip(layer.suffix_buffers, (layer.suffix_keys, layer.suffix_values)):
             assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()

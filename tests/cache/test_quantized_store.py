@@ -213,7 +213,7 @@ def test_generation_stays_close_and_memory_shrinks(bits):
     assert small.memory_bytes() < full.memory_bytes()
     store = small.layers[0].store
     held = sum(t.numel() * t.element_size() for t in (*store.keys.tensors(), *store.values.tensors()))
-    held += store.positions.numel() * 4 + store.offsets.numel() * 8
+    held += store.positions.numel() * store.positions.element_size() + store.offsets.numel() * 8
     assert store.memory_bytes() == held
 
 
