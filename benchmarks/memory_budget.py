@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import _smoke  # noqa: E402
+from _out import default_out  # noqa: E402
 
 PRECISIONS = {"fp": None, "int8": 8, "int4": 4}
 TASKS = ("niah_multikey", "continuation", "recall")
@@ -221,7 +222,7 @@ def main() -> int:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.1, 0.05, 0.03])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "memory_budget")
+    parser.add_argument("--out", type=Path, default=default_out("memory_budget"))
     parser.add_argument("--name", default=None, help="file name stem (default: <model>_<context tokens>)")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()

@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import _smoke  # noqa: E402
+from _out import default_out  # noqa: E402
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -50,7 +51,7 @@ def main() -> int:
     parser.add_argument("--keep8", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "memory_budget")
+    parser.add_argument("--out", type=Path, default=default_out("mixed_bits"))
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.smoke:
