@@ -16,6 +16,7 @@ from test_registry_contracts import PROMPT, _cache_args
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
+from lukv_cache._compat import cache_kwarg
 from lukv_cache.allocation import ALLOCATORS
 from lukv_cache.cache.memory import MemoryChoice, Shapes, layer_shapes
 from lukv_cache.errors import ConfigurationError
@@ -28,7 +29,7 @@ def _full_bytes(model, ids, mask=None) -> int:
     """Bytes a full DynamicCache holds for the prompt (every row, padding included)."""
     cache = DynamicCache()
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
@@ -162,7 +163,7 @@ def test_chunked_prefill_holds_the_bound_after_every_chunk():
     cache = LUKVCache(memory=0.15, prefill_chunk_size=120)
     with torch.no_grad():
         for start in range(0, 480, 120):
-            model(ids[:, start : start + 120], past_key_values=cache, use_cache=True)
+            model(ids[:, start : start + 120], use_cache=True, **{cache_kwarg(model): cache})
             _check_bound(cache, int(0.15 * _full_bytes(model, ids[:, : start + 120])), batch=1)
     assert cache.get_seq_length() == 480
 
@@ -174,11 +175,11 @@ def test_decode_max_tokens_keeps_max_bytes_while_generating(name, max_bytes):
     ids = prompt(2, 300, seed=6)
     cache = LUKVCache(max_bytes=max_bytes, decode_max_tokens=400, scorer=scorer_for(name, model))
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True, **{cache_kwarg(model): cache})
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(120):
             _check_bound(cache, max_bytes, batch=2)
-            out = model(token, past_key_values=cache, use_cache=True)
+            out = model(token, use_cache=True, **{cache_kwarg(model): cache})
             token = out.logits[:, -1:].argmax(-1)
     assert cache.get_seq_length() == 420
 
@@ -234,6 +235,6 @@ def test_saved_contexts_keep_the_choice(tmp_path):
     assert loaded.memory_bytes() == cache.memory_bytes()
     with torch.no_grad():
         step = prompt(1, 1, seed=10)
-        want = model(step, past_key_values=cache, use_cache=True).logits
-        got = model(step, past_key_values=loaded, use_cache=True).logits
+        want = model(step, use_cache=True, **{cache_kwarg(model): cache}).logits
+        got = model(step, use_cache=True, **{cache_kwarg(model): loaded}).logits
     assert torch.equal(got, want)
