@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
@@ -40,14 +39,6 @@ from _out import default_out  # noqa: E402
 
 PRECISIONS = {"fp": None, "int8": 8, "int4": 4}
 TASKS = ("niah_multikey", "continuation", "recall")
-
-
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    if not values:
-        return math.nan, math.nan
-    if len(values) == 1:
-        return values[0], 0.0
-    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -159,6 +150,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def table_lines(result: dict) -> list[str]:
     """The markdown table of :func:`run`'s result."""
+    from lukv_cache.evaluation.tasks import mean_and_sem
+
     tasks = [t for t in TASKS if any(t in by_task for by_task in result["rows"].values())]
     full = result["rows"]["full"]
     heads = {"niah_multikey": "multikey % ± SE", "continuation": "excess NLL ± SE", "recall": "recall % ± SE"}
@@ -171,7 +164,9 @@ def table_lines(result: dict) -> list[str]:
     for name, by_task in result["rows"].items():
         if name == "full":
             cells = [
-                f"{100 * _mean_se([e['score'] for e in full[t]])[0]:.1f}" if t != "continuation" else "+0.000"
+                f"{100 * mean_and_sem([e['score'] for e in full[t]])[0]:.1f}"
+                if t != "continuation"
+                else "+0.000"
                 for t in tasks
             ]
             lines.append("| 100% | full cache | model's | 1.000 | 100.0 | " + " | ".join(cells) + " |")
@@ -198,10 +193,10 @@ def table_lines(result: dict) -> list[str]:
             got = by_task.get(t, [])
             if t == "continuation":
                 excess = [e["score"] - f["score"] for e, f in zip(got, full[t])]
-                mean, se = _mean_se(excess)
+                mean, se = mean_and_sem(excess)
                 cells.append(f"{mean:+.3f} ± {se:.3f}")
             else:
-                mean, se = _mean_se([100 * e["score"] for e in got])
+                mean, se = mean_and_sem([100 * e["score"] for e in got])
                 cells.append(f"{mean:.1f} ± {se:.1f}")
         worst = max(e["bytes"] for e in entries)
         kept = statistics.fmean(e["kept"] for e in entries)

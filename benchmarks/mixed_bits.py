@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -33,12 +32,6 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import _smoke  # noqa: E402
 from _out import default_out  # noqa: E402
-
-
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return (values[0] if values else math.nan), 0.0
-    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
 def main() -> int:
@@ -72,7 +65,7 @@ def main() -> int:
     from lukv_cache.cache.report import kv_cache_bytes
     from lukv_cache.evaluation.methods import FULL, Method
     from lukv_cache.evaluation.prefill import SharedPrefill
-    from lukv_cache.evaluation.tasks import context_ids, make_samples, score_prefilled
+    from lukv_cache.evaluation.tasks import context_ids, make_samples, mean_and_sem, score_prefilled
     from lukv_cache.models import load_model
     from lukv_cache.profiling.continuation import continuation_nll, prefill
     from lukv_cache.profiling.memory_table import calibration_of, calibration_texts
@@ -173,8 +166,8 @@ def main() -> int:
         "|---|---:|---:|---:|",
     ]
     for name in configs:
-        nll = _mean_se(results[name]["continuation"])
-        mk = _mean_se(results[name]["niah_multikey"])
+        nll = mean_and_sem(results[name]["continuation"])
+        mk = mean_and_sem(results[name]["niah_multikey"])
         lines.append(
             f"| {name} | {statistics.fmean(fit[name]):.4f} | {nll[0]:+.3f} ± {nll[1]:.3f} | {mk[0]:.1f} ± {mk[1]:.1f} |"
         )

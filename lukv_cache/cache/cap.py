@@ -63,8 +63,7 @@ def token_cap(
     if policy.in_bytes:
         # the bytes hold this many tokens at the layers' bits; the layers evicted before this step have
         # folded their windows into their stores (counted there)
-        queries = query_heads or num_heads  # the model's query heads (their kept queries count)
-        budget = layer_budget(policy, layer, len(full), num_heads, keeps_scores(policy), queries)
+        budget = layer_budget(policy, layer, len(full), num_heads, keeps_scores(policy), query_heads)
         windows = len(evicted) + later
     else:
         assert policy.max_tokens is not None  # a cap: max_tokens or a budget

@@ -177,8 +177,7 @@ class Compressor:
         if len(full) != count or not all(type(each) is LUKVLayer for each in cache.layers):
             raise ConfigurationError(BUDGET_NEEDS_FULL_ATTENTION)
         heads = layer.num_heads * (1 if layout.head_shard is None else layout.head_shard.size)
-        queries = kept_queries(policy, layout.query_heads or heads)
-        shapes = layer_shapes(layer, len(full), heads, queries)
+        shapes = layer_shapes(layer, len(full), heads, kept_queries(policy, layout.query_heads, heads))
         profile = (policy.allocator_kwargs or {}).get("profile") or getattr(cache, "profile", None)
         choice = choose_bits(
             policy.memory,
@@ -196,26 +195,23 @@ class Compressor:
 
     def adopt_choice(self, choice: MemoryChoice) -> None:
         """Build every compressed layer's store in ``choice``'s bits from now on (the layers without one)."""
-        cache = self.cache
-        self.new_layer = dataclasses.replace(self.new_layer, kv_bits=choice.kv_bits)
-        if cache.layer_class_to_replicate is not None:
-            cache.layer_class_to_replicate = self.new_layer
-        for each in cache.layers:
-            if isinstance(each, LUKVLayer) and each.store is None:
-                each.kv_bits = choice.kv_bits
+        self._build_layers_with(dataclasses.replace(self.new_layer, kv_bits=choice.kv_bits))
         self.memory_choice = choice
 
     def forget_choice(self) -> None:
-        """A memory budget chooses again for the next prompt (the cache was reset)."""
-        if self.memory_choice is None:
-            return
-        self.memory_choice = None
-        self.new_layer = LayerFactory.for_policy(self.policy)
+        """A memory budget chooses again for the next prompt (the cache was reset: no layer has a store)."""
+        if self.memory_choice is not None:
+            self._build_layers_with(LayerFactory.for_policy(self.policy))
+            self.memory_choice = None
+
+    def _build_layers_with(self, factory: LayerFactory) -> None:
+        """``factory`` builds the layers from now on; the layers without a store take its bits."""
+        self.new_layer = factory
         if self.cache.layer_class_to_replicate is not None:
-            self.cache.layer_class_to_replicate = self.new_layer
+            self.cache.layer_class_to_replicate = factory
         for each in self.cache.layers:
-            if isinstance(each, LUKVLayer):
-                each.kv_bits = self.new_layer.kv_bits
+            if isinstance(each, LUKVLayer) and each.store is None:
+                each.kv_bits = factory.kv_bits
 
     def evict_deferred(self) -> None:
         """Evict the layers a whole-model allocator left waiting in this forward, in one step."""

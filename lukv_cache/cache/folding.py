@@ -105,8 +105,7 @@ def fold_evict(
         full = sum(1 for layer in all_layers if isinstance(layer, LUKVLayer))
         per_head = min(
             per_head,
-            max(layer_budget(policy, first, full, heads, kept_scores, query_heads or heads), 0)
-            // (full * heads),
+            max(layer_budget(policy, first, full, heads, kept_scores, query_heads), 0) // (full * heads),
         )
     allowed = (per_head * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
     protected = protected.double().mean((0, 2))  # [B], per head

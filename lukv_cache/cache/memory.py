@@ -64,7 +64,7 @@ class Shapes:
     @property
     def dense_token(self) -> int:
         """Bytes of one token of one KV head at the model's precision (a key and a value)."""
-        return (self.head_dim + self.value_dim) * torch.empty((), dtype=self.dtype).element_size()
+        return (self.head_dim + self.value_dim) * self.dtype.itemsize
 
     def stored_token(self, bits: int | None, scores: bool) -> int:
         """Bytes of one stored token of one KV head in ``bits`` (``None``: the model's dtype): its key and
@@ -99,19 +99,23 @@ def layer_shapes(layer: Any, layers: int, heads: int, queries: int = 0) -> Shape
     )
 
 
-def kept_queries(policy: Any, query_heads: int) -> int:
+def kept_queries(policy: Any, query_heads: int | None, heads: int) -> int:
     """Query vectors a layer keeps between folds under ``policy`` (``decode_max_tokens`` with a scorer
-    that reads queries: its last ``n_queries``, at most ``fold_interval``, of every query head)."""
+    that reads queries: its last ``n_queries``, at most ``fold_interval``, of every query head; the
+    model's ``query_heads``, its ``heads`` KV heads when unknown)."""
     if policy.decode_max_tokens is None or not policy.scorer.n_queries:
         return 0
-    return min(policy.scorer.n_queries, policy.fold_interval) * query_heads
+    return min(policy.scorer.n_queries, policy.fold_interval) * (query_heads or heads)
 
 
-def layer_budget(policy: Any, layer: Any, layers: int, heads: int, scores: bool, query_heads: int) -> int:
+def layer_budget(
+    policy: Any, layer: Any, layers: int, heads: int, scores: bool, query_heads: int | None
+) -> int:
     """The tokens one row may keep over ``layers`` compressed layers of ``heads`` KV heads like ``layer``
     under ``policy``'s budget, at ``layer``'s bits and for its length so far (``scores``: the store keeps
-    a score per token; ``query_heads``: the model's, whose queries a layer may keep for its next fold)."""
-    shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads))
+    a score per token; ``query_heads``: the model's, whose queries a layer may keep for its next fold,
+    ``None`` when unknown)."""
+    shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads, heads))
     budget = row_budget(policy.memory, policy.max_bytes, layer.cumulative_length, shapes)
     return tokens_allowed(budget, shapes, layer.kv_bits, scores)
 
