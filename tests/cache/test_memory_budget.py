@@ -238,3 +238,51 @@ def test_saved_contexts_keep_the_choice(tmp_path):
         want = model(step, use_cache=True, **{cache_kwarg(model): cache}).logits
         got = model(step, use_cache=True, **{cache_kwarg(model): loaded}).logits
     assert torch.equal(got, want)
+
+
+def _resaved(src, dst, edit):
+    """``src`` with its metadata edited by ``edit(meta)`` and signed again (only the checks after the
+    checksum can refuse it)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from lukv_cache.cache import saved
+
+    tensors = load_file(src)
+    with safe_open(str(src), "pt") as f:
+        metadata = dict(f.metadata())
+    meta = json.loads(metadata[saved.METADATA_KEY])
+    edit(meta)
+    text = json.dumps(meta, sort_keys=True)
+    metadata[saved.METADATA_KEY], metadata[saved.CHECKSUM_KEY] = text, saved.checksum(text, tensors)
+    save_file(tensors, dst, metadata=metadata)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda meta: meta["cache"]["memory_choice"].update(kv_bits=3),
+            "memory budget's choice is malformed",
+        ),
+        (
+            lambda meta: meta["cache"]["memory_choice"].update(by="guess"),
+            "memory budget's choice is malformed",
+        ),
+        (lambda meta: meta["cache"]["memory_choice"].update(kv_bits=8), "kv_bits=4"),
+        (lambda meta: meta["options"].update(memory=None), "without memory= or max_bytes="),
+    ],
+)
+def test_a_saved_choice_that_does_not_fit_the_file_is_a_typed_error(tmp_path, edit, match):
+    from lukv_cache.errors import SavedContextError
+
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(memory=0.06)
+    cache.prefill(model, prompt(1, 400, seed=9))
+    assert cache.kv_bits == 4
+    path = _resaved(cache.save(tmp_path / "c.safetensors"), tmp_path / "edited.safetensors", edit)
+    with pytest.raises(SavedContextError, match=match):
+        LUKVCache.load(path, model)
