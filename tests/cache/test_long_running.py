@@ -74,7 +74,9 @@ def _requests(model, bf16_model, tmp_path, seed: int, kept: list | None = None) 
     # quantized stores of several blocks, each tiled
     with _limits(block_rows=16, masked_limit=0, masked_equal_limit=0):
         _generate(model, ids, LUKVCache(0.5, kv_bits=8, fold_interval=2), kept)
-    return 3 + 2 + 2 + 1 + 1 + 1
+    # a memory budget: the bits chosen per prompt, the window folded into the store, folds under a bound
+    _generate(model, ids, LUKVCache(memory=0.5, decode_max_tokens=48, fold_interval=2), kept)
+    return 3 + 2 + 2 + 1 + 1 + 1 + 1
 
 
 @contextlib.contextmanager
