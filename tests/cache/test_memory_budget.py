@@ -286,3 +286,13 @@ def test_a_saved_choice_that_does_not_fit_the_file_is_a_typed_error(tmp_path, ed
     path = _resaved(cache.save(tmp_path / "c.safetensors"), tmp_path / "edited.safetensors", edit)
     with pytest.raises(SavedContextError, match=match):
         LUKVCache.load(path, model)
+
+
+def test_the_one_line_on_a_model_without_a_profile_uses_the_rule():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 400, seed=3)
+    cache = LUKVCache.from_pretrained("org/no-profile-here", memory=0.1, local_files_only=True)
+    assert cache.profile is None and cache.memory == 0.1
+    cache.prefill(model, ids)
+    assert cache.memory_choice.by == "rule"
+    _check_bound(cache, int(0.1 * _full_bytes(model, ids)), batch=1)
