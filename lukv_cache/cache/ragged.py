@@ -158,17 +158,18 @@ class RaggedStore:
         ``last``: no new position is above it (the store's positions widen to int32 when it passes int16's)."""
         new_offsets = offsets_from_counts(counts.to(self.offsets.device))
         keys, values = self.quantize_like(keys, values)
-        merged_k, offsets = _concat(self.keys, self.offsets, keys, new_offsets)
-        merged_v, _ = _concat(self.values, self.offsets, values, new_offsets)
+        merge = RaggedMerge.of(self.offsets, self.num_tokens, new_offsets, keys.shape[0])
+        merged_k, merged_v = _merge(merge, self.keys, keys), _merge(merge, self.values, values)
         kind = torch.int32 if last is None else wider(self.positions.dtype, position_dtype(last))
-        merged_p, _ = concat_ragged(self.positions.to(kind), self.offsets, positions.to(kind), new_offsets)
+        merged_p = merge.apply(self.positions.to(kind), positions.to(kind))
         merged_s = None
         if self.scores is not None or scores is not None:
             old, new = (
                 torch.full((n,), float("nan"), device=keys.device) if t is None else t.float()
                 for t, n in ((self.scores, self.num_tokens), (scores, keys.shape[0]))
             )
-            merged_s, _ = concat_ragged(old, self.offsets, new, new_offsets)
+            merged_s = merge.apply(old, new)
+        offsets = merge.offsets
         return RaggedStore(
             merged_k,
             merged_v,
@@ -313,14 +314,11 @@ def _take(rows, index: torch.Tensor):
     return rows.take(index) if isinstance(rows, PackedRows) else rows[index]
 
 
-def _concat(first, first_offsets: torch.Tensor, second, second_offsets: torch.Tensor):
-    """:func:`concat_ragged` of keys or values, full precision or quantized (each tensor alike)."""
+def _merge(merge: RaggedMerge, first, second):
+    """:meth:`RaggedMerge.apply` to keys or values, full precision or quantized (each tensor alike)."""
     if not isinstance(first, PackedRows):
-        return concat_ragged(first, first_offsets, second, second_offsets)
-    parts = [
-        concat_ragged(a, first_offsets, b, second_offsets) for a, b in zip(first.tensors(), second.tensors())
-    ]
-    return first.with_tensors(*(t for t, _ in parts)), parts[0][1]
+        return merge.apply(first, second)
+    return first.with_tensors(*(merge.apply(a, b) for a, b in zip(first.tensors(), second.tensors())))
 
 
 POSITION_LIMIT = 2**15  # positions below it are stored as int16
@@ -422,22 +420,51 @@ def concat_ragged(
     first: torch.Tensor, first_offsets: torch.Tensor, second: torch.Tensor, second_offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment-wise concatenation of two ragged stores with the same segments: segment ``s`` of the
-    result is ``first``'s segment ``s`` followed by ``second``'s.
-
-    One gather, no sort and no device sync (sizes come from shapes): folding newly kept tokens into the
-    store costs one pass over it. Works for any trailing shape (keys ``[N, D]``, positions ``[N]``).
+    result is ``first``'s segment ``s`` followed by ``second``'s (:class:`RaggedMerge`).
 
     >>> concat_ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]),
     ...               torch.tensor([7, 8, 9]), torch.tensor([0, 1, 3]))
     (tensor([1, 2, 7, 3, 8, 9]), tensor([0, 3, 6]))
     """
-    n_first = first.shape[0]
-    offsets = first_offsets + second_offsets
-    total = n_first + second.shape[0]
-    ids = segment_ids_from_offsets(offsets, total)
-    local = torch.arange(total, device=offsets.device) - offsets[ids]
-    first_len = first_offsets.diff()[ids]
-    source = torch.where(
-        local < first_len, first_offsets[ids] + local, n_first + second_offsets[ids] + (local - first_len)
-    )
-    return torch.cat([first, second.to(first.dtype)]).index_select(0, source), offsets
+    merge = RaggedMerge.of(first_offsets, first.shape[0], second_offsets, second.shape[0])
+    return merge.apply(first, second), merge.offsets
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedMerge:
+    """Where each row of two ragged stores with the same segments lands in their segment-wise
+    concatenation (``first``'s segment ``s``, then ``second``'s): computed once per fold and applied to
+    each of the store's tensors (keys, values, their scales and zeros, positions, scores), each copied once
+    into place. No sort and no device sync (sizes come from shapes): a fold costs one pass over the store.
+
+    A row ``i`` of ``first``'s segment ``s`` lands at ``i + second_offsets[s]`` (the rows of ``second``'s
+    earlier segments come before it); a row ``j`` of ``second``'s at ``j + first_offsets[s + 1]``.
+
+    >>> merge = RaggedMerge.of(torch.tensor([0, 2, 3]), 3, torch.tensor([0, 1, 3]), 3)
+    >>> merge.into_first.tolist(), merge.into_second.tolist(), merge.offsets.tolist()
+    ([0, 1, 3], [2, 4, 5], [0, 3, 6])
+    """
+
+    into_first: torch.Tensor
+    into_second: torch.Tensor
+    offsets: torch.Tensor
+    total: int
+
+    @classmethod
+    def of(
+        cls, first_offsets: torch.Tensor, n_first: int, second_offsets: torch.Tensor, n_second: int
+    ) -> RaggedMerge:
+        device = first_offsets.device
+        into_first = torch.arange(n_first, device=device)
+        into_first += second_offsets[segment_ids_from_offsets(first_offsets, n_first)]
+        into_second = torch.arange(n_second, device=device)
+        into_second += first_offsets[1:][segment_ids_from_offsets(second_offsets, n_second)]
+        return cls(into_first, into_second, first_offsets + second_offsets, n_first + n_second)
+
+    def apply(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """``[total, ...]``: ``first``'s and ``second``'s rows (any trailing shape) in place, in
+        ``first``'s dtype."""
+        out = first.new_empty((self.total, *first.shape[1:]))
+        out.index_copy_(0, self.into_first, first)
+        out.index_copy_(0, self.into_second, second.to(first.dtype))
+        return out

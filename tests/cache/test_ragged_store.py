@@ -128,14 +128,23 @@ def test_select_drops_rows_and_keeps_segments():
     assert torch.equal(kept.keys, store.keys[[0, 2]])
 
 
-def test_concat_ragged_matches_per_segment_concatenation():
+@pytest.mark.parametrize(
+    ("first_counts", "second_counts"),
+    [([3, 0, 2, 0], [1, 2, 0, 0]), ([0, 0, 0, 0], [1, 2, 0, 3]), ([2, 1, 0, 4], [0, 0, 0, 0])],
+)
+def test_concat_ragged_matches_per_segment_concatenation(first_counts, second_counts):
     gen = torch.Generator().manual_seed(5)
-    first_counts, second_counts = [3, 0, 2, 0], [1, 2, 0, 0]
     first_offsets = offsets_from_counts(torch.tensor(first_counts))
     second_offsets = offsets_from_counts(torch.tensor(second_counts))
-    first, second = torch.randn(5, 3, generator=gen), torch.randn(3, 3, generator=gen)
+    first = torch.randn(sum(first_counts), 3, generator=gen)
+    second = torch.randn(sum(second_counts), 3, generator=gen, dtype=torch.float64)  # takes first's dtype
     rows, offsets = concat_ragged(first, first_offsets, second, second_offsets)
     a, b = first_offsets.tolist(), second_offsets.tolist()
+    second = second.float()
     want = torch.cat([torch.cat([first[a[s] : a[s + 1]], second[b[s] : b[s + 1]]]) for s in range(4)])
+    assert rows.dtype == torch.float32
     assert torch.equal(rows, want)
-    assert offsets.tolist() == [0, 4, 6, 8, 8]
+    assert (
+        offsets.tolist()
+        == offsets_from_counts(torch.tensor(first_counts) + torch.tensor(second_counts)).tolist()
+    )
