@@ -7,7 +7,10 @@ process, a decode step of each in turn (each step starting at the next cache, as
 --interleave``), so machine noise hits them alike and the ratios are the figure to read:
 
 * ``fp32``, ``int8``, ``int4``: ``LUKVCache(ratio, keydiff, uniform, kv_bits=...)``;
-* ``ragged fp32``, ``ragged int4``: the shipped SmolLM2 keydiff profile's per-head budgets at the ratio.
+* ``ragged fp32``, ``ragged int4``: the shipped SmolLM2 keydiff profile's per-head budgets at the ratio;
+* with ``--memory M``: ``LUKVCache(memory=M)`` (the bits it chooses), the same bytes at full precision (its
+  base: eviction alone), and full precision holding the tokens the choice holds (``max_tokens``, folding as
+  often): how much of the budget's decode cost is its token count rather than its codes.
 
 Bytes: ``memory_bytes`` against the ideal, the store's codes + scales + zeros (what the format must hold)
 plus the dense suffix's used part at full precision; the rest is positions, offsets and the suffix buffer's
@@ -89,6 +92,16 @@ def run(
             if name == "memory fp32":
                 caches[name].compressor.precisions = (None,)
             cache_bench._fill(model, caches[name], batch, tokens, gen)
+        if (
+            memory is not None
+        ):  # full precision holding the tokens the budget's choice holds: the token count's share
+            kept = round(float(caches["memory"].stored_tokens().double().mean()))
+            caches["memory tokens fp32"] = LUKVCache(
+                max_tokens=kept, fold_interval=8, scorer="keydiff", allocator="uniform", config=model.config
+            )
+            cache_bench._fill(
+                model, caches["memory tokens fp32"], batch, tokens, torch.Generator().manual_seed(1)
+            )
     row = {"tokens": tokens, "batch": batch, "threads": threads, "ratio": ratio}
     for name, cache in caches.items():
         store, suffix = ideal_bytes(cache)
@@ -152,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch:
             row = run(tokens, batch, args.threads, args.ratio, args.decode_steps, args.smoke, args.memory)
             names = ["fp32", "int8", "int4", "ragged fp32", "ragged int4"]
-            names += [] if args.memory is None else ["memory fp32", "memory"]
+            names += [] if args.memory is None else ["memory fp32", "memory", "memory tokens fp32"]
             for name in names:
                 r = row[name]
                 base = row[next((f"{k} fp32" for k in ("ragged", "memory") if name.startswith(k)), "fp32")]
@@ -163,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if name == "memory":
                     label += f" (int{r['bits']})" if r["bits"] else " (fp32)"
+                if name == "memory tokens fp32":
+                    label = "fp32, the same tokens (max_tokens, fold_interval=8)"
                 lines.append(
                     f"| {tokens} | {batch} | {label} | {r['kept_per_head']:.1f} | {r['bytes'] / 2**20:.2f} | "
                     f"{r['bytes'] / r['ideal']:.3f} | {r['store_ideal'] / base['store_ideal']:.3f} | "

@@ -27,9 +27,11 @@ class AttentionLimits:
     * ``masked_equal_limit``: ... and equal segments while the stored rows stay at most this (measured up
       to 157k, all faster than the tiles);
     * ``tile_rows``: rows per tile of :mod:`.tiles` (``benchmarks/cache_bench.py``; 128-512 measure alike);
-    * ``block_rows``: rows of a quantized store dequantized at a time (4 MiB per tensor at fp32, head_dim
-      64), :mod:`.compressed`; 16384 decodes a 4k batch of 4 in one block, 1.19x the fp32 store's ms/token
-      at 8 bits where 4096 took 1.62x (``benchmarks/quantized_cost.py``);
+    * ``block_rows``: rows of a quantized store dequantized at a time (8 MiB per tensor at fp32, head_dim
+      64), :mod:`.compressed`; each block more costs a decode step more than its rows: 16384 decoded a 4k
+      batch of 4 at ratio 0.8 (9,876 rows) in one block, 1.19x the fp32 store's ms/token at 8 bits where
+      4096 took 1.62x, and ``memory=0.1``'s 16,860 rows of the same prompts (8 bits) in two, 121 ms/token,
+      where 32768 takes one, 97 ms (``benchmarks/quantized_cost.py``; /tmp timing of 16 steps);
     * ``triton_block_n``: keys per inner step of the Triton kernel (:mod:`._triton_ragged`);
     * ``triton_min_chunk``: the fewest keys a split is given (below that, launch overhead dominates);
     * ``triton_max_splits``: the most splits per segment.
@@ -38,7 +40,7 @@ class AttentionLimits:
     masked_limit: int = 16384
     masked_equal_limit: int = 262144
     tile_rows: int = 256
-    block_rows: int = 16384
+    block_rows: int = 32768
     triton_block_n: int = 64
     triton_min_chunk: int = 4 * 64
     triton_max_splits: int = 128
