@@ -31,7 +31,7 @@ class AttentionLimits:
       64), :mod:`.compressed`; each block more costs a decode step more than its rows: 16384 decoded a 4k
       batch of 4 at ratio 0.8 (9,876 rows) in one block, 1.19x the fp32 store's ms/token at 8 bits where
       4096 took 1.62x, and ``memory=0.1``'s 16,860 rows of the same prompts (8 bits) in two, 121 ms/token,
-      where 32768 takes one, 97 ms (``benchmarks/quantized_cost.py``; /tmp timing of 16 steps);
+      where 32768 takes one, 97 ms (``benchmarks/quantized_cost.py``; a quick timing of 16 steps, not committed);
     * ``triton_block_n``: keys per inner step of the Triton kernel (:mod:`._triton_ragged`);
     * ``triton_min_chunk``: the fewest keys a split is given (below that, launch overhead dominates);
     * ``triton_max_splits``: the most splits per segment.
