@@ -68,6 +68,7 @@ def main() -> int:
     import torch
 
     from lukv_cache import LUKVCache
+    from lukv_cache.cache.memory import layer_shapes
     from lukv_cache.cache.quant import PackedRows
     from lukv_cache.cache.report import kv_cache_bytes
     from lukv_cache.evaluation.methods import FULL, Method
@@ -106,6 +107,8 @@ def main() -> int:
             if store is None:
                 return
             fresh = store.positions.long() >= done[idx]
+            if not bool(fresh.any()):  # folded and round-tripped already
+                return
             unit = four[idx][store.segment_ids() % heads] & fresh
             keys, values = store.keys.clone(), store.values.clone()
             keys[fresh] = round_trip(store.keys[fresh], unit[fresh])
@@ -130,18 +133,15 @@ def main() -> int:
         return cache
 
     def packed_bytes(cache, four: torch.Tensor) -> int:
-        """Bytes of ``cache`` were its stored rows packed at their unit's bits."""
+        """Bytes of ``cache`` were its stored rows packed at their unit's bits (the budget's own per-token
+        bytes, :class:`~lukv_cache.cache.memory.Shapes`: only the key and value differ)."""
+        shapes = layer_shapes(cache.layers[0], layers, heads)
+        saved = {bits: shapes.stored_token(None, False) - shapes.stored_token(bits, False) for bits in (8, 4)}
         total = kv_cache_bytes(cache)
         for idx, layer in enumerate(cache.layers):
-            store = layer.store
-            dense = store.keys.shape[-1] * store.keys.element_size()
-            dense += store.values.shape[-1] * store.values.element_size()
-            counts = store.counts().view(-1, heads).sum(0)
+            counts = layer.store.counts().view(-1, heads).sum(0)
             for bits, mask in ((8, ~four[idx]), (4, four[idx])):
-                packed = sum(
-                    PackedRows.quantize(t[:1], bits).memory_bytes() for t in (store.keys, store.values)
-                )
-                total -= int(counts[mask].sum()) * (dense - packed)
+                total -= int(counts[mask].sum()) * saved[bits]
         return total
 
     def at_bytes(shared, four: torch.Tensor, target: float):
@@ -199,12 +199,12 @@ def main() -> int:
         unit = units[kind][number]
         return sensitivity[kind][number] / max(1.0, float(kept[unit].sum()))
 
+    order = {kind: sorted(range(len(units[kind])), key=lambda n: -per_byte(kind, n)) for kind in units}
     configs = {"int8": all8, "int4": ~all8}
     for kind, ks in (("head", args.keep8_heads), ("layer", args.keep8_layers)):
-        order = sorted(range(len(units[kind])), key=lambda n: -per_byte(kind, n))
         for k in ks:
             four = ~all8
-            for n in order[:k]:
+            for n in order[kind][:k]:
                 four[units[kind][n]] = False
             configs[f"{k} {kind}{'s' if k > 1 else ''} at 8"] = four
 
@@ -236,11 +236,10 @@ def main() -> int:
                 )
 
     def ranked(kind: str) -> str:
-        order = sorted(range(len(units[kind])), key=lambda n: -per_byte(kind, n))[:8]
         label = (lambda u: f"L{u[0]}h{u[1]}") if kind == "head" else (lambda u: f"L{u}")
         return ", ".join(
             f"{label(units[kind][n])} {sensitivity[kind][n]:+.4f} ({float(kept[units[kind][n]].sum()):.0f} kept)"
-            for n in order
+            for n in order[kind][:8]
         )
 
     lines = [
