@@ -416,20 +416,6 @@ def gather_ragged(dense: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor
     return dense[row, rest // t, rest % t]
 
 
-def concat_ragged(
-    first: torch.Tensor, first_offsets: torch.Tensor, second: torch.Tensor, second_offsets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Segment-wise concatenation of two ragged stores with the same segments: segment ``s`` of the
-    result is ``first``'s segment ``s`` followed by ``second``'s (:class:`RaggedMerge`).
-
-    >>> concat_ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]),
-    ...               torch.tensor([7, 8, 9]), torch.tensor([0, 1, 3]))
-    (tensor([1, 2, 7, 3, 8, 9]), tensor([0, 3, 6]))
-    """
-    merge = RaggedMerge.of(first_offsets, first.shape[0], second_offsets, second.shape[0])
-    return merge.apply(first, second), merge.offsets
-
-
 @dataclass(frozen=True, eq=False)
 class RaggedMerge:
     """Where each row of two ragged stores with the same segments lands in their segment-wise
@@ -443,6 +429,8 @@ class RaggedMerge:
     >>> merge = RaggedMerge.of(torch.tensor([0, 2, 3]), 3, torch.tensor([0, 1, 3]), 3)
     >>> merge.into_first.tolist(), merge.into_second.tolist(), merge.offsets.tolist()
     ([0, 1, 3], [2, 4, 5], [0, 3, 6])
+    >>> merge.apply(torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]))
+    tensor([1, 2, 7, 3, 8, 9])
     """
 
     into_first: torch.Tensor

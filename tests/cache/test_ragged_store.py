@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lukv_cache.cache.ragged import (
+    RaggedMerge,
     RaggedStore,
-    concat_ragged,
     flat_index_from_mask,
     gather_ragged,
     keep_mask_from_counts,
@@ -132,13 +132,14 @@ def test_select_drops_rows_and_keeps_segments():
     ("first_counts", "second_counts"),
     [([3, 0, 2, 0], [1, 2, 0, 0]), ([0, 0, 0, 0], [1, 2, 0, 3]), ([2, 1, 0, 4], [0, 0, 0, 0])],
 )
-def test_concat_ragged_matches_per_segment_concatenation(first_counts, second_counts):
+def test_ragged_merge_matches_per_segment_concatenation(first_counts, second_counts):
     gen = torch.Generator().manual_seed(5)
     first_offsets = offsets_from_counts(torch.tensor(first_counts))
     second_offsets = offsets_from_counts(torch.tensor(second_counts))
     first = torch.randn(sum(first_counts), 3, generator=gen)
     second = torch.randn(sum(second_counts), 3, generator=gen, dtype=torch.float64)  # takes first's dtype
-    rows, offsets = concat_ragged(first, first_offsets, second, second_offsets)
+    merge = RaggedMerge.of(first_offsets, first.shape[0], second_offsets, second.shape[0])
+    rows, offsets = merge.apply(first, second), merge.offsets
     a, b = first_offsets.tolist(), second_offsets.tolist()
     second = second.float()
     want = torch.cat([torch.cat([first[a[s] : a[s + 1]], second[b[s] : b[s + 1]]]) for s in range(4)])
