@@ -272,8 +272,9 @@ def _profiling_commands(subparsers: Any) -> None:
     build.add_argument(
         "--no-memory-table",
         action="store_true",
-        help="skip measuring the profile's memory table (the loss at each kv_bits x eviction ratio, what a "
-        "memory budget picks its precision by; default: measured after the build, on the calibration text)",
+        help="skip measuring the profile's memory table (the loss at each kv_bits x eviction ratio and each "
+        "layer's at 4 bits, what a memory budget picks its widths by; default: measured after the build, on "
+        "the calibration text)",
     )
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     add_threads_argument(build)
@@ -283,9 +284,10 @@ def _profiling_commands(subparsers: Any) -> None:
         subparsers,
         "memory-table",
         "measure the memory table of an existing profile file and write it into the file",
-        "Measure a profile's loss at each kv_bits x eviction ratio (the continuation's excess NLL against the "
-        "full cache on windows of the calibration text) and write the profile with it, atomically; the rest "
-        "of the profile is unchanged. What `lukv build` does after a build, for a profile built without it.",
+        "Measure a profile's loss at each kv_bits x eviction ratio, and each layer's with only its keys and "
+        "values at 4 bits (the continuation's excess NLL against the full cache on windows of the calibration "
+        "text), and write the profile with it, atomically; the rest of the profile is unchanged. What `lukv "
+        "build` does after a build, for a profile built without it.",
     )
     table.add_argument(
         "model",

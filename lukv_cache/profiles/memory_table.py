@@ -35,6 +35,7 @@ METADATA_KEY = "memory_table"  # the profile's __metadata__ entry that holds the
 MAX_BITS = 32  # the widest stored precision a table may name (the cache quantizes to 8 or 4)
 MAX_ROWS = 64  # bits values in a table
 MAX_RATIOS = 1024  # ratios in a table
+MAX_LAYERS = 4096  # entries of a table's layer_loss
 
 
 def _precision(bits: int | None) -> float:
@@ -51,7 +52,10 @@ class MemoryTable:
     ``bits``: distinct values, each ``None`` or an integer in [1, 32], e.g. ``(None, 8, 4)``. ``ratios``:
     float32 ``[R]``, strictly increasing inside (0, 1). ``loss``: float32 ``[len(bits), R]``, finite (the
     excess continuation NLL against the full cache, in nats per token: it may be slightly negative).
-    ``measure``: what ``loss`` is, in a few words. Anything else raises
+    ``measure``: what ``loss`` is, in a few words. ``layer_loss`` (optional): float32 ``[L]``, finite, what
+    each decoder layer's keys and values at 4 bits cost when every other layer's are at 8 and nothing is
+    evicted (the same loss, against every layer at 8 bits): what a budget weighs when it keeps some layers
+    at 8 bits and the rest at 4 (:meth:`mix_loss`); it needs rows for 8 and 4 bits. Anything else raises
     :class:`~lukv_cache.errors.ProfileFormatError`.
 
     >>> MemoryTable((None,), np.array([0.5], dtype=np.float32), np.zeros((2, 1)), "x")
@@ -64,6 +68,7 @@ class MemoryTable:
     ratios: np.ndarray
     loss: np.ndarray
     measure: str = ""
+    layer_loss: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         where = "memory table"
@@ -115,6 +120,22 @@ class MemoryTable:
         loss.flags.writeable = False
         object.__setattr__(self, "ratios", ratios)
         object.__setattr__(self, "loss", loss)
+        if self.layer_loss is not None:
+            layer_loss = _float32(self.layer_loss, "layer_loss", where)
+            if layer_loss.ndim != 1 or not 1 <= layer_loss.size <= MAX_LAYERS:
+                raise ProfileFormatError(
+                    f"{where}: layer_loss must be a 1-D array of 1 to {MAX_LAYERS} values (one per decoder "
+                    f"layer), got shape {list(layer_loss.shape)}."
+                )
+            if not np.isfinite(layer_loss).all():
+                raise ProfileFormatError(f"{where}: layer_loss contains NaN or infinite values.")
+            if 8 not in bits or 4 not in bits:
+                raise ProfileFormatError(
+                    f"{where}: layer_loss needs rows for 8 and 4 bits (what it mixes), the table has kv_bits "
+                    f"{_names(list(bits))}."
+                )
+            layer_loss.flags.writeable = False
+            object.__setattr__(self, "layer_loss", layer_loss)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MemoryTable):
@@ -124,6 +145,7 @@ class MemoryTable:
             and self.measure == other.measure
             and np.array_equal(self.ratios, other.ratios)
             and np.array_equal(self.loss, other.loss)
+            and _same(self.layer_loss, other.layer_loss)
         )
 
     __hash__ = None  # type: ignore[assignment]  # equal tables hold equal arrays, which do not hash
@@ -131,7 +153,7 @@ class MemoryTable:
     def __repr__(self) -> str:
         return (
             f"MemoryTable(bits={self.bits}, ratios={np.round(self.ratios.astype(np.float64), 4).tolist()}, "
-            f"measure={self.measure!r})"
+            f"measure={self.measure!r}{'' if self.layer_loss is None else f', layers={self.layer_loss.size}'})"
         )
 
     # ------------------------------------------------------------------------------------ lookup
@@ -191,6 +213,38 @@ class MemoryTable:
         scored = [(self.loss_at(bits, candidates[bits]), -_precision(bits), bits) for bits in known]
         return min(scored, key=lambda item: (item[0], item[1]))[2]
 
+    def layer_order(self) -> list[int]:
+        """The decoder layers, the one whose keys and values lose most at 4 bits first (``layer_loss``
+        descending; ties: the lower index): the order a budget keeps layers at 8 bits in. Empty without
+        ``layer_loss``.
+
+        >>> table = MemoryTable((8, 4), np.array([0.5], dtype=np.float32), np.zeros((2, 1)),
+        ...                     layer_loss=np.array([0.01, 0.2, -0.01, 0.01]))
+        >>> table.layer_order()
+        [1, 0, 3, 2]
+        """
+        losses = self.layer_loss
+        if losses is None:
+            return []
+        return sorted(range(losses.size), key=lambda i: (-float(losses[i]), i))
+
+    def mix_loss(self, ratio: float, at_4_bits: Sequence[int]) -> float:
+        """The estimated loss of keeping the layers ``at_4_bits`` at 4 bits and every other at 8, evicting
+        ``ratio`` of the prompt: the 8-bit row at ``ratio`` plus each of those layers' ``layer_loss``, a
+        negative one counted as 0 (4 bits do not help a layer: a negative loss is noise, and summed over
+        many layers such noise would pick mixes on models whose layers all lose nothing at 4 bits; counted
+        as 0, the noise errs towards the wider width, as :meth:`choose`'s ties do). Needs ``layer_loss``.
+
+        >>> table = MemoryTable((8, 4), np.array([0.5], dtype=np.float32), np.array([[0.1], [0.3]]),
+        ...                     layer_loss=np.array([0.05, -0.01, 0.02]))
+        >>> round(table.mix_loss(0.5, [1, 2]), 4)
+        0.12
+        """
+        if self.layer_loss is None:
+            raise ConfigurationError("This memory table has no layer_loss: it cannot weigh mixed widths.")
+        extra = sum(max(float(self.layer_loss[i]), 0.0) for i in at_4_bits)
+        return self.loss_at(8, ratio) + extra
+
     def _row(self, bits: int | None) -> int:
         if isinstance(bits, bool) or bits not in self.bits:
             raise ConfigurationError(
@@ -203,20 +257,20 @@ class MemoryTable:
     def to_json(self) -> str:
         """The table as the JSON text a profile stores under ``__metadata__["memory_table"]``: ``bits``
         (``null`` for the model's precision), ``ratios``, ``loss`` (rows of plain numbers, each float32 value
-        written so that it reads back exactly) and ``measure``.
+        written so that it reads back exactly), ``measure`` and, when the table has one, ``layer_loss``.
 
         >>> MemoryTable((None, 4), np.array([0.5], dtype=np.float32), np.array([[0.25], [0.5]])).to_json()
         '{"bits": [null, 4], "loss": [[0.25], [0.5]], "measure": "", "ratios": [0.5]}'
         """
-        return json.dumps(
-            {
-                "bits": list(self.bits),
-                "ratios": [float(r) for r in self.ratios],
-                "loss": [[float(v) for v in row] for row in self.loss],
-                "measure": self.measure,
-            },
-            sort_keys=True,
-        )
+        entry: dict[str, Any] = {
+            "bits": list(self.bits),
+            "ratios": [float(r) for r in self.ratios],
+            "loss": [[float(v) for v in row] for row in self.loss],
+            "measure": self.measure,
+        }
+        if self.layer_loss is not None:  # optional: a table without it reads as before
+            entry["layer_loss"] = [float(v) for v in self.layer_loss]
+        return json.dumps(entry, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, source: str = "<bytes>") -> MemoryTable:
@@ -246,8 +300,15 @@ class MemoryTable:
             if len({len(row) for row in rows}) > 1:
                 raise ValueError("loss rows of different lengths")
             loss = np.asarray(rows, dtype=np.float64).reshape(len(rows), -1 if rows and rows[0] else 0)
+            layers = value.get("layer_loss")
+            if layers is not None and (not isinstance(layers, list) or not all(_number(v) for v in layers)):
+                raise TypeError("layer_loss must be a list of numbers")
             return cls(
-                tuple(value["bits"]), np.asarray(value["ratios"], dtype=np.float64), loss, value["measure"]
+                tuple(value["bits"]),
+                np.asarray(value["ratios"], dtype=np.float64),
+                loss,
+                value["measure"],
+                None if layers is None else np.asarray(layers, dtype=np.float64),
             )
         except ProfileFormatError as err:
             raise ProfileFormatError(f"{source}: {err}", source=source, field=METADATA_KEY) from None
@@ -257,6 +318,10 @@ class MemoryTable:
                 source=source,
                 field=METADATA_KEY,
             ) from None
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is None and b is None or a is not None and b is not None and np.array_equal(a, b)
 
 
 def _number(value: Any) -> bool:

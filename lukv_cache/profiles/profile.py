@@ -117,6 +117,14 @@ class Profile:
                 source=self.source,
                 field="memory_table",
             )
+        layer_loss = None if self.memory_table is None else self.memory_table.layer_loss
+        if layer_loss is not None and layer_loss.size != self.num_layers:
+            raise ProfileFormatError(
+                f"{where}: its memory table's layer_loss has {layer_loss.size} entries but the profile has "
+                f"{self.num_layers} layers (damaged file: measure it again with `lukv memory-table --replace`).",
+                source=self.source,
+                field="memory_table",
+            )
         if self.surrogate is not None:
             surrogate_format.check(
                 self.surrogate, self.num_layers, self.num_kv_heads, self.head_dim, where, self.source
@@ -350,6 +358,11 @@ class Profile:
             "bits": list(table.bits),
             "ratios": [round(float(r), 4) for r in table.ratios],
             "measure": table.measure,
+            **(
+                {}
+                if table.layer_loss is None
+                else {"layer_loss": [round(float(v), 4) for v in table.layer_loss]}
+            ),
         }
 
     def push_to_hub(

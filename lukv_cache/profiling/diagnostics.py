@@ -99,6 +99,12 @@ def memory_table_lines(table) -> list[str]:
     memory    loss of model, int4 at ratios 0.50 (m)
               model  +0.100
                int4  +0.200
+
+    With each layer's loss at 4 bits (``layer_loss``), the layers that lose most, most first:
+
+    >>> table = MemoryTable((8, 4), np.array([0.5]), np.array([[0.1], [0.2]]), "m", np.array([0.01, 0.3]))
+    >>> memory_table_lines(table)[-1].strip()
+    'one layer at int4, the rest int8: 1 +0.300, 0 +0.010 (sum +0.310)'
     """
     names = ["model" if b is None else f"int{b}" for b in table.bits]
     ratios = " ".join(f"{r:.2f}" for r in table.ratios)
@@ -107,6 +113,13 @@ def memory_table_lines(table) -> list[str]:
     ]
     for name, row in zip(names, table.loss, strict=True):
         lines.append(f"          {name:>5}  " + " ".join(f"{v:+.3f}" for v in row))
+    if table.layer_loss is not None:  # each layer at 4 bits, the others at 8, nothing evicted
+        order = table.layer_order()
+        top = ", ".join(f"{i} {table.layer_loss[i]:+.3f}" for i in order[:8])
+        lines.append(
+            f"          one layer at int4, the rest int8: {top}{' ...' if len(order) > 8 else ''} "
+            f"(sum {float(table.layer_loss.sum()):+.3f})"
+        )
     return lines
 
 

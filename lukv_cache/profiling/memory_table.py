@@ -18,7 +18,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -139,6 +139,7 @@ def measure_memory_table(
     context_tokens: int | None = None,
     seed: int = 0,
     allocator: str | None = None,
+    layers: bool = True,
     show_progress: bool = False,
 ) -> MemoryTable:
     """The loss of ``profile``'s cache on ``model`` at every (``bits``, ``ratios``): the mean over
@@ -153,6 +154,11 @@ def measure_memory_table(
     context (:func:`calibration_texts`), tokenised without special tokens; the windows do not overlap
     and are chosen with ``seed``. ``context_tokens=None``: the longest that leaves ``contexts`` windows
     (within the model's positions). The same arguments give the same table.
+
+    ``layers`` (with 8 and 4 among ``bits``): also each decoder layer's ``layer_loss``, on the same windows:
+    the cache at 8 bits evicting nothing but that layer's keys and values at 4 bits, against the same cache
+    with every layer at 8 (one more pass per window and layer): what a memory budget weighs when it keeps
+    some layers at 8 bits and the others at 4.
 
     >>> table = measure_memory_table(model, tokenizer, profile, calibration_texts("planted"))  # doctest: +SKIP
     >>> table.loss.shape  # doctest: +SKIP
@@ -195,11 +201,21 @@ def measure_memory_table(
     device = next(model.parameters()).device
     excess = np.zeros((len(bits), len(ratio_list), contexts), dtype=np.float64)
     allocator_name = allocator
+    num_layers = int(config.num_hidden_layers) if layers and 8 in bits and 4 in bits else 0
+    layer_excess = np.zeros((num_layers, contexts), dtype=np.float64)
+
+    def quantized(ratio: float, bits: int | None, at_4_bits: int | None = None) -> Any:
+        cache = LUKVCache.from_pretrained(
+            profile, ratio, allocator=allocator, kv_bits=bits, config=model.config
+        )
+        if at_4_bits is not None:  # one layer's store in 4 bits, before anything is stored
+            cast(Any, cache.layers[at_4_bits]).kv_bits = 4  # a LUKVLayer (every layer of a LUKVCache)
+        return cache
 
     was_training = model.training
     model.eval()
     bar = tqdm(
-        total=contexts * (1 + len(bits) * len(ratio_list)),
+        total=contexts * (1 + len(bits) * len(ratio_list) + (num_layers + 1 if num_layers else 0)),
         desc="memory table",
         unit="run",
         disable=not show_progress,
@@ -223,11 +239,15 @@ def measure_memory_table(
                 bar.update(1)
                 for i, b in enumerate(bits):
                     for j, ratio in enumerate(ratio_list):
-                        cache = LUKVCache.from_pretrained(
-                            profile, ratio, allocator=allocator, kv_bits=b, config=model.config
-                        )
+                        cache = quantized(ratio, b)
                         allocator_name = cache.allocator_name
                         excess[i, j, w] = nll(cache) - full
+                        bar.update(1)
+                if num_layers:
+                    at_8_bits = nll(quantized(0.0, 8))
+                    bar.update(1)
+                    for layer in range(num_layers):
+                        layer_excess[layer, w] = nll(quantized(0.0, 8, layer)) - at_8_bits
                         bar.update(1)
     finally:
         model.train(was_training)
@@ -239,6 +259,7 @@ def measure_memory_table(
             f"continuation excess NLL (nats/token) vs the full cache, {contexts} contexts of {context_tokens} "
             f"tokens x {continuation_tokens} continuation tokens, allocator {allocator_name}, seed {seed}"
         ),
+        layer_loss=layer_excess.mean(axis=-1).astype(np.float32) if num_layers else None,
     )
 
 

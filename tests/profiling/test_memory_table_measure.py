@@ -82,6 +82,47 @@ def test_a_cell_is_the_caches_nll_minus_the_full_caches(tiny_model, byte_tokeniz
     assert table.loss[0, 0] == pytest.approx(expected, abs=1e-6)
 
 
+def test_a_layers_loss_is_its_4_bit_store_against_every_layer_at_8(tiny_model, byte_tokenizer):
+    profile = _profile(tiny_model)
+    text = TEXT[:300]  # exactly one window of 268 + 32 tokens
+    kwargs = dict(ratios=(0.7,), contexts=1, continuation_tokens=32)
+    table = measure_memory_table(tiny_model, byte_tokenizer, profile, text, **kwargs)
+    layers = tiny_model.config.num_hidden_layers
+    assert table.layer_loss is not None and table.layer_loss.shape == (layers,)
+    ids = torch.tensor([byte_tokenizer(text, add_special_tokens=False)["input_ids"]])
+    context, target = ids[:, :268], ids[:, 268:]
+
+    def nll(at_4_bits=None):
+        cache = LUKVCache(
+            0.0,
+            "keydiff",
+            "profile",
+            allocator_kwargs={"profile": profile},
+            sink=profile.sink,
+            window=profile.window,
+            min_keep=profile.min_keep,
+            kv_bits=8,
+            config=tiny_model.config,
+        )
+        if at_4_bits is not None:
+            cache.layers[at_4_bits].kv_bits = 4
+        return continuation_nll(tiny_model, cache, prefill(tiny_model, context, cache), target)
+
+    at_8 = nll()
+    expected = [nll(layer) - at_8 for layer in range(layers)]
+    assert any(value != 0.0 for value in expected)
+    np.testing.assert_allclose(table.layer_loss, expected, atol=1e-6)
+    # without it (or without both widths to mix) the table has none
+    assert (
+        measure_memory_table(tiny_model, byte_tokenizer, profile, text, layers=False, **kwargs).layer_loss
+        is None
+    )
+    assert (
+        measure_memory_table(tiny_model, byte_tokenizer, profile, text, bits=(None, 8), **kwargs).layer_loss
+        is None
+    )
+
+
 def test_a_kvzap_profile_scores_with_its_surrogate_and_its_allocator(tiny_model, byte_tokenizer):
     config = tiny_model.config
     surrogate = testing.random_surrogate(
