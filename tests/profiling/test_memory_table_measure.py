@@ -33,6 +33,21 @@ def _profile(model, scorer="keydiff", **fields):
     )
 
 
+def _users_cache(profile, ratio, kv_bits, **options):
+    """The cache ``from_pretrained`` gives ``profile`` at ``ratio`` and ``kv_bits``, built by hand."""
+    return LUKVCache(
+        ratio,
+        "keydiff",
+        "profile",
+        allocator_kwargs={"profile": profile},
+        sink=profile.sink,
+        window=profile.window,
+        min_keep=profile.min_keep,
+        kv_bits=kv_bits,
+        **options,
+    )
+
+
 def test_the_table_has_the_grids_shape_finite_values_and_repeats(tiny_model, byte_tokenizer):
     profile = _profile(tiny_model)
     kwargs = dict(contexts=2, continuation_tokens=32, ratios=(0.3, 0.6, 0.9))
@@ -67,16 +82,7 @@ def test_a_cell_is_the_caches_nll_minus_the_full_caches(tiny_model, byte_tokeniz
     def nll(cache):
         return continuation_nll(tiny_model, cache, prefill(tiny_model, context, cache), target)
 
-    cache = LUKVCache(
-        0.7,
-        "keydiff",
-        "profile",
-        allocator_kwargs={"profile": profile},
-        sink=profile.sink,
-        window=profile.window,
-        min_keep=profile.min_keep,
-        kv_bits=8,
-    )
+    cache = _users_cache(profile, 0.7, 8)
     expected = nll(cache) - nll(DynamicCache(config=tiny_model.config))
     assert expected != 0.0
     assert table.loss[0, 0] == pytest.approx(expected, abs=1e-6)
@@ -93,17 +99,7 @@ def test_a_layers_loss_is_its_4_bit_store_against_every_layer_at_8(tiny_model, b
     context, target = ids[:, :268], ids[:, 268:]
 
     def nll(at_4_bits=None):
-        cache = LUKVCache(
-            0.0,
-            "keydiff",
-            "profile",
-            allocator_kwargs={"profile": profile},
-            sink=profile.sink,
-            window=profile.window,
-            min_keep=profile.min_keep,
-            kv_bits=8,
-            config=tiny_model.config,
-        )
+        cache = _users_cache(profile, 0.0, 8, config=tiny_model.config)
         if at_4_bits is not None:
             cache.layers[at_4_bits].kv_bits = 4
         return continuation_nll(tiny_model, cache, prefill(tiny_model, context, cache), target)
