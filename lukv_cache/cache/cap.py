@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from ..allocation.budget import MAX_RATIO, fill_ratio
+from ..allocation.budget import MAX_RATIO, fill_ratio, trim_counts
 from .compression import CompressionPolicy, Region
 from .folding import keeps_scores
 from .layer import LUKVLayer
-from .memory import layer_budget
+from .memory import MemoryChoice, budget_shapes
 from .parallel import HeadShard
 
 
@@ -22,7 +22,7 @@ def row_ratios(
     policy: CompressionPolicy,
     region: Region,
     cap: torch.Tensor | None,
-    slots: int,
+    slots: float,
     fixed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float64 ``[B]``: each row's ratio; with ``max_tokens``, the one that fills the room ``cap`` leaves
@@ -46,40 +46,75 @@ def token_cap(
     evicted: list[int],
     num_heads: int,
     query_heads: int | None = None,
-) -> tuple[torch.Tensor | None, int]:
+    choice: MemoryChoice | None = None,
+) -> tuple[torch.Tensor | None, float, list[int] | None]:
     """With ``max_tokens``: int64 ``[B]``, the evictable tokens that the layers ``evicted`` now (over all
     ``num_heads`` KV heads of the model) may keep in all, so that after this forward every row holds at
     most ``max_tokens`` tokens per (full-attention layer, KV head) on average (every layer's store, its
     protected window, and the sinks of the layers still to evict in this forward all count); and the
-    number of (layer, head) pairs still to evict. ``(None, 0)`` without a cap. ``layers``: the cache's;
-    ``full``: its full-attention layers, if known."""
+    number of (layer, head) pairs still to evict. ``(None, 0, None)`` without a cap. ``layers``: the
+    cache's; ``full``: its full-attention layers, if known.
+
+    Under a memory budget (``choice``: what it chose) the room is what its bytes hold. With one width
+    everywhere it is counted in tokens as above; with per-layer widths, in bytes: every token weighs
+    its layer's bytes, the pairs still to evict are weighed alike, and the third value is the weight of
+    each layer of ``evicted`` (``None`` when every token weighs the same), which the trim honours
+    (:func:`trim_weighted`)."""
     if policy.max_tokens is None and not policy.in_bytes:
-        return None, 0
+        return None, 0, None
     full = full or [i for i, layer in enumerate(layers) if isinstance(layer, LUKVLayer)]
-    later = 0 if policy.defers else sum(1 for i in full if i > max(evicted))
+    evicting = list(evicted) if policy.defers else [*evicted, *(i for i in full if i > max(evicted))]
     layer = layers[evicted[0]]
     window = layer.suffix_length - region.length
     sinks = region.sinks.sum(-1).cpu()
-    if policy.in_bytes:
-        # the bytes hold this many tokens at the layers' bits; the layers evicted before this step have
-        # folded their windows into their stores (counted there)
-        budget = layer_budget(policy, layer, len(full), num_heads, keeps_scores(policy), query_heads)
-        windows = len(evicted) + later
-    else:
+    if not policy.in_bytes:
         assert policy.max_tokens is not None  # a cap: max_tokens or a budget
         budget = policy.max_tokens * len(full) * num_heads
-        windows = len(full)
-    protected = num_heads * (windows * window + (len(evicted) + later) * sinks)
-    cap = budget - stored_in_stores(layers, shard, sinks.shape[0]) - protected
-    return cap, (len(evicted) + later) * num_heads
+        protected = num_heads * (len(full) * window + len(evicting) * sinks)
+        cap = budget - stored_in_stores(layers, shard, sinks.shape[0], None) - protected
+        return cap, len(evicting) * num_heads, None
+    # the bytes hold this many tokens at the layers' bits; the layers evicted before this step have
+    # folded their windows into their stores (counted there)
+    assert choice is not None  # chosen at the budget's first compression
+    budget, shapes = budget_shapes(policy, layer, len(full), num_heads, query_heads)
+    cost = {i: shapes.stored_token(choice.bits_of(i), keeps_scores(policy)) for i in full}
+    uniform = len(set(cost.values())) == 1
+    unit = cost[full[0]] if uniform else 1  # one width: count tokens, else bytes
+    weight = {i: cost[i] // unit for i in full}
+    pairs = num_heads * sum(weight[i] for i in evicting)
+    room = (budget - shapes.fixed()) // unit
+    cap = room - stored_in_stores(layers, shard, sinks.shape[0], weight) - pairs * (window + sinks)
+    return cap, pairs, None if uniform else [weight[i] for i in evicted]
 
 
-def stored_in_stores(layers: list[Any], shard: HeadShard | None, batch: int) -> torch.Tensor:
-    """int64 ``[B]``: tokens in the ragged stores of every layer, over every KV head of the model."""
+def trim_weighted(counts: torch.Tensor, allowed: torch.Tensor, weights: list[int] | None) -> torch.Tensor:
+    """Keep counts ``[L, B, H]`` whose row totals fit ``allowed [B]``, each token of layer ``l`` weighing
+    ``weights[l]`` (``None``: one each, :func:`~lukv_cache.allocation.budget.trim_counts`); a row that asks
+    for more is scaled down proportionally, floored (so it never passes its room).
+
+    >>> trim_weighted(torch.tensor([[[4, 4]], [[4, 4]]]), torch.tensor([12]), [2, 1]).tolist()
+    [[[2, 2]], [[2, 2]]]
+    """
+    if weights is None:
+        return trim_counts(counts, allowed)
+    w = torch.tensor(weights, dtype=torch.long, device=counts.device).view(-1, 1, 1)
+    total = (counts * w).sum((0, 2))  # [B]
+    allowed = allowed.to(counts.device).clamp_min(0)
+    over = (total > allowed).view(1, -1, 1)
+    scaled = counts * allowed.view(1, -1, 1) // total.clamp_min(1).view(1, -1, 1)
+    return torch.where(over, scaled, counts)
+
+
+def stored_in_stores(
+    layers: list[Any], shard: HeadShard | None, batch: int, weight: dict[int, int] | None
+) -> torch.Tensor:
+    """int64 ``[B]``: tokens in the ragged stores of every layer, over every KV head of the model, each
+    layer's counted ``weight[layer]`` times (``None``: once)."""
     per_head = torch.zeros(batch, 1, dtype=torch.long)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         if isinstance(layer, LUKVLayer) and layer.store is not None:
-            per_head = per_head + layer.store.counts().view(layer.batch_size, layer.num_heads).cpu()
+            counts = layer.store.counts().view(layer.batch_size, layer.num_heads).cpu()
+            per_head = per_head + counts * (1 if weight is None else weight.get(i, 1))
     if shard is not None:  # every rank holds the same layers: one gather each
         per_head = shard.gather(per_head, dim=1)
     return per_head.sum(-1)

@@ -159,6 +159,11 @@ class Compressor:
         budgeted = self.policy.in_bytes and bool(steps)
         if budgeted and self.memory_choice is None:
             self.choose_bits(min(steps))
+        if budgeted and self.memory_choice is not None and self.memory_choice.mixed:
+            for idx in steps:  # a layer grown after the choice: its own width, before it stores anything
+                layer = cast(LUKVLayer, self.cache.layers[idx])
+                if layer.store is None:
+                    layer.kv_bits = self.memory_choice.bits_of(idx)
         evict(self.cache, steps)
         if budgeted:  # every kept token costs the same: the window joins the store, in its bits
             for idx in steps:
@@ -194,24 +199,27 @@ class Compressor:
         return choice
 
     def adopt_choice(self, choice: MemoryChoice) -> None:
-        """Build every compressed layer's store in ``choice``'s bits from now on (the layers without one)."""
-        self._build_layers_with(dataclasses.replace(self.new_layer, kv_bits=choice.kv_bits))
+        """Build every compressed layer's store in ``choice``'s bits from now on (the layers without one;
+        with per-layer widths each layer's own: a layer grown later takes them at its first eviction)."""
         self.memory_choice = choice
+        self._build_layers_with(dataclasses.replace(self.new_layer, kv_bits=choice.bits_of(0)))
 
     def forget_choice(self) -> None:
         """A memory budget chooses again for the next prompt (the cache was reset: no layer has a store)."""
         if self.memory_choice is not None:
-            self._build_layers_with(LayerFactory.for_policy(self.policy))
             self.memory_choice = None
+            self._build_layers_with(LayerFactory.for_policy(self.policy))
 
     def _build_layers_with(self, factory: LayerFactory) -> None:
-        """``factory`` builds the layers from now on; the layers without a store take its bits."""
+        """``factory`` builds the layers from now on; the layers without a store take its bits (or each
+        its own, from the memory budget's choice)."""
         self.new_layer = factory
         if self.cache.layer_class_to_replicate is not None:
             self.cache.layer_class_to_replicate = factory
-        for each in self.cache.layers:
+        choice = self.memory_choice
+        for i, each in enumerate(self.cache.layers):
             if isinstance(each, LUKVLayer) and each.store is None:
-                each.kv_bits = factory.kv_bits
+                each.kv_bits = factory.kv_bits if choice is None else choice.bits_of(i)
 
     def evict_deferred(self) -> None:
         """Evict the layers a whole-model allocator left waiting in this forward, in one step."""

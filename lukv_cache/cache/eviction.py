@@ -14,7 +14,7 @@ import torch
 
 from ..allocation import AllocationRequest
 from ..errors import ConfigurationError
-from .cap import row_ratios, token_cap
+from .cap import row_ratios, token_cap, trim_weighted
 from .compression import (
     CompressionPolicy,
     Region,
@@ -22,7 +22,6 @@ from .compression import (
     masked_scores,
     plan_region,
     score_suffix,
-    trim_counts,
 )
 from .contract import CompressedCache
 from .folding import keeps_scores, scorer_context, suffix_valid
@@ -108,7 +107,7 @@ def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Te
         shard = cache.layout.head_shard
         if shard is not None:  # allocate over every head of the model, keep this rank's block
             scores = shard.gather(scores, dim=2)
-        cap, slots = token_cap(
+        cap, slots, weights = token_cap(
             policy,
             cache.layers,
             cache.layout.full_layers,
@@ -117,6 +116,7 @@ def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Te
             scored,
             scores.shape[2],
             cache.layout.query_heads,
+            cache.memory_choice,
         )
         ratio, cache.state.cap_ratio = row_ratios(policy, region, cap, slots, cache.state.cap_ratio)
         request = AllocationRequest(
@@ -135,7 +135,7 @@ def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Te
             allocated = allocated.clone()
             allocated[:, fits.to(allocated.device)] = request.n_evictable[fits].to(allocated).view(1, -1, 1)
         if cap is not None:  # a hard bound: whatever the allocator or profile asked for
-            allocated = trim_counts(allocated, cap)
+            allocated = trim_weighted(allocated, cap, weights)
         if shard is not None:
             allocated = allocated[:, :, shard.heads(request.num_heads)]
         counts = dict(zip(scored, allocated))

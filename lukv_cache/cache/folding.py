@@ -16,7 +16,7 @@ from ..allocation.budget import MAX_RATIO, fill_ratio, fit_counts
 from .compression import CompressionPolicy, score_suffix, suffix_positions, valid_from_mask
 from .decoding import Held, gather_held, held_tokens, masked_held, rescore
 from .layer import LUKVLayer
-from .memory import layer_budget
+from .memory import budget_shapes
 from .parallel import HeadShard
 from .ragged import keep_mask_from_counts
 
@@ -102,11 +102,11 @@ def fold_evict(
     assert policy.decode_max_tokens is not None  # folds evict only under decode_max_tokens
     per_head = policy.decode_max_tokens
     if policy.in_bytes:  # and no more than the memory budget's bytes hold at the layers' bits
-        full = sum(1 for layer in all_layers if isinstance(layer, LUKVLayer))
-        per_head = min(
-            per_head,
-            max(layer_budget(policy, first, full, heads, kept_scores, query_heads), 0) // (full * heads),
-        )
+        full = [i for i, layer in enumerate(all_layers) if isinstance(layer, LUKVLayer)]
+        budget, shapes = budget_shapes(policy, first, len(full), heads, query_heads)
+        # per-layer widths: counted at the widest (whichever layers the allocator gives the tokens to)
+        cost = max(shapes.stored_token(all_layers[i].kv_bits, kept_scores) for i in full)
+        per_head = min(per_head, max((budget - shapes.fixed()) // cost, 0) // (len(full) * heads))
     allowed = (per_head * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
     protected = protected.double().mean((0, 2))  # [B], per head
     row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator

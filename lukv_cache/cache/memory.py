@@ -12,9 +12,11 @@ At the first compression the cache knows the model's shapes, its dtype and the p
 :func:`choose_bits` picks the precision: for each of ``None`` (the model's dtype), 8 and 4 bits, how many
 tokens the budget holds (:func:`tokens_allowed`); then the profile's measured table
 (:class:`~lukv_cache.profiles.MemoryTable`, ``lukv build``), when the cache's profile has one, picks the
-mix of least loss; without one, :func:`fallback_bits`' rule. The bits are fixed from then on (the layers'
-stores are built in them); each later compression's token budget is what the bytes hold at those bits,
-enforced like ``max_tokens`` (:mod:`.cap`).
+mix of least loss; without one, :func:`fallback_bits`' rule. A table that also measured each layer's loss
+at 4 bits (``layer_loss``) lets it weigh mixed widths too: the layers that lose most at 4 bits kept at 8,
+the others at 4 (:func:`choose_mix`). The bits are fixed from then on (the layers' stores are built in them);
+each later compression's budget is what the bytes hold at those bits, counted per layer (a token of an 8-bit
+layer costs more than one of a 4-bit layer) and enforced like ``max_tokens`` (:mod:`.cap`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ SCORE_BYTES = 4  # float32 scores, when the cache keeps them
 # the fallback rule: 8 bits while they keep at least this fraction of the prompt's tokens, else 4 bits
 # (docs/memory.md: what the equal-bytes grids of SmolLM2-135M and Qwen2.5-Coder-0.5B support)
 MIN_KEPT_AT_8_BITS = 0.15
+
+LayerBits = int | None | tuple[int | None, ...]  # one width for every layer, or one per layer
 
 
 @dataclass(frozen=True)
@@ -108,16 +112,15 @@ def kept_queries(policy: Any, query_heads: int | None, heads: int) -> int:
     return min(policy.scorer.n_queries, policy.fold_interval) * (query_heads or heads)
 
 
-def layer_budget(
-    policy: Any, layer: Any, layers: int, heads: int, scores: bool, query_heads: int | None
-) -> int:
-    """The tokens one row may keep over ``layers`` compressed layers of ``heads`` KV heads like ``layer``
-    under ``policy``'s budget, at ``layer``'s bits and for its length so far (``scores``: the store keeps
-    a score per token; ``query_heads``: the model's, whose queries a layer may keep for its next fold,
-    ``None`` when unknown)."""
+def budget_shapes(
+    policy: Any, layer: Any, layers: int, heads: int, query_heads: int | None
+) -> tuple[int, Shapes]:
+    """The bytes one row may hold under ``policy``'s budget over ``layers`` compressed layers of ``heads``
+    KV heads like ``layer``, for its length so far, and the :class:`Shapes` they are counted with
+    (``query_heads``: the model's, whose queries a layer may keep for its next fold, ``None`` when
+    unknown)."""
     shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads, heads))
-    budget = row_budget(policy.memory, policy.max_bytes, layer.cumulative_length, shapes)
-    return tokens_allowed(budget, shapes, layer.kv_bits, scores)
+    return row_budget(policy.memory, policy.max_bytes, layer.cumulative_length, shapes), shapes
 
 
 @functools.lru_cache(maxsize=64)
@@ -153,62 +156,99 @@ def tokens_allowed(budget: int, shapes: Shapes, bits: int | None, scores: bool) 
 
 @dataclass(frozen=True)
 class MemoryChoice:
-    """What a budget chose at a cache's first compression: ``kv_bits`` (``None``: the model's dtype), the
-    budget in bytes per row for that prompt (``budget``), the prompt's ``length``, and for each precision
-    the fraction of the prompt's tokens its bytes hold (``kept``, at most 1); ``by``: ``"table"`` (the
-    profile's measured table) or ``"rule"`` (:func:`fallback_bits`)."""
+    """What a budget chose at a cache's first compression: ``kv_bits`` (``None``: the model's dtype; a
+    tuple: each layer's, when some layers keep 8 bits and the others 4), the budget in bytes per row for
+    that prompt (``budget``), the prompt's ``length``, and for each single precision the fraction of the
+    prompt's tokens its bytes hold (``kept``, at most 1); ``by``: ``"table"`` (the profile's measured table)
+    or ``"rule"`` (:func:`fallback_bits`); ``mixed_kept``: with per-layer widths, the fraction they hold."""
 
-    kv_bits: int | None
+    kv_bits: LayerBits
     budget: int
     length: int
     kept: dict[int | None, float]
     by: str
+    mixed_kept: float | None = None
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the layers hold different widths (``kv_bits`` is a tuple)."""
+        return isinstance(self.kv_bits, tuple)
+
+    def bits_of(self, layer: int) -> int | None:
+        """The bits layer ``layer``'s store is built in."""
+        return self.kv_bits[layer] if isinstance(self.kv_bits, tuple) else self.kv_bits
 
     @property
     def ratio(self) -> float:
         """The eviction ratio the chosen precision allows on this prompt (before sinks and window)."""
+        if isinstance(self.kv_bits, tuple):
+            assert self.mixed_kept is not None  # set with per-layer widths
+            return 1.0 - self.mixed_kept
         return 1.0 - self.kept[self.kv_bits]
 
     def to_json(self) -> dict[str, Any]:
-        """The choice as a saved context's JSON (``kept``'s keys as text: ``"none"``, ``"8"``, ``"4"``)."""
-        return {
-            "kv_bits": self.kv_bits,
+        """The choice as a saved context's JSON (``kept``'s keys as text: ``"none"``, ``"8"``, ``"4"``;
+        per-layer widths as a list, with ``mixed_kept``)."""
+        entry: dict[str, Any] = {
+            "kv_bits": list(self.kv_bits) if isinstance(self.kv_bits, tuple) else self.kv_bits,
             "budget": self.budget,
             "length": self.length,
             "kept": {_bits_key(bits): kept for bits, kept in self.kept.items()},
             "by": self.by,
         }
+        if self.mixed_kept is not None:
+            entry["mixed_kept"] = self.mixed_kept
+        return entry
 
     @classmethod
     def from_json(cls, entry: Any) -> MemoryChoice | None:
         """The choice of :meth:`to_json`'s ``entry``, or ``None`` if it is malformed."""
-        if not isinstance(entry, dict) or set(entry) != {"kv_bits", "budget", "length", "kept", "by"}:
+        names = {"kv_bits", "budget", "length", "kept", "by"}
+        if not isinstance(entry, dict) or set(entry) not in (names, names | {"mixed_kept"}):
             return None
         bits, budget, length, kept, by = (entry[k] for k in ("kv_bits", "budget", "length", "kept", "by"))
+        mixed_kept = entry.get("mixed_kept")
         keys = {_bits_key(b): b for b in BITS}
+        if isinstance(bits, list):  # per-layer widths: 8 and 4 bits, both, with the fraction they keep
+            if not bits or any(b not in (8, 4) or isinstance(b, bool) for b in bits) or len(set(bits)) != 2:
+                return None
+            if not _fraction(mixed_kept):
+                return None
+            bits = tuple(bits)
+        elif bits not in BITS or isinstance(bits, bool) or mixed_kept is not None:
+            return None
         if (
-            bits not in BITS
-            or isinstance(bits, bool)
-            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in (budget, length))
+            any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in (budget, length))
             or not isinstance(kept, dict)
             or set(kept) != set(keys)
-            or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
-                for v in kept.values()
-            )
+            or not all(_fraction(v) for v in kept.values())
             or by not in ("table", "rule")
         ):
             return None
-        return cls(bits, budget, length, {keys[k]: float(v) for k, v in kept.items()}, by)
+        fraction = None if mixed_kept is None else float(mixed_kept)
+        return cls(bits, budget, length, {keys[k]: float(v) for k, v in kept.items()}, by, fraction)
 
     def describe(self) -> str:
         """One line: what was chosen and why."""
-        bits = "the model's precision" if self.kv_bits is None else f"{self.kv_bits}-bit keys and values"
+        if isinstance(self.kv_bits, tuple):
+            wide = [i for i, b in enumerate(self.kv_bits) if b == 8]
+            bits = (
+                f"8-bit keys and values in layers {', '.join(map(str, wide))}, 4-bit in the other "
+                f"{len(self.kv_bits) - len(wide)}"
+            )
+        elif self.kv_bits is None:
+            bits = "the model's precision"
+        else:
+            bits = f"{self.kv_bits}-bit keys and values"
         return (
             f"lukv_cache: memory budget {self.budget} bytes per row for {self.length} tokens: {bits}, "
-            f"keeping {100 * self.kept[self.kv_bits]:.1f}% of the tokens (ratio {self.ratio:.3f}; chosen by "
+            f"keeping {100 * (1 - self.ratio):.1f}% of the tokens (ratio {self.ratio:.3f}; chosen by "
             f"the profile's {'measured table' if self.by == 'table' else 'fallback rule'})."
         )
+
+
+def _fraction(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= 1
 
 
 def _bits_text(bits: int | None) -> str:
@@ -272,6 +312,12 @@ def choose_bits(
     if table is not None:
         bits = table.choose({bits: 1.0 - kept[bits] for bits in fits})
         by = "table"
+        if precisions == BITS:  # a benchmark that fixes one precision gets it
+            mix = choose_mix(
+                budget, length, shapes, scores, protected, table, table.loss_at(bits, 1 - kept[bits])
+            )
+            if mix is not None:
+                return MemoryChoice(mix[0], budget, length, kept, by, mix[1])
     else:
         bits = fallback_bits(kept)
         if bits not in fits:  # the rule's precision is ruled out: the next one down that fits, else up
@@ -279,6 +325,54 @@ def choose_bits(
             bits = below[0] if below else fits[-1]
         by = "rule"
     return MemoryChoice(bits, budget, length, kept, by)
+
+
+def choose_mix(
+    budget: int,
+    length: int,
+    shapes: Shapes,
+    scores: bool,
+    protected: int,
+    table: Any,
+    loss: float,
+) -> tuple[tuple[int, ...], float] | None:
+    """Per-layer widths whose estimated loss beats ``loss`` (the best single precision's), or ``None``:
+    for each ``k``, the ``k`` layers that lose most at 4 bits (``table.layer_order()``) at 8 bits and the
+    others at 4, every (layer, KV head) keeping the tokens ``budget``'s bytes then hold (at least
+    ``protected``), weighed by ``table.mix_loss``; the ``k`` of least loss. Returns each layer's bits and the
+    fraction of the prompt's tokens they keep. ``None`` too without the table's ``layer_loss``, or when it
+    does not have one entry per layer of ``shapes``.
+
+    >>> import numpy as np
+    >>> from lukv_cache.profiles import MemoryTable
+    >>> table = MemoryTable((None, 8, 4), np.array([0.5, 0.9], dtype=np.float32),
+    ...                     np.array([[0.1, 0.5], [0.1, 0.5], [0.4, 0.8]], dtype=np.float32),
+    ...                     layer_loss=np.array([0.3, 0.0, 0.01, 0.0]))  # layer 0 loses most at 4 bits
+    >>> shapes = Shapes(layers=4, heads=2, head_dim=64, value_dim=64, dtype=torch.float16, room=2)
+    >>> bits, kept = choose_mix(60_000, 200, shapes, False, 4, table, loss=0.4)
+    >>> bits, round(kept, 3)
+    ((8, 4, 4, 4), 0.355)
+    """
+    order = table.layer_order()
+    layers = shapes.layers
+    if len(order) != layers or layers < 2:
+        return None
+    wide, narrow = shapes.stored_token(8, scores), shapes.stored_token(4, scores)
+    room = budget - shapes.fixed()
+    best = None
+    for k in range(1, layers):
+        per_head = room // (shapes.heads * (k * wide + (layers - k) * narrow))
+        if per_head < protected:  # more layers at 8 bits hold fewer tokens still
+            break
+        kept = min(per_head / max(length, 1), 1.0)
+        estimate = table.mix_loss(1.0 - kept, order[k:])
+        if estimate < loss:
+            loss, best = estimate, (k, kept)
+    if best is None:
+        return None
+    k, kept = best
+    at_8_bits = set(order[:k])
+    return tuple(8 if i in at_8_bits else 4 for i in range(layers)), kept
 
 
 def log_choice(choice: MemoryChoice) -> None:

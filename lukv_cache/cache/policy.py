@@ -347,8 +347,10 @@ class CompressionPolicy:
         "everything its compressed layers hold after the prompt (keys and values with their scales and zeros, "
         "positions, offsets, the window and the decode room) fits ``memory`` times the bytes a full "
         "``DynamicCache`` holds for that prompt at the model's dtype; the profile's measured table picks the "
-        "bits when it has one, else a fixed rule (``docs/memory.md``). ``cache.kv_bits`` and "
-        "``cache.memory_choice`` say what it chose. Full-attention models only, for now.",
+        "bits when it has one (and, when it measured each layer's loss at 4 bits, may keep some layers at 8 "
+        "bits and the rest at 4), else a fixed rule (``docs/memory.md``). ``cache.kv_bits`` (a tuple, one per "
+        "layer, for mixed widths) and ``cache.memory_choice`` say what it chose. Full-attention models only, "
+        "for now.",
         check=_memory,
         kinds=(float, int, type(None)),
         low=0,
@@ -682,14 +684,15 @@ class OptionProperty(property):
 
 
 class ChosenBits(OptionProperty):
-    """``cache.kv_bits``: the option, or under a memory budget the bits it chose (``None`` until then)."""
+    """``cache.kv_bits``: the option, or under a memory budget the bits it chose (``None`` until then; a
+    tuple of each layer's when it chose per-layer widths)."""
 
     def __init__(self) -> None:
         doc = option_spec(_fields_of(CompressionPolicy)["kv_bits"]).doc
         super().__init__("kv_bits", doc, _chosen_bits)
 
 
-def _chosen_bits(cache: Any) -> int | None:
+def _chosen_bits(cache: Any) -> int | None | tuple[int | None, ...]:
     choice = cache.compressor.memory_choice
     return cache.policy.kv_bits if choice is None else choice.kv_bits
 

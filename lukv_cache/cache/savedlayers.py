@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import math
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, cast
 
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -211,8 +211,8 @@ def restore_layers(
         reader.fail(f"unknown dtype {fields['dtype']!r} (damaged file).", "dtype")
     factory = LayerFactory.for_policy(cache.policy)  # the settings the cache's layers are built with
     choice = _memory_choice(cache, state, reader)
-    if choice is not None:  # a memory budget chose the layers' bits
-        factory = dataclasses.replace(factory, kv_bits=choice.kv_bits)
+    if choice is not None:  # a memory budget chose the layers' bits (each layer's own, below)
+        factory = dataclasses.replace(factory, kv_bits=choice.bits_of(0))
     fold_state = {"fold_at": factory.fold_at, "bounded": factory.bounded, "kv_bits": factory.kv_bits}
     shape = StateShape(
         fields["num_key_value_heads"],
@@ -224,6 +224,8 @@ def restore_layers(
     )
     for i, entry in enumerate(layers):
         shape.kv_heads = heads[i]
+        if choice is not None:
+            shape.fold_state = {**fold_state, "kv_bits": choice.bits_of(i)}
         cache.layers[i] = _restore_layer(cache, i, entry, reader, shape, devices[i])
     # every layer, empty ones included: a cache saved after a forward that stopped part-way through the
     # model holds e.g. [40, 40, 0, 0] tokens
@@ -304,6 +306,13 @@ def _memory_choice(cache: Any, state: Any, reader: Any) -> MemoryChoice | None:
     if choice is None or not cache.policy.in_bytes:
         why = "is malformed" if choice is None else "comes without memory= or max_bytes= in its options"
         reader.fail(f"its memory budget's choice {why} (damaged or altered file).", "cache.memory_choice")
+    assert choice is not None  # refused above
+    if choice.mixed and len(cast(tuple, choice.kv_bits)) != len(cache.layers):
+        reader.fail(
+            f"its memory budget's choice gives widths for {len(cast(tuple, choice.kv_bits))} layers, the "
+            f"model's cache has {len(cache.layers)} (damaged or altered file).",
+            "cache.memory_choice",
+        )
     cache.compressor.adopt_choice(choice)
     return choice
 

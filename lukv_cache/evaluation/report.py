@@ -90,25 +90,47 @@ def memory_summary(choices: Sequence[dict[str, Any]]) -> dict[str, Any]:
     bits = [c["kv_bits"] for c in choices]
     counts: dict[str, int] = {}
     for b in bits:
-        key = "none" if b is None else str(b)
+        key = _bits_key(b)
         counts[key] = counts.get(key, 0) + 1
-    kept = [c["kept"]["none" if c["kv_bits"] is None else str(c["kv_bits"])] for c in choices]
+    kept = [
+        c["mixed_kept"] if isinstance(c["kv_bits"], list) else c["kept"][_bits_key(c["kv_bits"])]
+        for c in choices
+    ]
     return {
-        "kv_bits": bits[0] if len(counts) == 1 else counts,
+        "kv_bits": bits[0] if len(counts) == 1 and not isinstance(bits[0], list) else counts,
         "kept": sum(kept) / len(kept),
         "budget_bytes_mean": sum(c["budget"] for c in choices) / len(choices),
         "by": "/".join(sorted({c["by"] for c in choices})),
     }
 
 
+def _bits_key(bits: Any) -> str:
+    """A choice's ``kv_bits`` as a key: ``"none"``, ``"8"``, ``"4"``, or for per-layer widths ``"8 in 4/24
+    layers"`` (how many layers keep 8 bits, the rest 4).
+
+    >>> _bits_key(None), _bits_key(8), _bits_key([8, 4, 4, 8])
+    ('none', '8', '8 in 2/4 layers')
+    """
+    if isinstance(bits, list):
+        return f"8 in {sum(b == 8 for b in bits)}/{len(bits)} layers"
+    return "none" if bits is None else str(bits)
+
+
 def bits_text(bits: Any) -> str:
-    """A :func:`memory_summary` ``kv_bits`` in words: ``int8``, ``model precision``, ``int8 x3, int4 x1``.
+    """A :func:`memory_summary` ``kv_bits`` in words: ``int8``, ``model precision``, ``int8 x3, int4 x1``,
+    ``int8 in 2/4 layers, int4 elsewhere x1``.
 
     >>> bits_text(8), bits_text(None), bits_text({"8": 3, "4": 1})
     ('int8', 'model precision', 'int8 x3, int4 x1')
+    >>> bits_text({"8 in 2/4 layers": 1})
+    'int8 in 2/4 layers, int4 elsewhere x1'
     """
     if isinstance(bits, dict):
-        return ", ".join(f"{bits_text(None if k == 'none' else int(k))} x{n}" for k, n in bits.items())
+        return ", ".join(
+            f"{bits_text(k if ' ' in k else None if k == 'none' else int(k))} x{n}" for k, n in bits.items()
+        )
+    if isinstance(bits, str):
+        return f"int{bits}, int4 elsewhere"
     return "model precision" if bits is None else f"int{bits}"
 
 

@@ -42,9 +42,13 @@ def _row_bytes(cache: LUKVCache) -> list[int]:
     """Each row's bytes: the tokens of its stores at the chosen bits, plus the fixed decode room (which
     holds the suffix's tokens) and offsets."""
     shapes = _shapes(cache)
-    per_token = shapes.stored_token(cache.kv_bits, scores=False)
-    rows = sum(layer.stored_counts() - layer.suffix_length for layer in cache.layers).sum(-1)  # [B]
-    return [int(n) * per_token + shapes.fixed() for n in rows]
+    bits = cache.kv_bits  # per-layer widths: each layer's tokens at its own bits
+    rows = sum(
+        (layer.stored_counts() - layer.suffix_length)
+        * shapes.stored_token(bits[i] if isinstance(bits, tuple) else bits, scores=False)
+        for i, layer in enumerate(cache.layers)
+    ).sum(-1)  # [B]
+    return [int(n) + shapes.fixed() for n in rows]
 
 
 def _check_bound(cache: LUKVCache, budget_per_row: int, batch: int) -> None:
