@@ -159,11 +159,6 @@ class Compressor:
         budgeted = self.policy.in_bytes and bool(steps)
         if budgeted and self.memory_choice is None:
             self.choose_bits(min(steps))
-        if budgeted and self.memory_choice is not None and self.memory_choice.mixed:
-            for idx in steps:  # a layer grown after the choice: its own width, before it stores anything
-                layer = cast(LUKVLayer, self.cache.layers[idx])
-                if layer.store is None:
-                    layer.kv_bits = self.memory_choice.bits_of(idx)
         evict(self.cache, steps)
         if budgeted:  # every kept token costs the same: the window joins the store, in its bits
             for idx in steps:
@@ -200,7 +195,9 @@ class Compressor:
 
     def adopt_choice(self, choice: MemoryChoice) -> None:
         """Build every compressed layer's store in ``choice``'s bits from now on (the layers without one;
-        with per-layer widths each layer's own: a layer grown later takes them at its first eviction)."""
+        with per-layer widths each layer's own). Every layer exists by then: the first forward learns the
+        layout before layer 0 attends (``tests/cache/test_memory_mixed.py`` checks a cache built without the
+        model's config)."""
         self.memory_choice = choice
         self._build_layers_with(dataclasses.replace(self.new_layer, kv_bits=choice.bits_of(0)))
 

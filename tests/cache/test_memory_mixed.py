@@ -245,3 +245,14 @@ def test_layer_losses_need_the_8_and_4_bit_rows_and_one_entry_per_layer(tmp_path
     text["layer_loss"] = "0.1"
     with pytest.raises(ProfileFormatError, match="layer_loss must be a list of numbers"):
         MemoryTable.from_json(json.dumps(text))
+
+
+def test_a_cache_built_without_the_models_config_gives_each_layer_its_width(profile_path):
+    # without a config the cache has no layers until the first forward, which learns the layout (every
+    # layer) before layer 0's eviction makes the choice
+    model, ids = _model(), prompt(1, 400, seed=1)
+    cache = LUKVCache.from_pretrained(profile_path, memory=0.15)
+    assert len(cache.layers) < LAYERS
+    cache.prefill(model, ids)
+    assert cache.kv_bits == (4, 8, 4, 4) and _layer_bits(cache) == [4, 8, 4, 4]
+    _check_bound(cache, int(0.15 * _full_bytes(model, ids)), batch=1)
