@@ -6,6 +6,7 @@ at the same ratio).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -103,6 +104,32 @@ def trim_weighted(counts: torch.Tensor, allowed: torch.Tensor, weights: list[int
     over = (total > allowed).view(1, -1, 1)
     scaled = counts * allowed.view(1, -1, 1) // total.clamp_min(1).view(1, -1, 1)
     return torch.where(over, scaled, counts)
+
+
+def refill_bytes(
+    allocator: Any,
+    request: Any,
+    allocated: torch.Tensor,
+    cap: torch.Tensor,
+    weights: list[int],
+) -> torch.Tensor:
+    """Keep counts ``[L, B, H]`` of a whole-model allocator under per-layer widths (``weights``: each
+    layer's bytes per token; ``cap [B]``: the bytes the ``L`` layers may keep), asked once more where they
+    leave bytes unused. The ratio that fills the bytes assumes every layer keeps the same share of its
+    tokens; an allocator that ranks heads across layers gives the wider layers fewer (or more, then
+    trimmed), so a row using less than 99% of its bytes is allocated again at the ratio scaled by what it
+    used, and trimmed (:func:`trim_weighted`). ``allocator(request)`` is deterministic: asked at the same
+    ratio it gives the same counts."""
+    w = torch.tensor(weights, dtype=torch.float64, device=allocated.device).view(-1, 1, 1)
+    used = (allocated.double() * w).sum((0, 2)).cpu()  # [B]
+    room = cap.double().clamp_min(0)
+    short = (used > 0) & (used < 0.99 * room) & (request.ratio > 0)
+    if not bool(short.any()):
+        return allocated
+    kept = (1.0 - request.ratio) * room / used.clamp_min(1.0)
+    ratio = torch.where(short, 1.0 - kept, request.ratio).clamp(0.0, MAX_RATIO)
+    again = trim_weighted(allocator(dataclasses.replace(request, ratio=ratio)), cap, weights)
+    return torch.where(short.to(allocated.device).view(1, -1, 1), again, allocated)
 
 
 def stored_in_stores(

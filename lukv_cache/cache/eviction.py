@@ -14,7 +14,7 @@ import torch
 
 from ..allocation import AllocationRequest
 from ..errors import ConfigurationError
-from .cap import row_ratios, token_cap, trim_weighted
+from .cap import refill_bytes, row_ratios, token_cap, trim_weighted
 from .compression import (
     CompressionPolicy,
     Region,
@@ -136,6 +136,8 @@ def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Te
             allocated[:, fits.to(allocated.device)] = request.n_evictable[fits].to(allocated).view(1, -1, 1)
         if cap is not None:  # a hard bound: whatever the allocator or profile asked for
             allocated = trim_weighted(allocated, cap, weights)
+            if weights is not None and policy.defers:  # one call for the whole model: fill its bytes
+                allocated = refill_bytes(policy.allocator, request, allocated, cap, weights)
         if shard is not None:
             allocated = allocated[:, :, shard.heads(request.num_heads)]
         counts = dict(zip(scored, allocated))

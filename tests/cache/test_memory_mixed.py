@@ -256,3 +256,23 @@ def test_a_cache_built_without_the_models_config_gives_each_layer_its_width(prof
     cache.prefill(model, ids)
     assert cache.kv_bits == (4, 8, 4, 4) and _layer_bits(cache) == [4, 8, 4, 4]
     _check_bound(cache, int(0.15 * _full_bytes(model, ids)), batch=1)
+
+
+def test_a_whole_model_allocator_that_skews_the_layers_is_asked_again_to_fill_the_bytes():
+    from lukv_cache.allocation import AllocationRequest
+    from lukv_cache.cache.cap import refill_bytes
+
+    def allocator(request):  # layer 0 (8 bits: 2 bytes a token here) gets a quarter of layer 1's share
+        keep = (1 - request.ratio) * 100
+        return torch.stack([(keep * 0.4).floor(), (keep * 1.6).floor()]).long().view(2, -1, 1)
+
+    request = AllocationRequest(
+        torch.zeros(2, 1, 1, 100), torch.tensor([100]), torch.tensor([0.5]), (0, 1), 2
+    )
+    cap = torch.tensor([150])  # 50 tokens in each layer at ratio 0.5: 2 * 50 + 50 bytes
+    first = allocator(request)
+    assert int(2 * first[0].sum() + first[1].sum()) == 120  # the skew leaves a fifth of the bytes unused
+    got = refill_bytes(allocator, request, first, cap, [2, 1])
+    assert int(2 * got[0].sum() + got[1].sum()) == 150
+    full = torch.tensor([[[90]], [[90]]])  # a row already using its bytes is not asked again
+    assert torch.equal(refill_bytes(allocator, request, full, torch.tensor([270]), [2, 1]), full)
