@@ -9,8 +9,9 @@ shipped profile's scorer and allocator) holds the context four ways, each within
   model's precision (eviction alone), 8-bit and 4-bit codes. "The best hand-picked mix" at these bytes
   is the better of ``int8`` and ``int4``.
 
-The chosen rows are not run again: the choice is one of the fixed rows, whose cache is the same (the
-script checks that the stored tokens are identical). Every row is scored on the same contexts (seeded),
+The chosen rows are not run again when the choice is one of the fixed rows, whose cache is the same (the
+script checks that the stored tokens are identical); a choice of per-layer widths (some layers at 8 bits,
+the others at 4: a profile whose table measured each layer's loss at 4 bits) is scored on its own. Every row is scored on the same contexts (seeded),
 question-agnostic: multikey retrieval, continuation excess NLL against the full cache (paired per context),
 recall. Bytes: ``kv_cache_bytes`` of the cache over the full ``DynamicCache``'s, the largest over contexts
 (a bound: at most ``m``).
@@ -39,6 +40,7 @@ from _out import default_out  # noqa: E402
 
 PRECISIONS = {"fp": None, "int8": 8, "int4": 4}
 TASKS = ("niah_multikey", "continuation", "recall")
+LAYER_NOTE = "; with each layer's loss at 4 bits"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -117,6 +119,17 @@ def run(args: argparse.Namespace) -> dict:
                         )
                         continue
                     bits = cache.kv_bits
+                    if isinstance(bits, tuple):  # per-layer widths: no fixed row holds them, scored here
+                        entry = {
+                            "bytes": kv_cache_bytes(cache) / full_bytes,
+                            "kept": float(cache.stored_tokens().double().mean()) / ids.shape[1],
+                            "bits": f"int8 in {sum(b == 8 for b in bits)}/{len(bits)} layers",
+                            "layers_at_8": [i for i, b in enumerate(bits) if b == 8],
+                        }
+                        score, _, _ = score_prefilled(model, tokenizer, sample, cache, shared.last_logits)
+                        record(f"{memory:g} {label}", task, {**entry, "score": score})
+                        line.append(f"{memory:g} {label}={score:.3g} ({entry['bits']})")
+                        continue
                     same = bits in stored and torch.equal(cache.stored_tokens(), stored[bits])
                     if not same:
                         raise SystemExit(
@@ -136,7 +149,15 @@ def run(args: argparse.Namespace) -> dict:
         "model": args.model,
         "scorer": scorer,
         "allocator": probe.allocator_name,
-        "table": None if table is None else {"bits": list(table.bits), "measure": table.measure},
+        "table": None
+        if table is None
+        else {
+            "bits": list(table.bits),
+            "measure": table.measure,
+            "layer_loss": None
+            if table.layer_loss is None
+            else [round(float(v), 4) for v in table.layer_loss],
+        },
         "context_tokens": args.context_tokens,
         "samples": args.samples,
         "seed": args.seed,
@@ -186,7 +207,7 @@ def table_lines(result: dict) -> list[str]:
             bits = PRECISIONS[label]
         else:
             chosen = {e.get("bits") for e in entries}
-            bits = chosen.pop() if len(chosen) == 1 else "mixed"
+            bits = chosen.pop() if len(chosen) == 1 else " / ".join(sorted(map(str, chosen)))
         bits_text = "model's" if bits is None else (f"int{bits}" if isinstance(bits, int) else bits)
         cells = []
         for t in tasks:
@@ -234,7 +255,8 @@ def main() -> int:
         "",
         f"Made by `{result['command']}` ({result['samples']} contexts per task, seed {result['seed']}, "
         f"{result['scorer']}/{result['allocator']}, {result['threads']} threads, {result['seconds']:.0f} s; "
-        f"the profile's measured table: {'yes, ' + result['table']['measure'] if result['table'] else 'none'}).",
+        f"the profile's measured table: {'yes, ' + result['table']['measure'] if result['table'] else 'none'}"
+        f"{LAYER_NOTE if (result['table'] or {}).get('layer_loss') else ''}).",
         "",
         *table_lines(result),
     ]
