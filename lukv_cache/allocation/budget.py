@@ -1,6 +1,7 @@
 """Budget arithmetic, in one place: integer keep counts from real-valued targets (floor, then the largest
 remainders), the water-filling bisection, the proportional trim of a row that asks for more than its
-total, and the ratio that fills a room. A leaf module (torch only), used by
+total (in tokens, or weighed by each layer's bytes per token: :func:`trim_weighted`), and the ratio that
+fills a room. A leaf module (torch only), used by
 :func:`~lukv_cache.allocation.largest_remainder` (``allocation/base.py``), by :func:`fit_counts` and
 :func:`trim_counts` (also importable from ``cache/decoding.py`` and ``cache/compression.py``, where they
 lived) and by the ``max_tokens`` / ``decode_max_tokens`` ratios (``cache/cap.py``, ``cache/folding.py``).
@@ -101,6 +102,24 @@ def trim_counts(counts: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     [[[1, 3]]]
     """
     return _fit_rows(counts, None, allowed.clamp_min(0), False)
+
+
+def trim_weighted(counts: torch.Tensor, allowed: torch.Tensor, weights: list[int] | None) -> torch.Tensor:
+    """Keep counts ``[L, B, H]`` whose row totals fit ``allowed [B]``, each token of layer ``l`` weighing
+    ``weights[l]`` (``None``: one each, :func:`trim_counts`); a row that asks
+    for more is scaled down proportionally, floored (so it never passes its room).
+
+    >>> trim_weighted(torch.tensor([[[4, 4]], [[4, 4]]]), torch.tensor([12]), [2, 1]).tolist()
+    [[[2, 2]], [[2, 2]]]
+    """
+    if weights is None:
+        return trim_counts(counts, allowed)
+    w = torch.tensor(weights, dtype=torch.long, device=counts.device).view(-1, 1, 1)
+    total = (counts * w).sum((0, 2))  # [B]
+    allowed = allowed.to(counts.device).clamp_min(0)
+    over = (total > allowed).view(1, -1, 1)
+    scaled = counts * allowed.view(1, -1, 1) // total.clamp_min(1).view(1, -1, 1)
+    return torch.where(over, scaled, counts)
 
 
 def _fit_rows(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..allocation.budget import MAX_RATIO, fill_ratio, trim_counts
+from ..allocation.budget import MAX_RATIO, fill_ratio, trim_weighted
 from .compression import CompressionPolicy, Region
 from .folding import keeps_scores
 from .layer import LUKVLayer
@@ -86,24 +86,6 @@ def token_cap(
     room = (budget - shapes.fixed()) // unit
     cap = room - stored_in_stores(layers, shard, sinks.shape[0], weight) - pairs * (window + sinks)
     return cap, pairs, None if uniform else [weight[i] for i in evicted]
-
-
-def trim_weighted(counts: torch.Tensor, allowed: torch.Tensor, weights: list[int] | None) -> torch.Tensor:
-    """Keep counts ``[L, B, H]`` whose row totals fit ``allowed [B]``, each token of layer ``l`` weighing
-    ``weights[l]`` (``None``: one each, :func:`~lukv_cache.allocation.budget.trim_counts`); a row that asks
-    for more is scaled down proportionally, floored (so it never passes its room).
-
-    >>> trim_weighted(torch.tensor([[[4, 4]], [[4, 4]]]), torch.tensor([12]), [2, 1]).tolist()
-    [[[2, 2]], [[2, 2]]]
-    """
-    if weights is None:
-        return trim_counts(counts, allowed)
-    w = torch.tensor(weights, dtype=torch.long, device=counts.device).view(-1, 1, 1)
-    total = (counts * w).sum((0, 2))  # [B]
-    allowed = allowed.to(counts.device).clamp_min(0)
-    over = (total > allowed).view(1, -1, 1)
-    scaled = counts * allowed.view(1, -1, 1) // total.clamp_min(1).view(1, -1, 1)
-    return torch.where(over, scaled, counts)
 
 
 def refill_bytes(

@@ -13,8 +13,9 @@ from typing import Any, cast
 import torch
 
 from ..allocation import AllocationRequest
+from ..allocation.budget import trim_weighted
 from ..errors import ConfigurationError
-from .cap import refill_bytes, row_ratios, token_cap, trim_weighted
+from .cap import refill_bytes, row_ratios, token_cap
 from .compression import (
     CompressionPolicy,
     Region,

@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 
 from ..allocation import AllocationRequest
-from ..allocation.budget import MAX_RATIO, fill_ratio, fit_counts
+from ..allocation.budget import MAX_RATIO, fill_ratio, fit_counts, trim_weighted
 from .compression import CompressionPolicy, score_suffix, suffix_positions, valid_from_mask
 from .decoding import Held, gather_held, held_tokens, masked_held, rescore
 from .layer import LUKVLayer
@@ -76,7 +76,9 @@ def fold_evict(
     """Eviction at fold time (:mod:`lukv_cache.cache.decoding`): the layers whose fold is due (``folding``:
     layer -> the attention module that read it, its mask) keep, per row, at most ``decode_max_tokens``
     tokens per (layer, KV head) on average, sinks and window included; budgets from one allocator call at
-    the ratio that total implies over the row's tokens."""
+    the ratio that total implies over the row's tokens. Under a memory budget also no more than its bytes
+    hold: in tokens at one width; with per-layer widths in bytes, each layer's tokens at its own width
+    (the ratio the higher of the two, the counts trimmed to both)."""
     kept_scores = keeps_scores(policy)
     idxs = sorted(folding)
     all_layers, layers = layers, [layers[i] for i in idxs]
@@ -101,15 +103,24 @@ def fold_evict(
     # decode_max_tokens per (layer, KV head) on average, protected tokens included
     assert policy.decode_max_tokens is not None  # folds evict only under decode_max_tokens
     per_head = policy.decode_max_tokens
+    weights, room = None, None  # per-layer widths: each layer's bytes per token, the bytes [B] left
     if policy.in_bytes:  # and no more than the memory budget's bytes hold at the layers' bits
         full = [i for i, layer in enumerate(all_layers) if isinstance(layer, LUKVLayer)]
         budget, shapes = budget_shapes(policy, first, len(full), heads, query_heads)
-        # per-layer widths: counted at the widest (whichever layers the allocator gives the tokens to)
-        cost = max(shapes.stored_token(all_layers[i].kv_bits, kept_scores) for i in full)
-        per_head = min(per_head, max((budget - shapes.fixed()) // cost, 0) // (len(full) * heads))
+        cost = {i: shapes.stored_token(all_layers[i].kv_bits, kept_scores) for i in full}
+        if len(set(cost.values())) > 1 and idxs == full:  # in bytes, every layer's tokens at its width
+            weights = [cost[i] for i in idxs]
+            spent = (protected * torch.tensor(weights).view(-1, 1, 1)).sum((0, 2))
+            room = (budget - shapes.fixed() - spent).clamp_min(0)
+        else:  # one width (or some layers not folding: each counted at the widest)
+            widest = max(cost.values())
+            per_head = min(per_head, max((budget - shapes.fixed()) // widest, 0) // (len(full) * heads))
     allowed = (per_head * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
     protected = protected.double().mean((0, 2))  # [B], per head
     row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator
+    if room is not None:
+        assert weights is not None  # set with room
+        row_fits &= (evictable * torch.tensor(weights).view(-1, 1, 1)).sum((0, 2)) <= room
     fits = bool(row_fits.all())
     raw = None
     if not fits or kept_scores:
@@ -132,15 +143,20 @@ def fold_evict(
         if shard is not None:
             scores = shard.gather(scores, dim=2)
         n = (real - protected.round().long()).clamp_min(0)
+        ratio = fill_ratio(n, allowed, len(idxs) * heads)
+        if room is not None:  # and the ratio that fills the bytes, whichever is higher
+            ratio = torch.maximum(ratio, fill_ratio(n, room, heads * sum(cast("list[int]", weights))))
         request = AllocationRequest(
             scores=scores,
             n_evictable=n,
-            ratio=fill_ratio(n, allowed, len(idxs) * heads).clamp(0.0, MAX_RATIO),
+            ratio=ratio.clamp(0.0, MAX_RATIO),
             layers=tuple(idxs),
             num_layers=num_layers or max(idxs) + 1,
             min_keep=policy.min_keep,
         )
         counts = fit_counts(policy.allocator(request), evictable, allowed, not policy.allocator.adaptive)
+        if room is not None:
+            counts = trim_weighted(counts, room, weights)
         counts[:, row_fits] = evictable[:, row_fits]
         if shard is not None:
             counts, scores = (t[:, :, shard.heads(request.num_heads)] for t in (counts, scores))
