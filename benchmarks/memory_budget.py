@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from lukv_cache import LUKVCache
+    from lukv_cache.cache.memory import mixed_name
     from lukv_cache.cache.report import kv_cache_bytes
     from lukv_cache.errors import ConfigurationError
     from lukv_cache.evaluation.methods import FULL, Method
@@ -66,6 +67,11 @@ def run(args: argparse.Namespace) -> dict:
 
     def record(name: str, task: str, entry: dict) -> None:
         rows.setdefault(name, {}).setdefault(task, []).append(entry)
+
+    def held(cache, length: int, full_bytes: int) -> dict:
+        """What ``cache`` holds: its bytes over the full cache's, the fraction of ``length`` tokens kept."""
+        kept = float(cache.stored_tokens().double().mean()) / length
+        return {"bytes": kv_cache_bytes(cache) / full_bytes, "kept": kept}
 
     def budget_cache(memory: float, precisions=None, rule: bool = False):
         cache = LUKVCache.from_pretrained(model, memory=memory, local_files_only=True)
@@ -99,13 +105,9 @@ def run(args: argparse.Namespace) -> dict:
                         record(name, task, {"score": None, "why": str(err).split(": raise")[0]})
                         continue
                     stored[bits] = cache.stored_tokens()
-                    entry = {
-                        "bytes": kv_cache_bytes(cache) / full_bytes,
-                        "kept": float(stored[bits].double().mean()) / ids.shape[1],
-                    }
+                    entry = held(cache, ids.shape[1], full_bytes)  # before scoring decodes into it
                     score, _, _ = score_prefilled(model, tokenizer, sample, cache, shared.last_logits)
-                    entry["score"] = score
-                    record(name, task, entry)
+                    record(name, task, {**entry, "score": score})
                     line.append(f"{name}={score:.3g}")
                 for label, rule in (("memory", False), ("rule", True)):
                     if label == "memory" and table is None:
@@ -120,12 +122,9 @@ def run(args: argparse.Namespace) -> dict:
                         continue
                     bits = cache.kv_bits
                     if isinstance(bits, tuple):  # per-layer widths: no fixed row holds them, scored here
-                        entry = {
-                            "bytes": kv_cache_bytes(cache) / full_bytes,
-                            "kept": float(cache.stored_tokens().double().mean()) / ids.shape[1],
-                            "bits": f"int8 in {sum(b == 8 for b in bits)}/{len(bits)} layers",
-                            "layers_at_8": [i for i, b in enumerate(bits) if b == 8],
-                        }
+                        entry = held(cache, ids.shape[1], full_bytes)  # before scoring decodes into it
+                        entry["bits"] = mixed_name(bits)
+                        entry["layers_at_8"] = [i for i, b in enumerate(bits) if b == 8]
                         score, _, _ = score_prefilled(model, tokenizer, sample, cache, shared.last_logits)
                         record(f"{memory:g} {label}", task, {**entry, "score": score})
                         line.append(f"{memory:g} {label}={score:.3g} ({entry['bits']})")

@@ -247,6 +247,15 @@ class MemoryChoice:
         )
 
 
+def mixed_name(bits: tuple[int | None, ...]) -> str:
+    """Per-layer widths in a few words: how many layers keep 8 bits (the others 4).
+
+    >>> mixed_name((4, 8, 4, 4))
+    'int8 in 1/4 layers'
+    """
+    return f"int8 in {sum(b == 8 for b in bits)}/{len(bits)} layers"
+
+
 def _fraction(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= 1
 

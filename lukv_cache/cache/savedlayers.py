@@ -210,9 +210,7 @@ def restore_layers(
     if not isinstance(dtype, torch.dtype):
         reader.fail(f"unknown dtype {fields['dtype']!r} (damaged file).", "dtype")
     factory = LayerFactory.for_policy(cache.policy)  # the settings the cache's layers are built with
-    choice = _memory_choice(cache, state, reader)
-    if choice is not None:  # a memory budget chose the layers' bits (each layer's own, below)
-        factory = dataclasses.replace(factory, kv_bits=choice.bits_of(0))
+    choice = _memory_choice(cache, state, reader)  # a memory budget chose the layers' bits (below)
     fold_state = {"fold_at": factory.fold_at, "bounded": factory.bounded, "kv_bits": factory.kv_bits}
     shape = StateShape(
         fields["num_key_value_heads"],

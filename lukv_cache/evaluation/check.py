@@ -631,7 +631,9 @@ def _bits_name(bits: int | None | tuple[int | None, ...], model: Any) -> str:
     """``int8`` / ``int4``, or the model's dtype (``float32``) for a budget that kept the model's precision;
     ``int8 in 4/24 layers`` for per-layer widths (the other layers at 4 bits)."""
     if isinstance(bits, tuple):
-        return f"int8 in {sum(b == 8 for b in bits)}/{len(bits)} layers"
+        from ..cache.memory import mixed_name
+
+        return mixed_name(bits)
     if bits is not None:
         return f"int{bits}"
     return str(getattr(model, "dtype", "the model's precision")).removeprefix("torch.")
