@@ -8,7 +8,7 @@ later questions in any process without being recomputed.
   one of its attention weights (sampled);
 * :func:`load_cache` checks the file (a safetensors file, complete, its checksum, this format version, the
   same model and weights, every layer having seen the same tokens, every tensor's shape and dtype against
-  the metadata) and rebuilds the cache as
+  the metadata, every value but the scores finite) and rebuilds the cache as
   ``LUKVCache(..., config=model.config)`` does, then restores the layers.
 
 ``model.generate(continuation, past_key_values=load_cache(path, model))`` then continues exactly as the saved
@@ -56,8 +56,8 @@ def save_cache(cache: LUKVCache, path: str | os.PathLike, *, model: Any = None) 
     Refused with :class:`~lukv_cache.errors.SavedContextError`: a cache that holds nothing, one inside a
     forward (or a ``holding()`` block not yet evicted), one whose layers have seen different numbers of
     tokens (a forward interrupted part-way through the model: re-run the prompt), a tensor-parallel shard,
-    layers the format does not store (linear-attention / SSM states of hybrid models), and a path that
-    cannot be written.
+    layers the format does not store (linear-attention / SSM states of hybrid models), a tensor other than
+    scores holding NaN or an infinity (it would be refused on load), and a path that cannot be written.
     """
     path = Path(path)
     if not isinstance(cache, LUKVCache):
@@ -88,8 +88,9 @@ def load_cache(
 
     Every problem raises :class:`~lukv_cache.errors.SavedContextError` (the file) or
     :class:`~lukv_cache.errors.SavedContextMismatchError` (another model, or the same shapes with other
-    weights), naming what is wrong; a ``device`` this process cannot use raises
-    :class:`~lukv_cache.errors.ConfigurationError`.
+    weights), naming what is wrong, a NaN or an infinity in any tensor but the scores included; a ``device``
+    this process cannot use (``"meta"`` too: it holds no values) raises
+    :class:`~lukv_cache.errors.ConfigurationError` naming those that work.
     """
     return read_context(LUKVCache, path, model, LoadOptions(device, scorer, allocator, allow_other_model_id))
 

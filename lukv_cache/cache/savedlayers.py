@@ -44,8 +44,9 @@ class SavedFile(Protocol):
 
     def fail(self, why: str, field: str | None = None, cls: Any = ..., **kw: Any) -> NoReturn: ...
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` of the file (a failure when it is missing), counted as read."""
+    def tensor(self, name: str, *, finite: bool = ...) -> torch.Tensor:
+        """Tensor ``name`` of the file (a failure when it is missing, or unless ``finite=False`` when a
+        value is not finite), counted as read."""
         ...
 
 
@@ -278,8 +279,12 @@ def restore_layers(
                 f"prefill scores for layer {idx!r}, which is not a compressed layer.", "cache.prefill_scores"
             )
         name = f"prefill_scores.{idx}"
+        # scores may be -inf (padding) or a scorer's own non-finite values: only the user reads them
         t = reader.check.tensor(
-            reader.tensor(name), name, dtype=torch.float32, shape=(shape.batch, heads[idx], None)
+            reader.tensor(name, finite=False),
+            name,
+            dtype=torch.float32,
+            shape=(shape.batch, heads[idx], None),
         )
         assert cache.prefill_scores is not None  # refused above when there are scores
         cache.prefill_scores[idx] = t.to(devices[idx])
@@ -456,14 +461,19 @@ def _read_store(entry: Any, check: StateCheck, reader: SavedFile, device: torch.
     for name in ("offsets", "positions"):
         if not isinstance(fields.get(name), dict) or "tensor" not in fields[name]:
             reader.fail(f"{check.label}'s store has no {name} tensor (damaged file).", f"{where}.{name}")
-    return {name: _decode(spec, f"{where}.{name}", reader, device) for name, spec in fields.items()}
+    # every tensor finite but the scores: NaN marks a token stored without one, and eviction at fold time
+    # ranks non-finite scores as a prefill does (masked_held); NaN keys, values or scales decode to NaN
+    return {
+        name: _decode(spec, f"{where}.{name}", reader, device, finite=name != "scores")
+        for name, spec in fields.items()
+    }
 
 
-def _decode(spec: Any, name: str, reader: SavedFile, device: torch.device) -> Any:
-    """A field encoded by :func:`_encode`; a dataclass is rebuilt only if it is one of lukv_cache's cache
-    classes, from exactly its fields."""
+def _decode(spec: Any, name: str, reader: SavedFile, device: torch.device, finite: bool = True) -> Any:
+    """A field encoded by :func:`_encode` (its tensors finite unless ``finite=False``); a dataclass is
+    rebuilt only if it is one of lukv_cache's cache classes, from exactly its fields."""
     if isinstance(spec, dict) and len(spec) == 1 and isinstance(spec.get("tensor"), str):
-        return reader.tensor(spec["tensor"]).to(device)
+        return reader.tensor(spec["tensor"], finite=finite).to(device)
     if isinstance(spec, dict) and len(spec) == 1 and "value" in spec and isinstance(spec["value"], _SCALARS):
         return spec["value"]
     if isinstance(spec, dict) and len(spec) == 1 and isinstance(spec.get("dtype"), str):
@@ -496,7 +506,8 @@ def _decode(spec: Any, name: str, reader: SavedFile, device: torch.device) -> An
                 name,
             )
         kwargs = {
-            key: _decode(value, f"{name}.{key}", reader, device) for key, value in spec["fields"].items()
+            key: _decode(value, f"{name}.{key}", reader, device, finite)
+            for key, value in spec["fields"].items()
         }
         try:
             return cls(**kwargs)

@@ -91,6 +91,18 @@ def write_context(cache: CompressedCache, path: Path, model: Any = None) -> Path
         },
         "layers": layers,
     }
+    for name, t in tensors.items():  # what load refuses (non-finite keys, values, scales, ...) is not written
+        if not _may_be_non_finite(name):
+            why = non_finite(t)
+            if why:
+                raise SavedContextError(
+                    f"Cannot save this cache: tensor {name!r} holds {why}. Non-finite keys, values or "
+                    "quantization scales decode to NaN, so a file holding them is refused on load: the model "
+                    "produced them (float16 overflow is the usual cause: load it in bfloat16 or float32), or "
+                    "an allocator option holds them. Fill the cache again once its outputs are finite.",
+                    path=str(path),
+                    field=name,
+                )
     text = json.dumps(meta, sort_keys=True, separators=(",", ":"))
     metadata = {FORMAT_KEY: FORMAT_NAME, METADATA_KEY: text, CHECKSUM_KEY: checksum(text, tensors)}
     _atomic_save(tensors, metadata, path)
@@ -125,6 +137,38 @@ def checksum(metadata: str, tensors: dict[str, torch.Tensor]) -> str:
         if flat.numel():
             digest.update(flat.view(torch.uint8).numpy().data)
     return digest.hexdigest()
+
+
+def non_finite(t: torch.Tensor) -> str | None:
+    """What is not finite in float tensor ``t``, in words (``None``: every value is finite, or ``t`` holds
+    integers).
+
+    >>> non_finite(torch.tensor([1.0, float("nan"), float("-inf"), 2.0]))
+    '2 non-finite values of 4 (NaN, -inf)'
+    >>> non_finite(torch.arange(3)) is None
+    True
+    """
+    if not t.is_floating_point() or not t.numel():
+        return None
+    bad = ~torch.isfinite(t)
+    count = int(bad.sum())
+    if not count:
+        return None
+    kinds = [
+        word
+        for word, found in (("NaN", t.isnan()), ("+inf", t.isposinf()), ("-inf", t.isneginf()))
+        if bool(found.any())
+    ]
+    return f"{count} non-finite value{'s' if count > 1 else ''} of {t.numel()} ({', '.join(kinds)})"
+
+
+def _may_be_non_finite(name: str) -> bool:
+    """Whether tensor ``name`` of a file being written is scores, which may hold non-finite values:
+    ``-inf`` for padding, ``NaN`` for a stored token without a score, a scorer's own non-finite scores
+    (eviction ranks them: NaN and ``-inf`` lowest, ``+inf`` highest)."""
+    return name.startswith("prefill_scores.") or (
+        name.startswith("layers.") and name.endswith(".store.scores")
+    )
 
 
 def _save_prefill_scores(cache: CompressedCache, tensors: dict[str, torch.Tensor]) -> list[int]:
@@ -303,13 +347,24 @@ class _Reader:
         dtype: torch.dtype | None = None,
         shape: tuple | None = None,
         ndim: int | None = None,
+        finite: bool = True,
     ) -> torch.Tensor:
-        """Tensor ``name``, checked: its dtype, its shape (``None`` entries match any size) or its rank."""
+        """Tensor ``name``, checked: its dtype, its shape (``None`` entries match any size) or its rank,
+        and unless ``finite=False`` (scores, where ``-inf`` marks padding) that every value is finite."""
         t = self.tensors.get(name)
         if t is None:
             self.fail(f"tensor {name!r} is missing (damaged file). Save the context again.", name)
         self.used.add(name)
-        return self.check.tensor(t, name, dtype=dtype, shape=shape, ndim=ndim)
+        t = self.check.tensor(t, name, dtype=dtype, shape=shape, ndim=ndim)
+        why = non_finite(t) if finite else None
+        if why:
+            self.fail(
+                f"tensor {name!r} holds {why}. A saved context's keys, values, quantization scales and zeros "
+                "and option tensors are finite (save_cache refuses others), so the file was altered or "
+                "damaged, and loading it would decode NaN. Save the context again from the model.",
+                name,
+            )
+        return t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,10 +382,13 @@ def _layer_devices(model: Any, count: int, device: Any) -> list[torch.device]:
         try:
             where = torch.device(device)
             torch.empty(0, device=where)  # a device this torch has and can allocate on
+            if where.type == "meta":
+                raise ValueError("the meta device holds shapes without values, and a context is its values")
         except (RuntimeError, TypeError, ValueError, AssertionError) as err:
             raise ConfigurationError(
-                f"load_cache: device={device!r} is not a device this process can use ({err}). Pass a torch device "
-                "such as 'cpu', 'cuda' or 'cuda:0', or None for each decoder layer's own device."
+                f"load_cache: device={device!r} is not a device this process can use ({err}). Pass one that "
+                f"holds data, here {' or '.join(repr(d) for d in _usable_devices())}, or None for each decoder "
+                "layer's own device."
             ) from None
         return [where] * count
     default = getattr(model, "device", None) or torch.device("cpu")
@@ -341,3 +399,14 @@ def _layer_devices(model: Any, count: int, device: Any) -> list[torch.device]:
     except (AttributeError, StopIteration, TypeError):
         pass
     return [torch.device(default)] * count
+
+
+def _usable_devices() -> list[str]:
+    """The devices this process can load a context onto, as load_cache's ``device=`` takes them."""
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        found.append("mps")
+    return found

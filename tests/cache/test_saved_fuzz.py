@@ -16,6 +16,11 @@ them loads and may decode differently: the cache's options that the file records
 as ``LUKVCache(...)`` with it would) and the logical length of every layer at once (evicted tokens leave
 none; it is bounded by the model's positions and by the stored ones). Both are checked to be what the
 loaded cache reports, not silent.
+
+The tensors' values are edited too: NaN, +inf and -inf in each float tensor of fp32, bf16, kv_bits=8 and
+kv_bits=4 contexts (keys, values, scales, zeros, suffixes, stock layers' keys and values, queries, scores,
+a kvzap surrogate, an allocator's table), re-signed: a SavedContextError naming the tensor, except for
+scores, which may hold such values (the library writes -inf for padding) and then decode finite logits.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import greedy_with_logits, json_leaves, tiny_model, with_question
+from helpers import greedy_with_logits, json_leaves, scorer_for, tiny_model, with_question
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -137,8 +143,10 @@ def _has(value, path: tuple) -> bool:
     return isinstance(value, dict)
 
 
-def _resigned(src: Path, dst: Path, meta: object) -> Path:
-    tensors = load_file(src)
+def _resigned(src: Path, dst: Path, meta: object, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """``src`` with the metadata ``meta`` (and ``tensors``, when given, instead of its own), signed again
+    with the public ``checksum()``."""
+    tensors = load_file(src) if tensors is None else tensors
     with safe_open(str(src), "pt") as f:
         metadata = dict(f.metadata())
     text = json.dumps(meta, sort_keys=True)
@@ -267,3 +275,118 @@ def test_a_length_past_the_models_positions_in_every_layer_is_refused(tmp_path):
     with pytest.raises(SavedContextError, match="max_position_embeddings") as err:
         load_cache(_resigned(src, tmp_path / "edited.safetensors", meta), model)
     assert err.value.field == "layers.0.cumulative_length"
+
+
+# ------------------------------------------------------------------------------ non-finite tensor values
+# contexts that between them hold every kind of float tensor a file can: fp32 and bf16 stores, kv_bits 8
+# and 4 (scales and zeros), dense suffixes, stock sliding layers' keys and values, recorded queries, a
+# store's scores and kept prefill scores, a kvzap surrogate and an allocator's table
+VALUE_CASES = ["fp32-padded-kvzap-scores", "bf16-table", "kv8-padded-folds", "kv4-bf16-gemma2-stock-sliding"]
+# the kinds the cases above must hold, so that a change to what a file holds cannot empty the test
+FLOAT_KINDS = (
+    ".store.keys",
+    ".store.values",
+    ".store.keys.scale",
+    ".store.keys.zero",
+    ".store.values.scale",
+    ".store.values.zero",
+    ".store.scores",
+    ".suffix_keys",
+    ".suffix_values",
+    ".queries",
+    ".keys",  # a stock layer's
+    "prefill_scores.",
+    "scorer.kvzap.",
+    "allocator.evict_ratio",
+)
+
+
+def _value_case(name: str):
+    """A model, a cache it filled (a prompt and 4 generated tokens), the tokens so far and their mask."""
+    mask = None
+    if name == "fp32-padded-kvzap-scores":  # store scores (folds reuse them), prefill scores, queries
+        model = tiny_model("llama", "sdpa")
+        kvzap = scorer_for("kvzap", model)
+        cache = LUKVCache(
+            None, kvzap, "global", window=4, decode_max_tokens=20, fold_interval=4, keep_scores=True
+        )
+        ids, mask = left_padded((40, 31))
+    elif name == "bf16-table":
+        model = tiny_model("llama", "sdpa", dtype=torch.bfloat16)
+        table = np.array([[0.3, 0.6], [0.5, 0.7]])
+        cache = LUKVCache(None, "keydiff", allocator="profile", evict_ratio=table)
+        ids = prompt(1, 24)
+    elif name == "kv8-padded-folds":
+        model = tiny_model("llama", "sdpa")
+        cache = LUKVCache(None, "keydiff", decode_max_tokens=20, fold_interval=4, kv_bits=8)
+        ids, mask = left_padded((40, 31))
+    else:  # layers 0 and 2 are transformers' sliding layers (the prompt is beyond their window)
+        model = tiny_model("gemma2", "eager", dtype=torch.bfloat16)
+        cache = LUKVCache(0.5, "keydiff", kv_bits=4, sliding="keep", config=model.config)
+        ids = prompt(1, 24)
+    seq, _ = greedy_with_logits(model, ids, cache, new_tokens=4, attention_mask=mask)
+    return model, cache, seq, mask
+
+
+def _is_scores(name: str) -> bool:
+    """Scores may hold non-finite values (-inf: padding, NaN: a token stored without a score, a scorer's
+    own): eviction ranks them, nothing decodes them."""
+    return name.startswith("prefill_scores.") or name.endswith(".store.scores")
+
+
+@pytest.fixture(scope="module")
+def value_cases(tmp_path_factory):
+    """name -> (model, saved file, tokens with a question, their mask, the float tensors' names)."""
+    out = {}
+    for name in VALUE_CASES:
+        model, cache, seq, mask = _value_case(name)
+        src = save_cache(cache, tmp_path_factory.mktemp(name) / "context.safetensors")
+        floats = sorted(n for n, t in load_file(src).items() if t.is_floating_point())
+        out[name] = (model, src, *with_question(seq, mask), floats)
+    return out
+
+
+def test_the_value_cases_hold_every_kind_of_float_tensor(value_cases):
+    names = [n for case in value_cases.values() for n in case[4]]
+    assert [
+        kind for kind in FLOAT_KINDS if not any(n.endswith(kind) or n.startswith(kind) for n in names)
+    ] == []
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("name", VALUE_CASES)
+def test_a_non_finite_value_in_any_float_tensor_is_refused_or_decodes_finite(
+    name, value, value_cases, tmp_path
+):
+    """NaN, +inf or -inf in one value of each float tensor (its last, a real token's in every row), the file
+    re-signed: a SavedContextError naming the tensor, never a raw error nor NaN logits. Only scores load
+    (they may hold such values: eviction ranks them), and the cache then decodes finite logits."""
+    model, src, ids, mask, floats = value_cases[name]
+    with safe_open(str(src), "pt") as f:
+        meta = json.loads(f.metadata()[saved.METADATA_KEY])
+    failures = []
+    for tensor in floats:
+        tensors = load_file(src)
+        tensors[tensor].view(-1)[-1] = value
+        bad = _resigned(src, tmp_path / "edited.safetensors", meta, tensors)
+        try:
+            loaded = load_cache(bad, model)
+        except SavedContextError as err:
+            if err.field != tensor or tensor not in str(err) or "Save the context again" not in str(err):
+                failures.append(f"{tensor}: refused without naming it or what to do: {err}")
+            elif _is_scores(tensor):
+                failures.append(f"{tensor}: scores refused, though the library writes non-finite ones: {err}")
+            continue
+        except Exception as err:  # noqa: BLE001 - the property: nothing but the library's errors
+            failures.append(f"{tensor}: raw {type(err).__name__} at load: {err}")
+            continue
+        if not _is_scores(tensor):
+            failures.append(f"{tensor}: loaded")
+        try:
+            _, got = greedy_with_logits(model, ids, loaded, new_tokens=5, attention_mask=mask)
+        except Exception as err:  # noqa: BLE001
+            failures.append(f"{tensor}: loaded, then {type(err).__name__} at decode: {err}")
+            continue
+        if not bool(torch.isfinite(got).all()):
+            failures.append(f"{tensor}: loaded and decodes non-finite logits")
+    assert not failures, "\n".join(failures)

@@ -175,3 +175,48 @@ def test_a_device_load_cannot_use_is_a_typed_error(device, tmp_path):
     model = tiny_model("llama", "sdpa")
     with pytest.raises(ConfigurationError, match="not a device this process can use"):
         load_cache(_filled_file(model, tmp_path), model, device=device)
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_the_meta_device_is_a_typed_error_naming_the_devices_that_work(device, tmp_path):
+    """The meta device allocates (shapes without values), so it passed the device check and failed in the
+    store's checks with a raw RuntimeError."""
+    model = tiny_model("llama", "sdpa")
+    with pytest.raises(ConfigurationError, match="not a device this process can use") as err:
+        load_cache(_filled_file(model, tmp_path), model, device=device)
+    assert "shapes without values" in str(err.value) and "'cpu'" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------- non-finite values
+@pytest.mark.parametrize("kv_bits", [None, 8])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_cache_holding_non_finite_keys_is_not_saved(kv_bits, value, tmp_path):
+    """What load refuses is not written: keys or scales that are not finite (a float16 overflow) are a
+    SavedContextError naming the tensor, and no file is left."""
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.5, "keydiff", kv_bits=kv_bits, config=model.config)
+    with torch.no_grad():
+        model(prompt(1, 40), past_key_values=cache, use_cache=True)
+    store = cache.layers[1].store
+    target = store.keys if kv_bits is None else store.keys.scale
+    target.view(-1)[0] = value
+    name = "layers.1.store.keys" if kv_bits is None else "layers.1.store.keys.scale"
+    with pytest.raises(SavedContextError, match="float16 overflow") as err:
+        save_cache(cache, tmp_path / "context.safetensors")
+    assert err.value.field == name and name in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kept_prefill_scores_with_padding_at_minus_inf_save_and_load(tmp_path):
+    """Scores are the one kind of tensor that may hold non-finite values: a padded row's are -inf."""
+    from lukv_cache.testing import left_padded
+
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.5, "keydiff", keep_scores=True, config=model.config)
+    ids, mask = left_padded((40, 31))
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert bool(cache.prefill_scores[0].isneginf().any())
+    loaded = load_cache(save_cache(cache, tmp_path / "context.safetensors"), model)
+    for idx, scores in cache.prefill_scores.items():
+        assert torch.equal(loaded.prefill_scores[idx], scores)
