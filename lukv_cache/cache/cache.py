@@ -92,6 +92,7 @@ class LUKVCache(HybridRouting, CacheReport):
         if config is not None:
             self.layout.set_layout(self, config)
         self.compressor = Compressor(self)  # owns compression: the cache forwards to it
+        self._refeed_check = False  # activate_past_recording() found the cache filled (see _check_refeed)
 
     # the policy, read-only: cache.ratio, cache.scorer, ... (one OptionProperty per field, added below)
     kv_bits = ChosenBits()
@@ -139,6 +140,8 @@ class LUKVCache(HybridRouting, CacheReport):
 
     # ------------------------------------------------------------------ the forward
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0 and self._refeed_check:
+            self._check_refeed(key_states.shape[-2])
         if self.layout.undecided:
             self.layout.decide_sliding(self, key_states.shape[-2])
         self.compressor.on_update(layer_idx, key_states)
@@ -262,16 +265,16 @@ class LUKVCache(HybridRouting, CacheReport):
         """
         return self.layout.head_shard
 
-    def activate_past_recording(self):
-        # generate() calls this before assisted decoding, whose first forward is the prompt plus draft tokens
-        if self.get_seq_length() > 0:
-            raise ConfigurationError(
-                "Assisted decoding cannot start from a filled cache: transformers' assisted generation feeds the "
-                "whole prompt again (even into a DynamicCache), which would store it a second time, "
-                "uncompressed, after the compressed copy. Generate from this cache without assistant_model=, "
-                "or pass a fresh LUKVCache to the assisted generate (it then compresses the prompt itself)."
-            )
-        if self.evicts:
+    def activate_past_recording(self, *args: Any, **kwargs: Any) -> None:
+        """Let the layers roll back rejected drafts (assisted and prompt-lookup decoding call this before their
+        first forward, which holds the prompt and the first draft tokens: the drafts take part in the prompt's
+        eviction, rejected ones are cropped out after). transformers 5.25 passes ``recurrent_states_to_keep=``
+        (for linear-attention states), and may also call it after a prefill (its deferred stop check)."""
+        # a filled cache: assisted generation feeds the whole prompt again (into a DynamicCache too), which
+        # would store it a second time; refused at that forward, before anything is stored. A call after a
+        # prefill is followed by one-token decoding steps, which disarm the check.
+        self._refeed_check = self.get_seq_length() > 0
+        if not self._refeed_check and self.evicts:
             warnings.warn(
                 "LUKVCache with assisted decoding: the first forward holds the prompt and the assistant's draft "
                 "tokens, so the drafts take part in the eviction (rejected ones are cropped out afterwards). "
@@ -279,7 +282,20 @@ class LUKVCache(HybridRouting, CacheReport):
                 stacklevel=2,
             )
         self.layout.record_past = True
-        super().activate_past_recording()
+        super().activate_past_recording(*args, **kwargs)
+
+    def _check_refeed(self, length: int) -> None:
+        """The first forward after :meth:`activate_past_recording` on a filled cache: a multi-token one is
+        assisted generation feeding the whole prompt again."""
+        self._refeed_check = False
+        if length > 1:
+            raise ConfigurationError(
+                "Assisted decoding cannot start from a filled cache: transformers' assisted generation feeds the "
+                "whole prompt again (even into a DynamicCache), which would store it a second time, "
+                "uncompressed, after the compressed copy; the cache is unchanged. Generate from this cache "
+                "without assistant_model=, or pass a fresh LUKVCache to the assisted generate (it then "
+                "compresses the prompt itself)."
+            )
 
     def reset(self) -> None:
         """Empty the cache for a new prompt, also after a forward that was interrupted (Ctrl-C, out of
@@ -288,6 +304,7 @@ class LUKVCache(HybridRouting, CacheReport):
         if self.state.awaiting is not None:
             discard_attention()
         self.state = ForwardState()
+        self._refeed_check = False
         if self.prefill_scores is not None:
             self.prefill_scores = {}
         self.layout.reset_sliding(self)

@@ -57,6 +57,10 @@ class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):  # type: ignore[misc, ov
     def get_max_length(self) -> int:
         return LUKVLayer.get_max_length(self)
 
+    def get_seq_length(self) -> int:
+        # the attention part's length (from transformers 5.25 LinearAttentionLayer has its own, a tensor)
+        return LUKVLayer.get_seq_length(self)
+
     def reset(self) -> None:
         LinearAttentionLayer.reset(self)
         LUKVLayer.reset(self)

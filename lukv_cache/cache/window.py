@@ -44,8 +44,9 @@ class SlidingWindow:
             self.is_sliding = True
             self._sliding_window_tensor = torch.tensor(sliding_window, dtype=torch.long)
 
-    def activate_past_recording(self) -> None:
-        """Assisted decoding crops rejected drafts: a sliding layer then keeps the tokens it could drop."""
+    def activate_past_recording(self, *args, **kwargs) -> None:
+        """Assisted decoding crops rejected drafts: a sliding layer then keeps the tokens it could drop
+        (transformers 5.25 passes ``recurrent_states_to_keep=``, which concerns linear-attention states)."""
         self.keeps_past = True
 
     @property

@@ -218,9 +218,10 @@ def test_assisted_decoding_from_a_filled_cache_is_refused_with_the_reason():
     ids = prompt(1, 60, seed=3)
     cache = LUKVCache(0.5)
     cache.prefill(model, ids)
+    question = torch.cat([ids, prompt(1, 4, seed=5)], dim=1)
     with pytest.raises(ConfigurationError, match="Assisted decoding cannot start from a filled cache"):
         model.generate(
-            ids, past_key_values=cache, max_new_tokens=4, do_sample=False, assistant_model=assistant
+            question, past_key_values=cache, max_new_tokens=4, do_sample=False, assistant_model=assistant
         )
 
 
