@@ -31,9 +31,12 @@ from .evaluation.methods import (
     CHECK_ALLOCATORS,
     CHECK_RATIOS,
     DEFAULT_TASKS,
+    MAX_NEEDLES,
+    MIN_CONTEXT_TOKENS,
     RATIOS,
     SCORERS,
     TASKS,
+    check_bench_numbers,
     kv_bits_list,
     memory_list,
 )
@@ -597,8 +600,32 @@ def _file_exists(option: str, path: str | None) -> None:
         raise ConfigurationError(f"{option} {path}: {why}.")
 
 
+def _folder_exists(option: str, path: str | None) -> None:
+    """A folder option (``--profiles``) that names no folder is one ``error:`` line, not a silent search of
+    nothing."""
+    if path is None or Path(path).expanduser().is_dir():
+        return
+    why = "is a file, not a folder" if Path(path).expanduser().exists() else "no such folder"
+    raise ConfigurationError(
+        f"{option} {path}: {why}. Give a folder of profiles (<model id>/<scorer>.safetensors inside), or "
+        f"leave {option} out."
+    )
+
+
+def _count(option: str, value: int | None, low: int, what: str, high: int | None = None) -> None:
+    """An integer option (``None``: not given) in ``[low, high]``, else one ``error:`` line saying so."""
+    if value is None or (low <= value and (high is None or value <= high)):
+        return
+    if high is not None:
+        allowed = f"an integer in [{low}, {high}]"
+    else:
+        allowed = "a non-negative integer" if low == 0 else f"an integer of at least {low}"
+    raise ConfigurationError(f"{option} ({what}) must be {allowed}, got {value}.")
+
+
 def _precheck_check(args: argparse.Namespace) -> None:
     _model_exists(args.model)
+    _folder_exists("--profiles", args.profiles)
     for ratio in args.ratios or ():
         _ratio(ratio)
     if args.memory is not None:
@@ -648,10 +675,12 @@ def _precheck_check(args: argparse.Namespace) -> None:
 
 def _precheck_demo(args: argparse.Namespace) -> None:
     _model_exists(args.model, "--model")
+    _folder_exists("--profiles", args.profiles)
     for ratio in args.ratios:
         _ratio(ratio)
-    if args.contexts < 1 or args.facts < 1:
-        raise ConfigurationError("--contexts and --facts must be at least 1.")
+    _count("--contexts", args.contexts, 1, "texts")
+    _count("--context-tokens", args.context_tokens, MIN_CONTEXT_TOKENS, "length of each text in tokens")
+    _count("--facts", args.facts, 1, "planted facts per text", MAX_NEEDLES)
 
 
 def _parts(values: list[str] | None) -> list[str]:
@@ -661,6 +690,8 @@ def _parts(values: list[str] | None) -> list[str]:
 
 def _precheck_bench(args: argparse.Namespace) -> None:
     _model_exists(args.model, "--model")
+    _folder_exists("--profiles", args.profiles)
+    check_bench_numbers(args.samples, args.context_tokens, args.needles, args.continuation_tokens, flags=True)
     for part in _parts(args.ratios):
         _ratio(part)
     refuse_unknown("scorer", _parts(args.scorers))
@@ -679,6 +710,14 @@ def _precheck_bench(args: argparse.Namespace) -> None:
 def _precheck_build(args: argparse.Namespace) -> None:
     _model_exists(args.model)
     refuse_unknown("scorer", args.scorer or ())
+    _count("--k-max", args.k_max, 1, "answer tokens decoded per question")
+    _count("--max-questions", args.max_questions, 1, "questions used")
+    _count("--sink", args.sink, 0, "protected first tokens")
+    _count("--window", args.window, 0, "protected last tokens")
+    if not 0.0 <= args.min_keep < 1.0:
+        raise ConfigurationError(
+            f"--min-keep (the fraction every head keeps) must be in [0, 1), got {args.min_keep!r}; e.g. 0.01."
+        )
 
 
 def _precheck_memory_table(args: argparse.Namespace) -> None:
@@ -732,6 +771,9 @@ def _plot_path(option: str, path: Path | None) -> Path | None:
 def _show(args: argparse.Namespace) -> int:
     """``lukv show``; with ``--model``, a progress line on stderr first and a legend under the tables."""
     _model_exists(args.model, "--model")
+    for ratio in args.ratio or ():
+        _ratio(ratio)
+    _count("--max-questions", args.max_questions, 1, "questions used by --model")
     args.png = _plot_path("--png", args.png)
     if args.model:
         ratios = " ".join(f"{r:g}" for r in (args.ratio or [0.5, 0.8, 0.9]))

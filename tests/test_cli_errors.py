@@ -70,6 +70,34 @@ CASES = {
     "check-memory-out-of-range": lambda t: ["check", "smollm2", "--memory", "1.5"],
     "check-memory-with-kv-bits": lambda t: ["check", "smollm2", "--memory", "0.1", "--kv-bits", "8"],
     "check-memory-with-ratios": lambda t: ["check", "smollm2", "--memory", "0.1", "--ratios", "0.5"],
+    # every count of `lukv bench`, `lukv demo`, `lukv build` and `lukv show` (issue 54, item 5)
+    "bench-needles-negative": lambda t: ["bench", "--needles", "-1"],  # ran without end
+    "bench-needles-zero": lambda t: ["bench", "--needles", "0"],  # a traceback
+    "bench-needles-beyond-the-keys": lambda t: ["bench", "--needles", "901"],
+    "bench-continuation-tokens-zero": lambda t: ["bench", "--continuation-tokens", "0"],  # a traceback
+    "bench-continuation-tokens-one": lambda t: ["bench", "--continuation-tokens", "1"],
+    "bench-samples-zero": lambda t: ["bench", "--samples", "0"],
+    "bench-context-tokens-too-few": lambda t: ["bench", "--context-tokens", "10"],
+    "bench-profiles-missing": lambda t: ["bench", "--profiles", str(t / "none")],
+    "bench-profiles-is-a-file": lambda t: ["bench", "--profiles", _profile(t)],
+    "check-profiles-missing": lambda t: [
+        "check",
+        "smollm2",
+        "--ratios",
+        "0.5",
+        "--profiles",
+        str(t / "none"),
+    ],
+    "demo-facts-zero": lambda t: ["demo", "--facts", "0"],
+    "demo-context-tokens-zero": lambda t: ["demo", "--context-tokens", "0"],
+    "demo-profiles-missing": lambda t: ["demo", "--profiles", str(t / "none")],
+    "build-k-max-zero": lambda t: ["build", "smollm2", "--out", str(t / "o"), "--k-max", "0"],
+    "build-max-questions-zero": lambda t: ["build", "smollm2", "--out", str(t / "o"), "--max-questions", "0"],
+    "build-negative-sink": lambda t: ["build", "smollm2", "--out", str(t / "o"), "--sink", "-1"],
+    "build-negative-window": lambda t: ["build", "smollm2", "--out", str(t / "o"), "--window", "-2"],
+    "build-min-keep-out-of-range": lambda t: ["build", "smollm2", "--out", str(t / "o"), "--min-keep", "1.5"],
+    "show-ratio-out-of-range": lambda t: ["show", _profile(t), "--ratio", "1.5"],
+    "show-max-questions-zero": lambda t: ["show", _profile(t), "--model", "smollm2", "--max-questions", "0"],
 }
 
 
@@ -147,3 +175,31 @@ def test_convert_a_curve_claiming_petabytes_is_one_error_line(tmp_path, capsys):
     code = main(["convert", str(tmp_path / "curve.npy"), "--model", "org/m", "--scorer", "keydiff"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: ") and "truncated or damaged" in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, allowed",
+    [
+        (
+            ["bench", "--needles", "-1"],
+            "--needles (needles per retrieval context, sentences quoted per recall "
+            "context) must be an integer in [1, 900], got -1.",
+        ),
+        (
+            ["bench", "--continuation-tokens", "0"],
+            "--continuation-tokens (teacher-forced tokens after each "
+            "continuation context) must be an integer of at least 2, got 0.",
+        ),
+        (
+            ["bench", "--samples", "0"],
+            "--samples (contexts per task) must be an integer of at least 1, got 0.",
+        ),
+        (
+            ["build", "smollm2", "--sink", "-1"],
+            "--sink (protected first tokens) must be a non-negative integer, got -1.",
+        ),
+    ],
+)
+def test_a_count_out_of_range_says_what_is_allowed(argv, allowed, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"error: {allowed}"

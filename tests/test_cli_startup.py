@@ -263,6 +263,7 @@ def test_bench_prints_the_files_it_wrote(monkeypatch, tmp_path, capsys):
     from lukv_cache.evaluation import cli as evaluation_cli
 
     monkeypatch.setattr(evaluation_cli, "load_model", lambda *a, **k: (tiny_llama(), byte_tokenizer()))
+    monkeypatch.setattr(evaluation_cli, "load_config", lambda *a, **k: tiny_llama().config)  # positions check
     monkeypatch.setenv("LUKV_CACHE_DIR", str(tmp_path))
     argv = ["bench", "--model", "tiny", "--tasks", "continuation", "--samples", "1", "--context-tokens", "64"]
     argv += [

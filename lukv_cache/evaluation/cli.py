@@ -32,10 +32,12 @@ def _split(values: list[str] | None) -> list[str] | None:
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import format_report, run_demo
+    from .methods import check_bench_positions
 
     ratios = [check_ratio(r) for r in args.ratios]  # before the model loads: a bad argument fails at once
     if args.contexts < 1 or args.facts < 1:
         raise ConfigurationError("--contexts and --facts must be at least 1.")
+    check_bench_positions(load_config(args.model), ["niah_multikey"], args.context_tokens, args.facts, 0)
     started = time.perf_counter()
     print(f"Loading {args.model}...", flush=True)
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
@@ -95,10 +97,20 @@ def _check(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; write markdown, JSON and a plot; print the table."""
-    from .methods import ALLOCATORS, DEFAULT_TASKS, RATIOS, SCORERS, kv_bits_list, memory_list
+    from .methods import (
+        ALLOCATORS,
+        DEFAULT_TASKS,
+        RATIOS,
+        SCORERS,
+        check_bench_numbers,
+        check_bench_positions,
+        kv_bits_list,
+        memory_list,
+    )
     from .report import command_line, write_results
     from .runner import BenchSettings, run_benchmark
 
+    check_bench_numbers(args.samples, args.context_tokens, args.needles, args.continuation_tokens, flags=True)
     memory = memory_list(_split(getattr(args, "memory", None)) or [])
     # with budgets and no --ratios, only the budgets run (and the full cache)
     ratios = _split(args.ratios) or ([] if memory else RATIOS)
@@ -119,6 +131,14 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         kv_bits=kv_bits_list(_split(args.kv_bits) or []),
         sliding=args.sliding,
         memory=memory,
+    )
+    # a context the model has no positions for is refused before its weights load, as `lukv check` does
+    check_bench_positions(
+        load_config(args.model),
+        settings.tasks,
+        settings.context_tokens,
+        settings.needles,
+        settings.continuation_tokens,
     )
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     info: dict[str, Any] = {"model_id": getattr(model.config, "name_or_path", args.model)}

@@ -24,9 +24,9 @@ from ..errors import ProfileError
 from ..profiles import model_id_of
 from ..scorers import get_scorer
 from ..texts import Article
-from .methods import FULL, Method
+from .methods import FULL, Method, check_bench_positions
 from .prefill import SharedPrefill
-from .tasks import RetrievalSample, context_ids, make_samples, score_prefilled
+from .tasks import RetrievalSample, check_sample_positions, context_ids, make_samples, score_prefilled
 
 if TYPE_CHECKING:
     import torch
@@ -95,9 +95,11 @@ def run_demo(
     """
     say = log or (lambda _msg: None)
     started = time.perf_counter()
+    check_bench_positions(model.config, ["niah_multikey"], context_tokens, n_facts, 0)
     samples = make_samples(
         "niah_multikey", tokenizer, contexts, context_tokens, seed=seed, n_needles=n_facts, articles=articles
     )
+    check_sample_positions(model.config, tokenizer, samples)  # before anything runs
     methods = [("full cache", Method(FULL))] + [
         (label, Method(allocator, scorer, float(ratio)))
         for ratio in ratios

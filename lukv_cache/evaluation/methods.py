@@ -26,6 +26,101 @@ RATIOS = (0.25, 0.5, 0.8, 0.9)
 CHECK_ALLOCATORS = ("uniform", "adakv", "profile")
 CHECK_RATIOS = (0.5, 0.8, 0.9)
 FULL = "full"
+# the tasks' sizes (.tasks builds them; here, light, so that `lukv bench` refuses bad numbers before torch)
+MIN_CONTEXT_TOKENS = 32  # a shorter context has nothing to compress around its sink and window
+ANSWER_TOKENS = (
+    12  # decoded per retrieval answer (a 7-digit number and its period); niah_multivalue: per value
+)
+MAX_NEEDLES = 900  # the distinct "adjective-noun" keys needles are named by (.tasks: 30 x 30)
+RECALL_MIN_TOKENS = 8  # recall: a sentence's rest shorter than this is not asked
+MIN_CONTINUATION_TOKENS = 2  # the first is predicted by the prefill, the rest by one teacher-forced forward
+
+
+def check_bench_numbers(
+    samples: Any, context_tokens: Any, needles: Any, continuation_tokens: Any, *, flags: bool = False
+) -> None:
+    """Refuse the benchmark's counts that cannot run (a :class:`ConfigurationError` saying what is allowed),
+    before anything is loaded: ``flags`` names them as ``lukv bench``'s flags (``--needles``), else as
+    :class:`~lukv_cache.evaluation.runner.BenchSettings`' fields.
+
+    >>> check_bench_numbers(20, 1000, 4, 128)
+    >>> check_bench_numbers(20, 1000, -1, 128, flags=True)
+    Traceback (most recent call last):
+    ...
+    lukv_cache.errors.ConfigurationError: --needles (needles per retrieval context, sentences quoted per recall context) must be an integer in [1, 900], got -1.
+    """
+    rules = (
+        ("samples", samples, 1, None, "contexts per task"),
+        ("context_tokens", context_tokens, MIN_CONTEXT_TOKENS, None, "context length in tokens"),
+        (
+            "needles",
+            needles,
+            1,
+            MAX_NEEDLES,
+            "needles per retrieval context, sentences quoted per recall context",
+        ),
+        (
+            "continuation_tokens",
+            continuation_tokens,
+            MIN_CONTINUATION_TOKENS,
+            None,
+            "teacher-forced tokens after each continuation context",
+        ),
+    )
+    for name, value, low, high, what in rules:
+        valid = isinstance(value, int) and not isinstance(value, bool)
+        if valid and low <= value and (high is None or value <= high):
+            continue
+        shown = f"--{name.replace('_', '-')}" if flags else name
+        allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer of at least {low}"
+        raise ConfigurationError(f"{shown} ({what}) must be {allowed}, got {value!r}.")
+
+
+def tokens_after_context(task: str, needles: int, continuation_tokens: int) -> int:
+    """At least how many positions ``task`` uses after its context: what it teacher-forces (continuation,
+    recall) or decodes (a retrieval answer); a lower bound, known without a tokenizer.
+
+    >>> tokens_after_context("continuation", 4, 128), tokens_after_context("niah_multivalue", 4, 128)
+    (128, 48)
+    """
+    if task == "continuation":
+        return continuation_tokens
+    if task == "recall":
+        return RECALL_MIN_TOKENS
+    return ANSWER_TOKENS * needles if task == "niah_multivalue" else ANSWER_TOKENS
+
+
+def check_bench_positions(
+    config: Any, tasks: Sequence[str], context_tokens: int, needles: int, continuation_tokens: int
+) -> None:
+    """Refuse (:class:`ConfigurationError`, as ``lukv check`` does) a context length whose tasks need more
+    positions than the model has (``config``'s ``max_position_embeddings``), before any text is read: the
+    context and at least :func:`tokens_after_context` after it. The samples' exact lengths are checked
+    again once they are built (:func:`~lukv_cache.evaluation.tasks.check_sample_positions`).
+
+    >>> from transformers import LlamaConfig
+    >>> check_bench_positions(LlamaConfig(max_position_embeddings=512), ["continuation"], 1000, 4, 128)
+    Traceback (most recent call last):
+    ...
+    lukv_cache.errors.ConfigurationError: --context-tokens 1000 + 128 tokens after the context (continuation) needs 1128 positions but the model has 512; pass a --context-tokens of at most 384.
+    """
+    from ..models import check_positions, max_positions
+
+    limit = max_positions(config)
+    for task in tasks:
+        after = tokens_after_context(task, needles, continuation_tokens)
+        room = (limit or 0) - after
+        if room >= MIN_CONTEXT_TOKENS:
+            remedy = f"pass a --context-tokens of at most {room}"
+        else:
+            flag = {"continuation": "--continuation-tokens", "niah_multivalue": "--needles"}.get(task)
+            remedy = f"pass fewer {flag}" if flag else "use a model with more positions"
+        check_positions(
+            config,
+            context_tokens + after,
+            f"--context-tokens {context_tokens} + {after} tokens after the context ({task})",
+            remedy,
+        )
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,18 @@ from ..cache import LUKVCache, kv_cache_bytes
 from ..errors import ConfigurationError, ProfileError
 from ..scorers import get_scorer
 from ..texts import Article
-from .methods import ALLOCATORS, RATIOS, SCORERS, Method, build_methods, make_cache
+from .methods import (
+    ALLOCATORS,
+    RATIOS,
+    SCORERS,
+    Method,
+    build_methods,
+    check_bench_numbers,
+    check_bench_positions,
+    make_cache,
+)
 from .prefill import SharedPrefill, shareable
-from .tasks import TASKS, Sample, context_ids, make_samples, score_prefilled
+from .tasks import TASKS, Sample, check_sample_positions, context_ids, make_samples, score_prefilled
 
 
 @dataclass
@@ -109,13 +118,21 @@ def run_benchmark(
     """Run every task of ``settings`` with every method; returns per-sample scores for all of them.
 
     ``articles`` replaces the real Wikipedia text (tests use synthetic text with a tiny model).
-    ``on_task_done`` is called after each task, e.g. to write partial results.
+    ``on_task_done`` is called after each task, e.g. to write partial results. Counts that cannot run and
+    samples longer than the model's positions raise :class:`~lukv_cache.errors.ConfigurationError` before
+    any method runs.
 
     >>> results = run_benchmark(model, tokenizer, BenchSettings(samples=2, ratios=(0.8,)))  # doctest: +SKIP
     """
     for task in settings.tasks:
         if task not in TASKS:
             raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
+    check_bench_numbers(
+        settings.samples, settings.context_tokens, settings.needles, settings.continuation_tokens
+    )
+    check_bench_positions(
+        model.config, settings.tasks, settings.context_tokens, settings.needles, settings.continuation_tokens
+    )
     methods = build_methods(
         settings.allocators,
         settings.scorers,
@@ -132,6 +149,21 @@ def run_benchmark(
     device = next(model.parameters()).device
     started = time.perf_counter()
 
+    # Every task's samples before anything runs: one that does not fit the model's positions is refused.
+    samples_of: dict[str, list[Sample]] = {}
+    for task in settings.tasks:
+        samples_of[task] = make_samples(
+            task,
+            tokenizer,
+            settings.samples,
+            settings.context_tokens,
+            seed=settings.seed,
+            n_needles=settings.needles,
+            continuation_tokens=settings.continuation_tokens,
+            articles=articles,
+        )
+        check_sample_positions(model.config, tokenizer, samples_of[task])
+
     # Methods whose cache cannot be built (no profile file) are skipped once, with the reason.
     reads_profile = allocators_reading_profile()
     for method in methods:
@@ -145,16 +177,7 @@ def run_benchmark(
         say(f"skip {name}: {reason}")
 
     for task in settings.tasks:
-        samples: list[Sample] = make_samples(
-            task,
-            tokenizer,
-            settings.samples,
-            settings.context_tokens,
-            seed=settings.seed,
-            n_needles=settings.needles,
-            continuation_tokens=settings.continuation_tokens,
-            articles=articles,
-        )
+        samples = samples_of[task]
         for method in active:
             results.results[(task, method.name)] = MethodResult(task, method)
         results.context_tokens[task] = []

@@ -41,14 +41,18 @@ from ..cache import kv_cache_bytes
 from ..errors import ConfigurationError
 from ..profiling.continuation import continuation_nll, prefill
 from ..texts import Article, wikipedia_articles
-from .methods import TASKS  # the names live there, light, for the command line's help
+from .methods import (  # light, for the command line's help and its early checks
+    ANSWER_TOKENS,
+    RECALL_MIN_TOKENS,
+    TASKS,
+    check_bench_numbers,
+)
 
 RETRIEVAL_TASKS = TASKS[:3]
 ACCURACY_TASKS = (*RETRIEVAL_TASKS, "recall")  # scored in [0, 1], higher is better (the rest: NLL)
 RECALL_PROMPT = '\n\nQuote the sentence of the text above that begins with "{cue}":\n'
 RECALL_CUE_WORDS = 5
 RECALL_MAX_TOKENS = 48  # of a sentence's rest, teacher-forced
-RECALL_MIN_TOKENS = 8  # a shorter rest is not asked
 CacheFactory = Callable[[], Any]
 
 PREAMBLE = (
@@ -148,7 +152,7 @@ class Question:
 
     prompt: str
     answers: tuple[str, ...]
-    max_new_tokens: int = 12
+    max_new_tokens: int = ANSWER_TOKENS
 
 
 @dataclass(frozen=True)
@@ -318,7 +322,9 @@ def _retrieval_sample(
     context = PREAMBLE + _insert_needles(rng, sentences, needles)
     if task == "niah_multivalue":
         questions: tuple[Question, ...] = (
-            Question(QUESTION_ALL.format(key=facts[0][0]), tuple(v for _, v in facts), 12 * n_needles),
+            Question(
+                QUESTION_ALL.format(key=facts[0][0]), tuple(v for _, v in facts), ANSWER_TOKENS * n_needles
+            ),
         )
     else:
         questions = tuple(Question(QUESTION.format(key=k), (v,)) for k, v in facts)
@@ -419,10 +425,7 @@ def make_samples(
     """
     if task not in TASKS:
         raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
-    if n_samples < 1 or context_tokens < 32:
-        raise ConfigurationError(
-            f"Need n_samples >= 1 and context_tokens >= 32, got {n_samples}, {context_tokens}."
-        )
+    check_bench_numbers(n_samples, context_tokens, n_needles, continuation_tokens)
     articles = list(articles) if articles is not None else wikipedia_articles()
     rng = random.Random(f"{task}-{seed}-{context_tokens}")
     if task == "continuation":
@@ -436,6 +439,36 @@ def make_samples(
     return [
         _retrieval_sample(task, tokenizer, rng, articles, context_tokens, n_needles) for _ in range(n_samples)
     ]
+
+
+def sample_positions(tokenizer: Any, sample: Sample) -> int:
+    """The positions ``sample`` needs: its context and what follows it (the longest question and its answer
+    tokens, the continuation, or the longest quote).
+
+    >>> sample_positions(None, ContinuationSample("A", (1, 2, 3), (4, 5)))  # no text: no tokenizer read
+    5
+    """
+    if isinstance(sample, ContinuationSample):
+        return len(sample.context_ids) + len(sample.continuation_ids)
+    if isinstance(sample, RecallSample):
+        return len(sample.context_ids) + max(sum(map(len, quote)) for quote in sample.quotes)
+    context = _count_tokens(tokenizer, sample.context)
+    return context + max(_count_tokens(tokenizer, q.prompt) + q.max_new_tokens for q in sample.questions)
+
+
+def check_sample_positions(config: Any, tokenizer: Any, samples: Sequence[Sample]) -> None:
+    """Refuse (:class:`ConfigurationError`, as ``lukv check`` does) samples that need more positions than
+    the model has (``config``'s ``max_position_embeddings``), before any of them runs."""
+    from ..models import check_positions
+
+    for number, sample in enumerate(samples, start=1):
+        needed = sample_positions(tokenizer, sample)
+        check_positions(
+            config,
+            needed,
+            f"Sample {number} of {sample.task} (its context and what follows it)",
+            "pass a smaller --context-tokens (context_tokens=)",
+        )
 
 
 # --------------------------------------------------------------------------------------- running samples
