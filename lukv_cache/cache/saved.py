@@ -51,7 +51,8 @@ def save_cache(cache: LUKVCache, path: str | os.PathLike, *, model: Any = None) 
     cache. The weight fingerprint is taken from those attention modules, else from ``model`` (pass it for a
     loaded cache that has not run yet). The file is written to a temporary file in the same folder and
     renamed: a reader sees the old file or the new one, and a failed write leaves nothing behind; a symlink
-    is written through, a missing folder is refused.
+    is written through, a missing folder is refused. The file's mode is the one ``open()`` gives a new file
+    (0o666 less the umask: 0644 under umask 022), also when it replaces one (whose mode is not kept).
 
     Refused with :class:`~lukv_cache.errors.SavedContextError`: a cache that holds nothing, one inside a
     forward (or a ``holding()`` block not yet evicted), one whose layers have seen different numbers of

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -180,11 +181,20 @@ def _save_prefill_scores(cache: CompressedCache, tensors: dict[str, torch.Tensor
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+    """Write the file as profiles are written (:func:`~lukv_cache.profiles.files.write_atomically`): a temp
+    file beside ``path``, renamed over it; the file gets the mode ``open()`` gives a new file (0o666 less the
+    process umask)."""
     from safetensors.torch import save_file
+
+    def write(tmp: str) -> None:
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)  # write_atomically created tmp as open() does
+        save_file(tensors, tmp, metadata=metadata)
+        # safetensors (0.7 on) writes a file of its own, mode 0600, and renames it over tmp: give the mode back
+        os.chmod(tmp, mode)
 
     write_atomically(
         path,
-        lambda tmp: save_file(tensors, tmp, metadata=metadata),
+        write,
         lambda message: SavedContextError(message, path=str(path)),
         example="context.safetensors",
     )

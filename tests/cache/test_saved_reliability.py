@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -220,3 +222,34 @@ def test_kept_prefill_scores_with_padding_at_minus_inf_save_and_load(tmp_path):
     loaded = load_cache(save_cache(cache, tmp_path / "context.safetensors"), model)
     for idx, scores in cache.prefill_scores.items():
         assert torch.equal(loaded.prefill_scores[idx], scores)
+
+
+# ---------------------------------------------------------------------------------------------- file mode
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=["022", "077", "002"])
+def test_a_saved_context_gets_the_mode_open_gives_under_the_umask_as_a_profile_does(umask, tmp_path):
+    """0o666 less the umask, as open() and profiles: safetensors wrote its own 0600 file, renamed over the
+    temp file, so contexts came out 0600 whatever the umask. A file already at the path is replaced."""
+    from lukv_cache.profiles.files import atomic_write
+
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(0.5, "keydiff", config=model.config)
+    with torch.no_grad():
+        model(prompt(1, 40), past_key_values=cache, use_cache=True)
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(b"")
+    old.chmod(0o600)
+    before = os.umask(umask)
+    try:
+        for path in (tmp_path / "context.safetensors", old):
+            save_cache(cache, path)
+        atomic_write(tmp_path / "profile.safetensors", b"profile")
+        with open(tmp_path / "plain", "w"):
+            pass
+    finally:
+        os.umask(before)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == dict.fromkeys(
+        ("context.safetensors", "old.safetensors", "profile.safetensors", "plain"), 0o666 & ~umask
+    )
+    assert load_cache(old, model).get_seq_length() == 40
