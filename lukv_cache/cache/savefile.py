@@ -189,7 +189,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pat
     def write(tmp: str) -> None:
         mode = stat.S_IMODE(os.stat(tmp).st_mode)  # write_atomically created tmp as open() does
         save_file(tensors, tmp, metadata=metadata)
-        # safetensors (0.7 on) writes a file of its own, mode 0600, and renames it over tmp: give the mode back
+        # safetensors (0.8) writes a file of its own, mode 0600, and renames it over tmp: give the mode back
         os.chmod(tmp, mode)
 
     write_atomically(
