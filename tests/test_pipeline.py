@@ -104,3 +104,54 @@ def test_a_question_template_with_doubled_braces_is_accepted():
 def test_a_context_that_is_not_text_is_refused(context):
     with pytest.raises(ConfigurationError, match="not text"):
         LUKVPipeline(tiny_model("llama"), CharTokenizer())(context, "q")
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_a_cache_of_your_own_holds_the_compressed_context_and_answers_as_make_cache_would(keyword):
+    """Issue 54, item 7: cache= raised generate's "multiple values" TypeError; past_key_values= was ignored
+    (the cache stayed empty)."""
+    model, tokenizer = tiny_model("llama"), CharTokenizer()
+    context, questions = "a context of some length for the tiny model " * 2, ["who?", "when was it?"]
+    want = LUKVPipeline(model, tokenizer, ratio=0.5)(context, questions, max_new_tokens=5)
+    mine = LUKVCache(0.5)
+    ask = LUKVPipeline(model, tokenizer, lambda: pytest.fail("make_cache() ran although a cache was given"))
+    assert ask(context, questions, max_new_tokens=5, **{keyword: mine}) == want
+    assert ask.cache is mine
+    assert mine.get_seq_length() == tokenizer(context).input_ids.shape[1]  # the context, compressed
+    assert int(mine.stored_tokens().max()) < mine.get_seq_length()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cache": "DynamicCache"}, "cache= must be a LUKVCache"),
+        ({"past_key_values": "DynamicCache"}, "past_key_values= must be a LUKVCache"),
+        ({"cache": "LUKVCache", "past_key_values": "LUKVCache"}, "cache= or as past_key_values=, not both"),
+        ({"cache": "filled"}, "already holds 40 tokens"),
+        ({"attention_mask": torch.ones(1, 3)}, "attention_mask= cannot be passed"),
+        ({"input_ids": torch.ones(1, 3)}, "input_ids= cannot be passed"),
+        (
+            {"max_new_tokens": 0},
+            "max_new_tokens is the answer tokens decoded per question and must be a positive",
+        ),
+        ({"max_new_tokens": -1}, "must be a positive integer, got -1"),
+        ({"max_new_tokens": 2.5}, "must be a positive integer, got 2.5"),
+        ({"max_new_tokens": True}, "must be a positive integer, got True"),
+    ],
+)
+def test_what_the_pipeline_cannot_honour_is_a_typed_error_before_compressing(kwargs, message):
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    made = {
+        "DynamicCache": DynamicCache,
+        "LUKVCache": lambda: LUKVCache(0.5),
+        "filled": lambda: _filled(model),
+    }
+    kwargs = {k: made[v]() if isinstance(v, str) else v for k, v in kwargs.items()}
+    calls = []
+    ask = LUKVPipeline(model, CharTokenizer(), lambda: calls.append(1) or LUKVCache(0.5))
+    with pytest.raises(ConfigurationError, match="LUKVPipeline") as info:
+        ask("some context", ["q"], **kwargs)
+    assert message in str(info.value)
+    assert not calls and ask.cache is None  # refused before the context is compressed
