@@ -29,6 +29,7 @@ from .policy import (
     ChosenBits,
     CompressionPolicy,
     add_option_properties,
+    check_bits_fit,
     check_flag,
     option_signature,
     options_args,
@@ -90,6 +91,7 @@ class LUKVCache(HybridRouting, CacheReport):
         )
         self.state = ForwardState()  # what a forward leaves pending: reset() replaces it whole
         if config is not None:
+            check_bits_fit(self.policy.kv_bits, config)  # the head dim is known: refused now
             self.layout.set_layout(self, config)
         self.compressor = Compressor(self)  # owns compression: the cache forwards to it
         self._refeed_check = False  # activate_past_recording() found the cache filled (see _check_refeed)

@@ -568,6 +568,32 @@ def bounded_prompt(ratio: Any, max_tokens: Any, decode_max_tokens: Any, evict_ra
     return max_tokens
 
 
+def check_bits_fit(kv_bits: int | None, config: Any) -> None:
+    """Refuse ``kv_bits=4`` for a model whose head dim, read from its ``config``, is odd (4-bit codes pack two
+    channels per byte): a :class:`~lukv_cache.errors.ConfigurationError` at construction, as the first
+    compression of a cache built without ``config=`` raises. A config that gives no head dim passes.
+
+    >>> from types import SimpleNamespace
+    >>> check_bits_fit(4, SimpleNamespace(hidden_size=64, num_attention_heads=4))  # head dim 16
+    >>> check_bits_fit(8, SimpleNamespace(head_dim=15))  # one channel per byte
+    >>> check_bits_fit(4, SimpleNamespace(head_dim=15))
+    Traceback (most recent call last):
+    lukv_cache.errors.ConfigurationError: kv_bits=4 packs two channels per byte: head_dim 15 (SimpleNamespace) is odd; use kv_bits=8.
+    """
+    if kv_bits != 4:
+        return
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    dim = getattr(text, "head_dim", None)
+    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+    if not isinstance(dim, int) and isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
+        dim = hidden // heads
+    if isinstance(dim, int) and not isinstance(dim, bool) and dim % 2:
+        raise ConfigurationError(
+            f"kv_bits=4 packs two channels per byte: head_dim {dim} ({type(text).__name__}) is odd; use "
+            "kv_bits=8."
+        )
+
+
 def default_ratio(ratio: Any) -> float:
     """``ratio`` checked, :data:`RATIO` when not given.
 
