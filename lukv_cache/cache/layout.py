@@ -41,6 +41,18 @@ BUDGET_NEEDS_FULL_ATTENTION = (
 )
 
 
+def bounds_given(policy: Any) -> tuple[str, ...]:
+    """The token bounds a cache's ``policy`` was given, for its messages: ``max_tokens`` and/or
+    ``decode_max_tokens`` (whose bound is ``max_tokens`` too when nothing else bounds the prompt), or none
+    (``ratio`` sets what the cache keeps)."""
+    given = []
+    if policy.max_tokens is not None and policy.max_tokens != policy.decode_max_tokens:
+        given.append("max_tokens")
+    if policy.decode_max_tokens is not None:
+        given.append("decode_max_tokens")
+    return tuple(given)
+
+
 def _lukv_layer(layer: Any, factory: LayerFactory) -> Any:
     """The layer the cache keeps in place of transformers' ``layer``: a compressed one for full attention
     (alone, or beside a linear-attention state), built by ``factory``; transformers' own for everything
@@ -294,9 +306,12 @@ class Layout:
             else sorted({self.sliding_windows[i] for i in stock if i in self.sliding_windows})
         )
         compress = cache.policy.sliding == "compress"
-        text = self.left_alone_text(layer_types, stock, whole, producers, full, kept, sizes, "", compress)
+        bounds = bounds_given(cache.policy)
+        text = self.left_alone_text(
+            layer_types, stock, whole, producers, full, kept, sizes, "", compress, bounds
+        )
         self.left_alone = self.left_alone_text(
-            layer_types, stock, whole, producers, full, kept, sizes, f" of {length} tokens", compress
+            layer_types, stock, whole, producers, full, kept, sizes, f" of {length} tokens", compress, bounds
         )
         logger.debug("%s", self.left_alone)
         if cache.evicts and (self.model_type, text) not in _warned:
@@ -314,10 +329,12 @@ class Layout:
         sizes: list[int],
         prompt: str,
         compress: bool = False,
+        bounds: Sequence[str] = (),
     ) -> str:
         """What :meth:`warn` says; ``prompt`` names the prompt's length in the account of one prompt.
         ``compress``: the policy's ``sliding`` is ``"compress"``, so a sliding layer is left alone only while
-        the cache records its past, or for its attention's keys (:meth:`unseat_sliding`)."""
+        the cache records its past, or for its attention's keys (:meth:`unseat_sliding`). ``bounds``: the
+        token bounds the cache was given (:func:`bounds_given`), named instead of ``ratio``."""
         parts = []
         if stock:
             kinds = sorted({layer_types[i] for i in stock})
@@ -354,11 +371,14 @@ class Layout:
         named = (
             "full-attention layers" if not kept else "layers (full attention, and sliding ones compressed)"
         )
-        tail = (
-            "this cache compresses nothing and max_tokens bounds nothing here."
-            if not full
-            else f"eviction, ratio and max_tokens apply to the {named} {full}."
-        )
+        given = " and ".join(bounds)
+        if not full:
+            verb = "bounds" if len(bounds) == 1 else "bound"
+            tail = f"this cache compresses nothing and {given} {verb} nothing here."
+            if not bounds:
+                tail = "this cache compresses nothing here."
+        else:
+            tail = f"eviction and {given or 'ratio'} apply to the {named} {full}."
         which = "every layer" if not full else "some layers"
         return f"LUKVCache leaves {which} of this model alone: {'; '.join(parts)}; {tail}"
 

@@ -67,6 +67,9 @@ SINK = 4  # the first tokens every head keeps, by default
 RATIO = 0.5  # the fraction removed when nothing sets it (no ratio=, max_tokens=, decode_max_tokens= or table)
 BUDGET_FOLD_AT = 8  # fold_interval under a memory budget: the dense decode room counts in its bytes
 _MAX_TOKENS_LIMIT = 2**40  # far beyond any context; larger numbers are a mistake (None means no cap)
+# 1 PiB per batch row: beyond any memory; a larger max_bytes is a mistake (10**30 overflowed at the first
+# forward; None means no budget)
+MAX_BYTES_LIMIT = 2**50
 
 # What a sliding-window layer does when the prompt is longer than its window (LUKVCache(sliding=...)):
 # "compress" (the default with ratio=): the layer stays a LUKVLayer, drops what is older than its window
@@ -138,6 +141,19 @@ def _memory(name: str, value: Any, default: Any) -> float | None:
             f"memory must be a fraction in (0, 1] of the full cache's bytes (0.1: a tenth), got {value!r}."
         )
     return float(value)
+
+
+def _max_bytes(name: str, value: Any, default: Any) -> int | None:
+    bound = _check_count(name, value, positive=True, default=default)
+    if bound is not None and bound > MAX_BYTES_LIMIT:
+        digits = len(str(bound))
+        shown = str(bound) if digits <= 24 else f"a number of {digits} digits"
+        raise ConfigurationError(
+            f"max_bytes={shown} is beyond any memory: at most 2**50 bytes (1 PiB) per row. Pass the bytes a row "
+            "may hold (e.g. max_bytes=2**30), memory= for a fraction of the full cache's, or max_bytes=None "
+            "for no budget."
+        )
+    return bound
 
 
 def _scorer(name: str, value: Any, default: Any) -> Scorer:
@@ -361,8 +377,9 @@ class CompressionPolicy:
         "Like `memory`, a hard bound instead: at most this many bytes per batch row after the prompt.",
         "The byte analogue of ``max_tokens``: the same choice of bits and tokens as ``memory=``, for a number "
         "of bytes per row whatever the prompt's length (a prompt that fits is kept whole, at the model's "
-        "precision when it fits so).",
-        check=count(positive=True),
+        "precision when it fits so). At most ``2**50`` (1 PiB per row): a larger number is refused, not taken "
+        "as no bound (``None`` is no budget).",
+        check=_max_bytes,
         kinds=(int, type(None)),
         low=1,
         before=None,  # files written before the option: no budget
@@ -455,11 +472,7 @@ class CompressionPolicy:
             sliding = "keep" if bounded else "compress"
         sliding = check("sliding", sliding)
         if sliding == "compress" and bounded:
-            raise ConfigurationError(
-                "sliding='compress' does not combine with max_tokens= or decode_max_tokens= yet (their bound is "
-                "shared by layers that all hold the same tokens); use ratio=, or leave sliding= unset (with a "
-                "bound it is 'keep')."
-            )
+            _refuse_compressed_sliding(given)
         if decode_max_tokens is not None:
             if decode_max_tokens > _MAX_TOKENS_LIMIT:
                 raise ConfigurationError(
@@ -618,6 +631,23 @@ def _check_table_alone(evict_ratio: Any, ratio: Any, max_tokens: Any) -> None:
         f"evict_ratio= fixes every head's budget (its mean is the ratio), so {given} cannot also apply. "
         f"Drop {given}, or read a profile's curve at your ratio: LUKVCache(ratio, allocator='profile', "
         "allocator_kwargs={'profile': profile}) or LUKVCache.from_pretrained(model_id, ratio=...)."
+    )
+
+
+def _refuse_compressed_sliding(given: Mapping[str, Any]) -> None:
+    """``sliding="compress"`` with a bound: the error names the bound the user passed."""
+    tokens = [f"{name}=" for name in ("max_tokens", "decode_max_tokens") if given[name] is not None]
+    if tokens:
+        raise ConfigurationError(
+            f"sliding='compress' does not combine with {' or '.join(tokens)} yet (a token bound is shared by "
+            "layers that all hold the same tokens); use ratio=, or leave sliding= unset (with a bound it is "
+            "'keep')."
+        )
+    budget = "memory=" if given["memory"] is not None else "max_bytes="
+    raise ConfigurationError(
+        f"sliding='compress' does not combine with {budget} yet: a memory budget runs on models whose every "
+        "layer is full attention, where sliding= changes nothing; leave sliding= unset, or use ratio= with "
+        "sliding='compress'."
     )
 
 

@@ -219,3 +219,19 @@ def test_positive_crop_is_rejected_like_dynamic_cache():
 
 def test_no_ratio_and_no_token_budget_means_the_default_ratio():
     assert LUKVCache().ratio == LUKVCache(None).ratio == 0.5
+
+
+@pytest.mark.parametrize("max_bytes", [10**30, 10**400, 2**50 + 1, 1e30, 1e400], ids=str)
+def test_an_absurd_max_bytes_is_refused_when_the_cache_is_built(max_bytes):
+    """Issue 54, item 8: 10**30 and 10**400 overflowed at the first forward (a float is not a count)."""
+    with pytest.raises(ConfigurationError) as info:
+        LUKVCache(max_bytes=max_bytes)
+    message = str(info.value)
+    assert message.startswith("max_bytes") and len(message) < 300  # 10**400 is not printed digit by digit
+    assert "at most 2**50 bytes" in message or "must be a positive integer" in message
+
+
+def test_a_max_bytes_of_a_petabyte_is_accepted_and_bounds_nothing_a_tiny_model_holds():
+    cache = LUKVCache(max_bytes=2**50)
+    _prefill(cache)
+    assert cache.max_bytes == 2**50 and int(cache.stored_tokens().min()) == 30  # the prompt kept whole

@@ -127,6 +127,39 @@ def test_a_prompt_longer_than_the_window_keeps_the_stock_sliding_layer_and_says_
     assert cache.is_compressed
 
 
+@pytest.mark.parametrize(
+    "options, tail",
+    [
+        ({"ratio": 0.5}, "; this cache compresses nothing here."),
+        ({"max_tokens": 12}, "; this cache compresses nothing and max_tokens bounds nothing here."),
+        (
+            {"decode_max_tokens": 12},
+            "; this cache compresses nothing and decode_max_tokens bounds nothing here.",
+        ),
+    ],
+)
+def test_an_all_sliding_model_names_only_the_bound_it_was_given(options, tail):
+    """Issue 54, item 9: under ratio= it said 'max_tokens bounds nothing'."""
+    model = tiny_model("mistral", "sdpa", sliding_window=16)
+    cache = LUKVCache(**options, sliding="keep")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(prompt(1, 24), past_key_values=cache)
+    said = [str(w.message) for w in caught if "LUKVCache leaves" in str(w.message)]
+    assert said and said[0].endswith(tail) and cache.layout.left_alone.endswith(tail)
+    if "max_tokens" not in options:
+        assert "max_tokens" not in cache.layout.left_alone.replace("decode_max_tokens", "")
+
+
+@pytest.mark.parametrize("options, named", [({"ratio": 0.5}, "ratio"), ({"max_tokens": 12}, "max_tokens")])
+def test_a_partly_sliding_model_names_what_applies_to_its_full_attention_layers(options, named):
+    cache = LUKVCache(**options, sliding="keep")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        tiny_model("gemma2", "eager")(prompt(1, 12), past_key_values=cache)
+    assert cache.layout.left_alone.endswith(f"; eviction and {named} apply to the full-attention layers [1].")
+
+
 def _left_alone_warnings(model, length: int, caches: int = 1) -> list[str]:
     """The lukv warnings of ``caches`` fresh caches, one after another, each given a ``length``-token prompt."""
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
@@ -287,7 +320,13 @@ def test_compress_saves_and_loads_with_its_option(tmp_path):
     [
         ({"ratio": 0.5, "sliding": "drop"}, "sliding must be one of 'keep', 'compress'"),
         ({"max_tokens": 64, "sliding": "compress"}, "does not combine with max_tokens"),
-        ({"decode_max_tokens": 64, "sliding": "compress"}, "does not combine with max_tokens"),
+        ({"decode_max_tokens": 64, "sliding": "compress"}, "does not combine with decode_max_tokens="),
+        # issue 54, item 9: a memory budget was refused by a message blaming max_tokens=
+        ({"memory": 0.1, "sliding": "compress"}, r"does not combine with memory= yet: a memory budget"),
+        (
+            {"max_bytes": 10**6, "sliding": "compress"},
+            r"does not combine with max_bytes= yet: a memory budget",
+        ),
     ],
 )
 def test_a_bad_sliding_option_is_a_configuration_error(kwargs, match):
