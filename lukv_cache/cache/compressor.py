@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -27,7 +28,15 @@ from .folding import fold_due, fold_evict, keeps_scores
 from .forward import begin_forward, check_forward
 from .layer import LUKVLayer
 from .layout import BUDGET_NEEDS_FULL_ATTENTION
-from .memory import BITS, MemoryChoice, choose_bits, kept_queries, layer_shapes, log_choice
+from .memory import (
+    BITS,
+    MemoryChoice,
+    choose_bits,
+    kept_queries,
+    layer_shapes,
+    log_choice,
+    prefill_scores_bytes,
+)
 from .state import Phase
 
 
@@ -70,6 +79,8 @@ class Compressor:
         # and the precisions it chooses among (a benchmark fixes one to compare them at the same bytes)
         self.memory_choice: MemoryChoice | None = None
         self.precisions: tuple[int | None, ...] = BITS
+        # the cache recorded its past (assisted decoding) at the last forward; warned of an unsure prompt
+        self.recorded = self.warned_unsure = False
         if cache.layer_class_to_replicate is not None:  # the layout is unknown: grown layers are ours too
             cache.layer_class_to_replicate = self.new_layer
 
@@ -85,6 +96,7 @@ class Compressor:
         new.cache = copy.deepcopy(self.cache, memo)
         new.new_layer, new.observers = self.new_layer, list(self.observers)
         new.memory_choice, new.precisions = self.memory_choice, self.precisions
+        new.recorded, new.warned_unsure = self.recorded, self.warned_unsure
         return new
 
     # ------------------------------------------------------------------ observers
@@ -107,9 +119,27 @@ class Compressor:
         the previous forward left (its state, then what it left to evict: :meth:`flush`); then check this
         forward (:func:`~lukv_cache.cache.forward.check_forward`)."""
         if layer_idx == 0:
-            begin_forward(self.cache.state, key_states.shape[-2])
+            self.begin(key_states.shape[-2])
             self.flush()
         check_forward(self.cache, key_states, layer_idx)
+
+    def begin(self, length: int) -> None:
+        """A forward of ``length`` tokens starts: whether it belongs to the prompt
+        (:func:`~lukv_cache.cache.forward.begin_forward`); warn once per cache when that cannot be told."""
+        cache = self.cache
+        empty = not any(isinstance(each, LUKVLayer) and each.cumulative_length for each in cache.layers)
+        recording = cache.layout.record_past
+        unsure = begin_forward(cache.state, length, empty=empty, recording=recording, recorded=self.recorded)
+        self.recorded = recording
+        if unsure and cache.evicts and self.policy.prefill_chunk_size is None and not self.warned_unsure:
+            self.warned_unsure = True
+            warnings.warn(
+                "LUKVCache: assisted decoding left this cache recording its past, so a multi-token forward "
+                "before the first decoded token may be a chunk of generate(prefill_chunk_size=C)'s prompt or "
+                "a verification forward of assisted decoding: it is appended uncompressed. To compress every "
+                "chunk, build the cache with LUKVCache(..., prefill_chunk_size=C), or use a fresh cache.",
+                stacklevel=2,
+            )
 
     def on_attention(
         self,
@@ -124,9 +154,11 @@ class Compressor:
         full-attention layer; in a :meth:`~lukv_cache.LUKVCache.holding` block the layer's region waits for
         :meth:`evict_held`."""
         policy, state = self.policy, self.cache.state
+        if policy.keeps_whole:  # memory=1.0: the whole cache, nothing compressed or folded
+            return
         last = idx == self.cache.layout.last_full_layer
-        if not wants_compression(policy, layer, query.shape[2], state.previous_length):
-            decoding = policy.decode_max_tokens is not None and state.phase is None
+        if not wants_compression(policy, layer, query.shape[2], state):
+            decoding = policy.evicts_at_folds and state.phase is None
             if decoding and fold_due(layer, policy, query):
                 state.folding[idx] = (module, attention_mask)
                 if last:
@@ -177,7 +209,12 @@ class Compressor:
         if len(full) != count or not all(type(each) is LUKVLayer for each in cache.layers):
             raise ConfigurationError(BUDGET_NEEDS_FULL_ATTENTION)
         heads = layer.num_heads * (1 if layout.head_shard is None else layout.head_shard.size)
-        shapes = layer_shapes(layer, len(full), heads, kept_queries(policy, layout.query_heads, heads))
+        # keep_scores: every layer's prefill scores of this forward count in the budget too
+        scores = (
+            0 if cache.prefill_scores is None else prefill_scores_bytes(len(full), heads, layer.suffix_length)
+        )
+        queries = kept_queries(policy, layout.query_heads, heads)
+        shapes = layer_shapes(layer, len(full), heads, queries, scores)
         profile = (policy.allocator_kwargs or {}).get("profile") or getattr(cache, "profile", None)
         choice = choose_bits(
             policy.memory,
@@ -231,8 +268,19 @@ class Compressor:
         state, cache = self.cache.state, self.cache
         folding, state.folding = state.folding, {}
         layout = cache.layout
+        held = cache.prefill_scores or {}  # keep_scores: the prompt's scores count in a memory budget
+        rows = max((scores.shape[0] for scores in held.values()), default=1)
+        scores_bytes = sum(scores.numel() * scores.element_size() for scores in held.values()) // rows
+        if layout.head_shard is not None:  # a rank holds its block of heads: the budget counts every head's
+            scores_bytes *= layout.head_shard.size
         fold_evict(
-            cache.layers, folding, self.policy, layout.head_shard, cache.num_layers, layout.query_heads
+            cache.layers,
+            folding,
+            self.policy,
+            layout.head_shard,
+            cache.num_layers,
+            layout.query_heads,
+            scores_bytes,
         )
         self._report("fold", folding, started)
 

@@ -27,32 +27,43 @@ from .compression import (
 from .contract import CompressedCache
 from .folding import keeps_scores, scorer_context, suffix_valid
 from .layer import LUKVLayer
+from .state import ForwardState
 
 
 def wants_compression(
-    policy: CompressionPolicy, layer: LUKVLayer, query_length: int, previous_length: int | None = None
+    policy: CompressionPolicy, layer: LUKVLayer, query_length: int, state: ForwardState | None = None
 ) -> bool:
-    """Compress after a multi-token forward: always the first time; with the cache's ``prefill_chunk_size``
-    ``C``, every chunk of a chunked prefill (``C`` tokens each, yours or ``generate(prefill_chunk_size=C)``'s),
-    the last shorter one too: a later forward is compressed once ``C`` uncompressed tokens have piled up,
-    or when the forward before it (``previous_length``) had exactly ``C`` tokens (every time under a
-    ``max_tokens`` cap). Other later forwards (a question after a context) are kept whole.
+    """Compress after a multi-token forward that belongs to the prompt: the first forward into an empty
+    layer, and every later multi-token forward while ``state.prompt`` holds, i.e. before the cache's first
+    one-token (decode) forward: the chunks of ``generate(prefill_chunk_size=C)``, which calls the model
+    once per ``C`` tokens and tells the cache nothing, and chunks forwarded by hand, each compressed as it
+    arrives (each keeps about the ratio of what it makes evictable, so the kept tokens come close to the
+    unchunked prompt's, and only the compressed prompt and one chunk's KV are alive at a time). The prompt
+    ends at the first decode forward, after ``cache.prefill`` and in a ``fork``/``deepcopy`` of the cache
+    (:meth:`~lukv_cache.cache.state.ForwardState.end_prompt`); under assisted decoding it is the first
+    forward alone (the prompt and the first drafts). A later multi-token forward (a question after a
+    context, a second generate's new tokens, a verification forward) is kept whole. A context forwarded by
+    hand, not through ``cache.prefill``, leaves the prompt open: a question sent next is compressed like a
+    chunk (a cache cannot tell them apart; ``fork()`` the context for its questions).
 
-    A cache cannot tell a chunk from a question by what it receives, and transformers tells it neither, so
-    ``generate(prefill_chunk_size=C)`` needs ``LUKVCache(prefill_chunk_size=C)`` for its later chunks to be
-    compressed."""
+    With the cache's ``prefill_chunk_size`` ``C``, also after the prompt: a later forward is compressed
+    once ``C`` uncompressed tokens have piled up, or when the forward before it (``state.previous_length``)
+    had exactly ``C`` tokens (every multi-token forward under a ``max_tokens`` or memory cap)."""
     if not layer.compressed and layer.cumulative_length == query_length:
         return True  # the prompt, even of one token: what comes after it is decoding, as in a batch
     if query_length <= 1:
         return False
     if not layer.compressed:
         return True
+    if state is not None and state.prompt:
+        return True  # a chunk of the prompt
     chunk = policy.prefill_chunk_size
     if chunk is None:
         return False
     if policy.max_tokens is not None or policy.in_bytes:
         return True  # a cap holds after every chunk, the last shorter one too
-    return previous_length == chunk or layer.suffix_length - policy.window >= chunk
+    previous = None if state is None else state.previous_length
+    return previous == chunk or layer.suffix_length - policy.window >= chunk
 
 
 def score_step(
@@ -118,6 +129,7 @@ def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Te
             scores.shape[2],
             cache.layout.query_heads,
             cache.memory_choice,
+            cache.prefill_scores is not None,
         )
         ratio, cache.state.cap_ratio = row_ratios(policy, region, cap, slots, cache.state.cap_ratio)
         request = AllocationRequest(

@@ -17,16 +17,31 @@ from .report import stock_keys
 from .state import ForwardState
 
 
-def begin_forward(state: ForwardState, length: int) -> None:
-    """A forward of ``length`` tokens starts (its layer 0): its lengths, the attention guard, and no call
-    left waiting by an earlier forward. (What an earlier forward left to evict, the compressor evicts
-    next: :meth:`~lukv_cache.cache.compressor.Compressor.flush`.)"""
+def begin_forward(
+    state: ForwardState, length: int, *, empty: bool = False, recording: bool = False, recorded: bool = False
+) -> bool:
+    """A forward of ``length`` tokens starts (its layer 0): its lengths, whether it is a chunk of the
+    prompt (``state.prompt``: ``empty``, the cache holds nothing yet; ``recording``, the cache records its
+    past for assisted decoding; ``recorded``, it did at an earlier forward already), the attention guard,
+    and no call left waiting by an earlier forward. (What an earlier forward left to evict, the compressor
+    evicts next: :meth:`~lukv_cache.cache.compressor.Compressor.flush`.) Returns whether this forward is
+    one the cache cannot place: a multi-token forward before the first decode, while a past recording
+    left on by an earlier prompt is on (a chunk of this prompt, or assisted decoding's verification
+    forward); it is kept whole, and the caller warns once."""
     state.previous_length, state.length = state.length, length
+    if empty:
+        # a new prompt; assisted decoding records the past from before its first forward, which holds the
+        # whole prompt and the first drafts: the multi-token forwards after it are verification forwards
+        state.prompt, state.unsure = not recording, recording and recorded
+    unsure = state.unsure and not empty and length > 1
+    if length <= 1:  # decoding: what comes after is a question or a verification forward
+        state.end_prompt()
     guard_attention()  # implementations registered since import must not read this cache silently
     state.cap_ratio = None
     if state.awaiting is not None:  # a previous forward raised between update() and attention
         state.awaiting = None
         discard_attention()
+    return unsure
 
 
 def check_forward(cache: CompressedCache, key_states: torch.Tensor, layer_idx: int) -> None:

@@ -38,7 +38,22 @@ def prefill_context(
     **model_kwargs: Any,
 ) -> Any:
     """:meth:`LUKVCache.prefill <lukv_cache.LUKVCache.prefill>`: run the context through ``model`` into
-    ``cache`` and compress it (with a reconstruction scorer: after its repeat passes); the model's output."""
+    ``cache`` and compress it (with a reconstruction scorer: after its repeat passes); the model's output.
+    The prompt is then complete (``ForwardState.end_prompt``): a question sent next is appended whole."""
+    out = _prefill(cache, model, input_ids, attention_mask, tokenizer, repeat_prompt, model_kwargs)
+    cache.state.end_prompt()
+    return out
+
+
+def _prefill(
+    cache: Any,
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    tokenizer: Any,
+    repeat_prompt: RepeatPrompt | None,
+    model_kwargs: dict[str, Any],
+) -> Any:
     cache.layout.meet_model(cache, model, strict=True)
     recon = cache.scorer.reconstruction
     config: Any = getattr(model, "config", None)

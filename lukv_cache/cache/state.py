@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import enum
 import weakref
 from collections.abc import Iterator
@@ -42,7 +44,17 @@ class ForwardState:
     ``round.scores`` and cropped afterwards), ``None`` for ordinary forwards; ``cap_ratio``: with ``max_tokens``, each row's ratio in
     this forward (fixed at its first eviction); ``length`` and ``previous_length``: the tokens of this
     forward and of the one before it (``None`` before the first), which tell a chunked prefill's last
-    shorter chunk (:func:`~lukv_cache.cache.eviction.wants_compression`).
+    shorter chunk under the cache's ``prefill_chunk_size``.
+
+    ``prompt``: the multi-token forwards into this cache are still its prompt's chunks, each compressed as
+    it arrives (:func:`~lukv_cache.cache.eviction.wants_compression`; kept by
+    :func:`~.forward.begin_forward`). A forward into an empty cache opens the prompt, unless assisted
+    decoding records the past already (its first forward holds the whole prompt and the first drafts:
+    what follows are verification forwards); it ends at the first forward of one token (decoding) and at
+    :meth:`end_prompt` (``cache.prefill``; a copy of the cache, ``fork`` or ``deepcopy``, made for a
+    question): a later multi-token forward (a question) is appended whole. ``unsure``: a past recording
+    left on by an earlier prompt was on when this one opened, so the cache cannot tell a chunk of this
+    prompt from a verification forward (it keeps them whole, and warns once).
     """
 
     awaiting: int | None = None
@@ -56,6 +68,22 @@ class ForwardState:
     cap_ratio: torch.Tensor | None = None
     length: int | None = None
     previous_length: int | None = None
+    prompt: bool = False
+    unsure: bool = False
+
+    def end_prompt(self) -> None:
+        """The prompt is complete: later multi-token forwards (a question) are appended whole, until a
+        ``reset`` empties the cache."""
+        self.prompt = self.unsure = False
+
+    def __deepcopy__(self, memo: dict) -> ForwardState:
+        # a copy of the cache (fork, deepcopy) is made for a question: its prompt is complete
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for each in dataclasses.fields(self):
+            setattr(new, each.name, copy.deepcopy(getattr(self, each.name), memo))
+        new.end_prompt()
+        return new
 
     def pending(self) -> list[str]:
         """What this state still waits for, in words (empty between forwards)."""

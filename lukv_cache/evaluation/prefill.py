@@ -112,6 +112,7 @@ class SharedPrefill:
             self._replay(cache)
         if scores is not None:
             cache.evict_held(scores)
+        cache.state.end_prompt()  # as cache.prefill: the questions forwarded next are appended whole
         return cache
 
     def cache_with_scores(
@@ -174,6 +175,7 @@ class SharedPrefill:
             cache = make_cache(method, model, profiles_dir, hub=hub)
             cache.prefill_scores = {}  # keep what the replay scores (keep_scores=True)
             self._replay(cache)
+            cache.state.end_prompt()  # as cache.prefill: the questions forwarded next are appended whole
             scores, cache.prefill_scores = cache.prefill_scores, None
             return cache, scores
         return self.cache_for(method, model, profiles_dir, hub=hub, scores=scores), scores

@@ -20,6 +20,10 @@ def prefill(model: Any, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
     >>> last_logits = prefill(model, ids, cache)  # doctest: +SKIP
     """
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+    # a LUKVCache's context is complete, as after cache.prefill: the continuation is appended whole
+    end_prompt = getattr(getattr(cache, "state", None), "end_prompt", None)
+    if callable(end_prompt):
+        end_prompt()
     return out.logits[:, -1, :]
 
 
