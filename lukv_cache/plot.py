@@ -95,6 +95,12 @@ def plot_kept(
     prompts) with its most-kept tokens in ``[brackets]``, as many as the cache keeps on average: if it holds
     a fraction ``f`` of the (head, position) pairs, the ``round(f * T)`` tokens of highest keep share
     (:func:`highlighted`; their bars are blue, the others grey); else the figure alone.
+
+    ``input_ids`` are the ids the cache was filled with from position 0 on, ``[batch, n]`` (or one row's
+    ``[n]``): id ``j`` labels position ``j``, the column of the token at position ``j``. The prompt (padding
+    included) labels the first columns; ``model.generate``'s output (its tensor, or its
+    ``return_dict_in_generate=True`` output, whose ``sequences`` are read) labels every column, and its last
+    token, which was never fed back and so is not in the cache, has no column and is left out of the text.
     """
     plt = _pyplot()
     layers = (
@@ -128,9 +134,23 @@ def plot_kept(
         return fig
     # id j is position j: the prompt's ids label the first columns, generate's output (one token past the
     # cache: the last one was never fed back) every column
-    ids = input_ids[row].tolist()[: share.numel()]
+    ids = _row_ids(input_ids, row)[: share.numel()]
     decode = getattr(tokenizer, "decode", None)
     tokens = [decode([i]) for i in ids] if decode else tokenizer.convert_ids_to_tokens(ids)
     if len(tokens) <= 80:
         bottom.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=7)
     return fig, _bracketed(tokens, marked[: len(tokens)])
+
+
+def _row_ids(input_ids: Any, row: int) -> list[int]:
+    """Row ``row`` of ``input_ids`` (``[batch, n]``, one row's ``[n]``, or generate's dict output) as ids."""
+    ids = getattr(input_ids, "sequences", input_ids)  # return_dict_in_generate=True: the tokens
+    ids = torch.as_tensor(ids)
+    if ids.ndim == 1:
+        return ids.tolist()
+    if ids.ndim != 2 or not 0 <= row < ids.shape[0]:
+        raise ConfigurationError(
+            f"plot_kept: input_ids of shape {list(ids.shape)} have no row {row}; pass the ids the cache was "
+            "filled with, [batch, n] (the prompt, or generate's output), or one row's [n]."
+        )
+    return ids[row].tolist()

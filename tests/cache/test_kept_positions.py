@@ -174,6 +174,59 @@ def test_plot_kept_labels_each_position_with_its_own_token_after_generate(given)
     assert marks == highlighted(held.mean(0))[: len(tokens)].tolist()
 
 
+def test_plot_kept_labels_a_padded_rows_positions_with_generates_output():
+    """Issue 54, item 11a: generate's output (prompt and new tokens, one more than the cache holds) labels
+    column j with token j in every row, a left-padded row's padding included (never kept, never marked);
+    ids without the row plotted are a typed error (were a raw IndexError)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lukv_cache.errors import ConfigurationError
+    from lukv_cache.plot import highlighted, kept_map, plot_kept
+
+    model = tiny_model()
+    ids, mask = left_padded((40, 29))
+    cache = LUKVCache(ratio=0.5)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False
+        )
+    width = cache.get_seq_length()
+    assert width == out.shape[1] - 1  # the last new token was never fed back
+    for row in (0, 1):
+        _, text = plot_kept(cache, input_ids=out, tokenizer=_Tok(), row=row)
+        tokens, marks = _labelled(text)
+        assert tokens == out[row, :width].tolist()
+        held = kept_map(cache, list(range(len(cache.layers))), row)
+        assert marks == highlighted(held.mean(0)).tolist()
+    assert not any(marks[:11])  # row 1's 11 padding positions
+    with pytest.raises(ConfigurationError, match=r"input_ids of shape \[1, 46\] have no row 1"):
+        plot_kept(cache, input_ids=out[:1], tokenizer=_Tok(), row=1)  # row 0's ids only
+
+
+def test_plot_kept_reads_generates_dict_output_and_one_row():
+    """generate(..., return_dict_in_generate=True) gives an output whose sequences are the ids, and a row
+    may come alone ([n]): the same labels as the [batch, n] tensor (they failed, or labelled nothing right)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lukv_cache.plot import plot_kept
+
+    model = tiny_model()
+    ids = torch.arange(3, 63).view(1, 60)
+    cache = LUKVCache(ratio=0.5)
+    with torch.no_grad():
+        out = model.generate(
+            ids, past_key_values=cache, max_new_tokens=6, do_sample=False, return_dict_in_generate=True
+        )
+    _, want = plot_kept(cache, input_ids=out.sequences, tokenizer=_Tok())
+    assert _labelled(want)[0] == out.sequences[0, :65].tolist()
+    for given in (out, out.sequences[0], out.sequences[0].tolist()):
+        assert plot_kept(cache, input_ids=given, tokenizer=_Tok())[1] == want
+
+
 def test_kept_positions_and_plot_kept_refuse_a_layer_or_row_out_of_range():
     pytest.importorskip("matplotlib")
     import matplotlib
