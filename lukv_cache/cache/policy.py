@@ -319,9 +319,10 @@ class CompressionPolicy:
     )
     prefill_chunk_size: int | None = option(
         None,
-        "Also compress later multi-token forwards once this many uncompressed tokens pile up.",
-        "For chunked prefill (pass the same number to ``generate(prefill_chunk_size=)``); by default only the "
-        "first forward (the context) is compressed.",
+        "Also compress multi-token forwards after the prompt once this many uncompressed tokens pile up.",
+        "The prompt's chunks (every multi-token forward before the first decoded token, such as "
+        "``generate(prefill_chunk_size=)``'s) are compressed without it; with it, also what is sent in chunks "
+        "after the prompt (a question after ``cache.prefill``), which is otherwise appended whole.",
         check=count(positive=True),
         kinds=(int, type(None)),
         low=1,
