@@ -196,6 +196,17 @@ class HubUnavailableError(ProfileError, ConnectionError):
     """
 
 
+class ProfileUnreachableError(ProfileNotFoundError, HubUnavailableError):
+    """No profile for this model here (a local folder, huggingface_hub's cache, the shipped copies) and the
+    Hub that might hold one could not be reached, where only a profile will do (``require_profile=True``,
+    an allocator that reads the profile, ``scorer="kvzap"``, a ``revision``). Both a
+    :class:`ProfileNotFoundError` and a :class:`HubUnavailableError`, so either ``except`` catches it.
+
+    Prints e.g. ``Could not reach the Hub at https://huggingface.co to fetch ... allocator='profile' needs
+    this profile: ...``.
+    """
+
+
 class PublishError(ProfileError, RuntimeError):
     """An upload to the shared profile repository failed. Local files are untouched; the message says what
     is known about the repository's state."""

@@ -56,6 +56,9 @@ CASES = {
     "demo-ratio-out-of-range": lambda t: ["demo", "--ratios", "1.5"],
     "demo-model-missing": lambda t: ["demo", "--model", str(t / "nonexistent")],
     "list-local-dir-is-a-file": lambda t: ["list", "--local-dir", _profile(t)],
+    "pull-local-dir-missing": lambda t: ["pull", "org/m", "--local-dir", str(t / "none")],  # issue 54, item 9
+    "pull-local-dir-is-a-file": lambda t: ["pull", "org/m", "--local-dir", _profile(t)],
+    "pull-model-id-too-long": lambda t: ["pull", "x" * 300, "--local-dir", str(t)],  # item 8: an OSError 36
     "check-model-folder-missing": lambda t: ["check", "./no-such-model", "--ratios", "0.5"],
     "check-model-absolute-folder-missing": lambda t: ["check", str(t / "no-such-model")],
     "check-model-is-a-file": lambda t: ["check", _profile(t)],

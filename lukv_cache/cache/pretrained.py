@@ -5,19 +5,57 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from ..allocation import allocators_reading_profile
-from ..errors import ConfigurationError, HubUnavailableError, ProfileNotFoundError
+from ..allocation import ALLOCATORS, allocators_reading_profile
+from ..errors import (
+    ConfigurationError,
+    HubUnavailableError,
+    ProfileNotFoundError,
+    ProfileUnreachableError,
+)
 from ..scorers import SCORERS, Scorer
 from .contract import CacheT
-from .policy import bounded_prompt, default_ratio
+from .policy import bounded_prompt, check_flag, default_ratio
 
 if TYPE_CHECKING:
     from ..profiles import HubLocation
 
 logger = logging.getLogger("lukv_cache")
-_announced: set[str] = set()  # the model ids whose missing profile was already said at WARNING level
+ANNOUNCED_IDS = 256  # the model ids the profile-free fallback remembers having said at WARNING level
+
+
+class RecentIds:
+    """The last ``size`` model ids seen, least recently seen dropped first: the fallback says a missing
+    profile at WARNING level the first time per model id, and a process that serves many ids (one per
+    request, say) must not grow a set by one per id. An id dropped and seen again is said at WARNING again.
+
+    >>> seen = RecentIds(2)
+    >>> [seen.saw(i) for i in ("a", "b", "a", "c", "b")]  # "b" was dropped when "c" came
+    [False, False, True, False, False]
+    >>> len(seen)
+    2
+    """
+
+    def __init__(self, size: int = ANNOUNCED_IDS):
+        self.size = size
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def saw(self, model_id: str) -> bool:
+        """Whether ``model_id`` is among the recent ids; it is the most recent one afterwards."""
+        seen = model_id in self._ids
+        self._ids[model_id] = None
+        self._ids.move_to_end(model_id)
+        while len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+        return seen
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+_announced = RecentIds()  # the model ids whose missing profile was said at WARNING level (the recent ones)
 
 
 def _registered(name: str) -> Scorer | None:
@@ -91,24 +129,40 @@ def from_pretrained(
     method (``scorer="keydiff", allocator="uniform"``; a ``scorer=`` or ``allocator=`` given is kept),
     ``cache.profile`` is ``None`` and one log line (logger ``"lukv_cache"``: WARNING the first time per
     model id in a process, INFO after) says so and how to build one (``lukv build <model id>``).
-    ``require_profile=True`` makes that a :class:`~lukv_cache.errors.ProfileNotFoundError`, and so does
-    asking for something only a profile gives: a profile file, a ``revision``, an allocator that reads
-    the profile (``"profile"``, ``"hybrid"``, ...) or ``scorer="kvzap"``. A Hub that should answer and
-    cannot (online, refused or timed out) is a :class:`~lukv_cache.errors.HubUnavailableError` (it says
-    how to go offline); a profile that is there but corrupt or built for another shape always raises.
+    The log remembers the last 256 model ids (a process serving many ids does not grow a set by one per id;
+    an id forgotten is said at WARNING again).
+    ``require_profile=True`` (a bool: anything else is a ConfigurationError) makes that a
+    :class:`~lukv_cache.errors.ProfileNotFoundError`, and so does asking for something only a profile
+    gives: a profile file, a ``revision``, an allocator that reads the profile (``"profile"``, ``"hybrid"``,
+    ...) or ``scorer="kvzap"``, offline too; with a Hub that cannot be reached these raise a
+    :class:`~lukv_cache.errors.ProfileUnreachableError`, both a ProfileNotFoundError and a
+    HubUnavailableError (the Hub might hold one). Otherwise a Hub that should answer and cannot (online,
+    refused or timed out) is a :class:`~lukv_cache.errors.HubUnavailableError` (it says how to go
+    offline); a profile that is there but corrupt or built for another shape always raises. Checked before
+    any lookup: an unregistered ``scorer`` or ``allocator`` name (an UnknownNameError, before the fallback
+    logs anything), a ``local_dir`` that is missing or is a file, a model id longer than a Hub id can be
+    (ConfigurationErrors).
 
     >>> cache = LUKVCache.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct", ratio=0.8)  # doctest: +SKIP
     """
     from ..profiles import HubLocation, resolve_profile
+    from ..profiles.location import check_local_dir
 
-    # LUKVCache()'s rules, applied before any lookup (a bad ratio fails before the network)
+    # LUKVCache()'s rules and the names asked for, checked before any lookup (a bad ratio or scorer name
+    # fails before the network, and before the fallback says anything)
+    require_profile = check_flag("require_profile", require_profile)
+    local_files_only = check_flag("local_files_only", local_files_only)
+    if isinstance(scorer, str):
+        SCORERS.get(scorer)  # an UnknownNameError listing the registered scorers
+    if isinstance(allocator, str):
+        ALLOCATORS.get(allocator)
+    check_local_dir(local_dir)
     budget = options.get("memory") is not None or options.get("max_bytes") is not None
-    if not budget:  # a memory budget chooses the ratio itself (and refuses one given)
-        options["max_tokens"] = bounded_prompt(
-            ratio, options.get("max_tokens"), options.get("decode_max_tokens")
-        )
-        if options["max_tokens"] is None:
-            ratio = default_ratio(ratio)
+    if (
+        not budget
+        and bounded_prompt(ratio, options.get("max_tokens"), options.get("decode_max_tokens")) is None
+    ):
+        ratio = default_ratio(ratio)  # a memory budget or a token bound chooses the ratio itself
     hub = HubLocation(repo_id, revision, token, cache_dir, endpoint, local_files_only, timeout)
     config = getattr(model_or_profile, "config", None)
     if config is None and isinstance(model_or_profile, (str, os.PathLike)):
@@ -118,6 +172,17 @@ def from_pretrained(
     except (ProfileNotFoundError, HubUnavailableError, ConfigurationError) as err:
         model_id = _profile_free_candidate(model_or_profile, err, hub, scorer, allocator)
         if model_id is None:
+            keyed = _keyed_model_id(model_or_profile)
+            asked = _profile_needed_by(hub, scorer, allocator) or (
+                "require_profile=True" if require_profile else None
+            )
+            if (
+                isinstance(err, HubUnavailableError)
+                and not isinstance(err, ProfileNotFoundError)
+                and keyed
+                and asked
+            ):
+                raise _no_profile_to_be_had(err, keyed, asked, hub, scorer, allocator) from err.__cause__
             if isinstance(err, HubUnavailableError) and _profile_free_candidate(
                 model_or_profile, None, hub, scorer, allocator
             ):
@@ -199,25 +264,60 @@ def _profile_free_candidate(
     not that."""
     from huggingface_hub import constants
 
-    from ..profiles import model_id_of
-
-    if isinstance(model_or_profile, (str, os.PathLike)):
-        if str(model_or_profile).endswith(".safetensors") or os.path.isfile(model_or_profile):
-            return None
-        model_id = str(model_or_profile)
-    else:
-        model_id = model_id_of(model_or_profile)
-    needs_profile = (
-        hub.revision is not None
-        or (allocator is not None and allocator in allocators_reading_profile())
-        or (scorer is not None and scorer in SCORERS and SCORERS.get(scorer).missing is not None)
-    )
+    model_id = _keyed_model_id(model_or_profile)
+    needs_profile = _profile_needed_by(hub, scorer, allocator) is not None
     offline = hub.local_files_only or constants.is_offline_mode()
     if isinstance(err, ConfigurationError):
         missing = bool(model_id) and os.path.isdir(model_id)  # "not a Hub model id": a folder's name
     else:
         missing = err is None or isinstance(err, ProfileNotFoundError) or offline
     return model_id if model_id and missing and not needs_profile else None
+
+
+def _keyed_model_id(model_or_profile: Any) -> str:
+    """The model id a shared profile of ``model_or_profile`` is keyed by ("" for a profile file, or a
+    loaded model without a name)."""
+    from ..profiles import model_id_of
+
+    if isinstance(model_or_profile, (str, os.PathLike)):
+        if str(model_or_profile).endswith(".safetensors") or os.path.isfile(model_or_profile):
+            return ""
+        return str(model_or_profile)
+    return model_id_of(model_or_profile)
+
+
+def _profile_needed_by(hub: HubLocation, scorer: str | None, allocator: str | None) -> str | None:
+    """What was asked that only a profile gives (``"allocator='profile'"``, ...), or ``None``: a pinned
+    revision, an allocator that reads the profile, a scorer whose model-specific part is in it (kvzap)."""
+    if hub.revision is not None:
+        return f"revision={hub.revision!r}"
+    if allocator is not None and allocator in allocators_reading_profile():
+        return f"allocator={allocator!r}"
+    if scorer is not None and scorer in SCORERS and SCORERS.get(scorer).missing is not None:
+        return f"scorer={scorer!r}"
+    return None
+
+
+def _no_profile_to_be_had(
+    err: HubUnavailableError,
+    model_id: str,
+    asked: str,
+    hub: HubLocation,
+    scorer: str | None,
+    allocator: str | None,
+) -> ProfileNotFoundError:
+    """The error for a model whose profile is nowhere here, offline or with the Hub unreachable, when
+    ``asked`` needs one: a :class:`ProfileNotFoundError` (the README's promise), offline by intent, else
+    a :class:`ProfileUnreachableError` (also a HubUnavailableError: the Hub might have one)."""
+    from huggingface_hub import constants
+
+    free = _profile_free_line(
+        None if asked.startswith("scorer=") else scorer, None if asked.startswith("allocator=") else allocator
+    )
+    message = f"{err} {asked} needs this profile; without one, drop {asked} to use the profile-free {free}."
+    offline = hub.local_files_only or constants.is_offline_mode()
+    kind = ProfileNotFoundError if offline else ProfileUnreachableError
+    return kind(message, model_id=model_id, scorer=scorer)
 
 
 def _places_searched(model_id: str, hub: HubLocation, local_dir: str | os.PathLike | None) -> tuple[str, str]:
@@ -271,8 +371,7 @@ def _profile_free_cache(
     the ``lukv build`` command)."""
     from ..profiles.location import PROFILE_FREE
 
-    level = logging.INFO if model_id in _announced else logging.WARNING
-    _announced.add(model_id)
+    level = logging.INFO if _announced.saw(model_id) else logging.WARNING
     logger.log(
         level,
         "lukv_cache: no profile for %s (%s); using the profile-free %s. For LU-KV's per-head "

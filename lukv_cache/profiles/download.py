@@ -27,6 +27,7 @@ from .location import (
     LOCAL_DIR_ENV,
     PREFERRED_SCORERS,
     HubLocation,
+    check_local_dir,
     profile_filename,
 )
 from .profile import Profile, library_version
@@ -67,7 +68,7 @@ def resolve_profile(
         return model
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
-        if path.is_file():
+        if _is_file(path):
             return Profile.load(path)
         if str(model).endswith(".safetensors"):
             raise ProfileNotFoundError(
@@ -102,6 +103,15 @@ def resolve_profile(
     return profile
 
 
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, ``False`` where the path cannot even be asked about (a name longer than the file
+    system allows, ``OSError`` 36): such a string is no file, and is then checked as a model id."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def _preferred_profile(
     model_id: str, scorer: str | None, hub: HubLocation | None, local_dir: str | os.PathLike | None
 ) -> tuple[Path, str]:
@@ -125,7 +135,8 @@ def download_profile(
 ) -> Path:
     """The local path of ``model_id``'s profile for ``scorer``.
 
-    Resolution order: ``local_dir`` (else ``$LUKV_PROFILE_DIR``); then the shared Hub repository through
+    Resolution order: ``local_dir`` (else ``$LUKV_PROFILE_DIR``; a ``local_dir`` passed that is missing or
+    is a file is a :class:`~lukv_cache.errors.ConfigurationError`); then the shared Hub repository through
     huggingface_hub (its cache, revision, offline mode; a Hub that does not answer within ``hub.timeout``
     seconds counts as unreachable); then, when the Hub has no such file or cannot be reached and no
     revision is pinned, the copy shipped inside this package. The shipped copies are the default
@@ -139,6 +150,7 @@ def download_profile(
     hub = hub or HubLocation()
     scorer = scorer or DEFAULT_SCORER
     filename = profile_filename(model_id, scorer)
+    check_local_dir(local_dir)  # one passed that is missing or a file is an error, not a search of nothing
     local_dir = local_dir or os.environ.get(LOCAL_DIR_ENV) or None
     if local_dir is not None and (Path(local_dir) / filename).is_file():
         return Path(local_dir) / filename

@@ -148,17 +148,57 @@ def profile_filename(model_id: str, scorer: str) -> str:
     return f"{model_id}/{scorer}.safetensors"
 
 
+MAX_MODEL_ID = 96 * 2 + 1  # "org/name", each part at most 96 characters (huggingface_hub's rule)
+
+
 def check_model_id(model_id: str) -> None:
-    """Raise :class:`~lukv_cache.errors.ConfigurationError` unless ``model_id`` is a Hub model id."""
+    """Raise :class:`~lukv_cache.errors.ConfigurationError` unless ``model_id`` is a Hub model id.
+
+    >>> check_model_id("x" * 300)
+    Traceback (most recent call last):
+    ...
+    lukv_cache.errors.ConfigurationError: 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...' (300 characters) is not a Hub model id (at most 96 characters, or 'org/name' of at most 96 each). Shared profiles are keyed by model id, e.g. 'meta-llama/Llama-3.1-8B-Instruct': pass the model id (a model loaded from a local folder has the folder as its name), or pass a profile file.
+    """
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
+        if isinstance(model_id, str) and len(model_id) > MAX_MODEL_ID:
+            # said without repeating it: huggingface_hub's own message quotes the whole id again
+            raise HFValidationError("at most 96 characters, or 'org/name' of at most 96 each")
         if not isinstance(model_id, str) or model_id.startswith((".", "/", "~")):
             raise HFValidationError("looks like a local path")
         validate_repo_id(model_id)
     except HFValidationError as err:
+        shown = repr(model_id)
+        if isinstance(model_id, str) and len(model_id) > MAX_MODEL_ID:
+            shown = f"{model_id[:40] + '...'!r} ({len(model_id)} characters)"
         raise ConfigurationError(
-            f"{model_id!r} is not a Hub model id ({err}). Shared profiles are keyed by model id, "
+            f"{shown} is not a Hub model id ({err}). Shared profiles are keyed by model id, "
             "e.g. 'meta-llama/Llama-3.1-8B-Instruct': pass the model id (a model loaded from a local folder "
             "has the folder as its name), or pass a profile file."
         ) from None
+
+
+def check_local_dir(local_dir: str | os.PathLike | None) -> None:
+    """Raise :class:`~lukv_cache.errors.ConfigurationError` unless ``local_dir`` (a folder of profiles
+    passed by the caller; ``None``: none) is an existing folder: one that is missing or is a file would
+    be searched in vain, without a word.
+
+    >>> check_local_dir("/no/such/folder")
+    Traceback (most recent call last):
+    ...
+    lukv_cache.errors.ConfigurationError: local_dir='/no/such/folder': no such folder. Pass a folder of profiles (<model id>/<scorer>.safetensors inside, as `lukv build` and save_to_local_dir write them), or leave local_dir out.
+    """
+    if local_dir is None:
+        return
+    path = Path(local_dir).expanduser()
+    try:
+        found = path.is_dir()
+        why = "is a file, not a folder" if not found and path.exists() else "no such folder"
+    except OSError as err:  # a name too long for the file system, ...
+        found, why = False, f"cannot be read ({err.strerror or err})"
+    if not found:
+        raise ConfigurationError(
+            f"local_dir={str(local_dir)!r}: {why}. Pass a folder of profiles (<model id>/<scorer>.safetensors "
+            "inside, as `lukv build` and save_to_local_dir write them), or leave local_dir out."
+        )

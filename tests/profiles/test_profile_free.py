@@ -17,10 +17,12 @@ from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.cache import pretrained
 from lukv_cache.errors import (
+    ConfigurationError,
     HubUnavailableError,
     ProfileFormatError,
     ProfileMismatchError,
     ProfileNotFoundError,
+    UnknownNameError,
 )
 from lukv_cache.profiles import profile_filename, save_to_local_dir
 from lukv_cache.testing import prompt, tiny_model
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _first_time_in_the_process(monkeypatch):
     """The missing profile is said at WARNING level once per model id and process: each test starts fresh,
     and with no profile folder of its own (examples/_tiny.py, which other tests load, sets one for the process)."""
-    monkeypatch.setattr(pretrained, "_announced", set())
+    monkeypatch.setattr(pretrained, "_announced", pretrained.RecentIds())
     monkeypatch.delenv("LUKV_PROFILE_DIR", raising=False)
 
 
@@ -198,3 +200,107 @@ def test_the_one_line_compresses_and_generates_on_a_family_without_a_profile(arc
     full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
     stored = cache.stored_tokens()  # [layers, batch, kv_heads]
     assert full and bool((stored[full] < 40).all())  # the prompt was compressed, not kept whole
+
+
+# ---------------------------------------------------------------------------------- issue 54, items 8, 9, 10
+ASKED = [{"allocator": "profile"}, {"scorer": "kvzap"}, {"revision": "main"}]
+ASKED_IDS = ["profile-allocator", "kvzap", "pinned-revision"]
+
+
+def test_offline_asking_for_what_only_a_profile_gives_raises_profile_not_found(hf_cache):
+    """With HF_HUB_OFFLINE=1 these raised HubUnavailableError; the README promises ProfileNotFoundError."""
+    script = (
+        "from lukv_cache import LUKVCache\n"
+        "from lukv_cache.errors import HubUnavailableError, ProfileNotFoundError\n"
+        f"for asked in {ASKED!r}:\n"
+        "    try:\n"
+        f"        LUKVCache.from_pretrained({UNPROFILED!r}, ratio=0.8, cache_dir={str(hf_cache)!r}, **asked)\n"
+        "    except ProfileNotFoundError as err:\n"
+        "        said = str(err)\n"
+        "        unavailable = isinstance(err, HubUnavailableError)\n"
+        "        print(type(err).__name__, unavailable, 'needs this profile' in said, 'HF_HUB_OFFLINE' in said)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["ProfileNotFoundError False True True"] * len(ASKED), result.stdout
+
+
+@pytest.mark.parametrize("asked", ASKED, ids=ASKED_IDS)
+def test_an_unreachable_hub_and_what_only_a_profile_gives_is_profile_not_found_and_hub_unavailable(
+    hub, hf_cache, asked
+):
+    hub.stop()
+    with pytest.raises(ProfileNotFoundError) as info:
+        _online(hub, hf_cache, timeout=2.0, **asked)
+    err = info.value
+    assert isinstance(err, HubUnavailableError) and err.model_id == UNPROFILED  # both excepts catch it
+    ((name, value),) = asked.items()
+    message = str(err)
+    assert "Could not reach the Hub" in message
+    assert f"{name}={value!r} needs this profile; without one, drop {name}={value!r}" in message
+    assert "profile-free LUKVCache(ratio=..., scorer='keydiff', allocator='uniform')" in message
+
+
+def test_require_profile_with_an_unreachable_hub_is_profile_not_found(hub, hf_cache):
+    hub.stop()
+    with pytest.raises(ProfileNotFoundError, match="require_profile=True needs this profile"):
+        _online(hub, hf_cache, timeout=2.0, require_profile=True)
+
+
+@pytest.mark.parametrize("asked", [{"scorer": "nonexistent"}, {"allocator": "nonexistent"}])
+def test_an_unknown_name_is_refused_before_the_fallback_says_anything(hf_cache, caplog, asked):
+    """The fallback's WARNING ('using the profile-free ...') came first, then the UnknownNameError."""
+    with caplog.at_level(logging.INFO, logger="lukv_cache"), pytest.raises(UnknownNameError):
+        LUKVCache.from_pretrained(UNPROFILED, ratio=0.8, cache_dir=hf_cache, local_files_only=True, **asked)
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("kind", ["missing", "a-file"])
+def test_a_local_dir_that_is_missing_or_a_file_is_refused(tmp_path, hf_cache, kind):
+    local_dir = tmp_path / "profiles"
+    if kind == "a-file":
+        local_dir.write_text("not a folder")
+    why = "is a file, not a folder" if kind == "a-file" else "no such folder"
+    with pytest.raises(ConfigurationError, match=f"local_dir=.*: {why}. Pass a folder of profiles"):
+        LUKVCache.from_pretrained(
+            UNPROFILED, ratio=0.8, local_dir=local_dir, cache_dir=hf_cache, local_files_only=True
+        )
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None])
+def test_require_profile_must_be_a_bool(hf_cache, value):
+    """``require_profile="no"`` was taken as True."""
+    with pytest.raises(ConfigurationError, match="require_profile must be True or False"):
+        LUKVCache.from_pretrained(
+            UNPROFILED, ratio=0.8, cache_dir=hf_cache, local_files_only=True, require_profile=value
+        )
+
+
+@pytest.mark.parametrize(
+    "model_id", ["x" * 300, "org/" + "x" * 300, "/" + "x" * 300], ids=["id", "org-id", "path"]
+)
+def test_a_model_id_longer_than_a_file_name_is_a_configuration_error(hf_cache, model_id):
+    """It was a raw OSError [Errno 36] (File name too long) from the profile lookup."""
+    with pytest.raises(ConfigurationError) as info:
+        LUKVCache.from_pretrained(model_id, ratio=0.8, cache_dir=hf_cache, local_files_only=True)
+    message = str(info.value)
+    assert "is not a Hub model id" in message and f"({len(model_id)} characters)" in message
+    assert len(message) < 500  # the id is not printed whole (twice)
+
+
+def test_the_fallback_remembers_a_bounded_number_of_model_ids(hf_cache, caplog):
+    """One entry per model id grew without end (2,000 ids: 2,000 entries); now the recent ones only, and
+    the same id again in a row is still said at INFO level."""
+    for i in range(2_000):
+        LUKVCache.from_pretrained(f"org/m{i}", ratio=0.5, cache_dir=hf_cache, local_files_only=True)
+    assert len(pretrained._announced) == pretrained.ANNOUNCED_IDS
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lukv_cache"):
+        for _ in range(2):
+            LUKVCache.from_pretrained("org/m1999", ratio=0.5, cache_dir=hf_cache, local_files_only=True)
+        LUKVCache.from_pretrained("org/m0", ratio=0.5, cache_dir=hf_cache, local_files_only=True)
+    said = [r.levelno for r in caplog.records if "no profile for" in r.getMessage()]
+    assert said == [logging.INFO, logging.INFO, logging.WARNING]  # org/m0 was forgotten: said again
