@@ -130,7 +130,7 @@ class LUKVCache(HybridRouting, CacheReport):
             policy.ratio > 0
             or policy.max_tokens is not None
             or policy.decode_max_tokens is not None
-            or policy.in_bytes
+            or (policy.in_bytes and not policy.keeps_whole)
         )
 
     @property

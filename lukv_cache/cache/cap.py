@@ -15,7 +15,7 @@ from ..allocation.budget import MAX_RATIO, fill_ratio, trim_weighted
 from .compression import CompressionPolicy, Region
 from .folding import keeps_scores
 from .layer import LUKVLayer
-from .memory import MemoryChoice, budget_shapes
+from .memory import MemoryChoice, budget_shapes, prefill_scores_bytes, row_budgets
 from .parallel import HeadShard
 
 
@@ -48,6 +48,7 @@ def token_cap(
     num_heads: int,
     query_heads: int | None = None,
     choice: MemoryChoice | None = None,
+    keeps_prefill_scores: bool = False,
 ) -> tuple[torch.Tensor | None, float, list[int] | None]:
     """With ``max_tokens``: int64 ``[B]``, the evictable tokens that the layers ``evicted`` now (over all
     ``num_heads`` KV heads of the model) may keep in all, so that after this forward every row holds at
@@ -56,7 +57,8 @@ def token_cap(
     number of (layer, head) pairs still to evict. ``(None, 0, None)`` without a cap. ``layers``: the
     cache's; ``full``: its full-attention layers, if known.
 
-    Under a memory budget (``choice``: what it chose) the room is what its bytes hold. With one width
+    Under a memory budget (``choice``: what it chose) the room is what its bytes hold, less the prefill
+    scores of this forward when the cache keeps them (``keeps_prefill_scores``). With one width
     everywhere it is counted in tokens as above; with per-layer widths, in bytes: every token weighs
     its layer's bytes, the pairs still to evict are weighed alike, and the third value is the weight of
     each layer of ``evicted`` (``None`` when every token weighs the same), which the trim honours
@@ -70,14 +72,18 @@ def token_cap(
     sinks = region.sinks.sum(-1).cpu()
     if not policy.in_bytes:
         assert policy.max_tokens is not None  # a cap: max_tokens or a budget
-        budget = policy.max_tokens * len(full) * num_heads
+        tokens = policy.max_tokens * len(full) * num_heads
         protected = num_heads * (len(full) * window + len(evicting) * sinks)
-        cap = budget - stored_in_stores(layers, shard, sinks.shape[0], None) - protected
+        cap = tokens - stored_in_stores(layers, shard, sinks.shape[0], None) - protected
         return cap, len(evicting) * num_heads, None
     # the bytes hold this many tokens at the layers' bits; the layers evicted before this step have
     # folded their windows into their stores (counted there)
     assert choice is not None  # chosen at the budget's first compression
-    budget, shapes = budget_shapes(policy, layer, len(full), num_heads, query_heads)
+    scores = prefill_scores_bytes(len(full), num_heads, layer.suffix_length) if keeps_prefill_scores else 0
+    most, shapes = budget_shapes(policy, layer, len(full), num_heads, query_heads, scores)
+    budget = torch.tensor(most)  # [B] below: each row its own, as the row alone (padding is not its tokens)
+    if region.seen is not None:
+        budget = torch.minimum(row_budgets(policy.memory, policy.max_bytes, region.seen, shapes), budget)
     cost = {i: shapes.stored_token(choice.bits_of(i), keeps_scores(policy)) for i in full}
     uniform = len(set(cost.values())) == 1
     unit = cost[full[0]] if uniform else 1  # one width: count tokens, else bytes

@@ -22,11 +22,14 @@ from .ragged import keep_mask_from_counts
 @dataclass(frozen=True, eq=False)
 class Region:
     """The first ``length`` tokens of a layer's dense suffix (all but the protected window), per row:
-    ``sinks`` (kept) and ``evictable`` tokens, bool ``[B, length]``."""
+    ``sinks`` (kept) and ``evictable`` tokens, bool ``[B, length]``; ``seen``: int64 ``[B]``, the real
+    tokens (padding excluded) each row of the layer has seen in all, when known (a memory budget sizes
+    each row's bytes by them, as the row alone would be)."""
 
     length: int
     sinks: torch.Tensor
     evictable: torch.Tensor
+    seen: torch.Tensor | None = None
 
     @property
     def n_evictable(self) -> torch.Tensor:
@@ -59,7 +62,8 @@ def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: tor
     # sinks: the first `sink` real tokens of each row, wherever they fall in a chunked prefill
     sinks = valid & (valid.long().cumsum(-1) <= layer.sinks_left.unsqueeze(-1))
     layer.sinks_left = layer.sinks_left - sinks.sum(-1)
-    return Region(length, sinks, valid & ~sinks)
+    seen = valid_from_mask(attention_mask, b, layer.cumulative_length, device).sum(-1).cpu()
+    return Region(length, sinks, valid & ~sinks, seen)
 
 
 def score_suffix(

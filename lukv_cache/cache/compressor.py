@@ -81,6 +81,7 @@ class Compressor:
         self.precisions: tuple[int | None, ...] = BITS
         # the cache recorded its past (assisted decoding) at the last forward; warned of an unsure prompt
         self.recorded = self.warned_unsure = False
+        self.warned_growth = False  # warned that decoding grows past a memory budget (see on_attention)
         if cache.layer_class_to_replicate is not None:  # the layout is unknown: grown layers are ours too
             cache.layer_class_to_replicate = self.new_layer
 
@@ -97,6 +98,7 @@ class Compressor:
         new.new_layer, new.observers = self.new_layer, list(self.observers)
         new.memory_choice, new.precisions = self.memory_choice, self.precisions
         new.recorded, new.warned_unsure = self.recorded, self.warned_unsure
+        new.warned_growth = self.warned_growth
         return new
 
     # ------------------------------------------------------------------ observers
@@ -163,6 +165,15 @@ class Compressor:
                 state.folding[idx] = (module, attention_mask)
                 if last:
                     self.fold()
+            elif policy.in_bytes and not policy.evicts_at_folds and not self.warned_growth:
+                self.warned_growth = True  # a scorer that cannot rank decoded tokens: nothing can evict them
+                warnings.warn(
+                    f"LUKVCache(memory= / max_bytes=) with scorer {policy.scorer.name!r}: it cannot rank the "
+                    "tokens that arrive after the prompt, so they are kept and the cache grows past its budget "
+                    "while decoding (the budget holds after the prompt). Use a scorer that ranks decoded "
+                    "tokens (e.g. 'kvzap' or 'keydiff') for a bound over the whole generation.",
+                    stacklevel=2,
+                )
             return
         if state.phase is Phase.HOLD:  # held layers are read whole by the passes that score them
             state.held[idx] = plan_region(layer, policy, attention_mask)

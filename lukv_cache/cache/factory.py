@@ -37,7 +37,11 @@ class LayerFactory:
     @classmethod
     def for_policy(cls, policy: CompressionPolicy) -> LayerFactory:
         """The factory of a cache with ``policy``: with ``decode_max_tokens`` a layer folds after the
-        protected window and ``fold_interval`` tokens, and its fold evicts (never a plain fold)."""
+        protected window and ``fold_interval`` tokens, and its fold evicts (never a plain fold). Under
+        ``memory=1.0`` nothing is compressed and the suffix grows by exactly what arrives, as a
+        ``DynamicCache`` layer does."""
+        if policy.keeps_whole:
+            return cls(fold_at=1, bounded=True)
         if policy.decode_max_tokens is None:
             return cls(kv_bits=policy.kv_bits, fold_at=policy.fold_interval)
         return cls(kv_bits=policy.kv_bits, fold_at=policy.fold_interval + policy.window, bounded=True)

@@ -16,9 +16,11 @@ from ..allocation.budget import MAX_RATIO, fill_ratio, fit_counts, trim_weighted
 from .compression import CompressionPolicy, score_suffix, suffix_positions, valid_from_mask
 from .decoding import Held, gather_held, held_tokens, masked_held, rescore
 from .layer import LUKVLayer
-from .memory import budget_shapes
+from .memory import budget_shapes, row_budgets
 from .parallel import HeadShard
 from .ragged import keep_mask_from_counts
+
+_UNBOUNDED = 1 << 40  # tokens per (layer, KV head) when only a memory budget's bytes bound a fold
 
 
 def scorer_context(
@@ -72,13 +74,16 @@ def fold_evict(
     shard: HeadShard | None,
     num_layers: int | None,
     query_heads: int | None = None,
+    scores_bytes: int = 0,
 ) -> None:
     """Eviction at fold time (:mod:`lukv_cache.cache.decoding`): the layers whose fold is due (``folding``:
     layer -> the attention module that read it, its mask) keep, per row, at most ``decode_max_tokens``
     tokens per (layer, KV head) on average, sinks and window included; budgets from one allocator call at
     the ratio that total implies over the row's tokens. Under a memory budget also no more than its bytes
-    hold: in tokens at one width; with per-layer widths in bytes, each layer's tokens at its own width
-    (the ratio the higher of the two, the counts trimmed to both)."""
+    hold (``scores_bytes``: the kept prefill scores' bytes per row, which count in it): in tokens at one
+    width; with per-layer widths in bytes, each layer's tokens at its own width (the ratio the higher of
+    the two, the counts trimmed to both). A budget without ``decode_max_tokens`` bounds the bytes alone,
+    and its folds protect the prompt's ``window``."""
     kept_scores = keeps_scores(policy)
     idxs = sorted(folding)
     all_layers, layers = layers, [layers[i] for i in idxs]
@@ -88,8 +93,9 @@ def fold_evict(
     assert first.suffix_keys is not None  # the layer holds a forward
     b, h, device = first.batch_size, first.num_heads, first.suffix_keys.device
     real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
+    recent = policy.window if policy.decode_max_tokens is None else policy.decode_window
     frames = [
-        held_tokens(layer, suffix_valid(folding[i][1], layer), policy.sink, policy.decode_window)
+        held_tokens(layer, suffix_valid(folding[i][1], layer), policy.sink, recent)
         for i, layer in zip(idxs, layers)
     ]
     heads = h * (1 if shard is None else shard.size)
@@ -101,12 +107,15 @@ def fold_evict(
         protected, evictable = shard.gather(protected, dim=2), shard.gather(evictable, dim=2)
     # [B] evictable tokens the folding layers may keep in all, so that each row holds at most
     # decode_max_tokens per (layer, KV head) on average, protected tokens included
-    assert policy.decode_max_tokens is not None  # folds evict only under decode_max_tokens
-    per_head = policy.decode_max_tokens
+    # folds evict under decode_max_tokens or a memory budget (then the bytes alone bound them)
+    bound = policy.decode_max_tokens if policy.decode_max_tokens is not None else _UNBOUNDED
+    per_head = torch.tensor(bound)  # [B] under a memory budget
     weights, room = None, None  # per-layer widths: each layer's bytes per token, the bytes [B] left
     if policy.in_bytes:  # and no more than the memory budget's bytes hold at the layers' bits
         full = [i for i, layer in enumerate(all_layers) if isinstance(layer, LUKVLayer)]
-        budget, shapes = budget_shapes(policy, first, len(full), heads, query_heads)
+        most, shapes = budget_shapes(policy, first, len(full), heads, query_heads, scores_bytes)
+        # each row its own budget, by the real tokens it has seen (as the row alone)
+        budget = torch.minimum(row_budgets(policy.memory, policy.max_bytes, real, shapes), torch.tensor(most))
         cost = {i: shapes.stored_token(all_layers[i].kv_bits, kept_scores) for i in full}
         if len(set(cost.values())) > 1 and idxs == full:  # in bytes, every layer's tokens at its width
             weights = [cost[i] for i in idxs]
@@ -114,7 +123,8 @@ def fold_evict(
             room = (budget - shapes.fixed() - spent).clamp_min(0)
         else:  # one width (or some layers not folding: each counted at the widest)
             widest = max(cost.values())
-            per_head = min(per_head, max((budget - shapes.fixed()) // widest, 0) // (len(full) * heads))
+            fit = (budget - shapes.fixed()).clamp_min(0) // widest // (len(full) * heads)  # [B]
+            per_head = torch.minimum(fit, per_head)
     allowed = (per_head * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
     protected = protected.double().mean((0, 2))  # [B], per head
     row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator

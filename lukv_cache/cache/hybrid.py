@@ -20,8 +20,9 @@ from .layer import FOLD_AT, LUKVLayer
 
 
 # transformers' two bases declare device / dtype / is_croppable differently (LinearAttentionLayer's win, by
-# the MRO, as in its own LinearAttentionAndFullAttentionLayer): nothing to annotate here
-class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):  # type: ignore[misc, override]
+# the MRO, as in its own LinearAttentionAndFullAttentionLayer): nothing to annotate here (5.25 needs no
+# "override": unused there)
+class LUKVHybridLayer(LinearAttentionLayer, LUKVLayer):  # type: ignore[misc, override, unused-ignore]
     """Linear-attention state (transformers') plus compressed attention KV (lukv's), in one layer.
 
     >>> layer = LUKVHybridLayer()

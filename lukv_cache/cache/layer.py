@@ -129,8 +129,9 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
             if self.compressed and n == 1 and s >= self.fold_at:
                 self.fold()
             else:
-                # geometric growth once decoding (up to the fold size); exact size for a prefill
-                grow = max(2 * (s + n), MIN_CAPACITY) if (self.compressed or n == 1) else 0
+                # geometric growth while decoding (up to the fold size); exact size for a multi-token forward
+                # (a prompt, a chunk, a question: what DynamicCache would add, no more)
+                grow = max(2 * (s + n), MIN_CAPACITY) if n == 1 else 0
                 if self.compressed and n == 1 or self.bounded:
                     grow = min(grow, self.fold_at + 1)
                 self.suffix = DenseSuffix.of(suffix.keys, suffix.values, capacity=max(s + n, grow))

@@ -59,6 +59,7 @@ class Shapes:
     room: int
     queries: int = 0  # bytes of the queries a layer keeps for its next fold's scorer, per row
     position_bytes: int = POSITION_BYTES  # 4 where positions pass int16's range (int32)
+    scores: int = 0  # bytes per row of the prefill scores the cache keeps (keep_scores=True), every layer's
 
     @property
     def slots(self) -> int:
@@ -85,41 +86,57 @@ class Shapes:
     def fixed(self) -> int:
         """Bytes of one row that do not depend on how many tokens are kept: every layer's decode room,
         its store's offsets (one per KV head, and the last), its count of sinks still to keep and the
-        queries it keeps for its next fold's scorer."""
+        queries it keeps for its next fold's scorer; and the prefill scores the cache keeps."""
         per_layer = 2 * OFFSET_BYTES + self.queries
-        return self.slots * (self.room * self.dense_token + OFFSET_BYTES) + self.layers * per_layer
+        dense = self.slots * (self.room * self.dense_token + OFFSET_BYTES)
+        return dense + self.layers * per_layer + self.scores
 
 
-def layer_shapes(layer: Any, layers: int, heads: int, queries: int = 0) -> Shapes:
+def layer_shapes(layer: Any, layers: int, heads: int, queries: int = 0, scores: int = 0) -> Shapes:
     """The :class:`Shapes` of a model whose ``layers`` compressed layers are like ``layer`` (a
     :class:`~lukv_cache.cache.layer.LUKVLayer` holding a forward), ``heads`` KV heads each; ``queries``:
-    query vectors (of all query heads) each layer keeps for its next fold's scorer."""
+    query vectors (of all query heads) each layer keeps for its next fold's scorer; ``scores``: bytes per
+    row of the prefill scores the cache keeps (:func:`prefill_scores_bytes`)."""
     keys, values = layer.suffix_keys, layer.suffix_values
     query_bytes = queries * keys.shape[-1] * keys.element_size()
     # positions up to the decode room's last are int16 while they fit (lukv_cache.cache.ragged)
     position = 2 if layer.cumulative_length + layer.fold_at < POSITION_LIMIT else 4
     return Shapes(
-        layers, heads, keys.shape[-1], values.shape[-1], keys.dtype, layer.fold_at + 1, query_bytes, position
+        layers,
+        heads,
+        keys.shape[-1],
+        values.shape[-1],
+        keys.dtype,
+        layer.fold_at + 1,
+        query_bytes,
+        position,
+        scores,
     )
 
 
+def prefill_scores_bytes(layers: int, heads: int, length: int) -> int:
+    """Bytes per row of the prefill scores a ``keep_scores=True`` cache keeps once ``layers`` layers of
+    ``heads`` KV heads have scored a forward of ``length`` tokens (fp32 ``[H_kv, T]`` per layer)."""
+    return layers * heads * length * SCORE_BYTES
+
+
 def kept_queries(policy: Any, query_heads: int | None, heads: int) -> int:
-    """Query vectors a layer keeps between folds under ``policy`` (``decode_max_tokens`` with a scorer
-    that reads queries: its last ``n_queries``, at most ``fold_interval``, of every query head; the
-    model's ``query_heads``, its ``heads`` KV heads when unknown)."""
-    if policy.decode_max_tokens is None or not policy.scorer.n_queries:
+    """Query vectors a layer keeps between folds under ``policy`` (folds that evict, with a scorer that
+    reads queries: its last ``n_queries``, at most ``fold_interval``, of every query head; the model's
+    ``query_heads``, its ``heads`` KV heads when unknown)."""
+    if not policy.evicts_at_folds or not policy.scorer.n_queries:
         return 0
     return min(policy.scorer.n_queries, policy.fold_interval) * (query_heads or heads)
 
 
 def budget_shapes(
-    policy: Any, layer: Any, layers: int, heads: int, query_heads: int | None
+    policy: Any, layer: Any, layers: int, heads: int, query_heads: int | None, scores: int = 0
 ) -> tuple[int, Shapes]:
     """The bytes one row may hold under ``policy``'s budget over ``layers`` compressed layers of ``heads``
     KV heads like ``layer``, for its length so far, and the :class:`Shapes` they are counted with
     (``query_heads``: the model's, whose queries a layer may keep for its next fold, ``None`` when
-    unknown)."""
-    shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads, heads))
+    unknown; ``scores``: the kept prefill scores' bytes per row)."""
+    shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads, heads), scores)
     return row_budget(policy.memory, policy.max_bytes, layer.cumulative_length, shapes), shapes
 
 
@@ -141,6 +158,22 @@ def row_budget(memory: float | None, max_bytes: int | None, length: int, shapes:
         return max_bytes
     assert memory is not None
     return int(memory * length * shapes.slots * shapes.dense_token)
+
+
+def row_budgets(
+    memory: float | None, max_bytes: int | None, seen: torch.Tensor, shapes: Shapes
+) -> torch.Tensor:
+    """int64 ``[B]``: the bytes each row may hold, ``memory`` times the full cache's bytes for the real
+    tokens it has ``seen`` (padding excluded: a padded row gets what it would alone), or ``max_bytes``.
+
+    >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
+    >>> row_budgets(0.5, None, torch.tensor([100, 40]), shapes).tolist()
+    [12800, 5120]
+    """
+    if max_bytes is not None:
+        return torch.full(seen.shape, max_bytes, dtype=torch.long)
+    assert memory is not None
+    return (memory * seen.double() * (shapes.slots * shapes.dense_token)).long()
 
 
 def tokens_allowed(budget: int, shapes: Shapes, bits: int | None, scores: bool) -> int:

@@ -359,11 +359,13 @@ class CompressionPolicy:
     )
     memory: float | None = option(
         None,
-        "Instead of `ratio`/`max_tokens`/`kv_bits`: a fraction of the full cache's bytes to fit after the prompt.",
+        "Instead of `ratio`/`max_tokens`/`kv_bits`: a fraction of the full cache's bytes to fit after every forward.",
         "The cache chooses the bits (the model's precision, 8 or 4) and how many tokens to keep so that "
-        "everything its compressed layers hold after the prompt (keys and values with their scales and zeros, "
-        "positions, offsets, the window and the decode room) fits ``memory`` times the bytes a full "
-        "``DynamicCache`` holds for that prompt at the model's dtype; the profile's measured table picks the "
+        "everything it holds (keys and values with their scales and zeros, positions, offsets, the decode room, "
+        "kept queries and prefill scores: ``memory_bytes()``) fits, after every forward, ``memory`` times the "
+        "bytes a full ``DynamicCache`` holds for the tokens seen so far at the model's dtype (folds while "
+        "decoding evict what no longer fits; ``memory=1.0`` is the whole cache, exactly "
+        "``DynamicCache``'s); the profile's measured table picks the "
         "bits when it has one (and, when it measured each layer's loss at 4 bits, may keep some layers at 8 "
         "bits and the rest at 4), else a fixed rule (``docs/memory.md``). ``cache.kv_bits`` (a tuple, one per "
         "layer, for mixed widths) and ``cache.memory_choice`` say what it chose. Full-attention models only, "
@@ -375,7 +377,7 @@ class CompressionPolicy:
     )
     max_bytes: int | None = option(
         None,
-        "Like `memory`, a hard bound instead: at most this many bytes per batch row after the prompt.",
+        "Like `memory`, a fixed bound instead: at most this many bytes per batch row after every forward.",
         "The byte analogue of ``max_tokens``: the same choice of bits and tokens as ``memory=``, for a number "
         "of bytes per row whatever the prompt's length (a prompt that fits is kept whole, at the model's "
         "precision when it fits so). At most ``2**50`` (1 PiB per row): a larger number is refused, not taken "
@@ -418,6 +420,20 @@ class CompressionPolicy:
     def in_bytes(self) -> bool:
         """Whether a memory budget (``memory=`` or ``max_bytes=``) sets what the cache keeps."""
         return self.memory is not None or self.max_bytes is not None
+
+    @property
+    def keeps_whole(self) -> bool:
+        """``memory=1.0``: the whole budget is the whole cache, so nothing is evicted or quantized and the
+        layers hold what ``DynamicCache`` holds, byte for byte."""
+        return self.memory is not None and self.memory >= 1.0
+
+    @property
+    def evicts_at_folds(self) -> bool:
+        """Whether a fold while decoding evicts (:mod:`lukv_cache.cache.folding`): under
+        ``decode_max_tokens``, and under a memory budget, whose bytes hold after every forward, when the
+        scorer can rank decoded tokens (``Scorer.decodes``)."""
+        budget = self.in_bytes and not self.keeps_whole and self.scorer.decodes
+        return self.decode_max_tokens is not None or budget
 
     @property
     def defers(self) -> bool:

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.allocation import ALLOCATORS
-from lukv_cache.cache.memory import MemoryChoice, Shapes, layer_shapes
+from lukv_cache.cache.memory import MemoryChoice, Shapes, kept_queries, layer_shapes
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import MemoryTable
 from lukv_cache.scorers import SCORERS
@@ -34,8 +34,11 @@ def _full_bytes(model, ids, mask=None) -> int:
 
 
 def _shapes(cache: LUKVCache) -> Shapes:
+    """The budget's shapes: with a scorer that reads queries, the queries each layer keeps between folds
+    while decoding count (reserved from the prompt on)."""
     layer = cache.layers[0]
-    return layer_shapes(layer, len(cache.layers), layer.num_heads)
+    queries = kept_queries(cache.policy, cache.layout.query_heads, layer.num_heads)
+    return layer_shapes(layer, len(cache.layers), layer.num_heads, queries)
 
 
 def _row_bytes(cache: LUKVCache) -> list[int]:
@@ -117,7 +120,7 @@ def test_the_choice_follows_the_budget_and_is_logged(caplog):
 def test_the_choice_is_deterministic():
     model = tiny_model("llama", "sdpa")
     ids = prompt(2, 300, seed=7)
-    caches = [LUKVCache(memory=0.08, scorer="snapkv", allocator="adakv") for _ in range(2)]
+    caches = [LUKVCache(memory=0.1, scorer="snapkv", allocator="adakv") for _ in range(2)]
     for cache in caches:
         cache.prefill(model, ids)
     assert caches[0].memory_choice == caches[1].memory_choice
