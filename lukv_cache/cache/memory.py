@@ -340,7 +340,17 @@ def choose_bits(
     """
     budget = row_budget(memory, max_bytes, length, shapes)
     slots = shapes.slots * max(length, 1)
-    counts = {bits: tokens_allowed(budget, shapes, bits, scores) for bits in BITS}
+    if shapes.head_dim % 2 or shapes.value_dim % 2:  # 4-bit codes pack two channels per byte
+        precisions = tuple(bits for bits in precisions if bits != 4)
+        if not precisions:
+            raise ConfigurationError(
+                f"head_dim {shapes.head_dim} is odd, so 4-bit codes (two channels per byte) cannot hold it: let "
+                "the budget choose among the model's precision and 8 bits."
+            )
+    # a precision left out counts as keeping nothing (its bytes are not even computed)
+    counts = {
+        bits: tokens_allowed(budget, shapes, bits, scores) if bits in precisions else -1 for bits in BITS
+    }
     kept = {bits: min(max(count, 0) / slots, 1.0) for bits, count in counts.items()}
     fits = [bits for bits in BITS if bits in precisions and counts[bits] >= protected * shapes.slots]
     if not fits:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_model
+from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
 from lukv_cache.errors import ConfigurationError
@@ -61,3 +62,24 @@ def test_from_pretrained_with_a_model_folder_refuses_4_bits_at_construction(tmp_
         LUKVCache.from_pretrained(
             str(tmp_path), 0.5, kv_bits=4, cache_dir=tmp_path / "hf", local_files_only=True
         )
+
+
+def test_a_memory_budget_never_chooses_4_bits_for_an_odd_head_dim():
+    """A budget that would choose 4 bits (it did, then failed at its first compression telling the user to
+    pass kv_bits=8, which they had not set) chooses among the model's precision and 8 bits, and fits."""
+    model = _odd_model()
+    ids = prompt(1, 400, seed=2)
+    even = LUKVCache(memory=0.05)
+    with torch.no_grad():
+        tiny_model("phi3")(ids, past_key_values=even, use_cache=True)
+    assert even.kv_bits == 4  # the same budget on an even head dim takes 4 bits
+    cache = LUKVCache(memory=0.05)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    assert cache.kv_bits == 8 and cache.memory_choice.kept[4] == 0.0
+    full = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=full, use_cache=True)
+    assert cache.memory_bytes() <= 0.05 * sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in full.layers
+    )
