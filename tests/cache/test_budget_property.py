@@ -160,3 +160,18 @@ def test_a_padded_row_keeps_what_it_keeps_alone(memory):
         for head in range(2):
             kept_in_batch = batch.layers[layer].head_tokens(1, head)[0] - 150  # the row's own columns
             assert torch.equal(kept_in_batch, alone.layers[layer].head_tokens(0, head)[0])
+
+
+def test_under_a_budget_a_fold_comes_every_eight_decoded_tokens():
+    """``fold_interval=None`` means 8 under a budget (docs/memory.md); each fold evicts to the bytes. After a
+    second 200-token forward nothing folded for 24 steps (its suffix buffer had doubled)."""
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(memory=0.12)
+    steps = []
+    cache.compressor.observe(steps.append)
+    out = _forward(model, cache, prompt(1, 300, seed=2))
+    out = _forward(model, cache, prompt(1, 200, seed=3))
+    folds_before = sum(step.kind == "fold" for step in steps)
+    for _ in range(24):
+        out = _forward(model, cache, out.logits[:, -1:].argmax(-1))
+    assert sum(step.kind == "fold" for step in steps) - folds_before == 3
