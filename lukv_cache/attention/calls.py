@@ -79,6 +79,10 @@ class AttentionCall:
     module: weakref.ref | None = None
     # told when the layer's attention received other keys than update() returned (the call is dropped)
     on_other_keys: Callable[[], None] | None = None
+    # told, before anything is compressed, that the layer's attention passes what the compressed store's
+    # attention cannot read (the reason, a message): the cache raises if it would compress, else it leaves
+    # every layer dense (the call is dropped, and the stock attention reads the layer)
+    on_unservable: Callable[[str], None] | None = None
 
     def finish(
         self,

@@ -55,12 +55,24 @@ def _refuse_what_the_store_cannot_serve(module, call, value, attention_mask, kwa
             "store's attention does not read (learned per-head sinks, s_aux=, it does): use transformers' "
             "DynamicCache for this model."
         )
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[1] > 1:
-        raise IncompatibleAttentionError(
-            f"{name} passes an attention mask of its own per head (shape {list(attention_mask.shape)}: a dynamic mask such "
-            "as Doge's), which the compressed store's attention does not read: use transformers' DynamicCache "
-            "for this model."
-        )
+    if _per_head(attention_mask):
+        raise IncompatibleAttentionError(_per_head_message(module, attention_mask))
+
+
+def _per_head(attention_mask: torch.Tensor | None) -> bool:
+    """Whether ``attention_mask`` is one of the model's own per head (``[B, heads > 1, q, k]``)."""
+    return (
+        isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[1] > 1
+    )
+
+
+def _per_head_message(module: torch.nn.Module, attention_mask: torch.Tensor) -> str:
+    return (
+        f"{type(module).__name__} passes an attention mask of its own per head (shape {list(attention_mask.shape)}: "
+        "a position bias such as ALiBi's, Falcon's with alibi=True from transformers 5.25, or a dynamic mask such "
+        "as Doge's), which the compressed store's attention does not read. Only ratio=0 works with it (nothing "
+        "compressed, exact): use transformers' DynamicCache for this model."
+    )
 
 
 def route(stock: Callable | None) -> Callable:
@@ -92,6 +104,10 @@ def route(stock: Callable | None) -> Callable:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if call is not None and call.store is not None:
             _refuse_what_the_store_cannot_serve(module, call, value, attention_mask, kwargs)
+        elif call is not None and call.on_unservable is not None and _per_head(attention_mask):
+            # nothing compressed yet: the cache raises if it would compress, else keeps every layer dense
+            call.on_unservable(_per_head_message(module, attention_mask))
+            call = None  # the stock attention reads the dense layer, exactly; nothing to finish
         if call is None or call.store is None:
             output = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:

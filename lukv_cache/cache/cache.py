@@ -20,6 +20,7 @@ from ..errors import ConfigurationError
 from ..scorers.kvzip import RepeatPrompt
 from .batchrows import select_rows
 from .compressor import Compressor
+from .forward import refuse_unservable
 from .hybrid import HybridRouting
 from .layer import LUKVLayer
 from .layout import Layout
@@ -162,6 +163,7 @@ class LUKVCache(HybridRouting, CacheReport):
                     self._after_attention,
                     module=reader,
                     on_other_keys=functools.partial(self._keys_changed, layer_idx),
+                    on_unservable=functools.partial(refuse_unservable, self, layer_idx),
                 )
             )
         return keys, values

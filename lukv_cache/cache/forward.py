@@ -90,12 +90,27 @@ def check_routed(cache: CompressedCache) -> None:
         raise IncompatibleAttentionError(
             f"LUKVCache layer {awaiting}: the model attended without going through transformers' "
             "attention interface, so no lukv_cache attention function read the layer. This model family "
-            "computes attention in its own code (as Bloom, Falcon, GPT-Neo, MPT, XGLM and CPM-Ant do, and GPT-J "
-            "and CodeGen before transformers 5.24), which cannot read a compressed cache whatever attn_implementation is set: only "
-            "ratio=0 works with it, so use transformers' DynamicCache for this model."
+            "computes attention in its own code (as Bloom, GPT-Neo, MPT, XGLM and CPM-Ant do, GPT-J and CodeGen "
+            "before transformers 5.24, and Falcon before transformers 5.25), which cannot read a compressed cache "
+            "whatever attn_implementation is set: only ratio=0 works with it, so use transformers' DynamicCache "
+            "for this model."
         )
     # ratio 0, nothing compressed: the model's own attention code reads the dense layers exactly;
     # announce nothing more (no call may wait for an attention function that never comes)
+    state.unrouted = True
+
+
+def refuse_unservable(cache: CompressedCache, layer_idx: int, reason: str) -> None:
+    """Layer ``layer_idx``'s attention passes what the compressed store's attention cannot read
+    (``reason``, the message: a mask of its own per head), seen before the layer is compressed. A cache that
+    would compress (it evicts, or holds compressed layers) raises
+    :class:`~lukv_cache.errors.IncompatibleAttentionError`; at ratio 0 it stops announcing calls, as for a
+    model that attends in its own code (:func:`check_routed`): no layer is compressed, and the model's own
+    attention reads the dense layers exactly (DynamicCache's logits)."""
+    state = cache.state
+    state.awaiting = None
+    if cache.evicts or cache.is_compressed:
+        raise IncompatibleAttentionError(f"LUKVCache layer {layer_idx}: {reason}")
     state.unrouted = True
 
 

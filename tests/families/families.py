@@ -959,7 +959,8 @@ SINCE_5_25: dict[str, tuple[str, str | None]] = {
     # FalconAttention goes through transformers' attention interface now (ALL_ATTENTION_FUNCTIONS; the
     # FalconFlashAttention2 class and the inline sdpa/eager code are gone): exact at 0, evicts at 0.5. The
     # matrix's config is the defaults' rotary one; an ALiBi Falcon (alibi=True, e.g. falcon-rw) adds its bias
-    # to the attention mask, one per head, which lukv refuses with a typed error (test_falcon_alibi_is_refused)
+    # to the attention mask, one per head, which lukv refuses with a typed error at ratio 0.5; ratio 0 stays
+    # exact, nothing compressed (test_an_alibi_falcon_is_a_typed_error, tests/attention/test_per_head_mask.py)
     "falcon": ("works", None),
     # new families. kolibri1_1 works once index_num_heads is shrunk (_SHRINK; its config validates that the
     # indexer's heads are at most the query heads of one KV head: the default 12 > 2 did not build)

@@ -102,14 +102,16 @@ def test_a_tiny_config_over_the_size_bound_is_not_built(monkeypatch):
 
 def test_an_alibi_falcon_is_a_typed_error(monkeypatch):
     """The matrix's Falcon is the defaults' rotary one (it works from 5.25); an ALiBi Falcon (falcon-rw) adds
-    its bias to the attention mask, one per head, which the compressed store cannot read: a typed error on
-    every release (5.23/5.24: its attention is its own code)."""
+    its bias to the attention mask, one per head, which the compressed store cannot read: a typed error at
+    ratio 0.5 on every release (5.23/5.24: its attention is its own code), after ratio 0 ran exactly (nothing
+    compressed: DynamicCache's logits; 5.25 refused ratio 0 too before issue 54)."""
     import transformers
     from packaging.version import Version
 
     monkeypatch.setitem(families.OVERRIDES, "falcon", {"alibi": True})
     result = families.run_family("falcon")
     assert result.outcome == "typed_error", result
+    assert result.detail.startswith(f"ratio {families.RATIO}:"), result.detail  # ratio 0 passed
     since_5_25 = Version(transformers.__version__) >= Version("5.25")
     want = "mask of its own per head" if since_5_25 else "computes attention in its own code"
     assert want in result.detail, result.detail
