@@ -1,10 +1,12 @@
-"""What differs between the transformers releases the library supports (5.23 and 5.24), decided from public
+"""What differs between the transformers releases the library supports (5.23 to 5.25), decided from public
 facts (a model's signature), never from transformers' private names."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import types
+import typing
 from typing import Any
 
 
@@ -31,6 +33,50 @@ def takes_cache(model: Any) -> bool:
     """
     names = {"past_key_values", "past_key_value"} | ({"cache"} if _renamed() else set())
     return not names.isdisjoint(_forward_parameters(model))
+
+
+def own_cache_class(model: Any) -> str | None:
+    """The name of the class ``model``'s forward declares for the cache it takes (under a name
+    :func:`takes_cache` counts) when that class is no transformers ``Cache``: the model keeps its state in a
+    cache class of its own and reads that class's fields, so any transformers cache passed there fails in the
+    model's code (xLSTM from transformers 5.24 takes ``cache: xLSTMCache`` and reads ``cache.rnn_state``).
+    ``None`` when the declared type admits a transformers ``Cache`` or tells nothing (no annotation, a name
+    that does not resolve, a generic such as ``tuple[...]`` or ``dict[...]``).
+
+    >>> own_cache_class(xlstm_model)  # doctest: +SKIP
+    'xLSTMCache'
+    """
+    from transformers import Cache
+
+    names = {"past_key_values", "past_key_value"} | ({"cache"} if _renamed() else set())
+    parameters = _forward_signature(model)
+    for name in sorted(names & set(parameters)):
+        declared = _classes(parameters[name].annotation)
+        if declared and not any(issubclass(cls, Cache) for cls in declared):
+            return declared[0].__name__
+    return None
+
+
+def _classes(annotation: Any) -> tuple[type, ...]:
+    """The classes an annotation admits besides ``None`` (``X | None``, ``Optional[X]``, ``Union[X, Y]``);
+    empty when it is anything else (a generic, a string, a type variable, no annotation)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    else:
+        members = [annotation]
+    plain = all(isinstance(arg, type) and typing.get_origin(arg) is None for arg in members)
+    return tuple(members) if plain and members and inspect.Parameter.empty not in members else ()
+
+
+def _forward_signature(model: Any) -> typing.Mapping[str, inspect.Parameter]:
+    """``model.forward``'s parameters, annotations written as strings evaluated where they resolve."""
+    forward: Any = getattr(model, "forward", None)
+    for eval_str in (True, False):
+        try:
+            return inspect.signature(forward, eval_str=eval_str).parameters
+        except Exception:  # noqa: BLE001, S112 - a name that does not resolve: the raw annotations, or none
+            continue
+    return {}
 
 
 def _forward_parameters(model: Any) -> frozenset[str]:

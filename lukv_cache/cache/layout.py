@@ -72,6 +72,25 @@ def record_in(layers: list[Any]) -> None:
             layer.activate_past_recording()
 
 
+def refuse_own_cache(model: Any) -> None:
+    """Raise :class:`~lukv_cache.IncompatibleAttentionError` when ``model`` (a loaded transformers model)
+    takes a cache class of its own, no transformers cache (xLSTM from transformers 5.24: ``cache:
+    xLSTMCache``, whose ``rnn_state`` its forward reads): any cache passed to it fails in the model's code
+    (:func:`~lukv_cache._compat.own_cache_class`). Anything else passes."""
+    from transformers import PreTrainedModel
+
+    from .._compat import own_cache_class
+
+    own = own_cache_class(model) if isinstance(model, PreTrainedModel) else None
+    if own is not None:
+        raise IncompatibleAttentionError(
+            f"{type(model).__name__} keeps its state in a cache class of its own ({own}), not a transformers "
+            "cache, and reads that class's fields: a LUKVCache (or DynamicCache) passed to it cannot hold its "
+            "state, so there is nothing to compress. Generate without passing a cache (no cache= / "
+            "past_key_values=): the model creates its own."
+        )
+
+
 class Layout:
     """The cache's layer layout and what it learned of the model (its methods take the cache, whose
     ``layers`` they lay out). ``mesh_shard``: the rank's place in tensor parallelism, from a ``device_mesh=``."""
@@ -171,11 +190,15 @@ class Layout:
         """The cache is handed ``model`` (``from_pretrained(model)``, ``prefill(model, ...)``): learn the
         layout from its config if the cache does not know it yet; and when the model's forward takes no
         cache at all (it keeps a state of its own, as RWKV does, so the cache would stay empty), warn, or
-        with ``strict`` raise a :class:`~lukv_cache.ConfigurationError`."""
+        with ``strict`` raise a :class:`~lukv_cache.ConfigurationError`. A model whose forward takes a cache
+        class of its own, no transformers cache (xLSTM from transformers 5.24), would fail reading that
+        class's fields from a LUKVCache: an :class:`~lukv_cache.IncompatibleAttentionError`, before the
+        layout."""
         from transformers import PreTrainedModel
 
         from .._compat import takes_cache
 
+        refuse_own_cache(model)
         config = getattr(model, "config", None)
         if (
             cache.layer_class_to_replicate is not None

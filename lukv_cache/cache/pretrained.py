@@ -17,6 +17,7 @@ from ..errors import (
 )
 from ..scorers import SCORERS, Scorer
 from .contract import CacheT
+from .layout import refuse_own_cache
 from .policy import bounded_prompt, check_flag, default_ratio
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ def from_pretrained(
     if isinstance(allocator, str):
         ALLOCATORS.get(allocator)
     check_local_dir(local_dir)
+    refuse_own_cache(model_or_profile)  # a model no LUKVCache can serve: said before any lookup
     budget = options.get("memory") is not None or options.get("max_bytes") is not None
     if (
         not budget

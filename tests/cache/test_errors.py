@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+from typing import Optional
+
 import numpy as np
 import pytest
 import torch
+import transformers
 from helpers import tiny_model
-from transformers import AttentionInterface
+from packaging.version import Version
+from transformers import AttentionInterface, Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lukv_cache import ConfigurationError, IncompatibleAttentionError, LUKVCache, LUKVError, UnknownNameError
+from lukv_cache._compat import own_cache_class
 from lukv_cache.testing import prompt
 
 
@@ -235,3 +242,105 @@ def test_a_max_bytes_of_a_petabyte_is_accepted_and_bounds_nothing_a_tiny_model_h
     cache = LUKVCache(max_bytes=2**50)
     _prefill(cache)
     assert cache.max_bytes == 2**50 and int(cache.stored_tokens().min()) == 30  # the prompt kept whole
+
+
+def test_the_own_attention_message_names_falcon_only_before_transformers_5_25():
+    """A model whose attention is its own code (Bloom) at ratio 0.5: the message lists the families that do
+    this, each true on every supported release (Falcon goes through the attention interface from 5.25)."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    config = BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0)
+    model = BloomForCausalLM(config).eval()
+    with pytest.raises(IncompatibleAttentionError, match="own code") as raised:
+        _prefill(LUKVCache(0.5), model)
+    message = str(raised.value)
+    assert "Bloom" in message and "only ratio=0 works" in message, message
+    # every family named with the releases it holds for
+    assert re.findall(r"Falcon[^,)]*", message) == ["Falcon before transformers 5.25"], message
+    assert re.findall(r"GPT-J and CodeGen[^,)]*", message) == ["GPT-J and CodeGen before transformers 5.24"]
+
+
+SINCE_5_24 = Version(transformers.__version__) >= Version("5.24")  # the cache argument is named cache
+
+
+def _tiny_xlstm():
+    from transformers import xLSTMConfig, xLSTMForCausalLM
+
+    torch.manual_seed(0)
+    config = xLSTMConfig(
+        vocab_size=128, hidden_size=128, embedding_dim=128, num_hidden_layers=2, num_blocks=2, num_heads=4
+    )
+    return xLSTMForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@pytest.mark.skipif(not SINCE_5_24, reason="before transformers 5.24 xLSTM's forward takes no cache at all")
+def test_a_model_keeping_a_cache_class_of_its_own_is_refused_before_anything_runs():
+    """xLSTM from transformers 5.24 takes ``cache: xLSTMCache`` and reads ``cache.rnn_state``: a LUKVCache
+    passed there was a raw AttributeError; from_pretrained(model) and prefill(model) say so, typed, first
+    (before any profile lookup: the model has no name to look up)."""
+    model = _tiny_xlstm()
+    ids = prompt(1, 12)
+    with pytest.raises(AttributeError, match="rnn_state"):  # what the model itself does with any passed cache
+        model(ids, cache=DynamicCache())
+    for build in (
+        lambda: LUKVCache.from_pretrained(model, 0.5),
+        lambda: LUKVCache.from_pretrained(model, 0.0, local_files_only=True),
+        lambda: LUKVCache(0.5).prefill(model, ids),
+    ):
+        with pytest.raises(IncompatibleAttentionError) as raised:
+            build()
+        message = str(raised.value)
+        assert "xLSTMForCausalLM keeps its state in a cache class of its own (xLSTMCache)" in message, message
+        assert "Generate without passing a cache" in message, message
+    # the model's own cache still works
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 15)
+
+
+@pytest.mark.skipif(SINCE_5_24, reason="from transformers 5.24 xLSTM takes a cache (of its own class)")
+def test_a_model_taking_no_cache_is_warned_about_not_refused():
+    """Before 5.24 xLSTM's forward takes no cache (cache_params): the cache would stay empty, a warning."""
+    model = _tiny_xlstm()
+    model.config.name_or_path = "tiny-random/xlstm"  # no profile: the profile-free line, offline
+    with pytest.warns(UserWarning, match="takes no cache"):
+        LUKVCache.from_pretrained(model, 0.5, local_files_only=True)
+
+
+class _OwnCache:  # a model's own cache class, no transformers Cache
+    pass
+
+
+class _CacheSubclass(DynamicCache):
+    pass
+
+
+def _forward_taking(annotation):
+    """An object whose forward declares ``annotation`` for its past_key_values (as a module's would)."""
+
+    def forward(input_ids, past_key_values=None):
+        return input_ids
+
+    forward.__annotations__ = {"past_key_values": annotation}  # this file's annotations are strings
+    return type("Model", (), {"forward": staticmethod(forward)})()
+
+
+@pytest.mark.parametrize(
+    "annotation, own",
+    [
+        (_OwnCache | None, "_OwnCache"),
+        (Optional[_OwnCache], "_OwnCache"),  # noqa: UP045 - the older spelling, as remote code writes it
+        ("_OwnCache | None", "_OwnCache"),  # a string annotation that resolves
+        (Cache | None, None),
+        (_CacheSubclass | None, None),
+        (_OwnCache | Cache | None, None),  # a transformers cache is admitted
+        (tuple[tuple[torch.Tensor]] | None, None),  # the legacy format: nothing to tell
+        (dict[str, torch.Tensor] | None, None),
+        ("NoSuchName | None", None),
+        (inspect.Parameter.empty, None),
+    ],
+    ids=str,
+)
+def test_own_cache_class_reads_the_declared_cache_type(annotation, own):
+    assert own_cache_class(_forward_taking(annotation)) == own

@@ -590,8 +590,9 @@ def _model_refuses_caches(model, ids, mask, crash: Result) -> str:
     """An error the model's own code raises for any passed cache, DynamicCache() alike, of the same type at
     the same line: transformers refuses the setup, not lukv. minimax raises a ValueError ("uses cache of its
     own"); xlstm from 5.24 passes its ``cache`` argument to code that reads its own ``xLSTMCache``'s
-    ``rnn_state`` (an AttributeError for any transformers cache). Errors raised in cache_utils (a cache without
-    the model's layer types) do not count: a LUKVCache can provide those layers."""
+    ``rnn_state`` (an AttributeError for any transformers cache; lukv's from_pretrained refuses it first, typed).
+    Errors raised in cache_utils (a cache without the model's layer types) do not count: a LUKVCache can
+    provide those layers."""
     from transformers import DynamicCache
 
     if not crash.error_type or "cache_utils.py" in crash.frame or "/models/" not in crash.frame:
@@ -728,7 +729,8 @@ def _run(model_type: str, diagnose: bool) -> Result:
 # and are listed in XFAIL with today's bug (xfail(strict=True): a fix makes them XPASS, update both then).
 # bailing_hybrid, deepseek_v2, kimi_linear and xlstm were refused_by_transformers until their OVERRIDES: the
 # tiny configs failed in the model's own code. With them, the first three are typed errors (multi-head latent
-# attention) and xlstm is refused for a reason of its own (its cache is an xLSTMCache, no transformers Cache).
+# attention) and xlstm is refused for a reason of its own (its cache is an xLSTMCache, no transformers Cache:
+# on 5.23 it takes no cache; from 5.24 lukv refuses the xLSTMCache it declares with a typed error).
 
 # model_type -> the outcome the test expects (baseline_outcomes.json; families missing here expect works)
 EXPECTED: dict[str, str] = {
@@ -950,8 +952,9 @@ SINCE_5_24: dict[str, tuple[str, str | None]] = {
     "inkling2_loop_text": ("typed_error", "attention sinks computed per token"),
     "sarvam_mla": ("typed_error", "Multi-head latent attention"),
     # the forward takes `cache` (was cache_params), typed xLSTMCache, its own class: it reads cache.rnn_state,
-    # an AttributeError for any transformers cache, DynamicCache() alike (5.23: refused, it takes no cache)
-    "xlstm": ("refused_by_transformers", "any passed cache is refused (DynamicCache() too)"),
+    # an AttributeError for any transformers cache, DynamicCache() alike; from_pretrained(model) reads the
+    # declared class and refuses it first, typed (5.23: refused by transformers, it takes no cache)
+    "xlstm": ("typed_error", "keeps its state in a cache class of its own (xLSTMCache)"),
 }
 
 # Rows that transformers 5.25 changed, as SINCE_5_24 (used on 5.25 and later; they win over SINCE_5_24).

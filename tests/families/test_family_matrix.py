@@ -74,9 +74,9 @@ def test_expectations_are_acceptable():
     "version, falcon, xlstm",
     [
         ("5.23.0", "typed_error", "refused_by_transformers"),
-        ("5.24.0", "typed_error", "refused_by_transformers"),
-        ("5.25.0", "works", "refused_by_transformers"),
-        ("5.26.0", "works", "refused_by_transformers"),
+        ("5.24.0", "typed_error", "typed_error"),
+        ("5.25.0", "works", "typed_error"),
+        ("5.26.0", "works", "typed_error"),
     ],
 )
 def test_each_release_expects_its_own_rows(version, falcon, xlstm):
