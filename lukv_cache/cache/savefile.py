@@ -107,6 +107,9 @@ def write_context(cache: CompressedCache, path: Path, model: Any = None) -> Path
     text = json.dumps(meta, sort_keys=True, separators=(",", ":"))
     metadata = {FORMAT_KEY: FORMAT_NAME, METADATA_KEY: text, CHECKSUM_KEY: checksum(text, tensors)}
     _atomic_save(tensors, metadata, path)
+    # the saved context is complete, as after cache.prefill: this cache and one loaded from the file (which
+    # holds tokens, so no prompt is open in it) append a question alike, whole
+    cache.state.end_prompt()
     return path
 
 

@@ -232,6 +232,17 @@ def test_a_question_in_a_copy_of_a_context_forwarded_by_hand_is_appended_whole(c
     assert torch.equal(asked.stored_tokens(), cache.stored_tokens() + question.shape[1])
 
 
+def test_a_question_after_a_saved_context_is_appended_whole_in_it_and_in_the_loaded_one(tmp_path):
+    model, context, question = tiny_model("llama"), prompt(1, 64, seed=1), prompt(1, 12, seed=2)
+    cache = LUKVCache(0.8)
+    _forward(model, context, cache)  # by hand: the prompt is still open
+    path = cache.save(tmp_path / "context.safetensors", model=model)
+    after_context = cache.stored_tokens().clone()
+    for asked in (cache, LUKVCache.load(path, model)):
+        _generate(model, torch.cat([context, question], 1), asked)
+        assert torch.equal(asked.stored_tokens(), after_context + question.shape[1])
+
+
 def test_a_question_after_a_context_forwarded_by_hand_is_compressed_like_a_chunk():
     """The one case a cache cannot tell apart: a context forwarded by hand then a question look exactly like
     generate's first chunk and its last one. The question is compressed (documented in docs/usage.md:

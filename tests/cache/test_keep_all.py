@@ -184,8 +184,7 @@ def test_deepcopy_of_compressed_cache_answers_two_questions_like_compressing_twi
     for question in questions:
         full = torch.cat([context, question], dim=1)
         fresh = LUKVCache(ratio, "keydiff")
-        with torch.no_grad():
-            model(context, past_key_values=fresh)
+        fresh.prefill(model, context)  # a complete context: the question is appended whole, as in a copy
         ref = model.generate(full, past_key_values=fresh, max_new_tokens=5, **GREEDY)
         out = model.generate(full, past_key_values=copy.deepcopy(shared), max_new_tokens=5, **GREEDY)
         assert_same_generation(ref, out, atol=0.0)
