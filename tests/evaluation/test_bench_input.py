@@ -9,7 +9,6 @@ from demo_helpers import byte_tokenizer, tiny_llama
 
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.evaluation import cli as evaluation_cli
 from lukv_cache.evaluation.runner import BenchSettings, run_benchmark
 from lukv_cache.testing import tiny_model
 
@@ -32,16 +31,6 @@ def short_model_dir(tmp_path_factory):
     _short_model().save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder
-
-
-@pytest.fixture
-def no_weights(monkeypatch):
-    """Loading the weights fails the test: every refusal here must come before it."""
-
-    def load_model(*args, **kwargs):
-        raise AssertionError("the model's weights were loaded before the flags were checked")
-
-    monkeypatch.setattr(evaluation_cli, "load_model", load_model)
 
 
 @pytest.mark.parametrize(

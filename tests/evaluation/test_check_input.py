@@ -8,7 +8,6 @@ from demo_helpers import byte_tokenizer, tiny_llama
 
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError, UnknownNameError
-from lukv_cache.evaluation import cli as evaluation_cli
 from lukv_cache.evaluation.check import check
 from lukv_cache.testing import flat_profile
 
@@ -22,16 +21,6 @@ def model_dir(tmp_path_factory):
     tiny_llama().save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder
-
-
-@pytest.fixture
-def no_weights(monkeypatch):
-    """Loading the weights fails the test: every refusal here must come before it."""
-
-    def load_model(*args, **kwargs):
-        raise AssertionError("the model's weights were loaded before the input was checked")
-
-    monkeypatch.setattr(evaluation_cli, "load_model", load_model)
 
 
 def _files(tmp_path, text: str | bytes = "The ferry leaves at nine. ", questions: str | bytes = "When?\n"):

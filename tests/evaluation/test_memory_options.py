@@ -11,7 +11,6 @@ from demo_helpers import byte_tokenizer, tiny_llama
 from lukv_cache import LUKVCache
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.evaluation import cli as evaluation_cli
 from lukv_cache.evaluation.check import CheckReport, CheckRow, check, format_check, read_contexts
 from lukv_cache.evaluation.methods import Method, build_methods, make_cache, memory_list
 from lukv_cache.evaluation.prefill import SharedPrefill
@@ -144,14 +143,6 @@ def model_dir(tmp_path_factory):
     tiny_llama().save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder
-
-
-@pytest.fixture
-def no_weights(monkeypatch):
-    def load_model(*args, **kwargs):
-        raise AssertionError("the model's weights were loaded before the flags were checked")
-
-    monkeypatch.setattr(evaluation_cli, "load_model", load_model)
 
 
 def test_lukv_bench_memory_alone_runs_the_budgets_and_the_full_cache(model_dir, tmp_path, capsys):
