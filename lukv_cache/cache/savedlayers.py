@@ -9,7 +9,6 @@ this module reads it only through :class:`SavedFile`, so it never imports it. Th
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, cast
@@ -22,6 +21,7 @@ from .contract import CompressedCache
 from .factory import LayerFactory
 from .layer import LUKVLayer
 from .memory import MemoryChoice
+from .quant import PackedRows
 from .ragged import RaggedStore
 from .statecheck import StateCheck, StateShape, dtype_name, put_tensor
 
@@ -32,7 +32,12 @@ _STOCK_SPECIAL = {"dtype", "device", "_sliding_window_tensor"}
 _OPTIONAL_COUNTS = {"kv_bits", "sliding_window"}
 _KINDS = {"lukv": LUKVLayer, "sliding": DynamicSlidingWindowLayer, "dynamic": DynamicLayer}
 _SCALARS = (bool, int, float, str, type(None))
-_DATACLASS_MODULES = ("lukv_cache.cache.",)  # the only classes a file may name (rebuilt from their fields)
+# The classes a file may hold, by the tag the format owns (never where the code lives: moving a module
+# changes no file). A file names nothing else; every class is rebuilt from exactly its fields.
+DATACLASS_TAGS: dict[str, type] = {"packed_rows": PackedRows}
+_TAG_OF = {cls: tag for tag, cls in DATACLASS_TAGS.items()}
+# format version 1 named them by module path: read, never written
+_VERSION_1_PATHS = {"lukv_cache.cache.quant.PackedRows": "packed_rows"}
 
 
 class SavedFile(Protocol):
@@ -162,9 +167,9 @@ def _stock_state(layer: Any) -> dict[str, Any]:
 
 def _encode(value: Any, name: str, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
     """One field as the metadata holds it: ``{"tensor": name}`` (the tensor stored under ``name``),
-    ``{"value": v}`` (a plain number, string or None), ``{"dtype": "float16"}``, or ``{"dataclass":
-    "lukv_cache.cache.<module>.<Class>", "fields": {...}}`` for a dataclass of lukv_cache's cache (e.g. a
-    quantized store's rows: codes, scales and zeros), its fields encoded alike as ``name.<field>``."""
+    ``{"value": v}`` (a plain number, string or None), ``{"dtype": "float16"}``, or ``{"dataclass": <tag>,
+    "fields": {...}}`` for one of the classes of :data:`DATACLASS_TAGS` (a quantized store's rows:
+    ``"packed_rows"``, codes, scales and zeros), its fields encoded alike as ``name.<field>``."""
     if isinstance(value, torch.Tensor):
         return {"tensor": put_tensor(tensors, name, value)}
     if isinstance(value, torch.dtype):
@@ -172,9 +177,9 @@ def _encode(value: Any, name: str, tensors: dict[str, torch.Tensor], path: Path)
     if isinstance(value, _SCALARS) and not (isinstance(value, float) and not math.isfinite(value)):
         return {"value": value}
     cls = type(value)
-    if dataclasses.is_dataclass(value) and cls.__module__.startswith(_DATACLASS_MODULES):
+    if dataclasses.is_dataclass(value) and cls in _TAG_OF:
         return {
-            "dataclass": f"{cls.__module__}.{cls.__qualname__}",
+            "dataclass": _TAG_OF[cls],
             "fields": {
                 f.name: _encode(getattr(value, f.name), f"{name}.{f.name}", tensors, path)
                 for f in dataclasses.fields(value)
@@ -182,7 +187,7 @@ def _encode(value: Any, name: str, tensors: dict[str, torch.Tensor], path: Path)
         }
     raise SavedContextError(
         f"Cannot save {name}: a {cls.__name__}, which this format version does not store (tensors, plain "
-        "numbers, dtypes and lukv_cache's own cache dataclasses only).",
+        f"numbers, dtypes and the classes {sorted(DATACLASS_TAGS)} only).",
         path=str(path),
         field=name,
     )
@@ -471,7 +476,8 @@ def _read_store(entry: Any, check: StateCheck, reader: SavedFile, device: torch.
 
 def _decode(spec: Any, name: str, reader: SavedFile, device: torch.device, finite: bool = True) -> Any:
     """A field encoded by :func:`_encode` (its tensors finite unless ``finite=False``); a dataclass is
-    rebuilt only if it is one of lukv_cache's cache classes, from exactly its fields."""
+    rebuilt only from a tag of :data:`DATACLASS_TAGS` (or a format-1 file's module path for it), from
+    exactly its fields."""
     if isinstance(spec, dict) and len(spec) == 1 and isinstance(spec.get("tensor"), str):
         return reader.tensor(spec["tensor"], finite=finite).to(device)
     if isinstance(spec, dict) and len(spec) == 1 and "value" in spec and isinstance(spec["value"], _SCALARS):
@@ -485,17 +491,13 @@ def _decode(spec: Any, name: str, reader: SavedFile, device: torch.device, finit
         and isinstance(spec.get("dataclass"), str)
         and isinstance(spec.get("fields"), dict)
     ):
-        module, _, qualname = spec["dataclass"].rpartition(".")
-        cls = None
-        if module.startswith(_DATACLASS_MODULES) and module.removeprefix("lukv_cache.cache.").isidentifier():
-            try:
-                cls = getattr(importlib.import_module(module), qualname, None)
-            except ImportError:
-                cls = None
-        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        named: str = spec["dataclass"]
+        cls = DATACLASS_TAGS.get(_VERSION_1_PATHS.get(named, named))
+        if cls is None:
             reader.fail(
-                f"{name} is a {spec['dataclass']}, which this lukv_cache does not have (written by another "
-                "version). Load it with the version that wrote it.",
+                f"{name} is a {spec['dataclass']!r}, which this lukv_cache's format does not have (it knows "
+                f"{sorted(DATACLASS_TAGS)}; written by another version?). Load it with the version that wrote "
+                "it.",
                 name,
             )
         fields = {f.name for f in dataclasses.fields(cls)}

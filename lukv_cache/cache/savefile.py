@@ -32,7 +32,8 @@ from .savedlayers import check_savable, restore_layers, save_layer
 from .statecheck import StateCheck, put_tensor
 
 FORMAT_NAME = "lukv-saved-context"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: classes named by the format's tags (savedlayers.DATACLASS_TAGS), not module paths
+READABLE_VERSIONS = (1, 2)  # what load reads: 1 named its one class by module path, read as its tag
 # safetensors metadata entries (str -> str): the format's name, the structured metadata (JSON), its checksum
 FORMAT_KEY = "format"
 METADATA_KEY = "lukv_saved_context"
@@ -296,10 +297,11 @@ class _Reader:
                 "its metadata is not a JSON object (damaged file). Save the context again.", METADATA_KEY
             )
         version = meta.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             self.fail(
                 f"format version {version!r}, written by lukv_cache {meta.get('library_version', '?')}; this "
-                f"lukv_cache ({_library_version()}) reads version {FORMAT_VERSION}. Load it with the lukv_cache "
+                f"lukv_cache ({_library_version()}) reads versions {', '.join(map(str, READABLE_VERSIONS))}. "
+                "Load it with the lukv_cache "
                 "version that wrote it, or save the context again with this one.",
                 "format_version",
             )

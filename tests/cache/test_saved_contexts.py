@@ -267,7 +267,7 @@ BAD_FILES = {
         _bytes_edit(lambda data: data.replace(b'\\"sink\\":4', b'\\"sink\\":5', 1)),
         "checksum mismatch",
     ),
-    "another format version": (_edit_meta(lambda m: m.update(format_version=2)), "format version 2"),
+    "another format version": (_edit_meta(lambda m: m.update(format_version=3)), "format version 3"),
     "offsets not ending at the store's length": (
         _edit_tensors(_set("layers.0.store.offsets", lambda t: torch.cat([t[:-1], t[-1:] - 1]))),
         "offsets do not run from 0",
@@ -306,7 +306,7 @@ BAD_FILES = {
                 keys={"dataclass": "os.PathLike", "fields": {}}
             )
         ),
-        "which this lukv_cache does not have",
+        "which this lukv_cache's format does not have",
     ),
     "a store field this version lacks": (
         _edit_meta(lambda m: m["layers"][0]["store"]["fields"].update(codebook=3)),
