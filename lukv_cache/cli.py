@@ -352,16 +352,9 @@ def _profiling_commands(subparsers: Any) -> None:
 
 
 # -------------------------------------------------------------------------------- evaluation: demo bench check
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
-    parser.add_argument(
-        "--model", default=SMOLLM2_ALIAS, help=f"a packaged model ({PACKAGED_NAMES}) or a model id / folder"
-    )
-    parser.add_argument(
-        "--tasks", nargs="+", help=f"of {' '.join(TASKS)} (default: {' '.join(DEFAULT_TASKS)})"
-    )
-    parser.add_argument("--samples", type=int, default=20, help="contexts per task")
-    parser.add_argument("--context-tokens", type=int, default=1000, help="context length in tokens")
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that name the methods compared (``lukv bench`` and ``lukv ruler``): allocators x scorers x
+    ratios (x bits), memory budgets, the full cache, and where profiles come from."""
     parser.add_argument(
         "--ratios",
         nargs="+",
@@ -380,11 +373,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allocators", nargs="+", help=f"default: {' '.join(ALLOCATORS)}")
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache reference")
     parser.add_argument(
-        "--needles", type=int, default=4, help="needles per retrieval context (recall: sentences quoted)"
-    )
-    parser.add_argument("--continuation-tokens", type=int, default=128, help="teacher-forced tokens")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the samples")
-    parser.add_argument(
         "--profiles",
         help="a folder of profiles searched first (default: none; then the Hub cache, or the Hub with --hub, "
         "then the profiles shipped with lukv_cache)",
@@ -392,7 +380,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hub", action="store_true", help="look up missing profiles in the shared Hub repository"
     )
-    parser.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
     parser.add_argument(
         "--kv-bits",
         nargs="+",
@@ -408,6 +395,25 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "(evicted at the ratio too) or keep (transformers' own sliding layer, ratio counts the full-attention "
         "layers); LUKVCache(sliding=...) (default: the cache's, compress)",
     )
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by ``lukv bench`` and ``benchmarks/run.py``)."""
+    parser.add_argument(
+        "--model", default=SMOLLM2_ALIAS, help=f"a packaged model ({PACKAGED_NAMES}) or a model id / folder"
+    )
+    parser.add_argument(
+        "--tasks", nargs="+", help=f"of {' '.join(TASKS)} (default: {' '.join(DEFAULT_TASKS)})"
+    )
+    parser.add_argument("--samples", type=int, default=20, help="contexts per task")
+    parser.add_argument("--context-tokens", type=int, default=1000, help="context length in tokens")
+    add_method_arguments(parser)
+    parser.add_argument(
+        "--needles", type=int, default=4, help="needles per retrieval context (recall: sentences quoted)"
+    )
+    parser.add_argument("--continuation-tokens", type=int, default=128, help="teacher-forced tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the samples")
+    parser.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
     add_threads_argument(parser)
     parser.add_argument(
         "--out",
@@ -457,6 +463,34 @@ def _evaluation_commands(subparsers: Any) -> None:
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_command(run, "run_bench", _precheck_bench))
+
+    ruler = _add(
+        subparsers,
+        "ruler",
+        "RULER's 13 tasks on a model, every method against the full cache (kvpress's protocol)",
+        "RULER's samples made by its own generators (pip install --no-deps nvidia-long-context-eval==26.3 and "
+        "the ruler extra) in the model's tokens; the context compressed without the question, the question "
+        "and answer prefix appended, the answer decoded greedily and string-matched. Resumable: each finished "
+        "sample is appended to <out>/<name>.jsonl and a rerun continues; writes JSON and markdown tables.",
+    )
+    ruler.add_argument("model", help=f"a packaged model ({PACKAGED_NAMES}) or a model id / folder")
+    ruler.add_argument(
+        "--lengths", nargs="+", type=int, default=[4096], help="RULER lengths in the model's tokens"
+    )
+    ruler.add_argument("--tasks", nargs="+", help="of RULER's 13 tasks (default: all 13)")
+    ruler.add_argument("--samples", type=int, default=10, help="samples per task and length")
+    add_method_arguments(ruler)
+    ruler.add_argument("--seed", type=int, default=42, help="seed of the generators (RULER's prepare.py: 42)")
+    ruler.add_argument("--no-share-prefill", action="store_true", help="prefill every method separately")
+    add_threads_argument(ruler)
+    ruler.add_argument(
+        "--out",
+        default=str(cache_root() / "ruler"),
+        help="output folder, created if needed (default: %(default)s, under the lukv cache)",
+    )
+    ruler.add_argument("--name", help="stem of the results files (default: ruler_<model>)")
+    ruler.add_argument("--quiet", action="store_true", help="no progress bar")
+    ruler.set_defaults(func=_command("lukv_cache.evaluation.ruler.command", "run_command", _precheck_ruler))
 
     check = _add(
         subparsers,
@@ -705,6 +739,26 @@ def _precheck_bench(args: argparse.Namespace) -> None:
     for task in _parts(args.tasks):  # the runner's own check, before the model loads
         if task not in TASKS:
             raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
+
+
+def _precheck_ruler(args: argparse.Namespace) -> None:
+    from .evaluation.ruler import MIN_LENGTH
+    from .evaluation.ruler import TASKS as RULER_TASKS
+
+    _model_exists(args.model)
+    _folder_exists("--profiles", args.profiles)
+    _count("--samples", args.samples, 1, "samples per task and length")
+    for length in args.lengths:
+        _count("--lengths", length, MIN_LENGTH, "RULER lengths in the model's tokens")
+    for part in _parts(args.ratios):
+        _ratio(part)
+    refuse_unknown("scorer", _parts(args.scorers))
+    refuse_unknown("allocator", _parts(args.allocators))
+    kv_bits_list(_parts(args.kv_bits))
+    memory_list(_parts(args.memory))
+    for task in _parts(args.tasks):
+        if task not in RULER_TASKS:
+            raise ConfigurationError(f"Unknown RULER task {task!r}; choose from {', '.join(RULER_TASKS)}.")
 
 
 def _precheck_build(args: argparse.Namespace) -> None:
