@@ -148,7 +148,9 @@ def main() -> int:
         """The simulated cache holding ``target`` bytes (two probes: bytes are linear in kept tokens)."""
         probes = {m: packed_bytes(hold(shared, four, m), four) for m in (0.3, 0.6)}
         slope = (probes[0.6] - probes[0.3]) / 0.3
-        memory = min(1.0, max(0.01, 0.3 + (target - probes[0.3]) / slope))
+        memory = min(
+            0.99, max(0.01, 0.3 + (target - probes[0.3]) / slope)
+        )  # 1.0 is the whole cache, no store
         cache = hold(shared, four, memory)
         return cache, packed_bytes(cache, four)
 

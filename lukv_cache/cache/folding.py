@@ -45,8 +45,9 @@ def scorer_context(
 
 
 def keeps_scores(policy: CompressionPolicy) -> bool:
-    """Whether stores keep each token's score (eviction at fold time with a scorer that reuses them)."""
-    return policy.decode_max_tokens is not None and policy.scorer.keeps_scores
+    """Whether stores keep each token's score (eviction at fold time, under ``decode_max_tokens`` or a memory
+    budget, with a scorer that reuses them)."""
+    return policy.evicts_at_folds and policy.scorer.keeps_scores
 
 
 def fold_due(layer: LUKVLayer, policy: CompressionPolicy, query: torch.Tensor) -> bool:

@@ -431,9 +431,11 @@ class CompressionPolicy:
     def evicts_at_folds(self) -> bool:
         """Whether a fold while decoding evicts (:mod:`lukv_cache.cache.folding`): under
         ``decode_max_tokens``, and under a memory budget, whose bytes hold after every forward, when the
-        scorer can rank decoded tokens (``Scorer.decodes``)."""
-        budget = self.in_bytes and not self.keeps_whole and self.scorer.decodes
-        return self.decode_max_tokens is not None or budget
+        scorer can rank decoded tokens at a fold (``Scorer.decodes``; a scorer that reads every KV head of a
+        token, ``context``, only by reusing each token's first score)."""
+        scorer = self.scorer
+        ranks = scorer.decodes and not (scorer.context and not scorer.keeps_scores)
+        return self.decode_max_tokens is not None or (self.in_bytes and not self.keeps_whole and ranks)
 
     @property
     def defers(self) -> bool:

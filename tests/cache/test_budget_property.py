@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import scorer_for, tiny_model
 from test_memory_budget import _full_bytes
 from test_memory_mixed import _cache as _mixed_cache
 from test_memory_mixed import _model as _mixed_model
@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
+from lukv_cache.scorers import SCORERS
 from lukv_cache.testing import left_padded, prompt
 
 DECODE_STEPS = 20
@@ -175,3 +176,12 @@ def test_under_a_budget_a_fold_comes_every_eight_decoded_tokens():
     for _ in range(24):
         out = _forward(model, cache, out.logits[:, -1:].argmax(-1))
     assert sum(step.kind == "fold" for step in steps) - folds_before == 3
+
+
+@pytest.mark.parametrize("name", [n for n in SCORERS.names() if SCORERS.get(n).reconstruction is None])
+def test_every_scorer_holds_the_budget_while_decoding(name):
+    """Every fold evicts with the cache's scorer (kvzap, the one line's, reads every KV head of a token: its
+    folds reuse each token's first score, kept with the token and counted in the bytes)."""
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(memory=0.15, scorer=scorer_for(name, model))
+    _run_and_check(model, cache, dict(memory=0.15), prompt(1, 300, seed=2))

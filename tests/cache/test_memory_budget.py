@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.allocation import ALLOCATORS
+from lukv_cache.cache.folding import keeps_scores
 from lukv_cache.cache.memory import MemoryChoice, Shapes, kept_queries, layer_shapes
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import MemoryTable
@@ -42,13 +43,14 @@ def _shapes(cache: LUKVCache) -> Shapes:
 
 
 def _row_bytes(cache: LUKVCache) -> list[int]:
-    """Each row's bytes: the tokens of its stores at the chosen bits, plus the fixed decode room (which
-    holds the suffix's tokens) and offsets."""
+    """Each row's bytes: the tokens of its stores at the chosen bits (with their scores when the stores keep
+    them: a scorer whose folds reuse each token's first score), plus the fixed decode room (which holds the
+    suffix's tokens) and offsets."""
     shapes = _shapes(cache)
     bits = cache.kv_bits  # per-layer widths: each layer's tokens at its own bits
     rows = sum(
         (layer.stored_counts() - layer.suffix_length)
-        * shapes.stored_token(bits[i] if isinstance(bits, tuple) else bits, scores=False)
+        * shapes.stored_token(bits[i] if isinstance(bits, tuple) else bits, scores=keeps_scores(cache.policy))
         for i, layer in enumerate(cache.layers)
     ).sum(-1)  # [B]
     return [int(n) + shapes.fixed() for n in rows]
@@ -70,7 +72,8 @@ def test_every_scorer_fits_the_budget_on_padded_rows(name, memory):
     _check_bound(cache, budget, batch=2)
     # it evicted what it had to, and used the budget: no more than one stored token per slot below it
     slack = budget - max(_row_bytes(cache))
-    assert slack < _shapes(cache).slots * _shapes(cache).stored_token(cache.kv_bits, scores=False) * 2
+    per_token = _shapes(cache).stored_token(cache.kv_bits, scores=keeps_scores(cache.policy))
+    assert slack < _shapes(cache).slots * per_token * 2
 
 
 @pytest.mark.parametrize("name", ALLOCATORS.names())
