@@ -10,7 +10,7 @@ what that changes). ``length`` is RULER's ``max_seq_length``: the model's tokens
 task's tokens to generate, before any chat template.
 
 >>> rows = generate("vt", tokenizer, 4096, samples=2, seed=42)  # doctest: +SKIP
->>> sorted(rows[0])
+>>> sorted(rows[0])  # doctest: +SKIP
 ['index', 'input', 'length', 'outputs']
 """
 
