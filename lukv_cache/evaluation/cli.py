@@ -23,7 +23,7 @@ from ..models import (
 )
 
 
-def _split(values: list[str] | None) -> list[str] | None:
+def split_values(values: list[str] | None) -> list[str] | None:
     """``--ratios 0.5 0.8`` and ``--ratios 0.5,0.8`` both work."""
     if values is None:
         return None
@@ -111,16 +111,16 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from .runner import BenchSettings, run_benchmark
 
     check_bench_numbers(args.samples, args.context_tokens, args.needles, args.continuation_tokens, flags=True)
-    memory = memory_list(_split(getattr(args, "memory", None)) or [])
+    memory = memory_list(split_values(getattr(args, "memory", None)) or [])
     # with budgets and no --ratios, only the budgets run (and the full cache)
-    ratios = _split(args.ratios) or ([] if memory else RATIOS)
+    ratios = split_values(args.ratios) or ([] if memory else RATIOS)
     settings = BenchSettings(
-        tasks=tuple(_split(args.tasks) or DEFAULT_TASKS),
+        tasks=tuple(split_values(args.tasks) or DEFAULT_TASKS),
         samples=args.samples,
         context_tokens=args.context_tokens,
         ratios=tuple(float(r) for r in ratios),
-        scorers=tuple(_split(args.scorers) or SCORERS),
-        allocators=tuple(_split(args.allocators) or ALLOCATORS),
+        scorers=tuple(split_values(args.scorers) or SCORERS),
+        allocators=tuple(split_values(args.allocators) or ALLOCATORS),
         full=not args.no_full,
         seed=args.seed,
         needles=args.needles,
@@ -128,7 +128,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         profiles_dir=args.profiles,
         hub=args.hub,
         share_prefill=not args.no_share_prefill,
-        kv_bits=kv_bits_list(_split(args.kv_bits) or []),
+        kv_bits=kv_bits_list(split_values(args.kv_bits) or []),
         sliding=args.sliding,
         memory=memory,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ...models import check_positions, load_config, load_model
-from ..cli import _split
+from ..cli import split_values
 from ..methods import ALLOCATORS, RATIOS, SCORERS, build_methods, kv_bits_list, memory_list
 from ..report import command_line
 from . import TASKS
@@ -19,14 +19,14 @@ from .deps import check_dependencies
 
 def methods_of(args: argparse.Namespace) -> list[Any]:
     """The grid the method flags name, with ``lukv bench``'s defaults."""
-    memory = memory_list(_split(args.memory) or [])
-    ratios = _split(args.ratios) or ([] if memory else [str(r) for r in RATIOS])
+    memory = memory_list(split_values(args.memory) or [])
+    ratios = split_values(args.ratios) or ([] if memory else [str(r) for r in RATIOS])
     return build_methods(
-        _split(args.allocators) or ALLOCATORS,
-        _split(args.scorers) or SCORERS,
+        split_values(args.allocators) or ALLOCATORS,
+        split_values(args.scorers) or SCORERS,
         [float(r) for r in ratios],
         full=not args.no_full,
-        kv_bits=kv_bits_list(_split(args.kv_bits) or []),
+        kv_bits=kv_bits_list(split_values(args.kv_bits) or []),
         sliding=args.sliding,
         memory=memory,
     )
@@ -37,7 +37,7 @@ def run_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from .run import RulerSettings, run_ruler
     from .store import Store
 
-    tasks = list(dict.fromkeys(_split(args.tasks) or TASKS))
+    tasks = list(dict.fromkeys(split_values(args.tasks) or TASKS))
     check_dependencies(tasks)
     methods = methods_of(args)
     config = load_config(args.model)
