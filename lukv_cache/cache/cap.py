@@ -15,7 +15,7 @@ from ..allocation.budget import MAX_RATIO, fill_ratio, trim_weighted
 from .compression import CompressionPolicy, Region
 from .folding import keeps_scores
 from .layer import LUKVLayer
-from .memory import MemoryChoice, budget_shapes, prefill_scores_bytes, row_budgets
+from .memory import MemoryChoice, budget_shapes, prefill_scores_bytes
 from .parallel import HeadShard
 
 
@@ -80,10 +80,8 @@ def token_cap(
     # folded their windows into their stores (counted there)
     assert choice is not None  # chosen at the budget's first compression
     scores = prefill_scores_bytes(len(full), num_heads, layer.suffix_length) if keeps_prefill_scores else 0
-    most, shapes = budget_shapes(policy, layer, len(full), num_heads, query_heads, scores)
-    budget = torch.tensor(most)  # [B] below: each row its own, as the row alone (padding is not its tokens)
-    if region.seen is not None:
-        budget = torch.minimum(row_budgets(policy.memory, policy.max_bytes, region.seen, shapes), budget)
+    # [B]: each row its own, as the row alone (padding is not its tokens)
+    budget, shapes = budget_shapes(policy, layer, len(full), num_heads, query_heads, region.seen, scores)
     cost = {i: shapes.stored_token(choice.bits_of(i), keeps_scores(policy)) for i in full}
     uniform = len(set(cost.values())) == 1
     unit = cost[full[0]] if uniform else 1  # one width: count tokens, else bytes

@@ -23,13 +23,13 @@ from .ragged import keep_mask_from_counts
 class Region:
     """The first ``length`` tokens of a layer's dense suffix (all but the protected window), per row:
     ``sinks`` (kept) and ``evictable`` tokens, bool ``[B, length]``; ``seen``: int64 ``[B]``, the real
-    tokens (padding excluded) each row of the layer has seen in all, when known (a memory budget sizes
-    each row's bytes by them, as the row alone would be)."""
+    tokens (padding excluded) each row of the layer has seen in all (a memory budget sizes each row's
+    bytes by them, as the row alone would be)."""
 
     length: int
     sinks: torch.Tensor
     evictable: torch.Tensor
-    seen: torch.Tensor | None = None
+    seen: torch.Tensor
 
     @property
     def n_evictable(self) -> torch.Tensor:

@@ -16,7 +16,7 @@ from ..allocation.budget import MAX_RATIO, fill_ratio, fit_counts, trim_weighted
 from .compression import CompressionPolicy, score_suffix, suffix_positions, valid_from_mask
 from .decoding import Held, gather_held, held_tokens, masked_held, rescore
 from .layer import LUKVLayer
-from .memory import budget_shapes, row_budgets
+from .memory import budget_shapes
 from .parallel import HeadShard
 from .ragged import keep_mask_from_counts
 
@@ -114,9 +114,8 @@ def fold_evict(
     weights, room = None, None  # per-layer widths: each layer's bytes per token, the bytes [B] left
     if policy.in_bytes:  # and no more than the memory budget's bytes hold at the layers' bits
         full = [i for i, layer in enumerate(all_layers) if isinstance(layer, LUKVLayer)]
-        most, shapes = budget_shapes(policy, first, len(full), heads, query_heads, scores_bytes)
         # each row its own budget, by the real tokens it has seen (as the row alone)
-        budget = torch.minimum(row_budgets(policy.memory, policy.max_bytes, real, shapes), torch.tensor(most))
+        budget, shapes = budget_shapes(policy, first, len(full), heads, query_heads, real, scores_bytes)
         cost = {i: shapes.stored_token(all_layers[i].kv_bits, kept_scores) for i in full}
         if len(set(cost.values())) > 1 and idxs == full:  # in bytes, every layer's tokens at its width
             weights = [cost[i] for i in idxs]

@@ -130,14 +130,20 @@ def kept_queries(policy: Any, query_heads: int | None, heads: int) -> int:
 
 
 def budget_shapes(
-    policy: Any, layer: Any, layers: int, heads: int, query_heads: int | None, scores: int = 0
-) -> tuple[int, Shapes]:
-    """The bytes one row may hold under ``policy``'s budget over ``layers`` compressed layers of ``heads``
-    KV heads like ``layer``, for its length so far, and the :class:`Shapes` they are counted with
-    (``query_heads``: the model's, whose queries a layer may keep for its next fold, ``None`` when
-    unknown; ``scores``: the kept prefill scores' bytes per row)."""
+    policy: Any,
+    layer: Any,
+    layers: int,
+    heads: int,
+    query_heads: int | None,
+    seen: torch.Tensor,
+    scores: int = 0,
+) -> tuple[torch.Tensor, Shapes]:
+    """int64 ``[B]``: the bytes each row may hold under ``policy``'s budget over ``layers`` compressed
+    layers of ``heads`` KV heads like ``layer``, for the real tokens it has ``seen`` (:func:`row_budgets`),
+    and the :class:`Shapes` they are counted with (``query_heads``: the model's, whose queries a layer may
+    keep for its next fold, ``None`` when unknown; ``scores``: the kept prefill scores' bytes per row)."""
     shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads, heads), scores)
-    return row_budget(policy.memory, policy.max_bytes, layer.cumulative_length, shapes), shapes
+    return row_budgets(policy.memory, policy.max_bytes, seen, shapes), shapes
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,7 +179,7 @@ def row_budgets(
     if max_bytes is not None:
         return torch.full(seen.shape, max_bytes, dtype=torch.long)
     assert memory is not None
-    return (memory * seen.double() * (shapes.slots * shapes.dense_token)).long()
+    return (memory * seen.double() * shapes.slots * shapes.dense_token).long()  # as row_budget rounds
 
 
 def tokens_allowed(budget: int, shapes: Shapes, bits: int | None, scores: bool) -> int:
