@@ -37,6 +37,7 @@ from .evaluation.methods import (
     SCORERS,
     TASKS,
     check_bench_numbers,
+    check_count,
     kv_bits_list,
     memory_list,
 )
@@ -648,13 +649,8 @@ def _folder_exists(option: str, path: str | None) -> None:
 
 def _count(option: str, value: int | None, low: int, what: str, high: int | None = None) -> None:
     """An integer option (``None``: not given) in ``[low, high]``, else one ``error:`` line saying so."""
-    if value is None or (low <= value and (high is None or value <= high)):
-        return
-    if high is not None:
-        allowed = f"an integer in [{low}, {high}]"
-    else:
-        allowed = "a non-negative integer" if low == 0 else f"an integer of at least {low}"
-    raise ConfigurationError(f"{option} ({what}) must be {allowed}, got {value}.")
+    if value is not None:
+        check_count(option, value, low, what, high)
 
 
 def _precheck_check(args: argparse.Namespace) -> None:

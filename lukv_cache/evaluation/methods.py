@@ -68,12 +68,26 @@ def check_bench_numbers(
         ),
     )
     for name, value, low, high, what in rules:
-        valid = isinstance(value, int) and not isinstance(value, bool)
-        if valid and low <= value and (high is None or value <= high):
-            continue
-        shown = f"--{name.replace('_', '-')}" if flags else name
-        allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer of at least {low}"
-        raise ConfigurationError(f"{shown} ({what}) must be {allowed}, got {value!r}.")
+        check_count(f"--{name.replace('_', '-')}" if flags else name, value, low, what, high)
+
+
+def check_count(option: str, value: Any, low: int, what: str, high: int | None = None) -> None:
+    """``value`` of ``option`` (``what`` it counts) is an integer in ``[low, high]`` (``high``: ``None``, no
+    upper bound), else a :class:`ConfigurationError` saying what is allowed (one ``error:`` line on the CLI).
+
+    >>> check_count("--samples", 0, 1, "contexts per task")
+    Traceback (most recent call last):
+    ...
+    lukv_cache.errors.ConfigurationError: --samples (contexts per task) must be an integer of at least 1, got 0.
+    """
+    valid = isinstance(value, int) and not isinstance(value, bool)
+    if valid and low <= value and (high is None or value <= high):
+        return
+    if high is not None:
+        allowed = f"an integer in [{low}, {high}]"
+    else:
+        allowed = "a non-negative integer" if low == 0 else f"an integer of at least {low}"
+    raise ConfigurationError(f"{option} ({what}) must be {allowed}, got {value!r}.")
 
 
 def tokens_after_context(task: str, needles: int, continuation_tokens: int) -> int:
