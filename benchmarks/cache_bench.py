@@ -378,7 +378,7 @@ def layer_rows(args) -> list[dict]:
     import torch
 
     sys.path.insert(0, ROOT)
-    from lukv_cache.cache.ragged import RaggedStore
+    from lukv_cache.cache.storage.ragged import RaggedStore
 
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads[0])

@@ -45,7 +45,7 @@ from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
 from lukv_cache.cache.cache import kv_cache_bytes
-from lukv_cache.cache.compressor import CompressionStep
+from lukv_cache.cache.compression.compressor import CompressionStep
 from lukv_cache.models import load_model
 from lukv_cache.texts import python_docs
 

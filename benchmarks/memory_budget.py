@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from lukv_cache import LUKVCache
-    from lukv_cache.cache.memory import mixed_name
-    from lukv_cache.cache.report import kv_cache_bytes
+    from lukv_cache.cache.options.memory import mixed_name
+    from lukv_cache.cache.storage.report import kv_cache_bytes
     from lukv_cache.errors import ConfigurationError
     from lukv_cache.evaluation.methods import FULL, Method
     from lukv_cache.evaluation.prefill import SharedPrefill

@@ -18,7 +18,7 @@ measures that on one model, for (layer, KV head) units and for whole layers:
 
 The store holds one width per layer, so the mixes are *simulated*: the cache holds the model's precision
 and every stored row (the prompt's after eviction, each fold's after it) is replaced by its round trip
-through :class:`~lukv_cache.cache.quant.PackedRows` at its unit's bits, the store's own codes. The bytes
+through :class:`~lukv_cache.cache.storage.quant.PackedRows` at its unit's bits, the store's own codes. The bytes
 are what a store of those widths would hold: the model-precision cache's own bytes less, per stored row,
 the difference between a dense key + value and a packed one (positions, scores, offsets and the decode
 room are the same). The kept tokens are found from two probes (bytes are linear in them), for each context
@@ -68,9 +68,9 @@ def main() -> int:
     import torch
 
     from lukv_cache import LUKVCache
-    from lukv_cache.cache.memory import layer_shapes
-    from lukv_cache.cache.quant import PackedRows
-    from lukv_cache.cache.report import kv_cache_bytes
+    from lukv_cache.cache.options.memory import layer_shapes
+    from lukv_cache.cache.storage.quant import PackedRows
+    from lukv_cache.cache.storage.report import kv_cache_bytes
     from lukv_cache.evaluation.methods import FULL, Method
     from lukv_cache.evaluation.prefill import SharedPrefill
     from lukv_cache.evaluation.tasks import context_ids, make_samples, mean_and_sem, score_prefilled
@@ -134,7 +134,7 @@ def main() -> int:
 
     def packed_bytes(cache, four: torch.Tensor) -> int:
         """Bytes of ``cache`` were its stored rows packed at their unit's bits (the budget's own per-token
-        bytes, :class:`~lukv_cache.cache.memory.Shapes`: only the key and value differ)."""
+        bytes, :class:`~lukv_cache.cache.options.memory.Shapes`: only the key and value differ)."""
         shapes = layer_shapes(cache.layers[0], layers, heads)
         saved = {bits: shapes.stored_token(None, False) - shapes.stored_token(bits, False) for bits in (8, 4)}
         total = kv_cache_bytes(cache)

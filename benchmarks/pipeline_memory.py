@@ -18,7 +18,7 @@ import _smoke
 import torch
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.models import load_model
 from lukv_cache.texts import wikipedia_articles
 

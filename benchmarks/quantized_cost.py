@@ -41,8 +41,8 @@ import cache_bench  # noqa: E402  (benchmarks/cache_bench.py: the model and the 
 
 def ideal_bytes(cache) -> tuple[int, int]:
     """(store codes + scales + zeros, dense suffix used part) over the cache's compressed layers."""
-    from lukv_cache.cache.layer import LUKVLayer
-    from lukv_cache.cache.quant import PackedRows
+    from lukv_cache.cache.storage.layer import LUKVLayer
+    from lukv_cache.cache.storage.quant import PackedRows
 
     store = suffix = 0
     for layer in cache.layers:

@@ -48,8 +48,8 @@ _LAZY = {
     "register_allocator": ".allocation",
     "lukv_aware": ".attention",
     "LUKVCache": ".cache",
-    "load_cache": ".cache.saved",
-    "save_cache": ".cache.saved",
+    "load_cache": ".cache.save_load",
+    "save_cache": ".cache.save_load",
     "LUKVPipeline": ".pipeline",
     "Profile": ".profiles",
     "build_profile": ".profiling",
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from .allocation import AllocationRequest, Allocator, get_allocator, register_allocator
     from .attention import lukv_aware
     from .cache import LUKVCache
-    from .cache.saved import load_cache, save_cache
+    from .cache.save_load import load_cache, save_cache
     from .pipeline import LUKVPipeline
     from .profiles import Profile
     from .profiling import build_profile, build_profiles

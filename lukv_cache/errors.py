@@ -111,8 +111,8 @@ class TensorParallelError(ConfigurationError):
 
 
 class SavedContextError(LUKVError, ValueError):
-    """A saved compressed context (:func:`~lukv_cache.cache.saved.save_cache` /
-    :func:`~lukv_cache.cache.saved.load_cache`) that cannot be written or read: a cache that is empty,
+    """A saved compressed context (:func:`~lukv_cache.cache.save_load.save_cache` /
+    :func:`~lukv_cache.cache.save_load.load_cache`) that cannot be written or read: a cache that is empty,
     mid-forward or holds a layer the format cannot store; a file that is not a safetensors file, is
     truncated or altered (checksum), was written in another format version, or whose tensors do not fit
     its metadata. ``path`` is the file and ``field`` the offending metadata entry or tensor, when one is to

@@ -26,6 +26,6 @@ def _one_torch_thread():
 def _layouts_not_yet_warned(monkeypatch):
     """Every test starts in a process that has warned of no layout yet (a layout's warning is said once per
     process): a test that expects it does not depend on which tests ran before it."""
-    from lukv_cache.cache import layout
+    from lukv_cache.cache.layers import layout
 
     monkeypatch.setattr(layout, "_warned", set())

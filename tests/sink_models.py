@@ -8,7 +8,7 @@ import functools
 import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from lukv_cache.cache.ragged import RaggedStore
+from lukv_cache.cache.storage.ragged import RaggedStore
 from lukv_cache.testing import PAD, VOCAB
 
 # GPT-OSS alternates sliding and full layers; its sliding layers slide over 8 tokens (shorter than the

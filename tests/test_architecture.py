@@ -153,7 +153,7 @@ def test_no_file_cites_the_design_notes_outside_the_repository():
 # absolute, as an edge of one graph; it must have no cycle at all. A package's __init__ imports its
 # modules, which import the leaf module that defines what they share (allocation/base.py,
 # scorers/base.py, profiles/files.py), never the package; a method that needs a module above it delegates
-# to a function of a lower module (LUKVCache.save / load -> cache/savefile.py, not cache/saved.py).
+# to a function of a lower module (LUKVCache.save / load -> cache/saved/file.py, not cache/save_load.py).
 
 
 def _module_name(path: Path) -> str:
@@ -263,7 +263,7 @@ def test_the_import_graph_is_read_whole():
     graph = _import_graph()
     # a module-level import, a function-level one, a relative ``from . import`` of a module, an absolute one
     assert "lukv_cache.attention.calls" in graph["lukv_cache.attention.routing"]
-    assert "lukv_cache.cache.savefile" in graph["lukv_cache.cache.cache"]  # inside LUKVCache.save
+    assert "lukv_cache.cache.saved.file" in graph["lukv_cache.cache.cache"]  # inside LUKVCache.save
     assert "lukv_cache.allocation.builtin" in graph["lukv_cache.allocation"]
     assert "lukv_cache.errors" in graph["lukv_cache.attention.kernels"]
     guarded = ast.parse("if TYPE_CHECKING:\n    import a\nelse:\n    import b\nimport c\n")
@@ -285,8 +285,8 @@ def _cycle_lines(graph: dict[str, dict[str, int]]) -> list[str]:
 
 def test_no_import_cycles():
     # TYPE_CHECKING imports count too: a module that needs a class above it only for its annotations types
-    # against a protocol in a leaf instead (cache/contract.py's CompressedCache, profiles/location.py's
-    # PublishedProfile), so the package reads top-down for a type checker as it does when it runs
+    # against a protocol in a leaf instead (cache/compression/contract.py's CompressedCache,
+    # profiles/location.py's PublishedProfile), so the package reads top-down for a type checker as it does when it runs
     lines = _cycle_lines(_import_graph(typing=True))
     assert not lines, "import cycles (TYPE_CHECKING imports included):\n" + "\n".join(lines)
 
@@ -295,11 +295,11 @@ def test_the_cycle_check_sees_type_checking_imports(tmp_path):
     a, b = "lukv_cache.a", "lukv_cache.b"
     assert _cycle_lines({a: {b: 1}, b: {a: 3}}) == ["a (line 1) -> b; b (line 3) -> a"]
     # an import under ``if TYPE_CHECKING:`` is an edge of the graph the cycle test reads, not of what runs
-    module = tmp_path / "savefile.py"
+    module = tmp_path / "file.py"
     module.write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .cache import LUKVCache\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..cache import LUKVCache\n"
     )
-    name = "lukv_cache.cache.savefile"
+    name = "lukv_cache.cache.saved.file"
     assert _imported_modules(name, module, typing=True) == {"lukv_cache.cache.cache": 3}
     assert _imported_modules(name, module) == {}
 
@@ -360,3 +360,35 @@ def test_the_private_member_check_sees_a_call_back_into_the_cache():
         "line 1: cache._evict",
         "line 2: self.cache._fold_evict",
     ]
+
+
+# ------------------------------------------------------------------------------- the cache's subpackages
+# lukv_cache/cache/ is one subpackage per job, importing one way (docs/design.md, "The cache"): storage
+# knows nothing of the options that fill it, the options nothing of the layout, and so on up to the
+# modules of cache/ itself (LUKVCache, from_pretrained, save_load), which may import every subpackage.
+CACHE_FLOORS = ["storage", "options", "layers", "compression", "saved"]
+
+
+def _cache_part(module: str) -> str | None:
+    """The subpackage of ``lukv_cache.cache`` that ``module`` is in (None: a module of cache/ itself)."""
+    parts = module.split(".")
+    if parts[:2] != ["lukv_cache", "cache"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in CACHE_FLOORS else None
+
+
+def test_the_cache_subpackages_import_one_way():
+    found = sorted(p.name for p in (PACKAGE / "cache").iterdir() if (p / "__init__.py").exists())
+    assert found == sorted(CACHE_FLOORS), "a new subpackage of cache/: give it its place in CACHE_FLOORS"
+    wrong = []
+    for module, imported in _import_graph(typing=True).items():
+        part = _cache_part(module)
+        if part is None:  # cache/ itself, or outside the cache: may import every subpackage
+            continue
+        for target, line in imported.items():
+            if not target.startswith("lukv_cache.cache"):
+                continue
+            target_part = _cache_part(target)
+            if target_part is None or CACHE_FLOORS.index(target_part) > CACHE_FLOORS.index(part):
+                wrong.append(f"{_short(module)} (line {line}) imports {_short(target)}")
+    assert not wrong, "imports up the cache's floors:\n" + "\n".join(wrong)

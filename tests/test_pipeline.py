@@ -10,7 +10,7 @@ import torch
 from helpers import CharTokenizer, greedy_with_logits, tiny_model
 
 from lukv_cache import LUKVCache, LUKVPipeline
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.testing import prompt
 

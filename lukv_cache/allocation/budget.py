@@ -3,8 +3,8 @@ remainders), the water-filling bisection, the proportional trim of a row that as
 total (in tokens, or weighed by each layer's bytes per token: :func:`trim_weighted`), and the ratio that
 fills a room. A leaf module (torch only), used by
 :func:`~lukv_cache.allocation.largest_remainder` (``allocation/base.py``), by :func:`fit_counts` and
-:func:`trim_counts` (also importable from ``cache/decoding.py`` and ``cache/compression.py``, where they
-lived) and by the ``max_tokens`` / ``decode_max_tokens`` ratios (``cache/cap.py``, ``cache/folding.py``).
+:func:`trim_counts` (also importable from ``cache/compression/fold_plan.py`` and ``cache/compression/region.py``, where they
+lived) and by the ``max_tokens`` / ``decode_max_tokens`` ratios (``cache/compression/cap.py``, ``cache/compression/fold.py``).
 """
 
 from __future__ import annotations

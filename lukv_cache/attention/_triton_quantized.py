@@ -5,7 +5,7 @@ Same contract as :func:`lukv_cache.attention._triton_ragged.triton_ragged_attent
 M, D]`` fp32 normalised over the keys attended and ``lse [B, H_kv, M]`` fp32, nothing to attend giving
 ``out = 0``, ``lse = -inf``; an optional dense suffix ``[B, H_kv, S, D]`` is attended in the same launch.
 
-The store is what :class:`lukv_cache.cache.quant.PackedRows` holds for keys and for values: uint8
+The store is what :class:`lukv_cache.cache.storage.quant.PackedRows` holds for keys and for values: uint8
 ``codes [N, D * bits / 8]`` (8 bits: one code per byte; 4 bits: two per byte, the even channel in the low
 nibble) and ``scale``, ``zero`` ``[N, D / G]`` (bf16, or fp16 for an fp16 model: any float dtype is
 read) with ``G = group_size(D)`` channels per pair; a stored entry is ``code * scale + zero``. No full-precision copy of the store is ever made: each program
@@ -397,7 +397,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _group_size(dim: int) -> int:
-    # lukv_cache.cache.quant.group_size, repeated here so that attention does not import the cache
+    # lukv_cache.cache.storage.quant.group_size, repeated here so that attention does not import the cache
     return next((g for g in (32, 16, 8) if dim % g == 0), dim)
 
 
@@ -439,7 +439,7 @@ def triton_quantized_ragged_attention(
     """``triton_ragged_attention`` over a quantized store, dequantized block by block in registers.
 
     ``key_codes/key_scale/key_zero`` and ``value_*``: the tensors of two
-    :class:`~lukv_cache.cache.quant.PackedRows` (``store.keys.tensors()``, ``store.values.tensors()``)
+    :class:`~lukv_cache.cache.storage.quant.PackedRows` (``store.keys.tensors()``, ``store.values.tensors()``)
     of ``bits`` (8 or 4) bits and ``dim`` channels (the query's head_dim); ``offsets``: the store's
     ``[B * H_kv + 1]`` segment bounds. The result equals ``ragged_attention_reference`` (or
     ``ragged_with_suffix_reference`` with a suffix) on the dequantized store. ``suffix_keys/suffix_values

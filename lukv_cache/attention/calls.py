@@ -31,7 +31,7 @@ from ..errors import IncompatibleAttentionError
 
 
 class StoreView(Protocol):
-    """What attention reads of a layer's ragged store (``lukv_cache.cache.ragged.RaggedStore``), or of a
+    """What attention reads of a layer's ragged store (``lukv_cache.cache.storage.ragged.RaggedStore``), or of a
     block of its rows. Read-only (the store is a frozen dataclass)."""
 
     @property

@@ -282,7 +282,7 @@ def get_quantized_suffix_kernel(query: torch.Tensor) -> RaggedSuffixKernel | Non
     """The fused Triton kernel over a quantized store's codes (:mod:`._triton_quantized`: each block of
     codes dequantized in registers, no full-precision copy of the store) and the dense suffix, where the
     full-precision fused kernel would serve (CUDA, or Triton's interpreter when forced); else ``None``.
-    It takes the store's :class:`~lukv_cache.cache.quant.PackedRows` as ``keys`` / ``values``."""
+    It takes the store's :class:`~lukv_cache.cache.storage.quant.PackedRows` as ``keys`` / ``values``."""
     if _quantized_failure is not None or get_ragged_suffix_kernel(query) is None:
         return None
     return _triton_quantized_or_reference

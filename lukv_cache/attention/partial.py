@@ -1,6 +1,6 @@
 """Exact attention over parts of a layer's keys, and the log-sum-exp merge of the parts (torch math).
 
-Layout of one layer's ragged store (see ``lukv_cache.cache.ragged``):
+Layout of one layer's ragged store (see ``lukv_cache.cache.storage.ragged``):
 
 * ``keys``, ``values``: ``[N, D]``, every kept token of every (batch row, KV head) back to back;
 * ``offsets``: int64 ``[B * H_kv + 1]``; segment ``s = b * H_kv + h`` is rows ``offsets[s]:offsets[s+1]``.

@@ -1,17 +1,19 @@
-"""The cache and its per-layer storage.
+"""The cache: :class:`LUKVCache` and the parts it routes to, one subpackage per job.
 
-* :mod:`.cache`: :class:`LUKVCache`, the ``DynamicCache`` subclass; a container that routes to its parts:
-  :mod:`.policy` (its arguments, checked into the policy), :mod:`.layout` (what the model's layers mean),
-  :mod:`.hybrid` (learning the layout, linear-attention / SSM state calls), :mod:`.state` (what a forward
-  leaves pending), :mod:`.compressor` (the object that owns compression, ``cache.compressor``, and its
-  observers), :mod:`.factory` (the compressed layers, built with the policy's settings), :mod:`.contract`
-  (the cache as the compression parts see it), :mod:`.forward` (what ``update`` settles and checks),
-  :mod:`.eviction` (one eviction step), :mod:`.cap` (``max_tokens``), :mod:`.folding` (eviction at fold
-  time), :mod:`.prefill` (``prefill``, KVzip's passes), :mod:`.pretrained` (``from_pretrained``),
-  :mod:`.report` (what it holds);
-* :mod:`.compression`: one eviction step as pure functions (region, scores, keep mask) and the policy;
-* :mod:`.layer`: :class:`LUKVLayer`, one layer's ragged store and dense suffix (storage only);
-* :mod:`.ragged`: the ragged store's layout and its batched, sync-free operations.
+* :mod:`.cache`: :class:`LUKVCache`, the ``DynamicCache`` subclass, a container that routes to its parts;
+  :mod:`.pretrained`: ``LUKVCache.from_pretrained`` (budgets from a profile); :mod:`.save_load`: the public
+  ``save_cache`` / ``load_cache``;
+* :mod:`.storage`: what one layer holds and how (the layer, its ragged store and dense suffix, quantized
+  rows, the bytes it reports);
+* :mod:`.options`: what the user asked, declared and checked once (the policy, the memory budget);
+* :mod:`.layers`: which layer object stands at each index (the layout, the factory, hybrid and
+  tensor-parallel layers);
+* :mod:`.compression`: deciding what each layer keeps and evicting the rest (the compressor, one eviction
+  step, folds, the prefill);
+* :mod:`.saved`: saved compressed contexts (the file, its layers' entries, its tag table).
+
+The subpackages import one way, ``storage`` < ``options`` < ``layers`` < ``compression`` < ``saved`` <
+the modules here (``tests/test_architecture.py`` checks it); docs/design.md draws the map.
 
 ``LUKVCache`` is registered with torch's pytree as a node without leaves (its tensors are not graph
 inputs): ``torch.export`` then reaches the model's forward, where the first ``LUKVLayer.update`` raises
@@ -22,10 +24,9 @@ a ``tree_map`` over model outputs hands the very cache back.
 import torch.utils._pytree as _pytree
 
 from .cache import LUKVCache, kv_cache_bytes
-from .compression import CompressionPolicy
-from .layer import LUKVLayer
-from .policy import check_ratio
-from .ragged import RaggedStore
+from .options.policy import CompressionPolicy, check_ratio
+from .storage.layer import LUKVLayer
+from .storage.ragged import RaggedStore
 
 
 def _flatten(cache: LUKVCache) -> tuple[list, LUKVCache]:

@@ -18,15 +18,15 @@ import torch
 from ..attention.calls import AttentionCall, announce_attention, discard_attention
 from ..errors import ConfigurationError
 from ..scorers.kvzip import RepeatPrompt
-from .batchrows import select_rows
-from .compressor import Compressor
-from .forward import refuse_unservable
-from .hybrid import HybridRouting
-from .layer import LUKVLayer
-from .layout import Layout
-from .memory import MemoryChoice
-from .parallel import HeadShard, mesh_shard
-from .policy import (
+from .compression.compressor import Compressor
+from .compression.forward_state import ForwardState, Phase, in_phase
+from .compression.prefill import prefill_context, score_round
+from .compression.settle import refuse_unservable
+from .layers.hybrid import HybridRouting
+from .layers.layout import Layout
+from .layers.parallel import HeadShard, mesh_shard
+from .options.memory import MemoryChoice
+from .options.policy import (
     ChosenBits,
     CompressionPolicy,
     add_option_properties,
@@ -35,11 +35,11 @@ from .policy import (
     option_signature,
     options_args,
 )
-from .prefill import prefill_context, score_round
 from .pretrained import from_pretrained as _from_pretrained
-from .report import CacheReport
-from .report import kv_cache_bytes as kv_cache_bytes  # re-exported: it lived here
-from .state import ForwardState, Phase, in_phase
+from .storage.layer import LUKVLayer
+from .storage.report import CacheReport
+from .storage.report import kv_cache_bytes as kv_cache_bytes  # re-exported: it lived here
+from .storage.rows import select_rows
 
 if TYPE_CHECKING:
     from ..attention.calls import WholeStoreView
@@ -50,7 +50,7 @@ class LUKVCache(HybridRouting, CacheReport):
     """KV cache with per-head eviction after prefill, stored ragged so the memory is really freed.
 
     The compression options are the fields of :attr:`policy_class`
-    (:class:`~lukv_cache.cache.policy.CompressionPolicy`), each declared there once with its default, doc and
+    (:class:`~lukv_cache.cache.options.policy.CompressionPolicy`), each declared there once with its default, doc and
     check, and listed first below; ``ratio``, ``scorer`` and ``allocator`` are also taken by position, and
     ``cache.<option>`` reads the built :attr:`policy`. docs/usage.md has them as a table.
 
@@ -185,7 +185,7 @@ class LUKVCache(HybridRouting, CacheReport):
         softcap: float | None,
     ) -> None:
         """The layer's attention ran (see :class:`~lukv_cache.attention.AttentionCall`): compress it
-        (:meth:`Compressor.on_attention <lukv_cache.cache.compressor.Compressor.on_attention>`), or hand a
+        (:meth:`Compressor.on_attention <lukv_cache.cache.compression.compressor.Compressor.on_attention>`), or hand a
         sliding-window layer to the stock sliding layer."""
         self.state.awaiting = None
         idx = call.layer_idx
@@ -361,7 +361,7 @@ class LUKVCache(HybridRouting, CacheReport):
 
         >>> cache.save("context.safetensors")  # doctest: +SKIP
         """
-        from .savefile import write_context
+        from .saved.file import write_context
 
         return write_context(self, Path(path), model)
 
@@ -373,7 +373,7 @@ class LUKVCache(HybridRouting, CacheReport):
 
         >>> cache = LUKVCache.load("context.safetensors", model)  # doctest: +SKIP
         """
-        from .savefile import LoadOptions, read_context
+        from .saved.file import LoadOptions, read_context
 
         return read_context(cls, path, model, LoadOptions(**kwargs))
 

@@ -16,9 +16,9 @@ from ..errors import (
     ProfileUnreachableError,
 )
 from ..scorers import SCORERS, Scorer
-from .contract import CacheT
-from .layout import refuse_own_cache
-from .policy import bounded_prompt, check_flag, default_ratio
+from .compression.contract import CacheT
+from .layers.layout import refuse_own_cache
+from .options.policy import bounded_prompt, check_flag, default_ratio
 
 if TYPE_CHECKING:
     from ..profiles import HubLocation

@@ -47,7 +47,7 @@ import torch
 from .._compat import cache_kwarg
 from ..allocation import ALLOCATORS, allocators_reading_profile
 from ..cache import check_ratio
-from ..cache.quant import check_kv_bits
+from ..cache.storage.quant import check_kv_bits
 from ..errors import ConfigurationError, ProfileError
 from ..models import check_positions, max_positions
 from ..profiling.build import QUESTION_TEMPLATE
@@ -631,7 +631,7 @@ def _bits_name(bits: int | None | tuple[int | None, ...], model: Any) -> str:
     """``int8`` / ``int4``, or the model's dtype (``float32``) for a budget that kept the model's precision;
     ``int8 in 4/24 layers`` for per-layer widths (the other layers at 4 bits)."""
     if isinstance(bits, tuple):
-        from ..cache.memory import mixed_name
+        from ..cache.options.memory import mixed_name
 
         return mixed_name(bits)
     if bits is not None:

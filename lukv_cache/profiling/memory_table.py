@@ -104,7 +104,7 @@ def _windows(
 def _check_grid(
     bits: Sequence[int | None], ratios: Sequence[float]
 ) -> tuple[tuple[int | None, ...], list[float]]:
-    from ..cache.quant import check_kv_bits
+    from ..cache.storage.quant import check_kv_bits
 
     bits = tuple(bits)
     if not bits or len(set(bits)) != len(bits):

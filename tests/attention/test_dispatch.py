@@ -10,7 +10,7 @@ import torch
 from lukv_cache.attention import compressed, kernels, limits, masked
 from lukv_cache.attention.dispatch import AttentionPlan, Impl, plan_attention, store_path
 from lukv_cache.attention.limits import LIMITS, AttentionLimits
-from lukv_cache.cache.ragged import RaggedStore
+from lukv_cache.cache.storage.ragged import RaggedStore
 from lukv_cache.errors import ConfigurationError
 
 NEG = torch.finfo(torch.float32).min

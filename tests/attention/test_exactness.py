@@ -17,7 +17,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from lukv_cache import LUKVCache, lukv_aware
 from lukv_cache.attention import claim_attention, peek_attention
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.testing import left_padded
 
 ATOL = 2e-5

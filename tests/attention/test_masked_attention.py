@@ -11,7 +11,7 @@ from helpers import greedy_with_logits, tiny_model
 from lukv_cache import LUKVCache
 from lukv_cache.attention import compressed, limits, masked, tiles
 from lukv_cache.attention.kernels import ragged_with_suffix_reference
-from lukv_cache.cache.ragged import RaggedStore
+from lukv_cache.cache.storage.ragged import RaggedStore
 from lukv_cache.testing import prompt
 
 

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.testing import prompt
 
 ATOL = 1e-5

@@ -18,7 +18,7 @@ from lukv_cache import (
     RaggedCacheError,
     UnsupportedOperationError,
 )
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.testing import left_padded, prompt
 
 ATOL = 1e-5
@@ -222,7 +222,7 @@ def test_torch_export_with_a_lukv_cache_says_it_is_not_supported():
 
 
 def test_head_tokens_out_of_range_is_the_typed_index_error():
-    from lukv_cache.cache.layer import LUKVLayer
+    from lukv_cache.cache.storage.layer import LUKVLayer
     from lukv_cache.errors import BatchIndexError
 
     layer = LUKVLayer()

@@ -19,8 +19,8 @@ from test_registry_contracts import PROMPT, _cache_args, _flat_profile
 from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.allocation import ALLOCATORS
-from lukv_cache.cache.layer import LUKVLayer
-from lukv_cache.cache.suffix import MIN_CAPACITY
+from lukv_cache.cache.storage.layer import LUKVLayer
+from lukv_cache.cache.storage.suffix import MIN_CAPACITY
 from lukv_cache.scorers import SCORERS, get_scorer
 from lukv_cache.testing import left_padded, prompt
 

@@ -8,9 +8,9 @@ import torch
 from helpers import tiny_model
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache.compressor import CompressionStep
-from lukv_cache.cache.factory import LayerFactory
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.compression.compressor import CompressionStep
+from lukv_cache.cache.layers.factory import LayerFactory
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.testing import prompt
 
 

@@ -11,7 +11,7 @@ from helpers import tiny_model
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.profiles import Profile
 from lukv_cache.testing import array_profile, left_padded
 

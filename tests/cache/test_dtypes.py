@@ -10,7 +10,7 @@ from test_exactness import AttentionRecorder
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.testing import left_padded, prompt
 
 # logits of these tiny models are below 1 in magnitude: a few units in the last place of each dtype

@@ -14,7 +14,7 @@ from helpers import tiny_model
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.testing import ARCHS, PAD, left_padded, prompt
 
 ATOL = 1e-5

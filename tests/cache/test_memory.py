@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
 from lukv_cache.attention import lukv_aware, peek_attention
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.testing import prompt
 
 PROMPT = 601  # odd, so no unrelated tensor dimension matches it by accident

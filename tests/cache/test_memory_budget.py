@@ -18,8 +18,8 @@ from transformers import DynamicCache
 from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.allocation import ALLOCATORS
-from lukv_cache.cache.folding import keeps_scores
-from lukv_cache.cache.memory import MemoryChoice, Shapes, kept_queries, layer_shapes
+from lukv_cache.cache.compression.fold import keeps_scores
+from lukv_cache.cache.options.memory import MemoryChoice, Shapes, kept_queries, layer_shapes
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import MemoryTable
 from lukv_cache.scorers import SCORERS
@@ -258,15 +258,18 @@ def _resaved(src, dst, edit):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from lukv_cache.cache import saved
+    from lukv_cache.cache import save_load
 
     tensors = load_file(src)
     with safe_open(str(src), "pt") as f:
         metadata = dict(f.metadata())
-    meta = json.loads(metadata[saved.METADATA_KEY])
+    meta = json.loads(metadata[save_load.METADATA_KEY])
     edit(meta)
     text = json.dumps(meta, sort_keys=True)
-    metadata[saved.METADATA_KEY], metadata[saved.CHECKSUM_KEY] = text, saved.checksum(text, tensors)
+    metadata[save_load.METADATA_KEY], metadata[save_load.CHECKSUM_KEY] = (
+        text,
+        save_load.checksum(text, tensors),
+    )
     save_file(tensors, dst, metadata=metadata)
     return dst
 

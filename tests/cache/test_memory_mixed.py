@@ -20,7 +20,7 @@ from test_registry_contracts import PROMPT
 from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.allocation import ALLOCATORS
-from lukv_cache.cache.memory import MemoryChoice
+from lukv_cache.cache.options.memory import MemoryChoice
 from lukv_cache.errors import ProfileFormatError, SavedContextError
 from lukv_cache.profiles import MemoryTable, Profile
 from lukv_cache.scorers import SCORERS
@@ -266,7 +266,7 @@ def test_a_cache_built_without_the_models_config_gives_each_layer_its_width(prof
 
 def test_a_whole_model_allocator_that_skews_the_layers_is_asked_again_to_fill_the_bytes():
     from lukv_cache.allocation import AllocationRequest
-    from lukv_cache.cache.cap import refill_bytes
+    from lukv_cache.cache.compression.cap import refill_bytes
 
     def allocator(request):  # layer 0 (8 bits: 2 bytes a token here) gets a quarter of layer 1's share
         keep = (1 - request.ratio) * 100

@@ -16,8 +16,8 @@ import torch
 from helpers import tiny_model
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache.hybrid import LUKVHybridLayer
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.layers.hybrid import LUKVHybridLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.testing import prompt
 

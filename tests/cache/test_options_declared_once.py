@@ -15,8 +15,15 @@ from helpers import tiny_model
 from safetensors import safe_open
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache import saved
-from lukv_cache.cache.policy import CompressionPolicy, count, option, option_spec, options_args, options_table
+from lukv_cache.cache import save_load
+from lukv_cache.cache.options.policy import (
+    CompressionPolicy,
+    count,
+    option,
+    option_spec,
+    options_args,
+    options_table,
+)
 from lukv_cache.errors import ConfigurationError, SavedContextError
 from lukv_cache.testing import flat_profile, prompt
 
@@ -61,7 +68,7 @@ class TaggedCache(LUKVCache):
 
 def _saved_options(path: Path) -> dict:
     with safe_open(str(path), "pt") as f:
-        return json.loads(f.metadata()[saved.METADATA_KEY])["options"]
+        return json.loads(f.metadata()[save_load.METADATA_KEY])["options"]
 
 
 def _filled(cache: LUKVCache) -> tuple[LUKVCache, object]:
@@ -153,11 +160,14 @@ def _without(src: Path, dst: Path, *keys: str) -> Path:
     tensors = load_file(src)
     with safe_open(str(src), "pt") as f:
         metadata = dict(f.metadata())
-    meta = json.loads(metadata[saved.METADATA_KEY])
+    meta = json.loads(metadata[save_load.METADATA_KEY])
     for key in keys:
         del meta["options"][key]
     text = json.dumps(meta, sort_keys=True)
-    metadata[saved.METADATA_KEY], metadata[saved.CHECKSUM_KEY] = text, saved.checksum(text, tensors)
+    metadata[save_load.METADATA_KEY], metadata[save_load.CHECKSUM_KEY] = (
+        text,
+        save_load.checksum(text, tensors),
+    )
     save_file(tensors, dst, metadata=metadata)
     return dst
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lukv_cache.cache.merge import absorb, rebuild
+from lukv_cache.cache.storage.merge import absorb, rebuild
 
 
 def _block(length: int) -> torch.Tensor:

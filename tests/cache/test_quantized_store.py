@@ -24,8 +24,8 @@ from helpers import greedy_with_logits, scorer_for, tiny_model
 
 from lukv_cache import LUKVCache
 from lukv_cache.attention import compressed, limits, masked, tiles
-from lukv_cache.cache.quant import PackedRows, check_kv_bits, group_size
-from lukv_cache.cache.ragged import RaggedStore
+from lukv_cache.cache.storage.quant import PackedRows, check_kv_bits, group_size
+from lukv_cache.cache.storage.ragged import RaggedStore
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.testing import flat_profile, left_padded, prompt
 

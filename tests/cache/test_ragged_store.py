@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lukv_cache.cache.ragged import (
+from lukv_cache.cache.storage.ragged import (
     RaggedMerge,
     RaggedStore,
     flat_index_from_mask,

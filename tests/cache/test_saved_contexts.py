@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lukv_cache import LUKVCache, SavedContextError, SavedContextMismatchError, load_cache, save_cache
-from lukv_cache.cache import saved
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache import save_load
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.scorers.kvzip import RepeatPrompt
 from lukv_cache.testing import flat_profile, left_padded, prompt
 
@@ -169,9 +169,9 @@ def test_the_file_holds_the_documented_metadata_and_only_the_used_suffix(tmp_pat
     path = save_cache(cache, tmp_path / "context.safetensors")
     with safe_open(str(path), "pt") as f:
         metadata, names = f.metadata(), set(f.keys())
-    assert metadata["format"] == saved.FORMAT_NAME and len(metadata[saved.CHECKSUM_KEY]) == 64
-    meta = json.loads(metadata[saved.METADATA_KEY])
-    assert meta["format_version"] == saved.FORMAT_VERSION
+    assert metadata["format"] == save_load.FORMAT_NAME and len(metadata[save_load.CHECKSUM_KEY]) == 64
+    meta = json.loads(metadata[save_load.METADATA_KEY])
+    assert meta["format_version"] == save_load.FORMAT_VERSION
     assert set(meta["model"]["fields"]) == {
         "model_type",
         "num_hidden_layers",
@@ -211,13 +211,16 @@ def _rewrite(src: Path, dst: Path, meta_edit=None, tensor_edit=None) -> Path:
     tensors = load_file(src)
     with safe_open(str(src), "pt") as f:
         metadata = dict(f.metadata())
-    meta = json.loads(metadata[saved.METADATA_KEY])
+    meta = json.loads(metadata[save_load.METADATA_KEY])
     if meta_edit:
         meta_edit(meta)
     if tensor_edit:
         tensor_edit(tensors)
     text = json.dumps(meta, sort_keys=True)
-    metadata[saved.METADATA_KEY], metadata[saved.CHECKSUM_KEY] = text, saved.checksum(text, tensors)
+    metadata[save_load.METADATA_KEY], metadata[save_load.CHECKSUM_KEY] = (
+        text,
+        save_load.checksum(text, tensors),
+    )
     save_file(tensors, dst, metadata=metadata)
     return dst
 
@@ -415,7 +418,7 @@ def test_a_failed_write_leaves_no_file_behind_and_keeps_the_old_one(tmp_path, mo
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(saved.os, "replace", fail)
+    monkeypatch.setattr(save_load.os, "replace", fail)
     with pytest.raises(SavedContextError, match="No space left"):
         save_cache(cache, path)
     monkeypatch.undo()

@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lukv_cache import LUKVCache, load_cache, save_cache
-from lukv_cache.cache import saved
+from lukv_cache.cache import save_load
 from lukv_cache.errors import LUKVError, SavedContextError
 from lukv_cache.testing import flat_profile, left_padded, prompt
 
@@ -150,7 +150,10 @@ def _resigned(src: Path, dst: Path, meta: object, tensors: dict[str, torch.Tenso
     with safe_open(str(src), "pt") as f:
         metadata = dict(f.metadata())
     text = json.dumps(meta, sort_keys=True)
-    metadata[saved.METADATA_KEY], metadata[saved.CHECKSUM_KEY] = text, saved.checksum(text, tensors)
+    metadata[save_load.METADATA_KEY], metadata[save_load.CHECKSUM_KEY] = (
+        text,
+        save_load.checksum(text, tensors),
+    )
     save_file(tensors, dst, metadata=metadata)
     return dst
 
@@ -190,7 +193,7 @@ def test_every_resigned_metadata_edit_is_a_typed_error_or_an_exact_round_trip(na
     src = save_cache(cache, tmp_path / "context.safetensors")
     tensor_bytes = sum(t.numel() * t.element_size() for t in load_file(src).values())
     with safe_open(str(src), "pt") as f:
-        meta = json.loads(f.metadata()[saved.METADATA_KEY])
+        meta = json.loads(f.metadata()[save_load.METADATA_KEY])
     ids, full_mask = with_question(seq, mask)
     _, want = greedy_with_logits(model, ids, load_cache(src, model), new_tokens=5, attention_mask=full_mask)
     counts, failures = {"typed error": 0, "exact round trip": 0, "reported option or length": 0}, []
@@ -232,7 +235,7 @@ def _saved(name: str, tmp_path: Path):
     model, cache, _, _ = _filled(name)
     src = save_cache(cache, tmp_path / "context.safetensors")
     with safe_open(str(src), "pt") as f:
-        return model, src, json.loads(f.metadata()[saved.METADATA_KEY])
+        return model, src, json.loads(f.metadata()[save_load.METADATA_KEY])
 
 
 @pytest.mark.parametrize("capacity", [2**23, 2**50])
@@ -363,7 +366,7 @@ def test_a_non_finite_value_in_any_float_tensor_is_refused_or_decodes_finite(
     (they may hold such values: eviction ranks them), and the cache then decodes finite logits."""
     model, src, ids, mask, floats = value_cases[name]
     with safe_open(str(src), "pt") as f:
-        meta = json.loads(f.metadata()[saved.METADATA_KEY])
+        meta = json.loads(f.metadata()[save_load.METADATA_KEY])
     failures = []
     for tensor in floats:
         tensors = load_file(src)

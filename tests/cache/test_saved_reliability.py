@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lukv_cache import LUKVCache, SavedContextError, SavedContextMismatchError, load_cache, save_cache
-from lukv_cache.cache import saved, savefile
+from lukv_cache.cache import save_load
+from lukv_cache.cache.saved import file as saved_file
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.testing import prompt
 
@@ -56,7 +57,7 @@ def test_a_file_of_a_half_filled_cache_is_not_loaded(tmp_path, monkeypatch):
     model = tiny_model("llama", "sdpa", num_hidden_layers=4)
     cache = _half_filled(model, stop_at=3)
     # written as lukv_cache did before save refused such a cache: only the empty layer tells
-    monkeypatch.setattr(savefile, "check_savable", lambda cache, path: None)
+    monkeypatch.setattr(saved_file, "check_savable", lambda cache, path: None)
     path = save_cache(cache, tmp_path / "context.safetensors")
     monkeypatch.undo()
     with pytest.raises(
@@ -144,10 +145,13 @@ def test_a_file_without_a_weight_fingerprint_still_loads(tmp_path):
     tensors = load_file(path)
     with safe_open(str(path), "pt") as f:
         metadata = dict(f.metadata())
-    meta = json.loads(metadata[saved.METADATA_KEY])
+    meta = json.loads(metadata[save_load.METADATA_KEY])
     del meta["model"]["weights"]
     text = json.dumps(meta, sort_keys=True)
-    metadata[saved.METADATA_KEY], metadata[saved.CHECKSUM_KEY] = text, saved.checksum(text, tensors)
+    metadata[save_load.METADATA_KEY], metadata[save_load.CHECKSUM_KEY] = (
+        text,
+        save_load.checksum(text, tensors),
+    )
     save_file(tensors, tmp_path / "old.safetensors", metadata=metadata)
     loaded = load_cache(tmp_path / "old.safetensors", _other_checkpoint(model))
     assert loaded.get_seq_length() == 40

@@ -1,4 +1,4 @@
-"""The saved format names the classes it holds by tags of its own (``savedlayers.DATACLASS_TAGS``), never by
+"""The saved format names the classes it holds by tags of its own (``saved_layers.DATACLASS_TAGS``), never by
 the module the code lives in: moving a module changes no file; a file of format version 1 (which named its one
 class, a quantized store's rows, by module path) still loads; a tag outside the table is refused."""
 
@@ -14,8 +14,9 @@ from safetensors import safe_open
 from test_saved_contexts import _filled, _rewrite
 
 from lukv_cache import SavedContextError, load_cache, save_cache
-from lukv_cache.cache import saved, savedlayers
-from lukv_cache.cache.quant import PackedRows
+from lukv_cache.cache import save_load
+from lukv_cache.cache.saved import layers as saved_layers
+from lukv_cache.cache.storage.quant import PackedRows
 
 QUANTIZED = "llama-padded-kv8-folds"  # its stores' keys and values are PackedRows
 
@@ -23,7 +24,7 @@ QUANTIZED = "llama-padded-kv8-folds"  # its stores' keys and values are PackedRo
 def _classes(path) -> set[str]:
     """Every class name a saved file's metadata holds."""
     with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()[saved.METADATA_KEY])
+        meta = json.loads(f.metadata()[save_load.METADATA_KEY])
     found: set[str] = set()
 
     def walk(value):
@@ -44,7 +45,7 @@ def test_a_file_names_its_classes_by_the_formats_tags(tmp_path):
     _, cache, _, _ = _filled(QUANTIZED)
     path = save_cache(cache, tmp_path / "context.safetensors")
     assert _classes(path) == {"packed_rows"}
-    assert savedlayers.DATACLASS_TAGS == {"packed_rows": PackedRows}
+    assert saved_layers.DATACLASS_TAGS == {"packed_rows": PackedRows}
 
 
 def _content(path) -> tuple[dict, bytes]:
@@ -72,12 +73,12 @@ def test_a_format_1_file_naming_its_class_by_module_path_still_loads(tmp_path):
 
     def as_version_1(meta):
         meta["format_version"] = 1
-        text = json.dumps(meta).replace('"packed_rows"', '"lukv_cache.cache.quant.PackedRows"')
+        text = json.dumps(meta).replace('"packed_rows"', '"lukv_cache.cache.storage.quant.PackedRows"')
         meta.clear()
         meta.update(json.loads(text))
 
     old = _rewrite(path, tmp_path / "version1.safetensors", meta_edit=as_version_1)
-    assert _classes(old) == {"lukv_cache.cache.quant.PackedRows"}
+    assert _classes(old) == {"lukv_cache.cache.storage.quant.PackedRows"}
     loaded = load_cache(old, model)
     assert torch.equal(loaded.stored_tokens(), cache.stored_tokens())
     assert loaded.memory_bytes() == cache.memory_bytes()
@@ -93,7 +94,7 @@ def test_a_format_1_file_naming_its_class_by_module_path_still_loads(tmp_path):
 @pytest.mark.parametrize(
     "name",
     [
-        "lukv_cache.cache.quant.RaggedStore",  # a real class under the old prefix, not in the table
+        "lukv_cache.cache.storage.quant.RaggedStore",  # a real class under the old prefix, not in the table
         "lukv_cache.cache.storage.PackedRows",  # the class at a path no version wrote
         "PackedRows",
         "subprocess.Popen",

@@ -13,7 +13,7 @@ from helpers import greedy_with_logits, tiny_model
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.testing import left_padded, prompt
 
 WINDOW = 32  # longer than the prompts (24 tokens), shorter than prompt + new tokens

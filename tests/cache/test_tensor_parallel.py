@@ -20,7 +20,7 @@ import torch
 from _tp_worker import make_model, make_profile, run_cases
 
 from lukv_cache import ConfigurationError, LUKVCache, TensorParallelError
-from lukv_cache.cache.parallel import HeadShard, head_shard
+from lukv_cache.cache.layers.parallel import HeadShard, head_shard
 
 WORKER = Path(__file__).with_name("_tp_worker.py")
 

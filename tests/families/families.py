@@ -549,7 +549,7 @@ def _lukv_run(model_type: str, attn: str, model, ids, mask, ratio: float):
 
 def evicts(cache, prompt_len: int) -> bool:
     """Whether some compressed full-attention (LUKV) layer stores fewer tokens than it saw for row 0."""
-    from lukv_cache.cache.layer import LUKVLayer
+    from lukv_cache.cache.storage.layer import LUKVLayer
 
     for layer in cache.layers:
         if isinstance(layer, LUKVLayer) and layer.is_initialized and layer.compressed:

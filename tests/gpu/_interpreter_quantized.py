@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lukv_cache.attention._triton_quantized import triton_quantized_ragged_attention  # noqa: E402
 from lukv_cache.attention.kernels import ragged_with_suffix_reference  # noqa: E402
 from lukv_cache.attention.partial import ragged_attention_reference  # noqa: E402
-from lukv_cache.cache.quant import PackedRows  # noqa: E402
+from lukv_cache.cache.storage.quant import PackedRows  # noqa: E402
 
 NEG = torch.finfo(torch.float32).min
 

@@ -130,7 +130,7 @@ def test_quantized_kernel_rejects_rows_that_are_not_packed():
     import torch
 
     from lukv_cache.attention._triton_quantized import triton_quantized_ragged_attention
-    from lukv_cache.cache.quant import PackedRows
+    from lukv_cache.cache.storage.quant import PackedRows
 
     q = torch.zeros(1, 1, 1, 64)
     pk = PackedRows.quantize(torch.randn(3, 64), 4)

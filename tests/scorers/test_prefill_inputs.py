@@ -16,7 +16,7 @@ LEFT = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
 
 
 def _check(ids, mask, left_padding_only=True, vocab_size=16):
-    from lukv_cache.cache.inputs import check_prefill_inputs
+    from lukv_cache.cache.compression.prefill_inputs import check_prefill_inputs
 
     return check_prefill_inputs(ids, mask, left_padding_only=left_padding_only, vocab_size=vocab_size)
 

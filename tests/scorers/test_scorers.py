@@ -9,7 +9,7 @@ from helpers import tiny_model
 from transformers import AttentionInterface, DynamicCache
 
 from lukv_cache import LUKVCache, Scorer, UnknownNameError, get_scorer, lukv_aware, register_scorer
-from lukv_cache.cache.layer import LUKVLayer
+from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiling import prefill_scores
 from lukv_cache.scorers import SCORERS

@@ -1,0 +1,205 @@
+"""Running a fold (``LUKVCache(decode_max_tokens=N)``) over the cache's layers: which layers fold and
+when, the scores of what they hold, one allocator call over all of them, and the refold of each layer.
+
+The pure pieces (what a layer holds, rescoring) are :mod:`lukv_cache.cache.compression.fold_plan`'s, fitting counts is
+:mod:`lukv_cache.allocation.budget`'s; these functions take the cache's parts (its policy, layers and :class:`~lukv_cache.cache.layers.parallel.HeadShard`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from ...allocation import AllocationRequest
+from ...allocation.budget import MAX_RATIO, fill_ratio, fit_counts, trim_weighted
+from ..layers.parallel import HeadShard
+from ..options.memory import budget_shapes
+from ..options.policy import CompressionPolicy
+from ..storage.layer import LUKVLayer
+from ..storage.ragged import keep_mask_from_counts
+from .fold_plan import Held, gather_held, held_tokens, masked_held, rescore
+from .region import score_suffix, suffix_positions, valid_from_mask
+
+_UNBOUNDED = 1 << 40  # tokens per (layer, KV head) when only a memory budget's bytes bound a fold
+
+
+def scorer_context(
+    policy: CompressionPolicy,
+    shard: HeadShard | None,
+    idx: int,
+    module: Any,
+    layer: LUKVLayer,
+    attention_mask,
+) -> dict | None:
+    """What a scorer that reads more than keys and values gets (``Scorer.context``)."""
+    if not policy.scorer.context:
+        return None
+    heads = slice(None) if shard is None else shard.heads(layer.num_heads * shard.size)
+    return {
+        "layer_idx": idx,
+        "module": module,
+        "heads": heads,
+        "positions": suffix_positions(attention_mask, layer),
+        "gather_heads": None if shard is None else shard.gather,
+    }
+
+
+def keeps_scores(policy: CompressionPolicy) -> bool:
+    """Whether stores keep each token's score (eviction at fold time, under ``decode_max_tokens`` or a memory
+    budget, with a scorer that reuses them)."""
+    return policy.evicts_at_folds and policy.scorer.keeps_scores
+
+
+def fold_due(layer: LUKVLayer, policy: CompressionPolicy, query: torch.Tensor) -> bool:
+    """With ``decode_max_tokens``, after a forward that did not compress: keep the queries the scorer
+    reads at the next fold; whether ``fold_interval`` tokens arrived since the last eviction (the fold is
+    then due: every layer's at once, after the last full-attention layer's attention)."""
+    fold = policy.fold_interval
+    since = layer.cumulative_length - layer.settled_length
+    wanted = policy.scorer.n_queries
+    if wanted and since > fold - wanted:
+        layer.record_queries(query, wanted)
+    return since >= fold
+
+
+def suffix_valid(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch.Tensor:
+    """bool ``[B, S]``: which tokens of ``layer``'s dense suffix are real (not padding)."""
+    assert layer.suffix_keys is not None  # the layer holds a forward
+    return valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.suffix_keys.device)
+
+
+def fold_evict(
+    layers: list[Any],
+    folding: dict[int, tuple[Any, torch.Tensor | None]],
+    policy: CompressionPolicy,
+    shard: HeadShard | None,
+    num_layers: int | None,
+    query_heads: int | None = None,
+    scores_bytes: int = 0,
+) -> None:
+    """Eviction at fold time (:mod:`lukv_cache.cache.compression.fold_plan`): the layers whose fold is due (``folding``:
+    layer -> the attention module that read it, its mask) keep, per row, at most ``decode_max_tokens``
+    tokens per (layer, KV head) on average, sinks and window included; budgets from one allocator call at
+    the ratio that total implies over the row's tokens. Under a memory budget also no more than its bytes
+    hold (``scores_bytes``: the kept prefill scores' bytes per row, which count in it): in tokens at one
+    width; with per-layer widths in bytes, each layer's tokens at its own width (the ratio the higher of
+    the two, the counts trimmed to both). A budget without ``decode_max_tokens`` bounds the bytes alone,
+    and its folds protect the prompt's ``window``."""
+    kept_scores = keeps_scores(policy)
+    idxs = sorted(folding)
+    all_layers, layers = layers, [layers[i] for i in idxs]
+    for layer in layers:  # a sliding layer's tokens older than its window are not held (nor counted)
+        layer.slide()
+    first = layers[0]
+    assert first.suffix_keys is not None  # the layer holds a forward
+    b, h, device = first.batch_size, first.num_heads, first.suffix_keys.device
+    real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
+    recent = policy.window if policy.decode_max_tokens is None else policy.decode_window
+    frames = [
+        held_tokens(layer, suffix_valid(folding[i][1], layer), policy.sink, recent)
+        for i, layer in zip(idxs, layers)
+    ]
+    heads = h * (1 if shard is None else shard.size)
+    # [L, B, H] protected (sinks, recent window) and evictable tokens: layers that hold different
+    # amounts protect different counts, and the bound counts every layer's and head's own
+    protected = torch.stack([f.protected.sum(-1).view(b, h) for f in frames]).cpu()
+    evictable = torch.stack([f.evictable.sum(-1).view(b, h) for f in frames]).cpu()
+    if shard is not None:
+        protected, evictable = shard.gather(protected, dim=2), shard.gather(evictable, dim=2)
+    # [B] evictable tokens the folding layers may keep in all, so that each row holds at most
+    # decode_max_tokens per (layer, KV head) on average, protected tokens included
+    # folds evict under decode_max_tokens or a memory budget (then the bytes alone bound them)
+    bound = policy.decode_max_tokens if policy.decode_max_tokens is not None else _UNBOUNDED
+    per_head = torch.tensor(bound)  # [B] under a memory budget
+    weights, room = None, None  # per-layer widths: each layer's bytes per token, the bytes [B] left
+    if policy.in_bytes:  # and no more than the memory budget's bytes hold at the layers' bits
+        full = [i for i, layer in enumerate(all_layers) if isinstance(layer, LUKVLayer)]
+        # each row its own budget, by the real tokens it has seen (as the row alone)
+        budget, shapes = budget_shapes(policy, first, len(full), heads, query_heads, real, scores_bytes)
+        cost = {i: shapes.stored_token(all_layers[i].kv_bits, kept_scores) for i in full}
+        if len(set(cost.values())) > 1 and idxs == full:  # in bytes, every layer's tokens at its width
+            weights = [cost[i] for i in idxs]
+            spent = (protected * torch.tensor(weights).view(-1, 1, 1)).sum((0, 2))
+            room = (budget - shapes.fixed() - spent).clamp_min(0)
+        else:  # one width (or some layers not folding: each counted at the widest)
+            widest = max(cost.values())
+            fit = (budget - shapes.fixed()).clamp_min(0) // widest // (len(full) * heads)  # [B]
+            per_head = torch.minimum(fit, per_head)
+    allowed = (per_head * len(idxs) * heads - protected.sum((0, 2))).clamp_min(0)
+    protected = protected.double().mean((0, 2))  # [B], per head
+    row_fits = evictable.sum((0, 2)) <= allowed  # such a row keeps everything, whatever the allocator
+    if room is not None:
+        assert weights is not None  # set with room
+        row_fits &= (evictable * torch.tensor(weights).view(-1, 1, 1)).sum((0, 2)) <= room
+    fits = bool(row_fits.all())
+    raw = None
+    if not fits or kept_scores:
+        raw = [
+            held_scores(policy, shard, i, layer, f, *folding[i]) for i, layer, f in zip(idxs, layers, frames)
+        ]
+    if fits:
+        keeps = [f.slots for f in frames]
+    else:
+        assert raw is not None  # scored above: not fits
+        width = max(f.width for f in frames)
+        if shard is not None:  # every rank's request has the same width
+            width = int(shard.gather(torch.tensor([[width]], device=device), dim=1).max())
+        scores = torch.stack(
+            [
+                torch.nn.functional.pad(masked_held(r, f), (0, width - f.width), value=float("-inf"))
+                for r, f in zip(raw, frames)
+            ]
+        ).view(len(idxs), b, h, width)
+        if shard is not None:
+            scores = shard.gather(scores, dim=2)
+        n = (real - protected.round().long()).clamp_min(0)
+        ratio = fill_ratio(n, allowed, len(idxs) * heads)
+        if room is not None:  # and the ratio that fills the bytes, whichever is higher
+            ratio = torch.maximum(ratio, fill_ratio(n, room, heads * sum(cast("list[int]", weights))))
+        request = AllocationRequest(
+            scores=scores,
+            n_evictable=n,
+            ratio=ratio.clamp(0.0, MAX_RATIO),
+            layers=tuple(idxs),
+            num_layers=num_layers or max(idxs) + 1,
+            min_keep=policy.min_keep,
+        )
+        counts = fit_counts(policy.allocator(request), evictable, allowed, not policy.allocator.adaptive)
+        if room is not None:
+            counts = trim_weighted(counts, room, weights)
+        counts[:, row_fits] = evictable[:, row_fits]
+        if shard is not None:
+            counts, scores = (t[:, :, shard.heads(request.num_heads)] for t in (counts, scores))
+        keeps = [
+            f.protected
+            | (keep_mask_from_counts(scores[i], counts[i]).flatten(0, 1)[:, : f.width] & f.evictable)
+            for i, f in enumerate(frames)
+        ]
+    for i, (layer, frame, keep) in enumerate(zip(layers, frames, keeps)):
+        kept = None if not kept_scores else cast("list[torch.Tensor]", raw)[i][keep]  # scored above
+        layer.refold(frame.source[keep], keep.sum(-1), kept, capacity=policy.fold_interval)
+
+
+def held_scores(
+    policy: CompressionPolicy,
+    shard: HeadShard | None,
+    idx: int,
+    layer: LUKVLayer,
+    held: Held,
+    module: Any,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp32 ``[G, M]``: the scores of the tokens ``layer`` holds, in ``held``'s slots: kept ones from
+    the store plus the suffix scored now, or every segment's tokens scored again."""
+    store = layer.store
+    if keeps_scores(policy):
+        context = scorer_context(policy, shard, idx, module, layer, attention_mask)
+        valid = suffix_valid(attention_mask, layer)
+        suffix = score_suffix(policy.scorer, layer, layer.queries, valid, context)
+        stored = None if store is None or store.scores is None else store.scores.unsqueeze(-1)
+        return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
+    assert layer.suffix_keys is not None and layer.suffix_values is not None  # it holds what it folds
+    keys = gather_held(held, None if store is None else store.keys, layer.suffix_keys)
+    values = gather_held(held, None if store is None else store.values, layer.suffix_values)
+    return rescore(policy.scorer, held, keys, values, layer.queries, layer.num_heads)

@@ -1,0 +1,139 @@
+"""What a fold decides (``LUKVCache(decode_max_tokens=N)``), as pure functions of one layer's held tokens.
+
+Every ``fold_interval`` tokens after the prompt, the cache re-applies its budgets to everything a layer
+holds: the ragged store's tokens and the dense suffix's real ones, per segment (batch row, KV head) in
+position order (:class:`Held`). The first ``sink`` and the last ``window`` (the cache's ``decode_window``) of them are protected; the rest
+are ranked by the scorer and each segment keeps its budget. Scores come from one of two places:
+
+* **rescored** (the default for scorers that read keys, values and queries only: ``keydiff``,
+  ``snapkv``, ``tova``, ``expected_attention``, ``knorm``, ``streaming``, ``random``): each segment's held
+  tokens are scored again at the fold, on their own (a head's tokens differ from its neighbours' after an
+  eviction), with the queries of the last decoding steps (:meth:`LUKVLayer.record_queries`), so
+  keydiff's anchor and snapkv's observation window are those of the current state;
+* **kept** (scorers that read every KV head of a token, ``Scorer.context``: ``kvzap``): a token is scored
+  once, when it leaves the dense suffix (prefill or fold), where all heads still hold it, and its score
+  is stored with it in the store (``RaggedStore.scores``) and reused at every later fold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...allocation.budget import fit_counts as fit_counts  # re-exported: it lived here
+from ...scorers import Scorer, check_scores
+from ..storage.layer import LUKVLayer
+from ..storage.quant import PackedRows
+from ..storage.ragged import gather_ragged
+
+
+@dataclass(frozen=True, eq=False)
+class Held:
+    """What one layer holds at a fold, per segment ``g = b * H + h``, in position order: the store's
+    tokens, then the suffix's real ones (never padding), in slots ``[G, M]``.
+
+    ``source``: int64 ``[G, M]``, each slot's token as a store row (``< n_store``) or ``n_store +`` its
+    flat index into the suffix ``[B, H, S]`` (0 past a segment's end); ``counts``: int64 ``[G]`` tokens
+    held; ``protected``: bool ``[G, M]``, the segment's first ``sink`` and last ``window`` tokens;
+    ``evictable``: the other held slots.
+    """
+
+    source: torch.Tensor
+    counts: torch.Tensor
+    protected: torch.Tensor
+    evictable: torch.Tensor
+    n_store: int
+
+    @property
+    def width(self) -> int:
+        return int(self.source.shape[1])
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """bool ``[G, M]``: the slots that hold a token."""
+        return self.protected | self.evictable
+
+
+def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -> Held:
+    """The :class:`Held` frame of ``layer`` (``valid``: bool ``[B, S]``, the suffix's real tokens).
+
+    The first ``sink`` held tokens of a segment are its row's first real tokens (sinks are never evicted and
+    every held token is real), so a row of a padded batch protects what it protects alone.
+    """
+    assert layer.suffix_keys is not None  # the layer holds a forward
+    b, h, s, device = layer.batch_size, layer.num_heads, layer.suffix_length, layer.suffix_keys.device
+    store = layer.store
+    n_store = 0 if store is None else store.num_tokens
+    in_store = torch.zeros(b * h, dtype=torch.long, device=device) if store is None else store.counts()
+    starts = torch.zeros_like(in_store) if store is None else store.offsets[:-1]
+    real = valid.sum(-1).repeat_interleave(h)  # [G]
+    counts = in_store + real
+    width = int(counts.max()) if counts.numel() else 0
+    slot = torch.arange(width, device=device).unsqueeze(0)
+    # the suffix's real tokens of each row in order (padding, at the row's start, sorted after them)
+    order = valid.long().argsort(dim=-1, descending=True, stable=True).repeat_interleave(h, dim=0)
+    nth = (slot - in_store.unsqueeze(-1)).clamp(0, max(s - 1, 0))
+    suffix = order.gather(1, nth) if s else torch.zeros_like(nth)
+    segment = torch.arange(b * h, device=device).unsqueeze(-1)
+    source = torch.where(
+        slot < in_store.unsqueeze(-1), starts.unsqueeze(-1) + slot, n_store + segment * s + suffix
+    )
+    slots = slot < counts.unsqueeze(-1)
+    protected = slots & ((slot < sink) | (slot >= counts.unsqueeze(-1) - window))
+    return Held(source.masked_fill(~slots, 0), counts, protected, slots & ~protected, n_store)
+
+
+def gather_held(held: Held, stored: torch.Tensor | PackedRows | None, suffix: torch.Tensor) -> torch.Tensor:
+    """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor, or its quantized rows) or of ``suffix
+    [B, H, S, ...]`` (the suffix's; NaN for store rows when ``stored`` is None); slots past a segment's
+    end hold an arbitrary row."""
+    source = held.source.flatten()
+    from_store = source < held.n_store
+    out = suffix.new_empty((source.shape[0], *suffix.shape[3:]))
+    out[~from_store] = gather_ragged(suffix, source[~from_store] - held.n_store)
+    if held.n_store:  # a store without this tensor (scores never kept): NaN, ranked lowest
+        if stored is None:
+            out[from_store] = float("nan")
+        else:  # a quantized store's rows come back dequantized (PackedRows.rows)
+            index = source[from_store]
+            rows = stored.rows(index) if isinstance(stored, PackedRows) else stored[index]
+            out[from_store] = rows.to(out.dtype)
+    return out.view(*held.source.shape, *suffix.shape[3:])
+
+
+def masked_held(scores: torch.Tensor, held: Held) -> torch.Tensor:
+    """``scores [G, M]`` with ``-inf`` on every slot that is not evictable; a score that is not finite
+    becomes the largest or lowest finite one, as for a prefill (``masked_scores``)."""
+    finfo = torch.finfo(torch.float32)
+    scores = scores.nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    return scores.masked_fill(~held.evictable, float("-inf"))
+
+
+def rescore(
+    scorer: Scorer,
+    held: Held,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    num_heads: int,
+) -> torch.Tensor:
+    """fp32 ``[G, M]``: each segment's held tokens scored on their own (``keys``/``values [G, M, D]`` from
+    :func:`gather_held`; ``queries [B, H_q, W, D]``, the last decoding steps', or ``None``), ``-inf`` past
+    a segment's end. Segments holding as many tokens are scored in one call, each as a batch row."""
+    scores = torch.full(held.source.shape, float("-inf"), dtype=torch.float32, device=keys.device)
+    if queries is not None and scorer.n_queries:
+        queries = queries[:, :, -scorer.n_queries :]
+    for n in held.counts.unique().tolist():
+        if n == 0:
+            continue
+        segs = (held.counts == n).nonzero().flatten()
+        q = None
+        if queries is not None and scorer.n_queries:
+            group = queries.shape[1] // num_heads
+            q = queries.view(queries.shape[0], num_heads, group, *queries.shape[2:])
+            q = q[segs // num_heads, segs % num_heads]  # [K, group, W, D]: each segment's query heads
+        k, v = keys[segs, :n].unsqueeze(1), values[segs, :n].unsqueeze(1)
+        part = check_scores(scorer, scorer(k, v, q), (segs.numel(), 1, n))
+        scores[segs, :n] = part[:, 0]
+    return scores

@@ -1,0 +1,350 @@
+"""One full-attention layer's storage: a ragged compressed prefix plus a dense suffix.
+
+* **Ragged store** (:class:`~lukv_cache.cache.storage.ragged.RaggedStore`): every kept token of every (batch row,
+  KV head) back to back in one flat ``[N, D]`` tensor for keys and one for values, with segment offsets
+  and each token's original position (for masks and ``crop``).
+* **Dense suffix**: ``[B, H, S, D]``, the protected recent window and every token that arrives after
+  compression, appended in place into a buffer that grows geometrically (no per-step copy of anything).
+
+The layer owns its tensors and knows nothing of eviction policy: the cache decides what to keep and calls
+:meth:`LUKVLayer.evict`. Lengths reported to transformers are *logical* (tokens seen), never the stored
+count: transformers builds one mask per forward from them and indexes padding by absolute position.
+
+``suffix_keys`` / ``suffix_values`` are the dense suffix (what :meth:`LUKVLayer.update` returns, and what
+attention reads beside the store). ``keys`` / ``values`` are what a ``DynamicLayer`` holds, the *logical*
+content ``[B, H, T, D]`` (T = ``cumulative_length``, column = absolute position), built on each read (never
+on the forward path), when the layer has one: every KV head of a row holds the same tokens and a row's held
+tokens run unbroken up to T. Columns before a row's first held token are left padding, never stored, and
+read as zeros (the attention mask hides them). Otherwise reading them raises
+:class:`~lukv_cache.errors.RaggedCacheError`; :meth:`LUKVLayer.head_tokens` reads one (row, KV head).
+
+Its parts: the suffix (:mod:`.suffix`), the store's absorb and rebuild (:mod:`.merge`), the logical view
+(:mod:`.logical`), the sliding window (:mod:`.window`), batch rows and offloading (:mod:`.rows`) and
+its state for saved contexts (:mod:`.layer_state`).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from ...errors import BatchIndexError, BatchMismatchError, UnsupportedOperationError
+from .layer_state import LayerState
+from .logical import head_tokens, logical_content
+from .merge import absorb, rebuild
+from .ragged import RaggedStore
+from .rows import BatchRows
+from .suffix import MIN_CAPACITY, DenseSuffix
+from .window import SlidingWindow
+
+# A decoding suffix this long is folded into the ragged store: the store is rebuilt once per this many steps
+# (amortised O(store / 256) per step), the buffer's slack stays bounded. A cache's LayerFactory sets fold_at.
+FOLD_AT = 256
+
+
+class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
+    """A full-attention layer of :class:`~lukv_cache.LUKVCache` (see the module docstring).
+
+    >>> layer = LUKVLayer()
+    >>> keys, values = layer.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
+    >>> layer.get_seq_length(), layer.store is None
+    (5, True)
+    >>> layer.keys.shape, layer.suffix_keys.shape  # logical content; the dense suffix
+    (torch.Size([1, 2, 5, 4]), torch.Size([1, 2, 5, 4]))
+    """
+
+    def __init__(
+        self,
+        sliding_window: int | None = None,
+        *,
+        kv_bits: int | None = None,
+        fold_at: int = FOLD_AT,
+        bounded: bool = False,
+    ) -> None:
+        # kv_bits, fold_at, bounded: fixed at construction by the cache's policy (LayerFactory)
+        self.suffix: DenseSuffix | None = None  # the dense suffix (None before the first update)
+        super().__init__()
+        # a sliding-window layer compressed like a full one (its prompt fit the window): the mask hides what
+        # is older than the window by position, and folds drop those tokens (:meth:`slide`)
+        self.set_window(sliding_window)
+        self.cumulative_length = 0
+        self.store: RaggedStore | None = None
+        self.compressed = False
+        # [B] sinks still to protect per row (a chunk of a chunked prefill may be all padding); the cache's
+        # eviction reads and updates it, batch operations keep it aligned with the rows
+        self.sinks_left: torch.Tensor | None = None
+        self.fold_at = fold_at  # fold a decoding suffix this long into the store
+        self.bounded = bounded  # the suffix buffer never grows past fold_at + 1 (eviction at fold time)
+        # logical length at the last eviction or fold: eviction at fold time counts the tokens since then
+        self.settled_length = 0
+        # [B, H_q, W, D]: the last post-RoPE queries, kept while they may score a fold (record_queries)
+        self.queries: torch.Tensor | None = None
+        self.kv_bits = kv_bits  # the store's bits per key / value entry (None: the model's dtype)
+
+    # ------------------------------------------------------------------ the dense suffix
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.suffix is None else self.suffix.batch_size
+
+    @property
+    def num_heads(self) -> int:
+        return 0 if self.suffix is None else self.suffix.num_heads
+
+    @property
+    def suffix_length(self) -> int:
+        return 0 if self.suffix is None else self.suffix.length
+
+    @property
+    def suffix_keys(self) -> torch.Tensor | None:
+        """``[B, H, S, D]``: the dense suffix's keys (the layer's last S positions), None before the first update."""
+        return None if self.suffix is None else self.suffix.keys
+
+    @property
+    def suffix_values(self) -> torch.Tensor | None:
+        """``[B, H, S, D]``: the dense suffix's values."""
+        return None if self.suffix is None else self.suffix.values
+
+    @property
+    def suffix_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole dense-suffix key and value buffers, ``[B, H, capacity, D]`` each (None before the first
+        update): :attr:`suffix_keys` / :attr:`suffix_values` are views of their first :attr:`suffix_length`
+        tokens, the rest is room to decode into. To read (memory accounting by storage), never to write."""
+        return None if self.suffix is None else (self.suffix.key_buffer, self.suffix.value_buffer)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        empty = key_states.new_empty((b, h, 0, d)), value_states.new_empty((b, h, 0, value_states.shape[-1]))
+        self.suffix = DenseSuffix(*empty)
+        if self.sliding_window is not None:
+            self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+        self.is_initialized = True
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        suffix = cast(DenseSuffix, self.suffix)  # initialized
+        s, n = suffix.length, key_states.shape[-2]
+        if s + n > suffix.capacity:
+            if self.compressed and n == 1 and s >= self.fold_at:
+                self.fold()
+            else:
+                # geometric growth while decoding (up to the fold size); exact size for a multi-token forward
+                # (a prompt, a chunk, a question: what DynamicCache would add, no more)
+                grow = max(2 * (s + n), MIN_CAPACITY) if n == 1 else 0
+                if self.compressed and n == 1 or self.bounded:
+                    grow = min(grow, self.fold_at + 1)
+                self.suffix = DenseSuffix.of(suffix.keys, suffix.values, capacity=max(s + n, grow))
+        cast(DenseSuffix, self.suffix).write(key_states, value_states)
+
+    # ------------------------------------------------------------------ reading the layer
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """``[B, H, T, D]``: the logical keys (see the module docstring), ``None`` before the first update;
+        :class:`~lukv_cache.errors.RaggedCacheError` when the heads of a row hold different tokens."""
+        return self._logical(values=False)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._assign("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """``[B, H, T, D]``: the logical values, as :attr:`keys`."""
+        return self._logical(values=True)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._assign("values", value)
+
+    def _assign(self, name: str, value) -> None:
+        # transformers' CacheLayerMixin.__init__ (and DynamicLayer.reset) set keys/values to None
+        if value is None and not getattr(self, "is_initialized", False):
+            return
+        raise UnsupportedOperationError(
+            f"LUKVLayer.{name} cannot be assigned: it is computed from the layer's ragged store and dense suffix. "
+            "Change a LUKVCache through its own methods (update, crop, reset, reorder_cache, "
+            "batch_select_indices, batch_repeat_interleave), or copy its content into a DynamicCache."
+        )
+
+    def _logical(self, *, values: bool) -> torch.Tensor | None:
+        """The logical keys (or values), :func:`~lukv_cache.cache.storage.logical.logical_content`; a sliding layer
+        gives its last ``sliding_window - 1`` columns, what ``DynamicSlidingWindowLayer`` holds."""
+        if self.suffix is None:
+            return None
+        suffix = self.suffix.values if values else self.suffix.keys
+        full = logical_content(self.store, suffix, self.cumulative_length, values=values)
+        w = self.sliding_window
+        if w is None or full.shape[-2] <= w - 1:
+            return full
+        return full[:, :, full.shape[-2] - (w - 1) :]
+
+    def head_tokens(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What KV head ``head`` of batch row ``row`` holds, oldest first: int64 positions ``[n]`` (the
+        absolute column of each token), keys ``[n, D]`` and values ``[n, D]`` (store, then suffix).
+
+        >>> layer = LUKVLayer()
+        >>> _ = layer.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+        >>> positions, keys, values = layer.head_tokens(0, 1)
+        >>> positions.tolist(), keys.shape
+        ([0, 1, 2], torch.Size([3, 4]))
+        """
+        if self.suffix is None:
+            raise BatchIndexError(
+                "head_tokens: the layer holds nothing yet; run a forward with the cache first.",
+                index=row,
+                batch=0,
+            )
+        if not (0 <= row < self.batch_size and 0 <= head < self.num_heads):
+            raise BatchIndexError(
+                f"head_tokens({row}, {head}): the layer holds {self.batch_size} rows x {self.num_heads} KV heads",
+                index=row,
+                batch=self.batch_size,
+            )
+        suffix = self.suffix
+        return head_tokens(self.store, suffix.keys, suffix.values, self.cumulative_length, row, head)
+
+    # ------------------------------------------------------------------ transformers' layer API
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens; returns the dense suffix (``suffix_keys``, ``suffix_values``): the very
+        tensors lukv's attention matches the layer's announced call by."""
+        if torch.compiler.is_exporting():
+            raise UnsupportedOperationError(
+                "torch.export does not support LUKVCache: its layers change shape and layout (eviction, a ragged "
+                "store) in Python at every forward, which an exported graph cannot replay. Export the model "
+                "with transformers' StaticCache (or without a cache), and use LUKVCache in eager PyTorch."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
+            raise BatchMismatchError(
+                f"LUKVCache holds a batch of {self.batch_size} rows x {self.num_heads} KV heads but this forward "
+                f"brings {key_states.shape[0]} rows x {key_states.shape[1]} KV heads; the cache is unchanged. "
+                "Use the same batch for the whole generation (or cache.batch_select_indices / "
+                "batch_repeat_interleave to change it), or start a fresh cache.",
+                expected=self.batch_size,
+                got=int(key_states.shape[0]),
+            )
+        self._append(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        suffix = cast(DenseSuffix, self.suffix)
+        return suffix.keys, suffix.values
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def reset(self) -> None:
+        self.store = None
+        self.suffix = None
+        self.cumulative_length = 0
+        self.compressed = False
+        self.sinks_left = None
+        self.settled_length = 0
+        self.queries = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` logical tokens (transformers passes a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        n = -tokens_to_remove
+        if n == 0 or self.suffix is None:
+            return
+        n = min(n, self.cumulative_length)
+        self.cumulative_length -= n
+        self.settled_length = min(self.settled_length, self.cumulative_length)
+        self.queries = None
+        if n <= self.suffix.length:
+            self.suffix.truncate(self.suffix.length - n)
+            return
+        self.suffix.truncate(0)
+        if self.store is not None:
+            self.store = self.store.select(self.store.positions < self.cumulative_length)
+
+    # ------------------------------------------------------------------ accounting
+    def memory_bytes(self) -> int:
+        """Bytes of every tensor this layer holds (store, positions, offsets, suffix buffers)."""
+        total = sum(t.numel() * t.element_size() for t in (self.sinks_left, self.queries) if t is not None)
+        total += 0 if self.suffix is None else self.suffix.memory_bytes()
+        return total + (self.store.memory_bytes() if self.store is not None else 0)
+
+    def stored_counts(self) -> torch.Tensor:
+        """int64 ``[B, H]``: tokens stored per (batch row, KV head), ragged store plus suffix."""
+        if not self.is_initialized:
+            return torch.zeros(0, 0, dtype=torch.long)
+        b, h = self.batch_size, self.num_heads
+        counts = torch.full((b, h), self.suffix_length, dtype=torch.long)
+        if self.store is not None:
+            counts += self.store.counts().view(b, h).cpu()
+        return counts
+
+    # ------------------------------------------------------------------ eviction and folds
+    def evict(self, keep: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+        """Move the kept tokens of the suffix's first ``R`` tokens (``keep [B, H, R]``) into the ragged store
+        and drop the rest; the suffix then holds its last ``S - R`` tokens (the protected window), with room
+        for 16 more before it grows: the buffer is sized by the tokens it holds, never by a setting.
+        ``scores [B, H, R]``: stored with the kept tokens (eviction at fold time reuses them)."""
+        suffix = cast(DenseSuffix, self.suffix)  # initialized
+        r = keep.shape[-1]
+        start = self.cumulative_length - suffix.length
+        self.store = absorb(
+            self.store, suffix.keys[:, :, :r], suffix.values[:, :, :r], keep, start, scores, self.kv_bits
+        )
+        kept = suffix.keys[:, :, r:], suffix.values[:, :, r:]
+        self.suffix = DenseSuffix.of(*kept, capacity=suffix.length - r + MIN_CAPACITY)
+        self._settle()
+        self.drop_out_of_window()
+
+    def fold(self) -> None:
+        """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one."""
+        suffix = self.suffix
+        if suffix is None or not suffix.length:
+            return
+        s = suffix.length
+        keep = torch.ones(suffix.batch_size, suffix.num_heads, s, dtype=torch.bool, device=suffix.keys.device)
+        start = self.cumulative_length - s
+        self.store = absorb(self.store, suffix.keys, suffix.values, keep, start, kv_bits=self.kv_bits)
+        self.suffix = DenseSuffix.of(
+            suffix.keys[:, :, :0], suffix.values[:, :, :0], capacity=self.fold_at + 1
+        )
+        self.slide()
+
+    def refold(
+        self, source: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor | None, capacity: int
+    ) -> None:
+        """Rebuild the store from what the layer holds and empty the suffix (eviction at fold time).
+
+        ``source``: int64 ``[K]``, the kept tokens in store layout (segment-major, positions ascending),
+        each a row of the store (``< N``) or a suffix token (``N +`` its flat index into ``[B, H, S]``);
+        ``counts [B * H]``: kept tokens per segment; ``scores [K]``: stored with them (or ``None``);
+        ``capacity``: the new suffix buffer's, in tokens."""
+        suffix = cast(DenseSuffix, self.suffix)  # initialized
+        start = self.cumulative_length - suffix.length
+        self.store = rebuild(
+            self.store, suffix.keys, suffix.values, start, source, counts, scores, self.kv_bits
+        )
+        self.suffix = DenseSuffix.of(suffix.keys[:, :, :0], suffix.values[:, :, :0], capacity=capacity)
+        self._settle()
+        self.slide()
+
+    def _settle(self) -> None:
+        """After an eviction or a refold: the layer is compressed and settled at its length."""
+        self.compressed = True
+        self.settled_length = self.cumulative_length
+        self.queries = None
+
+    def record_queries(self, query: torch.Tensor, count: int) -> None:
+        """Keep this forward's post-RoPE ``query [B, H_q, q, D]`` after the ones kept before, the last
+        ``count`` of them (a scorer that reads queries ranks the tokens at the next fold with them)."""
+        recent = query[:, :, -count:]
+        if self.queries is not None and self.queries.shape[0] == recent.shape[0]:
+            recent = torch.cat([self.queries, recent], dim=2)[:, :, -count:]
+        self.queries = recent.clone()  # never a view: it would pin the forward's queries

@@ -1,0 +1,109 @@
+"""How dense tokens enter a layer's ragged store: each function takes the store (or ``None``) and dense
+``[B, H, R, D]`` tokens and returns the new :class:`~lukv_cache.cache.storage.ragged.RaggedStore`.
+
+* :func:`absorb`: eviction and plain folds merge the kept tokens of a dense block into the store, segment
+  by segment after what it holds;
+* :func:`rebuild`: eviction at fold time builds a new store from a selection of the old store's rows and
+  the suffix's tokens (a quantized store's rows are moved as codes, never quantized again).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from .ragged import RaggedStore, flat_index_from_mask, gather_ragged, position_dtype
+
+
+def absorb(
+    store: RaggedStore | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    keep: torch.Tensor,
+    start: int,
+    scores: torch.Tensor | None = None,
+    kv_bits: int | None = None,
+) -> RaggedStore:
+    """``store`` with the kept tokens (``keep [B, H, R]``) of ``keys`` / ``values`` ``[B, H, R, D]``, a dense
+    block starting at logical position ``start``, merged segment by segment (``scores [B, H, R]`` with them,
+    if given); a new store in ``kv_bits`` when there was none.
+
+    >>> block = torch.arange(8.).view(1, 2, 2, 2)
+    >>> store = absorb(None, block, block, torch.tensor([[[True, False], [True, True]]]), start=5)
+    >>> store.positions.tolist(), store.counts().tolist()
+    ([5, 5, 6], [1, 2])
+    """
+    b, h, r = keep.shape
+    counts = keep.sum(-1).flatten()
+    flat = flat_index_from_mask(keep)  # segment-major, positions ascending: the store layout
+    # gather straight from [B, H, R, D] (often a strided view): no copy of the whole block
+    new_k, new_v = gather_ragged(keys, flat), gather_ragged(values, flat)
+    last = start + r - 1  # no kept position is above it
+    new_pos = (flat % r + start).to(position_dtype(last))
+    new_s = None if scores is None else scores.reshape(-1)[flat.to(scores.device)].to(new_k.device)
+    if store is None:
+        return RaggedStore.build(
+            new_k, new_v, new_pos, counts, num_heads=h, scores=new_s, kv_bits=kv_bits, last=last
+        )
+    return store.extend(new_k, new_v, new_pos, counts, new_s, last=last)
+
+
+def rebuild(
+    store: RaggedStore | None,
+    suffix_keys: torch.Tensor,
+    suffix_values: torch.Tensor,
+    start: int,
+    source: torch.Tensor,
+    counts: torch.Tensor,
+    scores: torch.Tensor | None,
+    kv_bits: int | None,
+) -> RaggedStore:
+    """A new store of the tokens ``source`` picks: int64 ``[K]`` in store layout (segment-major, positions
+    ascending), each a row of ``store`` (``< N``) or a token of the suffix ``[B, H, S, D]`` (``N +`` its flat
+    index into ``[B, H, S]``), whose first token is at logical position ``start``; ``counts [B * H]``: kept
+    tokens per segment; ``scores [K]``: stored with them (or ``None``)."""
+    n = 0 if store is None else store.num_tokens
+    s = suffix_keys.shape[-2]
+    from_store = source < n
+    in_suffix = source[~from_store] - n
+    last = start + max(s, 1) - 1  # no kept position is above it
+    suffix_pos = (in_suffix % max(s, 1) + start).to(position_dtype(last))
+
+    def pick(stored: torch.Tensor | None, from_suffix: torch.Tensor) -> torch.Tensor:
+        out = from_suffix.new_empty((source.shape[0], *from_suffix.shape[1:]))
+        out[~from_store] = from_suffix
+        if stored is not None:
+            out[from_store] = stored[source[from_store]].to(out.dtype)
+        return out
+
+    held = store if n else None
+    new_k, new_v = gather_ragged(suffix_keys, in_suffix), gather_ragged(suffix_values, in_suffix)
+    if store is not None and store.kv_bits is not None:
+        # the suffix's kept tokens quantized as the store's (each row on its own): the stored rows'
+        # codes are moved, never quantized again
+        new_k, new_v = store.quantize_like(new_k, new_v)
+        stored_k = None if held is None else held.keys
+        stored_v = None if held is None else held.values
+        keys = new_k.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_k), new_k.tensors())))
+        values = new_v.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_v), new_v.tensors())))
+    else:  # a full-precision store: its rows are tensors
+        keys = pick(None if held is None else cast(torch.Tensor, held.keys), new_k)
+        values = pick(None if held is None else cast(torch.Tensor, held.values), new_v)
+    positions = pick(None if held is None else held.positions, suffix_pos)
+    heads = suffix_keys.shape[1]
+    return RaggedStore.build(
+        keys,
+        values,
+        positions,
+        counts.to(positions.device),
+        num_heads=heads,
+        scores=scores,
+        kv_bits=kv_bits,
+        last=last,
+    )
+
+
+def _parts(rows) -> tuple:
+    """A quantized store's codes, scales and zeros (three ``None`` without a store)."""
+    return (None, None, None) if rows is None else rows.tensors()
