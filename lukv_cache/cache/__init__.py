@@ -24,7 +24,8 @@ a ``tree_map`` over model outputs hands the very cache back.
 import torch.utils._pytree as _pytree
 
 from .cache import LUKVCache, kv_cache_bytes
-from .options.policy import CompressionPolicy, check_ratio
+from .options.policy import CompressionPolicy
+from .options.values import check_ratio
 from .storage.layer import LUKVLayer
 from .storage.ragged import RaggedStore
 

@@ -25,16 +25,12 @@ from .compression.settle import refuse_unservable
 from .layers.hybrid import HybridRouting
 from .layers.layout import Layout
 from .layers.parallel import HeadShard, mesh_shard
+from .options.docs import options_args
 from .options.memory import MemoryChoice
-from .options.policy import (
-    ChosenBits,
-    CompressionPolicy,
-    add_option_properties,
-    check_bits_fit,
-    check_flag,
-    option_signature,
-    options_args,
-)
+from .options.policy import CompressionPolicy, check_bits_fit
+from .options.spec import option_signature
+from .options.surface import ChosenBits, add_option_properties
+from .options.values import check_flag
 from .pretrained import from_pretrained as _from_pretrained
 from .storage.layer import LUKVLayer
 from .storage.report import CacheReport

@@ -18,7 +18,8 @@ from ..errors import (
 from ..scorers import SCORERS, Scorer
 from .compression.contract import CacheT
 from .layers.layout import refuse_own_cache
-from .options.policy import bounded_prompt, check_flag, default_ratio
+from .options.policy import bounded_prompt, default_ratio
+from .options.values import check_flag
 
 if TYPE_CHECKING:
     from ..profiles import HubLocation

@@ -16,14 +16,10 @@ from safetensors import safe_open
 
 from lukv_cache import LUKVCache
 from lukv_cache.cache import save_load
-from lukv_cache.cache.options.policy import (
-    CompressionPolicy,
-    count,
-    option,
-    option_spec,
-    options_args,
-    options_table,
-)
+from lukv_cache.cache.options.docs import options_args, options_table
+from lukv_cache.cache.options.policy import CompressionPolicy
+from lukv_cache.cache.options.spec import option, option_spec
+from lukv_cache.cache.options.values import count
 from lukv_cache.errors import ConfigurationError, SavedContextError
 from lukv_cache.testing import flat_profile, prompt
 

@@ -1,238 +1,58 @@
-"""The cache's options, declared once: :class:`CompressionPolicy`, a frozen dataclass whose fields are
-``LUKVCache``'s compression options, each with its default, its doc and its check (:func:`option`).
+"""The cache's options as one policy, declared and built: :class:`CompressionPolicy`, a frozen dataclass
+whose fields are ``LUKVCache``'s compression options, each with its default, its doc and its check
+(:func:`~.spec.option`), and the rules across options its :meth:`~CompressionPolicy.build` applies.
 
 :meth:`CompressionPolicy.build` takes the options as given (numbers of any integer type, a scorer or
-allocator by name, ``evict_ratio=`` beside ``allocator_kwargs=``), refuses every combination that cannot
-hold with a :class:`~lukv_cache.errors.ConfigurationError` naming the fix, and returns the policy the cache
-and its layers read. Everything else that lists the options reads the fields: the cache's signature and
-read-only properties, its docstring's Args (:func:`options_args`), ``from_pretrained`` (its ``**options``),
-the saved-context file (:mod:`lukv_cache.cache.saved.options_json`) and docs/usage.md's table
-(:func:`options_table`). A subclass of the policy adds an option with one field; a cache class names its
-policy in ``policy_class``.
+allocator by name, ``evict_ratio=`` beside ``allocator_kwargs=``), checks each through its field's check
+(:mod:`.values`), refuses every combination that cannot hold with a
+:class:`~lukv_cache.errors.ConfigurationError` naming the fix (in build, and in the rules below the class;
+:func:`bounded_prompt`, :func:`default_ratio` and :func:`check_bits_fit` are also ``from_pretrained``'s and
+the cache's), and returns the policy the cache and its layers read. Everything else that lists the options
+reads the fields: the cache's signature (:func:`~.spec.option_signature`) and read-only properties
+(:mod:`.surface`), its docstring's Args and docs/usage.md's table (:mod:`.docs`), ``from_pretrained`` (its
+``**options``) and the saved-context file (:mod:`lukv_cache.cache.saved.options_json`). A subclass of the
+policy adds an option with one field; a cache class names its policy in ``policy_class``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import math
-import numbers
-import textwrap
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, Self, overload
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self
 
 import numpy as np
 import torch
 
 from ...allocation import Allocator, get_allocator
 from ...errors import ConfigurationError
-from ...scorers import Scorer, get_scorer
+from ...scorers import Scorer
 from ..storage.layer import FOLD_AT
-from ..storage.quant import check_kv_bits
-
-
-def check_ratio(ratio: Any) -> float:
-    """``ratio`` as a float in [0, 1): Python, numpy and 0-d torch numbers are accepted; bools, NaN,
-    strings and anything out of range raise :class:`~lukv_cache.errors.ConfigurationError`.
-
-    >>> check_ratio(0.8)
-    0.8
-    """
-    if isinstance(ratio, torch.Tensor) and ratio.ndim == 0 and ratio.dtype != torch.bool:
-        ratio = ratio.item()
-    valid = (
-        isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and type(ratio).__name__ != "bool_"
-    )
-    if not valid or math.isnan(float(ratio)) or not 0.0 <= float(ratio) < 1.0:
-        raise ConfigurationError(
-            f"ratio is the fraction of the prompt's KV entries to remove and must be in [0, 1); got {ratio!r}. "
-            "ratio=0.8 keeps 20% of the tokens."
-        )
-    return float(ratio)
-
-
-def check_flag(name: str, value: Any) -> bool:
-    """``value`` as a bool (Python or numpy); anything else raises a ConfigurationError naming ``name``.
-
-    >>> check_flag("keep_scores", True)
-    True
-    """
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return bool(value)
-    raise ConfigurationError(f"{name} must be True or False, got {value!r}.")
-
+from .spec import fields_of, option, option_signature, option_spec
+from .values import (
+    check_ratio,
+    checked_allocator_options,
+    checked_fraction,
+    checked_kv_bits,
+    checked_max_bytes,
+    checked_memory,
+    checked_ratio,
+    checked_scorer,
+    checked_sliding,
+    count,
+)
 
 SINK = 4  # the first tokens every head keeps, by default
 RATIO = 0.5  # the fraction removed when nothing sets it (no ratio=, max_tokens=, decode_max_tokens= or table)
 BUDGET_FOLD_AT = 8  # fold_interval under a memory budget: the dense decode room counts in its bytes
 _MAX_TOKENS_LIMIT = 2**40  # far beyond any context; larger numbers are a mistake (None means no cap)
-# 1 PiB per batch row: beyond any memory; a larger max_bytes is a mistake (10**30 overflowed at the first
-# forward; None means no budget)
-MAX_BYTES_LIMIT = 2**50
-
-# What a sliding-window layer does when the prompt is longer than its window (LUKVCache(sliding=...)):
-# "compress" (the default with ratio=): the layer stays a LUKVLayer, drops what is older than its window
-# (as the stock layer does) and evicts from what is left at the same ratio, allocated apart from the
-# full-attention layers (it holds fewer tokens); "keep" (the default under max_tokens / decode_max_tokens):
-# transformers' own sliding layer holds the window whole, and ``ratio`` counts the full-attention layers'
-# entries only. A prompt that fits the window is compressed like a full layer's either way. Measured on
-# Gemma-3-270M (docs/benchmarks.md): at equal bytes "compress" keeps far more of the text.
-SLIDING = ("keep", "compress")
-
-
-@overload
-def _check_count(name: str, value: int, *, positive: bool = False, default: int | None = None) -> int: ...
-@overload
-def _check_count(name: str, value: Any, *, positive: bool = False, default: int) -> int: ...
-@overload
-def _check_count(name: str, value: Any, *, positive: bool = False, default: None = None) -> int | None: ...
-def _check_count(name: str, value: Any, *, positive: bool = False, default: int | None = None) -> int | None:
-    """``value`` as an int (Python or numpy integers), or a ConfigurationError naming ``name``. ``None``
-    passes through (an option that ``None`` turns off), unless the option has a ``default`` instead."""
-    kind = "a positive" if positive else "a non-negative"
-    if value is None:
-        if default is not None:
-            raise ConfigurationError(
-                f"{name} must be {kind} integer, got None; leave it out for its default ({default})."
-            )
-        return None
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
-        value = value.item()
-    if (
-        isinstance(value, bool)
-        or type(value).__name__ == "bool_"
-        or not isinstance(value, numbers.Integral)
-        or value < (1 if positive else 0)
-    ):
-        raise ConfigurationError(f"{name} must be {kind} integer, got {value!r}.")
-    return int(value)
-
-
-# ---------------------------------------------------------------------------------------------- one option
-Check = Callable[[str, Any, Any], Any]  # (name, value as given, the field's default) -> value as kept
-
-
-def count(*, positive: bool = False) -> Check:
-    """The check of a count option: an int (Python, numpy, 0-d torch), at least 1 when ``positive``;
-    ``None`` passes when it is the option's default (it turns the option off), else it is refused."""
-
-    def check(name: str, value: Any, default: Any) -> int | None:
-        return _check_count(name, value, positive=positive, default=default)
-
-    return check
-
-
-def _ratio(name: str, value: Any, default: Any) -> float:
-    return check_ratio(value)
-
-
-def _fraction(name: str, value: Any, default: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
-        raise ConfigurationError(f"{name} must be a number in [0, 1), got {value!r}.")
-    return float(value)
-
-
-def _memory(name: str, value: Any, default: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
-        raise ConfigurationError(
-            f"memory must be a fraction in (0, 1] of the full cache's bytes (0.1: a tenth), got {value!r}."
-        )
-    return float(value)
-
-
-def _max_bytes(name: str, value: Any, default: Any) -> int | None:
-    bound = _check_count(name, value, positive=True, default=default)
-    if bound is not None and bound > MAX_BYTES_LIMIT:
-        digits = len(str(bound))
-        shown = str(bound) if digits <= 24 else f"a number of {digits} digits"
-        raise ConfigurationError(
-            f"max_bytes={shown} is beyond any memory: at most 2**50 bytes (1 PiB) per row. Pass the bytes a row "
-            "may hold (e.g. max_bytes=2**30), memory= for a fraction of the full cache's, or max_bytes=None "
-            "for no budget."
-        )
-    return bound
-
-
-def _scorer(name: str, value: Any, default: Any) -> Scorer:
-    scorer = get_scorer(value)
-    if scorer.missing:
-        raise ConfigurationError(scorer.missing)
-    return scorer
-
-
-def _kv_bits(name: str, value: Any, default: Any) -> int | None:
-    return check_kv_bits(value)
-
-
-def _sliding(name: str, value: Any, default: Any) -> str:
-    if not isinstance(value, str) or value not in SLIDING:
-        raise ConfigurationError(
-            f"sliding must be one of {', '.join(map(repr, SLIDING))} (what a sliding-window layer does with a "
-            f"prompt longer than its window), got {value!r}."
-        )
-    return value
-
-
-def _allocator_options(name: str, value: Any, default: Any) -> Mapping | None:
-    if value is not None and not isinstance(value, Mapping):
-        raise ConfigurationError(
-            f"allocator_kwargs must be a dict of the allocator's options (e.g. {{'profile': profile}}), got "
-            f"{type(value).__name__}."
-        )
-    return value
-
-
-EVERY_FILE: Any = object()  # Option.before of an option every saved file has
-
-
-@dataclass(frozen=True)
-class Option:
-    """How a field of :class:`CompressionPolicy` is an option of the cache (the field's ``metadata``).
-
-    ``doc``: one line (docs/usage.md's table, the cache's read-only property); ``more``: the rest of the
-    cache docstring's entry. ``check``: ``(name, value as given, default) -> value as kept``, raising a
-    ConfigurationError (``None``: kept as given, or resolved by :meth:`CompressionPolicy.build`).
-    ``positional``: also taken by position (``LUKVCache(0.8, "keydiff", "uniform")``). ``saved``: written
-    under a saved context's ``"options"`` as the kept value (``False``: saved by its own code, or not at all);
-    ``kinds`` / ``low``: the JSON types and lower bound a saved value must have (``None``: ``check`` decides
-    at load); ``before``: what a file written before the option existed meant (its key is missing: a new
-    option's default, so that older files load; unset: every file has the key).
-    """
-
-    doc: str
-    more: str = ""
-    check: Check | None = None
-    positional: bool = False
-    saved: bool = True
-    kinds: tuple[type, ...] | None = None
-    low: float | None = None
-    before: Any = EVERY_FILE  # with has_before
-
-    @property
-    def has_before(self) -> bool:
-        """Whether a file may lack this option (it came after the format's first files)."""
-        return self.before is not EVERY_FILE
-
-
-def option(default: Any, doc: str, more: str = "", **spec: Any) -> Any:
-    """A field of a policy that is an option of the cache: its ``default`` as given to the cache, and its
-    :class:`Option` (``doc``, ``more``, and the rest of ``spec``)."""
-    return field(default=default, metadata={"option": Option(doc, more, **spec)})
-
-
-def option_spec(f: dataclasses.Field) -> Option:
-    """The :class:`Option` of a policy's field (a field declared without :func:`option` only documents itself)."""
-    return f.metadata.get("option") or Option(f.name)
 
 
 # ---------------------------------------------------------------------------------------------- the policy
 @dataclass(frozen=True)
 class CompressionPolicy:
     """What the cache keeps, shared by all its layers (a layer only stores; the cache decides): one field per
-    option of ``LUKVCache``, each declared once with its default, doc and check (:func:`option`).
+    option of ``LUKVCache``, each declared once with its default, doc and check (:func:`~.spec.option`).
 
     Build it with :meth:`build` (``LUKVCache.__init__`` does): the fields' defaults are the options as
     given (a scorer's name, ``window=None`` for the scorer's own), and the built policy holds them resolved
@@ -251,7 +71,7 @@ class CompressionPolicy:
         "``None`` is 0.5 unless ``max_tokens``, ``decode_max_tokens`` or ``evict_ratio`` sets the budget: the "
         "policy then holds 0.0 under ``max_tokens`` (each prompt gets its own ratio) and a table's mean "
         "under ``evict_ratio``.",
-        check=_ratio,
+        check=checked_ratio,
         positional=True,
         kinds=(float, int),
         low=0,
@@ -261,7 +81,7 @@ class CompressionPolicy:
         "How tokens are ranked: a registered scorer's name or a `Scorer`.",
         "The registered scorers: ``keydiff``, ``snapkv``, ``expected_attention``, ``knorm``, ``tova``, "
         "``streaming``, ``random``, ``kvzip``, ``kvzap`` (:mod:`lukv_cache.scorers`).",
-        check=_scorer,
+        check=checked_scorer,
         positional=True,
         saved=False,  # its own entry: the name, its settings, a learned scorer's surrogate
     )
@@ -313,7 +133,7 @@ class CompressionPolicy:
     min_keep: float = option(
         0.01,
         "Every head keeps at least this fraction of its evictable tokens (and at least one).",
-        check=_fraction,
+        check=checked_fraction,
         kinds=(float, int),
         low=0,
     )
@@ -355,7 +175,7 @@ class CompressionPolicy:
         "it folds. Scores are computed before quantization, so the prompt's eviction is the same for every "
         "``kv_bits``. A cache that evicts nothing (``ratio=0``) still quantizes: its logits are no longer the "
         "full cache's (on a tiny fp32 model about 1e-3 off at 8 bits, 1e-2 at 4).",
-        check=_kv_bits,
+        check=checked_kv_bits,
     )
     memory: float | None = option(
         None,
@@ -370,7 +190,7 @@ class CompressionPolicy:
         "bits and the rest at 4), else a fixed rule (``docs/memory.md``). ``cache.kv_bits`` (a tuple, one per "
         "layer, for mixed widths) and ``cache.memory_choice`` say what it chose. Full-attention models only, "
         "for now.",
-        check=_memory,
+        check=checked_memory,
         kinds=(float, int, type(None)),
         low=0,
         before=None,  # files written before the option: no budget
@@ -382,7 +202,7 @@ class CompressionPolicy:
         "of bytes per row whatever the prompt's length (a prompt that fits is kept whole, at the model's "
         "precision when it fits so). At most ``2**50`` (1 PiB per row): a larger number is refused, not taken "
         "as no bound (``None`` is no budget).",
-        check=_max_bytes,
+        check=checked_max_bytes,
         kinds=(int, type(None)),
         low=1,
         before=None,  # files written before the option: no budget
@@ -398,7 +218,7 @@ class CompressionPolicy:
         "removes entries of the full-attention layers only, so the cache saves less than ``ratio`` says. On "
         'Gemma-3-270M, at equal bytes ``"compress"`` kept far more of the text (``docs/benchmarks.md``). A '
         "prompt that fits the window is compressed like a full layer's either way.",
-        check=_sliding,
+        check=checked_sliding,
         kinds=(str,),
         before="keep",  # files written before the option: their sliding layers were "keep"'s
     )
@@ -412,7 +232,7 @@ class CompressionPolicy:
     allocator_kwargs: Mapping[str, Any] | None = option(
         None,
         "Options of the allocator's factory (e.g. `{'profile': profile}`).",
-        check=_allocator_options,
+        check=checked_allocator_options,
         saved=False,  # saved from the allocator's own options (JSON, tensors and profiles)
     )
 
@@ -449,7 +269,7 @@ class CompressionPolicy:
         >>> CompressionPolicy.check_option("sink", 2)
         2
         """
-        f = _fields_of(cls)[name]
+        f = fields_of(cls)[name]
         check = option_spec(f).check
         return value if check is None else check(name, value, f.default)
 
@@ -462,7 +282,7 @@ class CompressionPolicy:
         >>> CompressionPolicy.build(ratio=0.8, sink=2).window, CompressionPolicy.build(max_tokens=64).ratio
         (1, 0.0)
         """
-        known = _fields_of(cls)
+        known = fields_of(cls)
         for name in options:
             if name not in known:
                 raise TypeError(f"{cls.__name__}.build() got an unexpected keyword argument {name!r}")
@@ -582,10 +402,6 @@ class CompressionPolicy:
             return dict(option_signature(cls).bind(*args, **kwargs).arguments)
         except TypeError as err:
             raise TypeError(f"{owner}() {err}") from None
-
-
-def _fields_of(policy_class: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in fields(policy_class)}
 
 
 def bounded_prompt(ratio: Any, max_tokens: Any, decode_max_tokens: Any, evict_ratio: Any = None) -> Any:
@@ -729,100 +545,3 @@ def _check_decodes(scorer: Scorer) -> None:
             "together, so it cannot rescore a head's tokens at a fold: give it rescores=False (each token keeps "
             "the score it got when first scored)."
         )
-
-
-# ---------------------------------------------------------------------------------------------- the surfaces
-def option_signature(policy_class: type, *extra: inspect.Parameter) -> inspect.Signature:
-    """The options of ``policy_class`` as a call signature, each with its default: the positional ones
-    first, then the others keyword-only, then ``extra`` (a cache's own keyword-only arguments)."""
-    params = [
-        inspect.Parameter(
-            f.name,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD
-            if option_spec(f).positional
-            else inspect.Parameter.KEYWORD_ONLY,
-            default=f.default,
-        )
-        for f in fields(policy_class)
-    ]
-    params.sort(key=lambda p: p.kind)  # stable: positional ones first, each group in field order
-    return inspect.Signature([*params, *extra])
-
-
-class OptionProperty(property):
-    """A read-only property of the cache that reads an option of ``cache.policy`` (``cache.ratio``), or
-    what ``read(cache)`` says of it."""
-
-    def __init__(self, name: str, doc: str | None = None, read: Callable[[Any], Any] | None = None):
-        super().__init__(read or (lambda cache: getattr(cache.policy, name)))
-        self.__doc__ = doc  # a property subclass's doc= is shadowed by the class's own docstring
-
-
-class ChosenBits(OptionProperty):
-    """``cache.kv_bits``: the option, or under a memory budget the bits it chose (``None`` until then; a
-    tuple of each layer's when it chose per-layer widths)."""
-
-    def __init__(self) -> None:
-        doc = option_spec(_fields_of(CompressionPolicy)["kv_bits"]).doc
-        super().__init__("kv_bits", doc, _chosen_bits)
-
-
-def _chosen_bits(cache: Any) -> int | None | tuple[int | None, ...]:
-    choice = cache.compressor.memory_choice
-    return cache.policy.kv_bits if choice is None else choice.kv_bits
-
-
-def policy_property(name: str, doc: str | None = None) -> property:
-    """A read-only property of the cache that reads ``cache.policy.<name>``."""
-    return OptionProperty(name, doc)
-
-
-def add_option_properties(cache_class: type, policy_class: type) -> None:
-    """Give ``cache_class`` an :class:`OptionProperty` per option of ``policy_class`` that it lacks; an
-    option named like another attribute of the cache is a TypeError (rename the field)."""
-    for f in fields(policy_class):
-        current = inspect.getattr_static(cache_class, f.name, None)
-        if isinstance(current, OptionProperty):
-            continue
-        if current is not None:
-            raise TypeError(
-                f"{cache_class.__name__}: the option {f.name!r} of {policy_class.__name__} has the name of "
-                "another attribute of the cache; rename the field."
-            )
-        setattr(cache_class, f.name, policy_property(f.name, option_spec(f).doc))
-
-
-def _default_text(f: dataclasses.Field) -> str:
-    return repr(f.default)
-
-
-def options_table(policy_class: type = CompressionPolicy) -> str:
-    """docs/usage.md's table of the options: one markdown row per field of ``policy_class`` (its name, its
-    default, its one-line doc).
-
-    >>> print(options_table().splitlines()[7])
-    | `sink` | `4` | First tokens of each row always kept (attention sinks). |
-    """
-    rows = ["| option | default | what it does |", "|---|---|---|"]
-    rows += [f"| `{f.name}` | `{_default_text(f)}` | {option_spec(f).doc} |" for f in fields(policy_class)]
-    return "\n".join(rows) + "\n"
-
-
-def options_args(policy_class: type = CompressionPolicy, *, indent: int = 8, width: int = 110) -> str:
-    """The options of ``policy_class`` as a docstring's Args entries (``name: doc more``; the signature shows the defaults),
-    wrapped at ``width`` and indented by ``indent`` (continuation lines by four more)."""
-    entries = []
-    for f in fields(policy_class):
-        spec = option_spec(f)
-        text = " ".join(part for part in (spec.doc.replace("`", "``"), spec.more) if part)
-        text = text.replace("````", "``")
-        entries.append(
-            textwrap.fill(
-                f"{f.name}: {text}",
-                width=width,
-                initial_indent=" " * indent,
-                subsequent_indent=" " * (indent + 4),
-                break_on_hyphens=False,
-            )
-        )
-    return "\n".join(entries) + "\n"

@@ -23,7 +23,7 @@ import torch
 from ...errors import LUKVError, SavedContextError, UnknownNameError
 from ...scorers import SCORERS, Reconstruction, Scorer, get_scorer, kvzip_scorer
 from ..compression.contract import CacheT, CompressedCache
-from ..options.policy import option_spec
+from ..options.spec import option_spec
 from ..storage.state_check import put_tensor
 
 # the keys of "options" that are not a policy's fields: the cache's own, and the embedded profiles' names
