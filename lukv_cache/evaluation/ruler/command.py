@@ -63,5 +63,5 @@ def run_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     meta = {"model": model_id, "seed": args.seed, "command": command_line(argv), "skipped": skipped}
     paths = write_report(rows, out, stem, meta)
     print(format_markdown(rows))
-    print(f"results {store.path}; wrote {paths['json']}, {paths['md']}", flush=True)
+    print(f"results {store.path}; wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
     return 0

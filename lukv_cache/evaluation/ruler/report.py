@@ -14,6 +14,7 @@ from typing import Any
 
 from ..tasks import mean_and_sem
 from . import TASKS
+from .leaderboard import plot_leaderboard
 
 
 def _full_bytes(records: Sequence[dict[str, Any]]) -> dict[tuple[int, str, int], int]:
@@ -92,7 +93,8 @@ def format_markdown(rows: Sequence[dict[str, Any]], header: str = "") -> str:
 def write_report(
     rows: Sequence[dict[str, Any]], out: Path, stem: str, meta: dict[str, Any]
 ) -> dict[str, Path]:
-    """``<out>/<stem>.json`` (meta and rows) and ``<out>/<stem>.md``; returns their paths."""
+    """``<out>/<stem>.json`` (meta and rows), ``<out>/<stem>.md`` and, with matplotlib, the leaderboard's
+    picture per length (``<out>/<stem>_<length>.png``); returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
     paths["json"].write_text(json.dumps({**meta, "rows": list(rows)}, indent=1) + "\n", encoding="utf-8")
@@ -100,4 +102,6 @@ def write_report(
     if meta.get("skipped"):
         header += "\n\nSkipped: " + "; ".join(f"{k} ({v})" for k, v in meta["skipped"].items())
     paths["md"].write_text(format_markdown(rows, header), encoding="utf-8")
+    for picture in plot_leaderboard(rows, out / f"{stem}.png", str(meta.get("model") or "")):
+        paths[picture.stem] = picture
     return paths

@@ -1,0 +1,46 @@
+"""``lukv ruler``'s picture: score against ratio, one line per method, a memory budget at the ratio its bytes
+amount to, kvpress's results beside ours; written with the tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from lukv_cache.evaluation.ruler.leaderboard import curves
+from lukv_cache.evaluation.ruler.report import summarize, write_report
+
+
+def _record(method, task, index, score, kv_bytes, full=1000):
+    return {
+        "kind": "sample", "length": 1024, "task": task, "index": index, "method": method, "score": score,
+        "kv_bytes": kv_bytes, "full_kv_bytes": full,
+    }  # fmt: skip
+
+
+RECORDS = [
+    *(_record("full", t, i, 100.0, 1000) for t in ("vt", "cwe") for i in range(2)),
+    *(_record("global/kvzap@0.8", t, i, 50.0 * i, 200) for t in ("vt", "cwe") for i in range(2)),
+    *(_record("global/kvzap@0.5", t, i, 100.0, 500) for t in ("vt", "cwe") for i in range(2)),
+    *(_record("global/kvzap@mem0.1", t, i, 100.0, 100) for t in ("vt", "cwe") for i in range(2)),
+    *(_record("kvpress:snapkv@0.8", t, i, 0.0, 1000) for t in ("vt", "cwe") for i in range(2)),
+    *(_record("global/kvzap@0.8/int4", t, i, 100.0, 60) for t in ("vt", "cwe") for i in range(2)),
+]
+
+
+def test_each_method_is_a_line_and_a_budget_a_point_at_its_bytes():
+    got = curves(summarize(RECORDS), 1024)
+    assert got["full"] == [(0.0, 100.0, 0.0)]
+    assert [x for x, _, _ in got["global/kvzap"]] == [0.5, 0.8]
+    assert got["global/kvzap"][1][1] == pytest.approx(25.0)  # 0 and 50 on each task
+    assert got["global/kvzap/int4"] == [(0.8, 100.0, 0.0)]  # its own line, not mixed with fp32's
+    assert got["global/kvzap memory=0.1"] == [(0.9, 100.0, 0.0)]  # 100 of 1000 bytes held
+    assert got["kvpress:snapkv"] == [(0.8, 0.0, 0.0)]
+    assert curves(summarize(RECORDS), 4096) == {}
+
+
+def test_the_report_writes_the_picture_beside_the_tables(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = write_report(summarize(RECORDS), tmp_path, "run", {"model": "m", "command": "lukv ruler m"})
+    picture = tmp_path / "run_1024.png"
+    assert paths["run_1024"] == picture
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "global/kvzap@mem0.1" in paths["md"].read_text()
