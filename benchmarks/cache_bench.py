@@ -496,14 +496,7 @@ def _child_result(child_args: list[str]) -> dict:
         return prefill_child(method.removeprefix("prefill-"), tokens, ratio, small)
     tokens, batch, threads, ratio, steps, small, keep = rest
     return child(
-        method,
-        int(tokens),
-        int(batch),
-        int(threads),
-        float(ratio),
-        int(steps),
-        bool(int(small)),
-        int(keep),
+        method, int(tokens), int(batch), int(threads), float(ratio), int(steps), bool(int(small)), int(keep)
     )
 
 
@@ -565,15 +558,7 @@ def main(argv=None) -> int:
         for mode in ("decode", "interleave", "layer", "prefill"):
             (folder / f"cache_bench_{mode}.json").write_text(json.dumps(_result(args, mode), indent=2))
         return 0
-    mode = (
-        "prefill"
-        if args.prefill
-        else "layer"
-        if args.layer
-        else "interleave"
-        if args.interleave
-        else "decode"
-    )
+    mode = next((m for m in ("prefill", "layer", "interleave") if getattr(args, m)), "decode")
     result = _result(args, mode)
     if args.out:
         with open(args.out, "w") as f:
