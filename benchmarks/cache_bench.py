@@ -271,19 +271,11 @@ def interleaved_steps(model, caches: dict, batch: int, steps: int) -> dict[str, 
 
 def _interleave_rows(args) -> list[dict]:
     rows = []
+    common = (args.ratio, args.decode_steps, int(args.small), args.layers or 0)
     for tokens in args.contexts:
         for batch in args.batch:
             for threads in args.threads:
-                child_args = (
-                    tokens,
-                    batch,
-                    threads,
-                    args.ratio,
-                    args.decode_steps,
-                    int(args.small),
-                    args.layers or 0,
-                )
-                row = _run(args, "interleave", *child_args)
+                row = _run(args, "interleave", tokens, batch, threads, *common)
                 rows.append(row)
                 names = ("off", "on", "equal", "ragged", "ragged_on")
                 same = row["same"]
