@@ -25,7 +25,8 @@ def default_out(script: str) -> Path:
 
 
 def write_table(path: str | os.PathLike, lines: list[str]) -> None:
-    """Print a result table's ``lines`` and write them to ``path`` (its folder made if needed)."""
+    """Print a result table's ``lines`` and write them to ``path`` (its folder made if needed). The
+    experiments in ``benchmarks/results/kvzap_surrogate/`` write with it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

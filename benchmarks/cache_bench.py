@@ -54,7 +54,7 @@ import time
 
 import _smoke
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's lukv_cache
 
 
 def _model(small: bool, max_positions: int, layers: int | None = None):
@@ -152,8 +152,7 @@ def child(
     import torch
     from transformers import DynamicCache
 
-    sys.path.insert(0, ROOT)
-    from lukv_cache.cache.cache import kv_cache_bytes
+    from lukv_cache.cache.storage.report import kv_cache_bytes
 
     torch.set_num_threads(threads)
     model = _model(small, max(tokens, 2048) + steps + 8)
@@ -207,7 +206,6 @@ def interleave_child(
     import torch
     from transformers import DynamicCache
 
-    sys.path.insert(0, ROOT)
     import lukv_cache
 
     torch.set_num_threads(threads)
@@ -239,15 +237,7 @@ def interleave_child(
         _fill(model, caches["ragged_on"], batch, tokens, gen)
         caches["same"] = DynamicCache(config=model.config)
         _fill(model, caches["same"], batch, keep, gen)
-    token = torch.zeros((batch, 1), dtype=torch.long)
-    times = {name: [] for name in caches}
-    with torch.no_grad():
-        order = list(caches.items())
-        for step in range(steps + 3):  # each step starts at another cache: no cache always goes first
-            for name, cache in order[step % len(order) :] + order[: step % len(order)]:
-                t0 = time.perf_counter()
-                model(input_ids=token, past_key_values=cache, use_cache=True)
-                times[name].append(time.perf_counter() - t0)
+    times = interleaved_steps(model, caches, batch, steps)
     result = {"tokens": tokens, "batch": batch, "threads": threads, "layers": model.config.num_hidden_layers}
     result["kept_per_head"] = keep
     result["on_kept_per_head_after"] = float(caches["on"].stored_tokens().double().mean())
@@ -255,7 +245,6 @@ def interleave_child(
     result["ragged_kept_per_head"] = float(ragged.mean())
     result["ragged_kept_min_max"] = [int(ragged.min()), int(ragged.max())]
     for name, series in times.items():
-        series = series[3:]  # warm-up
         result[name] = {
             "median_ms": 1000 * statistics.median(series),
             "mean_ms": 1000 * statistics.fmean(series),
@@ -263,21 +252,30 @@ def interleave_child(
     return result
 
 
+def interleaved_steps(model, caches: dict, batch: int, steps: int) -> dict[str, list[float]]:
+    """Seconds of each cache's ``steps`` decode steps, one step of each cache in turn, each step starting at
+    the next cache (no cache always goes first), after 3 warm-up steps of each (``quantized_cost.py`` too)."""
+    import torch
+
+    token = torch.zeros((batch, 1), dtype=torch.long)
+    times = {name: [] for name in caches}
+    with torch.no_grad():
+        order = list(caches.items())
+        for step in range(steps + 3):
+            for name, cache in order[step % len(order) :] + order[: step % len(order)]:
+                t0 = time.perf_counter()
+                model(input_ids=token, past_key_values=cache, use_cache=True)
+                times[name].append(time.perf_counter() - t0)
+    return {name: series[3:] for name, series in times.items()}
+
+
 def _interleave_rows(args) -> list[dict]:
     rows = []
+    common = (args.ratio, args.decode_steps, int(args.small), args.layers or 0)
     for tokens in args.contexts:
         for batch in args.batch:
             for threads in args.threads:
-                child_args = (
-                    tokens,
-                    batch,
-                    threads,
-                    args.ratio,
-                    args.decode_steps,
-                    int(args.small),
-                    args.layers or 0,
-                )
-                row = _run(args, "interleave", *child_args)
+                row = _run(args, "interleave", tokens, batch, threads, *common)
                 rows.append(row)
                 names = ("off", "on", "equal", "ragged", "ragged_on")
                 same = row["same"]
@@ -314,9 +312,8 @@ def prefill_child(method: str, tokens: int, ratio: float, small: bool) -> dict:
     import torch
     from transformers import DynamicCache
 
-    sys.path.insert(0, ROOT)
     import lukv_cache
-    from lukv_cache.cache.cache import kv_cache_bytes
+    from lukv_cache.cache.storage.report import kv_cache_bytes
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     model = _model(small, max(tokens, 2048) + 8)
@@ -377,7 +374,6 @@ def layer_rows(args) -> list[dict]:
     """``--layer``: one layer's decode attention per path (see the module docstring)."""
     import torch
 
-    sys.path.insert(0, ROOT)
     from lukv_cache.cache.storage.ragged import RaggedStore
 
     torch.set_grad_enabled(False)
@@ -492,14 +488,7 @@ def _child_result(child_args: list[str]) -> dict:
         return prefill_child(method.removeprefix("prefill-"), tokens, ratio, small)
     tokens, batch, threads, ratio, steps, small, keep = rest
     return child(
-        method,
-        int(tokens),
-        int(batch),
-        int(threads),
-        float(ratio),
-        int(steps),
-        bool(int(small)),
-        int(keep),
+        method, int(tokens), int(batch), int(threads), float(ratio), int(steps), bool(int(small)), int(keep)
     )
 
 
@@ -561,15 +550,7 @@ def main(argv=None) -> int:
         for mode in ("decode", "interleave", "layer", "prefill"):
             (folder / f"cache_bench_{mode}.json").write_text(json.dumps(_result(args, mode), indent=2))
         return 0
-    mode = (
-        "prefill"
-        if args.prefill
-        else "layer"
-        if args.layer
-        else "interleave"
-        if args.interleave
-        else "decode"
-    )
+    mode = next((m for m in ("prefill", "layer", "interleave") if getattr(args, m)), "decode")
     result = _result(args, mode)
     if args.out:
         with open(args.out, "w") as f:

@@ -44,49 +44,32 @@ from _out import default_out
 from transformers import DynamicCache
 
 from lukv_cache import LUKVCache
-from lukv_cache.cache.cache import kv_cache_bytes
 from lukv_cache.cache.compression.compressor import CompressionStep
+from lukv_cache.cache.storage.report import kv_cache_bytes
 from lukv_cache.models import load_model
 from lukv_cache.texts import python_docs
 
 
-def _pretrained(scorer: str, allocator: str):
+def _method(scorer: str, allocator: str, pretrained: bool = False):
+    """``make(model, N, fold, window)``: the cache, with the shipped profile when ``pretrained``."""
+
     def make(model, n: int, fold: int, window: int | None) -> LUKVCache:
-        return LUKVCache.from_pretrained(
-            model,
-            scorer=scorer,
-            allocator=allocator,
-            decode_max_tokens=n,
-            fold_interval=fold,
-            decode_window=window,
-            local_files_only=True,
-        )
-
-    return make
-
-
-def _plain(scorer: str, allocator: str):
-    def make(model, n: int, fold: int, window: int | None) -> LUKVCache:
-        return LUKVCache(
-            scorer=scorer,
-            allocator=allocator,
-            decode_max_tokens=n,
-            fold_interval=fold,
-            decode_window=window,
-            config=model.config,
-        )
+        options = dict(scorer=scorer, allocator=allocator, decode_max_tokens=n, fold_interval=fold)
+        if pretrained:
+            return LUKVCache.from_pretrained(model, **options, decode_window=window, local_files_only=True)
+        return LUKVCache(**options, decode_window=window, config=model.config)
 
     return make
 
 
 METHODS = {
-    "streaming": _plain("streaming", "uniform"),
-    "keydiff / uniform": _plain("keydiff", "uniform"),
-    "keydiff / adakv": _plain("keydiff", "adakv"),
-    "keydiff / profile": _pretrained("keydiff", "profile"),
-    "kvzap / global": _pretrained("kvzap", "global"),
-    "kvzap / profile": _pretrained("kvzap", "profile"),
-    "snapkv / adakv": _plain("snapkv", "adakv"),
+    "streaming": _method("streaming", "uniform"),
+    "keydiff / uniform": _method("keydiff", "uniform"),
+    "keydiff / adakv": _method("keydiff", "adakv"),
+    "keydiff / profile": _method("keydiff", "profile", pretrained=True),
+    "kvzap / global": _method("kvzap", "global", pretrained=True),
+    "kvzap / profile": _method("kvzap", "profile", pretrained=True),
+    "snapkv / adakv": _method("snapkv", "adakv"),
 }
 DEFAULT_METHODS = ("streaming", "keydiff / uniform", "keydiff / adakv", "keydiff / profile", "kvzap / global")
 

@@ -24,6 +24,8 @@ from typing import Any
 import _smoke
 import torch
 from _out import default_out
+from kvpress_efficiency import decode_ms  # the scripts next to this one: kvpress' rows time decode alike
+from prefill_cost import text_ids  # consecutive Wikipedia articles, long ones first
 from transformers import DynamicCache  # noqa: E402
 
 from lukv_cache import LUKVCache, ProfileError, get_scorer
@@ -31,17 +33,6 @@ from lukv_cache.cache import kv_cache_bytes
 from lukv_cache.evaluation.methods import Method, make_cache
 from lukv_cache.evaluation.prefill import SharedPrefill
 from lukv_cache.models import load_model
-from lukv_cache.texts import wikipedia_articles
-
-
-def real_text_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:
-    """``[1, n_tokens]`` ids of consecutive Wikipedia articles (long ones first)."""
-    ids: list[int] = []
-    for article in sorted(wikipedia_articles(), key=lambda a: -len(a.text)):
-        ids += tokenizer(article.text + "\n\n", add_special_tokens=False)["input_ids"]
-        if len(ids) >= n_tokens:
-            return torch.tensor([ids[:n_tokens]])
-    raise SystemExit(f"not enough text for {n_tokens} tokens")
 
 
 def dense_uniform_cache(
@@ -65,22 +56,6 @@ def dense_uniform_cache(
         gather = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         cache.update(keys.gather(2, gather).clone(), values.gather(2, gather).clone(), layer_idx)
     return cache
-
-
-@torch.no_grad()
-def decode_ms(model: Any, cache: Any, first_token: int, start_position: int, steps: int) -> float:
-    """Median wall time of one greedy decoding step (after one warm-up step), explicit positions. The
-    median, because the CPUs here are shared and a few steps stall."""
-    token = torch.tensor([[first_token]])
-    times = []
-    for step in range(steps + 1):
-        position = torch.tensor([[start_position + step]])
-        started = time.perf_counter()
-        logits = model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True).logits
-        if step:
-            times.append(time.perf_counter() - started)
-        token = logits[:, -1:].argmax(-1)
-    return 1000 * sorted(times)[len(times) // 2]
 
 
 @torch.no_grad()
@@ -109,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tokens, args.ratios, args.decode_steps, args.threads = 256, [0.8], 2, 1
 
     model, tokenizer = load_model(args.model, threads=args.threads)
-    ids = real_text_ids(tokenizer, args.tokens)
+    ids = text_ids(tokenizer, args.tokens)
     t = ids.shape[1]
     rows: list[dict[str, Any]] = []
 

@@ -513,13 +513,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.out = _smoke.begin(stand_ins=False).out("gpu_check.json")
-        args.toy, args.contexts, args.decode_steps, args.check_context, args.skip_check = (
-            True,
-            [64],
-            2,
-            64,
-            False,
-        )
+        args.toy, args.contexts, args.decode_steps = True, [64], 2
+        args.check_context, args.skip_check = 64, False
     args.contexts = args.contexts or ([128, 256] if args.toy else [32768, 131072])
     args.decode_steps = args.decode_steps if args.decode_steps is not None else (4 if args.toy else 64)
     args.check_context = args.check_context or (128 if args.toy else 4096)

@@ -85,16 +85,14 @@ def budget_curve(profile: str | None, layers: int, heads: int) -> np.ndarray:
 
 @torch.no_grad()
 def decode_ms(model: Any, cache: Any, first_token: int, start: int, steps: int) -> float:
+    """Median wall time of one greedy decoding step (after one warm-up step), explicit positions (efficiency.py
+    times its rows with it too). The median, because the CPUs here are shared and a few steps stall."""
     token = torch.tensor([[first_token]])
     times = []
     for step in range(steps + 1):
+        position = torch.tensor([[start + step]])
         started = time.perf_counter()
-        logits = model(
-            input_ids=token,
-            past_key_values=cache,
-            position_ids=torch.tensor([[start + step]]),
-            use_cache=True,
-        ).logits
+        logits = model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True).logits
         if step:
             times.append(time.perf_counter() - started)
         token = logits[:, -1:].argmax(-1)

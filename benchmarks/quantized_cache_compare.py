@@ -60,7 +60,7 @@ def _tensor_bytes(obj, seen: set[int]) -> int:
 
 
 def cache_bytes(cache) -> int:
-    from lukv_cache.cache.cache import kv_cache_bytes
+    from lukv_cache.cache.storage.report import kv_cache_bytes
 
     if type(cache).__name__ == "QuantizedCache":
         return sum(_tensor_bytes(layer, set()) for layer in cache.layers)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -112,17 +111,8 @@ def run(
             "kept_per_head": float(cache.stored_tokens().double().mean()),
             "bits": cache.kv_bits,
         }
-    token = torch.zeros((batch, 1), dtype=torch.long)
-    times = {name: [] for name in caches}
-    order = list(caches.items())
-    with torch.no_grad():
-        for step in range(steps + 3):
-            for name, cache in order[step % len(order) :] + order[: step % len(order)]:
-                t0 = time.perf_counter()
-                model(input_ids=token, past_key_values=cache, use_cache=True)
-                times[name].append(time.perf_counter() - t0)
-    for name, series in times.items():
-        row[name]["median_ms"] = 1000 * statistics.median(series[3:])
+    for name, series in cache_bench.interleaved_steps(model, caches, batch, steps).items():
+        row[name]["median_ms"] = 1000 * statistics.median(series)
     return row
 
 

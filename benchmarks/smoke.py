@@ -1,5 +1,5 @@
-"""Run every benchmark script's ``--smoke`` run, one after another, each in its own process: CI runs this,
-so a script that no longer runs fails CI.
+"""Run every maintained benchmark script's ``--smoke`` run, one after another, each in its own process: CI
+runs this, so a script that no longer runs fails CI.
 
 Every ``benchmarks/*.py`` but this one and the shared helper modules (``_*.py``) is run as
 ``python benchmarks/<script> --smoke`` on one thread (``OMP_NUM_THREADS=1``), from a temporary working
@@ -28,7 +28,8 @@ ROOT = HERE.parent
 
 
 def scripts() -> list[Path]:
-    """The benchmark scripts: every ``benchmarks/*.py`` but this one and the helpers (``_*.py``)."""
+    """The maintained benchmark scripts: every ``benchmarks/*.py`` but this one and the helpers (``_*.py``);
+    the experiments, kept beside their results under ``benchmarks/results/``, are not run."""
     return sorted(
         p for p in HERE.glob("*.py") if p.name != Path(__file__).name and not p.name.startswith("_")
     )

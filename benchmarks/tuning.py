@@ -97,11 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         out = _smoke.begin().out("tuning")
         args.tasks, args.samples, args.context_tokens, args.ratios = ["niah_multikey"], 1, 200, [0.8]
-        args.scorers, args.allocators, args.name = (
-            ["keydiff", "kvzip_w1"],
-            ["global", "calibrated_b50"],
-            "smoke",
-        )
+        args.scorers, args.allocators = ["keydiff", "kvzip_w1"], ["global", "calibrated_b50"]
+        args.name = "smoke"
     elif args.name is None:
         parser.error("the following arguments are required: --name")
     register_variants()

@@ -23,11 +23,12 @@ a ``tree_map`` over model outputs hands the very cache back.
 
 import torch.utils._pytree as _pytree
 
-from .cache import LUKVCache, kv_cache_bytes
+from .cache import LUKVCache
 from .options.policy import CompressionPolicy
 from .options.values import check_ratio
 from .storage.layer import LUKVLayer
 from .storage.ragged import RaggedStore
+from .storage.report import kv_cache_bytes
 
 
 def _flatten(cache: LUKVCache) -> tuple[list, LUKVCache]:

@@ -34,7 +34,6 @@ from .options.values import check_flag
 from .pretrained import from_pretrained as _from_pretrained
 from .storage.layer import LUKVLayer
 from .storage.report import CacheReport
-from .storage.report import kv_cache_bytes as kv_cache_bytes  # re-exported: it lived here
 from .storage.rows import select_rows
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigurationError
 
 # the MLP surrogate's width wherever none is given (lukv build, train_surrogate): SmolLM2's shipped one;
-# kvpress's KVzap MLPs are 512 wide (fit_mlp's default, which benchmarks/kvzap_training.py measured)
+# kvpress's KVzap MLPs are 512 wide (fit_mlp's default, which benchmarks/results/kvzap_surrogate/kvzap_training.py measured)
 HIDDEN = 128
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class KVzapTraining:
     """
 
     # group i draws its documents with seed + i: this order makes the default the exact training set that
-    # benchmarks/kvzap_lengths.py measured (and reuses its cached targets)
+    # benchmarks/results/kvzap_surrogate/kvzap_lengths.py measured (and reuses its cached targets)
     documents: tuple[tuple[int, int], ...] = ((48, 1024), (8, 4096), (8, 2048))
     corpora: tuple[str, ...] = ("news",)
     family: str = "mlp"

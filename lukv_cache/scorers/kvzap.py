@@ -11,7 +11,7 @@ The features here are the token's keys before RoPE and its values, of every KV h
 token the cache holds (chunked prefill, padded rows, decoded tokens). RoPE is undone with the model's own
 rotary embedding at the token's position. A token's KVzip score depends on the token only through its
 key (at its position) and its value; the position-free part of the key is what a surrogate can use
-(``benchmarks/kvzap_features.py`` measures this choice against the hidden states entering the layer).
+(``benchmarks/results/kvzap_surrogate/kvzap_features.py`` measures this choice against the hidden states entering the layer).
 
 They also read the window attention (how strongly the context's last queries read the token) and the
 context's length, where the feature set says so (:data:`FEATURE_SETS`). :class:`Surrogate` holds the maps

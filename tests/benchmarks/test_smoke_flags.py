@@ -1,6 +1,7 @@
-"""Every benchmark script has a ``--smoke`` run (``benchmarks/smoke.py`` runs them in CI), read from the
-source: its argparse parser declares ``--smoke`` and its docstring says so. Nothing is run or imported
-but ``benchmarks/smoke.py`` itself (standard library only)."""
+"""Every maintained benchmark script (``benchmarks/*.py``; experiments lie under ``benchmarks/results/``) has
+a ``--smoke`` run (``benchmarks/smoke.py`` runs them in CI), read from the source: its argparse parser
+declares ``--smoke`` and its docstring says so; ``benchmarks/README.md``'s table names it. Nothing is run
+or imported but ``benchmarks/smoke.py`` itself (standard library only)."""
 
 from __future__ import annotations
 
@@ -27,4 +28,12 @@ def test_every_script_has_a_smoke_flag_and_says_so(script):
     )
     assert "--smoke" in (ast.get_docstring(tree) or ""), (
         f"{script.name}: its docstring does not mention --smoke"
+    )
+
+
+def test_the_readme_documents_every_maintained_script():
+    readme = (BENCHMARKS / "README.md").read_text()
+    missing = [p.name for p in SCRIPTS if f"| `{p.name}`" not in readme]
+    assert not missing, (
+        f"benchmarks/README.md's table lacks {missing} (what it measures, its command, its results)"
     )

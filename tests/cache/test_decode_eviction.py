@@ -13,8 +13,8 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from lukv_cache import LUKVCache
 from lukv_cache.allocation import largest_remainder
-from lukv_cache.cache.cache import kv_cache_bytes
-from lukv_cache.cache.compression.fold_plan import fit_counts
+from lukv_cache.allocation.budget import fit_counts
+from lukv_cache.cache.storage.report import kv_cache_bytes
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import Profile
 from lukv_cache.profiles.download import BUNDLED_DIR

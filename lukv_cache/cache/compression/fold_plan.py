@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...allocation.budget import fit_counts as fit_counts  # re-exported: it lived here
 from ...scorers import Scorer, check_scores
 from ..storage.layer import LUKVLayer
 from ..storage.quant import PackedRows

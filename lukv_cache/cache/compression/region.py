@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...allocation.budget import trim_counts as trim_counts  # re-exported: it lived here
 from ...scorers import Scorer, check_scores
 from ..options.policy import CompressionPolicy
 from ..storage.layer import LUKVLayer
