@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.calls import discard_attention, guard_attention
 from ..errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
+from ..integration import discard_attention, guard_attention
 from .contract import CompressedCache
 from .layer import LUKVLayer
 from .report import stock_keys
