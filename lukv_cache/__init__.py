@@ -5,15 +5,14 @@
 
 Importing the package is cheap: the public names below load their modules (and torch) on first use, and
 lukv's attention wrappers are registered in transformers' attention registry as soon as that registry
-(``transformers.modeling_utils``) is imported, which every transformers model class does; see
-:mod:`lukv_cache._after_import`.
+(``transformers.modeling_utils``) is imported, which every transformers model class does.
+:mod:`lukv_cache.integration` lists what that changes in the process and undoes it (``uninstall()``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._after_import import when_imported
 from ._lazy import lazy_names
 from ._version import __version__ as __version__
 from .errors import (
@@ -39,6 +38,7 @@ from .errors import (
     UnknownNameError,
     UnsupportedOperationError,
 )
+from .integration import install_when_imported
 
 # public name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
@@ -85,14 +85,7 @@ _SUBPACKAGES = (
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, _SUBPACKAGES)
 
-
-def _install_attention() -> None:
-    from .attention.routing import install
-
-    install()
-
-
-when_imported("transformers.modeling_utils", _install_attention)
+install_when_imported()
 
 __all__ = [
     "AllocationRequest",

@@ -16,7 +16,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lukv_cache"
 # area -> the areas it may import (besides itself); a module of the package root is its own area
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "_after_import": set(),
     "_lazy": set(),
     "_registry": {"errors"},
     "_names": {"_registry"},  # the built-in scorer and allocator names, for the CLI without torch
@@ -27,7 +26,10 @@ ALLOWED: dict[str, set[str]] = {
     "scorers": {"_registry", "_ops", "errors"},
     "allocation": {"_registry", "errors"},
     "attention": {"_ops", "errors"},
-    "cache": {"_compat", "attention", "scorers", "allocation", "errors", "profiles"},
+    # every change lukv makes in the process (transformers' registries, the import hook, the handoff's
+    # thread-local slot) and its undo; cheap to import, attention imported when used
+    "integration": {"_lazy", "attention", "errors"},
+    "cache": {"_compat", "attention", "integration", "scorers", "allocation", "errors", "profiles"},
     "profiles": {"errors", "scorers", "_lazy", "_version"},
     "profiling": {
         "_compat",
@@ -66,7 +68,7 @@ ALLOWED: dict[str, set[str]] = {
     # __init__: only __version__ (the package root imports nothing heavy)
     "cli": {"errors", "models", "profiles", "profiling", "evaluation", "_paths", "_names", "__init__"},
     "__init__": {
-        "_after_import",
+        "integration",  # install_when_imported(): the import hook
         "_version",
         "_lazy",
         "allocation",

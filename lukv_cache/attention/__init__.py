@@ -2,7 +2,8 @@
 
 * :mod:`.calls`: the contract with the cache (:class:`AttentionCall`, :func:`claim_attention`) and the
   guard for implementations that cannot read it (:func:`lukv_aware` marks your own wrappers);
-* :mod:`.routing`: the wrapped ``sdpa`` / ``eager`` / ``lukv`` functions;
+* :mod:`.routing`: the wrapped ``sdpa`` / ``eager`` / ``lukv`` functions (:mod:`lukv_cache.integration`
+  registers them and the guards in transformers' registries, and undoes it);
 * :mod:`.compressed`: store + dense suffix, exact: computes the plan of :mod:`.dispatch`;
 * :mod:`.dispatch`: which implementation serves a call (:class:`~.dispatch.AttentionPlan`), decided once;
 * :mod:`.masked`, :mod:`.tiles`: the CPU paths (one masked product; fixed-size tiles of the flat store);
@@ -12,20 +13,18 @@
 * :mod:`.limits`: the tuning limits of all of them, one frozen :class:`~.limits.AttentionLimits`.
 """
 
-from .calls import AttentionCall, claim_attention, guard_attention, is_lukv_aware, lukv_aware, peek_attention
+from .calls import AttentionCall, claim_attention, is_lukv_aware, lukv_aware, peek_attention
 from .compressed import compressed_attention
 from .dispatch import ragged_attention
 from .limits import AttentionLimits
 from .partial import merge_partials, partial_attention, ragged_attention_reference
-from .routing import install, route
+from .routing import route
 
 __all__ = [
     "AttentionCall",
     "AttentionLimits",
     "claim_attention",
     "compressed_attention",
-    "guard_attention",
-    "install",
     "is_lukv_aware",
     "lukv_aware",
     "merge_partials",

@@ -7,9 +7,11 @@ the very key tensor it received), reads the compressed store from it, and hands 
 :meth:`AttentionCall.finish` (that is where the cache compresses). Nothing is attached to tensors or
 modules, and neither side touches the other's private state.
 
-An implementation that cannot read the ragged store never claims the call; :func:`guard_attention`
-wraps such implementations so they raise :class:`~lukv_cache.errors.IncompatibleAttentionError` instead,
-and the cache raises on its next ``update`` if a call went unclaimed.
+An implementation that cannot read the ragged store never claims the call; :func:`guarded` wraps such
+implementations so they raise :class:`~lukv_cache.errors.IncompatibleAttentionError` instead, and the cache
+raises on its next ``update`` if a call went unclaimed. The thread-local slot the call waits in is one of the
+process-wide changes :mod:`lukv_cache.integration` owns: the cache announces and discards calls through it,
+and it puts the guards in transformers' registry (``guard_attention``).
 
 >>> call = claim_attention(module, key)  # inside an attention function  # doctest: +SKIP
 >>> if call is not None and call.store is not None:  # doctest: +SKIP
@@ -178,7 +180,8 @@ _AWARE: weakref.WeakSet[Callable] = weakref.WeakSet()
 
 def lukv_aware(fn: Callable) -> Callable:
     """Mark an attention function as one that reads a LUKVCache correctly (it claims the cache's calls
-    itself, or delegates to a function that does), so :func:`guard_attention` leaves it unwrapped.
+    itself, or delegates to a function that does), so :func:`lukv_cache.integration.guard_attention` leaves
+    it unwrapped.
 
     >>> @lukv_aware
     ... def my_attention(module, query, key, value, attention_mask, **kwargs):
@@ -196,11 +199,12 @@ def is_lukv_aware(fn: Callable) -> bool:
         return False
 
 
-def _guard(name: str, fn: Callable) -> Callable:
-    """Wrap an implementation that cannot read a LUKVCache: calls with other keys pass through unchanged;
-    a LUKVCache's keys raise instead of being attended to partially."""
+def guarded(name: str, fn: Callable) -> Callable:
+    """Attention implementation ``name`` (``fn``, which cannot read a LUKVCache) wrapped: calls with other
+    keys pass through unchanged; a LUKVCache's keys raise instead of being attended to partially
+    (:func:`lukv_cache.integration.guard_attention` registers it)."""
 
-    def guarded(module, query, key, *args, **kwargs):
+    def attention(module, query, key, *args, **kwargs):
         if peek_attention(key) is not None:
             discard_attention()  # the forward ends here: nothing may wait for an attention that never comes
             raise IncompatibleAttentionError(
@@ -210,17 +214,6 @@ def _guard(name: str, fn: Callable) -> Callable:
             )
         return fn(module, query, key, *args, **kwargs)
 
-    cast(Any, guarded).__wrapped__ = fn  # a plain function's attribute, not declared on its type
-    guarded.__name__ = f"lukv_guarded_{name}"
-    return lukv_aware(guarded)
-
-
-def guard_attention() -> None:
-    """Guard every registered attention implementation that is not lukv-aware. Cheap; the cache re-runs it
-    before each forward's first layer, so implementations registered after import are covered too."""
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    for name, fn in list(ALL_ATTENTION_FUNCTIONS.items()):
-        if not is_lukv_aware(fn):
-            AttentionInterface.register(name, _guard(name, fn))
+    cast(Any, attention).__wrapped__ = fn  # a plain function's attribute, not declared on its type
+    attention.__name__ = f"lukv_guarded_{name}"
+    return lukv_aware(attention)

@@ -1,12 +1,10 @@
-"""Make the stock ``sdpa`` and ``eager`` attention read a LUKVCache; guard every other implementation.
+"""Make the stock ``sdpa`` and ``eager`` attention read a LUKVCache.
 
-:func:`install` registers wrapped ``sdpa`` and ``eager`` functions in transformers' ``AttentionInterface``
-(paired with the stock mask functions in ``AttentionMaskInterface``), plus ``"lukv"`` as an explicit name.
-Importing :mod:`lukv_cache` arranges for it to run as soon as transformers' registry
-(``transformers.modeling_utils``) is imported, so this module imports transformers only inside
-:func:`install`. A wrapper claims the call a LUKVCache
-announced for the keys it receives (:mod:`.calls`); any other call goes straight to the stock function,
-unchanged.
+:func:`route` wraps a stock attention function; :func:`lukv_cache.integration.install` registers the wrapped
+``sdpa`` and ``eager`` functions in transformers' ``AttentionInterface``, plus ``"lukv"`` as an explicit name
+(paired with sdpa's mask function in ``AttentionMaskInterface``), and guards every other implementation.
+A wrapper claims the call a LUKVCache announced for the keys it receives (:mod:`.calls`); any other call goes
+straight to the stock function, unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import torch
 
 from ..errors import IncompatibleAttentionError
 from . import compressed
-from .calls import any_pending, claim_attention, claimed_again, guard_attention, lukv_aware
+from .calls import any_pending, claim_attention, claimed_again, lukv_aware
 from .compressed import compressed_attention
 
 _EAGER: dict[type, Callable] = {}  # attention module class -> its modeling file's eager function
@@ -153,23 +151,3 @@ def route(stock: Callable | None) -> Callable:
 
     attention.__name__ = f"lukv_{getattr(stock, '__name__', 'eager')}"
     return lukv_aware(attention)
-
-
-_INSTALLED = False
-
-
-def install() -> None:
-    """Register the routing wrappers and guard every other implementation (idempotent)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register("sdpa", route(sdpa_attention_forward))
-    AttentionInterface.register("eager", route(None))
-    AttentionInterface.register("lukv", route(sdpa_attention_forward))
-    AttentionMaskInterface.register("lukv", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    guard_attention()
-    _INSTALLED = True

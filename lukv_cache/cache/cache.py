@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
-from ..attention.calls import AttentionCall, announce_attention, discard_attention
+from ..attention.calls import AttentionCall
 from ..errors import ConfigurationError
+from ..integration import announce_attention, discard_attention
 from ..scorers.kvzip import RepeatPrompt
 from .compression.compressor import Compressor
 from .compression.forward_state import ForwardState, Phase, in_phase

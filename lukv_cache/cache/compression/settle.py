@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...attention.calls import discard_attention, guard_attention
 from ...errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
+from ...integration import discard_attention, guard_attention
 from ..storage.layer import LUKVLayer
 from ..storage.report import stock_keys
 from .contract import CompressedCache
