@@ -40,7 +40,7 @@ from .saved.file import (
 from .saved.fingerprint import fingerprint_fields
 
 if TYPE_CHECKING:
-    from ...scorers import Scorer
+    from ..scorers import Scorer
 
 
 def save_cache(cache: LUKVCache, path: str | os.PathLike, *, model: Any = None) -> Path:

@@ -73,12 +73,12 @@ def test_a_format_1_file_naming_its_class_by_module_path_still_loads(tmp_path):
 
     def as_version_1(meta):
         meta["format_version"] = 1
-        text = json.dumps(meta).replace('"packed_rows"', '"lukv_cache.cache.storage.quant.PackedRows"')
+        text = json.dumps(meta).replace('"packed_rows"', '"lukv_cache.cache.quant.PackedRows"')
         meta.clear()
         meta.update(json.loads(text))
 
     old = _rewrite(path, tmp_path / "version1.safetensors", meta_edit=as_version_1)
-    assert _classes(old) == {"lukv_cache.cache.storage.quant.PackedRows"}
+    assert _classes(old) == {"lukv_cache.cache.quant.PackedRows"}
     loaded = load_cache(old, model)
     assert torch.equal(loaded.stored_tokens(), cache.stored_tokens())
     assert loaded.memory_bytes() == cache.memory_bytes()
