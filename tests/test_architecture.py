@@ -394,3 +394,114 @@ def test_the_cache_subpackages_import_one_way():
             if target_part is None or CACHE_FLOORS.index(target_part) > CACHE_FLOORS.index(part):
                 wrong.append(f"{_short(module)} (line {line}) imports {_short(target)}")
     assert not wrong, "imports up the cache's floors:\n" + "\n".join(wrong)
+
+
+# ------------------------------------------------------------------------------- one owner per piece of state
+# (docs/design.md, "The parts and the data each owns"). The cache (cache.py) alone writes its layers and
+# layer_class_to_replicate: the layout, a saved context and a reconstruction pass ask it (replace_layer,
+# lay_out, grow_with). The compressor, which drives the forwards, alone writes the forward's state
+# (ForwardState's own methods aside); the helpers it calls return what they decide. The pure modules write
+# nothing of another object.
+CACHE = PACKAGE / "cache"
+LAYERS_OWNER = CACHE / "cache.py"
+STATE_OWNERS = {CACHE / "compression" / "compressor.py", CACHE / "compression" / "forward_state.py"}
+PURE = [CACHE / "compression" / "region.py", CACHE / "compression" / "fold_plan.py"]
+_MUTATORS = {"append", "insert", "extend", "pop", "popitem", "clear", "remove", "update", "setdefault"}
+
+
+def _state_fields() -> set[str]:
+    tree = ast.parse((CACHE / "compression" / "forward_state.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ForwardState"]
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _written(tree: ast.AST):
+    """Each expression ``tree`` assigns, deletes, or changes in place by a mutating method call."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MUTATORS
+        ):
+            targets = [node.func.value]
+        else:
+            continue
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets.extend(target.elts)
+            elif isinstance(target, ast.Starred):
+                targets.append(target.value)
+            else:
+                yield target
+
+
+def _is_state(node: ast.AST) -> bool:
+    """``state`` or ``<x>.state``: a ForwardState, by the name every module gives it."""
+    return (isinstance(node, ast.Name) and node.id == "state") or (
+        isinstance(node, ast.Attribute) and node.attr == "state"
+    )
+
+
+def _owner_violations(tree: ast.AST, path: Path, fields: set[str]) -> list[str]:
+    found = []
+    for target in _written(tree):
+        inner = target.value if isinstance(target, ast.Subscript) else target
+        where = f"line {target.lineno}: {ast.unparse(target)}"
+        if path != LAYERS_OWNER and isinstance(inner, ast.Attribute):
+            if inner.attr in ("layers", "layer_class_to_replicate"):
+                found.append(where)
+        if path not in STATE_OWNERS and isinstance(inner, ast.Attribute):
+            if (inner.attr in fields and _is_state(inner.value)) or (
+                inner.attr == "state" and not isinstance(target, ast.Subscript)
+            ):
+                found.append(where)
+        if (
+            path in PURE
+            and isinstance(target, ast.Attribute)
+            and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+        ):
+            found.append(where)
+    return list(dict.fromkeys(found))
+
+
+CACHE_MODULES = sorted(CACHE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", CACHE_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_one_owner_writes_the_layers_and_the_forward_state(path):
+    found = _owner_violations(ast.parse(path.read_text()), path, _state_fields())
+    assert not found, (
+        f"{path.relative_to(PACKAGE)} writes state another object owns (ask its owner: cache.replace_layer / "
+        "lay_out / grow_with for the layers, the Compressor for the forward's state; a pure helper returns "
+        "what it decides): " + ", ".join(found)
+    )
+
+
+def test_the_owner_check_sees_every_kind_of_write():
+    assert {"awaiting", "readers", "held", "phase", "prompt"} <= _state_fields()
+    source = (
+        "cache.layers[i] = layer\n"
+        "cache.layers = []\n"
+        "a, cache.layer_class_to_replicate = 1, None\n"
+        "cache.layers.append(layer)\n"
+        "del cache.layers[0]\n"
+        "cache.state.awaiting = None\n"
+        "held, cache.state.held = cache.state.held, {}\n"
+        "state.readers[i] = ref\n"
+        "self.cache.state.deferred.clear()\n"
+        "cache.state = None\n"
+        "layer.sinks_left = left\n"
+        "x = cache.layers[i]\n"
+        "cache.state.end_prompt()\n"
+        "state['attrs'] = {}\n"
+        "self.total = 1\n"
+    )
+    found = _owner_violations(ast.parse(source), PURE[0], _state_fields())
+    assert {int(line.split(":")[0].removeprefix("line ")) for line in found} == set(range(1, 12)), found

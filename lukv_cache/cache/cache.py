@@ -8,7 +8,6 @@ import functools
 import inspect
 import re
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -17,12 +16,11 @@ import torch
 
 from ..attention.calls import AttentionCall
 from ..errors import ConfigurationError
-from ..integration import announce_attention, discard_attention
+from ..integration import announce_attention
 from ..scorers.kvzip import RepeatPrompt
 from .compression.compressor import Compressor
-from .compression.forward_state import ForwardState, Phase, in_phase
+from .compression.forward_state import ForwardState, Phase
 from .compression.prefill import prefill_context, score_round
-from .compression.settle import refuse_unservable
 from .layers.hybrid import HybridRouting
 from .layers.layout import Layout
 from .layers.parallel import HeadShard, mesh_shard
@@ -86,15 +84,39 @@ class LUKVCache(HybridRouting, CacheReport):
         self.prefill_scores: dict[int, torch.Tensor] | None = (
             {} if check_flag("keep_scores", keep_scores) else None
         )
-        self.state = ForwardState()  # what a forward leaves pending: reset() replaces it whole
         if config is not None:
             check_bits_fit(self.policy.kv_bits, config)  # the head dim is known: refused now
             self.layout.set_layout(self, config)
-        self.compressor = Compressor(self)  # owns compression: the cache forwards to it
+        self.compressor = Compressor(
+            self
+        )  # owns compression and the forward's state: the cache forwards to it
         self._refeed_check = False  # activate_past_recording() found the cache filled (see _check_refeed)
 
     # the policy, read-only: cache.ratio, cache.scorer, ... (one OptionProperty per field, added below)
     kv_bits = ChosenBits()
+
+    @property
+    def state(self) -> ForwardState:
+        """What a forward leaves pending (the compressor's, which drives the forwards: read it anew each
+        time, ``reset`` replaces it whole; nothing but the compressor writes it)."""
+        return self.compressor.state
+
+    # ------------------------------------------------------------------ the layers: the cache alone writes them
+    def replace_layer(self, idx: int, layer: Any) -> None:
+        """Put ``layer`` at index ``idx``: what the layout decides (a sliding layer handed to transformers'
+        own, a layer built again), a saved context's layer, a stock layer a reconstruction pass restores."""
+        self.layers[idx] = layer
+
+    def lay_out(self, layers: list[Any]) -> None:
+        """Take ``layers`` as the cache's layers, one per model layer: the layout is known, ``update()``
+        grows no layer any more."""
+        self.layers = layers
+        self.layer_class_to_replicate = None
+
+    def grow_with(self, factory: Any) -> None:
+        """While the layout is unknown, ``update()`` grows the layers it names with ``factory``."""
+        if self.layer_class_to_replicate is not None:
+            self.layer_class_to_replicate = factory
 
     @property
     def memory_choice(self) -> MemoryChoice | None:
@@ -147,8 +169,7 @@ class LUKVCache(HybridRouting, CacheReport):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
         if isinstance(layer, LUKVLayer) and not self.state.unrouted:
-            self.state.awaiting = layer_idx
-            reader = self.state.readers.get(layer_idx)
+            reader = self.compressor.awaits(layer_idx)
             announce_attention(
                 AttentionCall(
                     layer_idx,
@@ -159,14 +180,14 @@ class LUKVCache(HybridRouting, CacheReport):
                     self._after_attention,
                     module=reader,
                     on_other_keys=functools.partial(self._keys_changed, layer_idx),
-                    on_unservable=functools.partial(refuse_unservable, self, layer_idx),
+                    on_unservable=functools.partial(self.compressor.refuse_unservable, layer_idx),
                 )
             )
         return keys, values
 
     def _keys_changed(self, layer_idx: int) -> None:
         if self.layout.unseat_sliding(self, layer_idx):  # transformers' own sliding layer holds it now
-            self.state.awaiting = None
+            self.compressor.stop_awaiting()
             return
         self.layout.other_keys = True
 
@@ -183,11 +204,9 @@ class LUKVCache(HybridRouting, CacheReport):
         """The layer's attention ran (see :class:`~lukv_cache.attention.AttentionCall`): compress it
         (:meth:`Compressor.on_attention <lukv_cache.cache.compression.compressor.Compressor.on_attention>`), or hand a
         sliding-window layer to the stock sliding layer."""
-        self.state.awaiting = None
         idx = call.layer_idx
+        self.compressor.attended(idx, module)
         layer = cast(LUKVLayer, self.layers[idx])  # only a LUKVLayer announces a call
-        if idx not in self.state.readers:
-            self.state.readers[idx] = weakref.ref(module)
         if self.state.phase is Phase.RECONSTRUCT:
             score_round(self, idx, module, query, scaling, softcap)
             return
@@ -199,7 +218,7 @@ class LUKVCache(HybridRouting, CacheReport):
             layer = cast(LUKVLayer, self.layers[idx])
         self.layout.learn_model(self, config)
         if sliding_window is not None and layer.sliding_window is None and not layer.compressed:
-            self.layers[idx] = layer.to_sliding(sliding_window, record_past=self.layout.record_past)
+            self.replace_layer(idx, layer.to_sliding(sliding_window, record_past=self.layout.record_past))
             return
         self.layout.learn_heads(layer, module)
         self.compressor.on_attention(idx, layer, module, query, attention_mask)
@@ -244,7 +263,7 @@ class LUKVCache(HybridRouting, CacheReport):
     def holding(self) -> Iterator[LUKVCache]:
         """Within this block, multi-token forwards fill the cache without compressing it; then rank the
         held tokens with your own scores (:meth:`evict_held`). ``prefill`` uses it for KVzip."""
-        with in_phase(self, Phase.HOLD):
+        with self.compressor.in_phase(Phase.HOLD):
             yield self
 
     def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:
@@ -301,14 +320,11 @@ class LUKVCache(HybridRouting, CacheReport):
         """Empty the cache for a new prompt, also after a forward that was interrupted (Ctrl-C, out of
         memory) inside a layer: nothing of that forward is left pending."""
         super().reset()
-        if self.state.awaiting is not None:
-            discard_attention()
-        self.state = ForwardState()
         self._refeed_check = False
         if self.prefill_scores is not None:
             self.prefill_scores = {}
         self.layout.reset_sliding(self)
-        self.compressor.forget_choice()
+        self.compressor.reset()  # a fresh forward state (a call still announced is discarded); bits chosen anew
 
     # ------------------------------------------------------------------ batch rows: the layers', then the scores'
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -5,21 +5,29 @@ attention has run or notes a fold that is due (:meth:`~Compressor.on_attention`)
 end of a forward (:meth:`~Compressor.flush`), and tells its observers what each step did and how long it
 took (:meth:`~Compressor.observe`). The cache forwards to it; it reads the cache only through
 :class:`~lukv_cache.cache.compression.contract.CompressedCache`.
+
+It drives the forward, so it owns the forward's state (:attr:`Compressor.state`, a
+:class:`~lukv_cache.cache.compression.forward_state.ForwardState`, which the cache reads as ``cache.state``):
+no other module assigns its fields (``tests/test_architecture.py``); the helpers it calls return what they
+decide (a region, the rows' cap ratio, the held steps) and it writes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 
 from ...errors import ConfigurationError
+from ...integration import discard_attention, guard_attention
 from ..layers.factory import LayerFactory
 from ..layers.layout import BUDGET_NEEDS_FULL_ATTENTION
 from ..options.memory import (
@@ -36,9 +44,9 @@ from ..storage.layer import LUKVLayer
 from .contract import CompressedCache
 from .evict import evict, held_steps, score_step, wants_compression
 from .fold import fold_due, fold_evict, keeps_scores
-from .forward_state import Phase
+from .forward_state import ForwardState, Phase
 from .region import Region, plan_region
-from .settle import begin_forward, check_forward
+from .settle import check_batch, check_routed, check_scorer, check_servable
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,8 @@ class Compressor:
     ``new_layer``: the :class:`~lukv_cache.cache.layers.factory.LayerFactory` every compressed layer of the cache
     is built with (while the layout is unknown, also the cache's ``layer_class_to_replicate``);
     ``observers``: the functions :meth:`observe` added, called after every step (a
-    :meth:`~lukv_cache.LUKVCache.fork` copy starts with the same ones, in a list of its own).
+    :meth:`~lukv_cache.LUKVCache.fork` copy starts with the same ones, in a list of its own); ``state``:
+    what a forward leaves pending (:meth:`reset` replaces it whole).
 
     >>> from lukv_cache import LUKVCache
     >>> cache = LUKVCache(decode_max_tokens=32, fold_interval=8)
@@ -74,6 +83,7 @@ class Compressor:
 
     def __init__(self, cache: CompressedCache) -> None:
         self.cache = cache
+        self.state = ForwardState()  # what a forward leaves pending: reset() replaces it whole
         self.new_layer = LayerFactory.for_policy(cache.policy)
         self.observers: list[Callable[[CompressionStep], Any]] = []
         # under a memory budget: what it chose at the first compression (None before, and after reset),
@@ -83,8 +93,7 @@ class Compressor:
         # the cache recorded its past (assisted decoding) at the last forward; warned of an unsure prompt
         self.recorded = self.warned_unsure = False
         self.warned_growth = False  # warned that decoding grows past a memory budget (see on_attention)
-        if cache.layer_class_to_replicate is not None:  # the layout is unknown: grown layers are ours too
-            cache.layer_class_to_replicate = self.new_layer
+        cache.grow_with(self.new_layer)  # while the layout is unknown: grown layers are ours too
 
     @property
     def policy(self) -> CompressionPolicy:
@@ -96,6 +105,7 @@ class Compressor:
         new = Compressor.__new__(Compressor)
         memo[id(self)] = new
         new.cache = copy.deepcopy(self.cache, memo)
+        new.state = copy.deepcopy(self.state, memo)  # its prompt is complete (ForwardState.__deepcopy__)
         new.new_layer, new.observers = self.new_layer, list(self.observers)
         new.memory_choice, new.precisions = self.memory_choice, self.precisions
         new.recorded, new.warned_unsure = self.recorded, self.warned_unsure
@@ -124,15 +134,42 @@ class Compressor:
         if layer_idx == 0:
             self.begin(key_states.shape[-2])
             self.flush()
-        check_forward(self.cache, key_states, layer_idx)
+        cache, state = self.cache, self.state
+        check_scorer(cache, key_states, layer_idx)
+        awaiting = state.awaiting
+        if awaiting is not None:  # the previous layer's announced attention never ran
+            state.awaiting = None
+            discard_attention()
+            check_routed(cache, awaiting)
+            # ratio 0, nothing compressed: the model's own attention code reads the dense layers exactly;
+            # announce nothing more (no call may wait for an attention function that never comes)
+            state.unrouted = True
+        check_batch(cache.layers, key_states)
 
     def begin(self, length: int) -> None:
-        """A forward of ``length`` tokens starts: whether it belongs to the prompt
-        (:func:`~lukv_cache.cache.compression.settle.begin_forward`); warn once per cache when that cannot be told."""
-        cache = self.cache
+        """A forward of ``length`` tokens starts (its layer 0): its lengths, whether it is a chunk of the
+        prompt (``state.prompt``: the cache holds nothing yet; or it records its past for assisted decoding,
+        and did at an earlier forward already), the attention guard, and no call left waiting by an earlier
+        forward. (What an earlier forward left to evict, :meth:`flush` evicts next.) A multi-token forward
+        before the first decode, while a past recording left on by an earlier prompt is on, is one the cache
+        cannot place (a chunk of this prompt, or assisted decoding's verification forward): it is kept
+        whole, and the cache warns once."""
+        cache, state = self.cache, self.state
         empty = not any(isinstance(each, LUKVLayer) and each.cumulative_length for each in cache.layers)
-        recording = cache.layout.record_past
-        unsure = begin_forward(cache.state, length, empty=empty, recording=recording, recorded=self.recorded)
+        recording, recorded = cache.layout.record_past, self.recorded
+        state.previous_length, state.length = state.length, length
+        if empty:
+            # a new prompt; assisted decoding records the past from before its first forward, which holds the
+            # whole prompt and the first drafts: the multi-token forwards after it are verification forwards
+            state.prompt, state.unsure = not recording, recording and recorded
+        unsure = state.unsure and not empty and length > 1
+        if length <= 1:  # decoding: what comes after is a question or a verification forward
+            state.end_prompt()
+        guard_attention()  # implementations registered since import must not read this cache silently
+        state.cap_ratio = None
+        if state.awaiting is not None:  # a previous forward raised between update() and attention
+            state.awaiting = None
+            discard_attention()
         self.recorded = recording
         if unsure and cache.evicts and self.policy.prefill_chunk_size is None and not self.warned_unsure:
             self.warned_unsure = True
@@ -156,7 +193,7 @@ class Compressor:
         note a fold that is due; a whole-model allocator's layers, and folds, wait for the last
         full-attention layer; in a :meth:`~lukv_cache.LUKVCache.holding` block the layer's region waits for
         :meth:`evict_held`."""
-        policy, state = self.policy, self.cache.state
+        policy, state = self.policy, self.state
         if policy.keeps_whole:  # memory=1.0: the whole cache, nothing compressed or folded
             return
         last = idx == self.cache.layout.last_full_layer
@@ -177,9 +214,12 @@ class Compressor:
                 )
             return
         if state.phase is Phase.HOLD:  # held layers are read whole by the passes that score them
-            state.held[idx] = plan_region(layer, policy, attention_mask)
+            state.held[idx] = self.plan(layer, attention_mask)
             return
-        step = score_step(self.cache, idx, layer, module, query, attention_mask)
+        layer.drop_out_of_window()  # a sliding layer's prompt older than its window: gone before it waits
+        step = score_step(
+            self.cache, idx, layer, self.plan(layer, attention_mask), module, query, attention_mask
+        )
         if policy.defers:
             state.deferred[idx] = step
             if last:
@@ -190,9 +230,9 @@ class Compressor:
     def flush(self) -> None:
         """Evict what a forward left waiting (it ended before its last full-attention layer): the deferred
         layers of a whole-model allocator, then a fold that was due."""
-        if self.cache.state.deferred:
+        if self.state.deferred:
             self.evict_deferred()
-        if self.cache.state.folding:
+        if self.state.folding:
             self.fold()
 
     # ------------------------------------------------------------------ the steps
@@ -203,7 +243,7 @@ class Compressor:
         budgeted = self.policy.in_bytes and bool(steps)
         if budgeted and self.memory_choice is None:
             self.choose_bits(min(steps))
-        evict(self.cache, steps)
+        self.state.cap_ratio = evict(self.cache, steps, self.state.cap_ratio)
         if budgeted:  # every kept token costs the same: the window joins the store, in its bits
             for idx in steps:
                 cast(LUKVLayer, self.cache.layers[idx]).fold()
@@ -260,8 +300,7 @@ class Compressor:
         """``factory`` builds the layers from now on; the layers without a store take its bits (or each
         its own, from the memory budget's choice)."""
         self.new_layer = factory
-        if self.cache.layer_class_to_replicate is not None:
-            self.cache.layer_class_to_replicate = factory
+        self.cache.grow_with(factory)
         choice = self.memory_choice
         for i, each in enumerate(self.cache.layers):
             if isinstance(each, LUKVLayer) and each.store is None:
@@ -269,7 +308,7 @@ class Compressor:
 
     def evict_deferred(self) -> None:
         """Evict the layers a whole-model allocator left waiting in this forward, in one step."""
-        state = self.cache.state
+        state = self.state
         deferred, state.deferred = state.deferred, {}
         self.evict(deferred)
 
@@ -277,7 +316,7 @@ class Compressor:
         """Eviction at fold time of the layers whose fold is due
         (:func:`~lukv_cache.cache.compression.fold.fold_evict`)."""
         started = time.perf_counter()
-        state, cache = self.cache.state, self.cache
+        state, cache = self.state, self.cache
         folding, state.folding = state.folding, {}
         layout = cache.layout
         held = cache.prefill_scores or {}  # keep_scores: the prompt's scores count in a memory budget
@@ -299,4 +338,71 @@ class Compressor:
     def evict_held(self, scores: Mapping[int, torch.Tensor]) -> None:
         """Compress what the cache's :meth:`~lukv_cache.LUKVCache.holding` block kept, each layer ranked
         by ``scores[layer]`` (see :meth:`~lukv_cache.LUKVCache.evict_held`)."""
-        self.evict(held_steps(self.cache, scores))
+        held, self.state.held = self.state.held, {}
+        self.evict(held_steps(self.cache, held, scores))
+
+    # ------------------------------------------------------------------ the forward's state: the one writer
+    def plan(self, layer: LUKVLayer, attention_mask: torch.Tensor | None) -> Region:
+        """The region of ``layer``'s suffix this step decides about
+        (:func:`~lukv_cache.cache.compression.region.plan_region`); the sinks it protects are used."""
+        region = plan_region(layer, self.policy, attention_mask)
+        layer.sinks_left = region.sinks_left
+        return region
+
+    def awaits(self, idx: int) -> Any:
+        """Layer ``idx`` announced its attention call: it waits for it; the module that read it last time
+        (weakly), or None."""
+        self.state.awaiting = idx
+        return self.state.readers.get(idx)
+
+    def attended(self, idx: int, module: Any) -> None:
+        """Layer ``idx``'s announced attention ran, in ``module`` (remembered, weakly, as its reader)."""
+        state = self.state
+        state.awaiting = None
+        if idx not in state.readers:
+            state.readers[idx] = weakref.ref(module)
+
+    def stop_awaiting(self) -> None:
+        """The awaited layer's call will not come (transformers' own layer holds it now)."""
+        self.state.awaiting = None
+
+    def refuse_unservable(self, idx: int, reason: str) -> None:
+        """Layer ``idx``'s attention passes what the compressed store's attention cannot read
+        (:func:`~lukv_cache.cache.compression.settle.check_servable`): an error for a cache that compresses;
+        at ratio 0 the cache stops announcing calls."""
+        self.state.awaiting = None
+        check_servable(self.cache, idx, reason)
+        self.state.unrouted = True
+
+    def set_unrouted(self, unrouted: bool) -> None:
+        """A saved context says whether the model attends in its own code (the cache announces no calls)."""
+        self.state.unrouted = unrouted
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: Phase) -> Iterator[None]:
+        """Within this block the forwards into the cache run in ``phase`` (``ForwardState.phase``); the
+        phase before it comes back afterwards, also into a state that :meth:`reset` replaced meanwhile."""
+        previous, self.state.phase = self.state.phase, phase
+        try:
+            yield
+        finally:
+            self.state.phase = previous
+
+    @contextlib.contextmanager
+    def reconstructing(self, round_: Any) -> Iterator[None]:
+        """Within this block a reconstruction scorer's pass runs (``Phase.RECONSTRUCT``), scored into
+        ``round_`` (``ForwardState.round``, None again afterwards)."""
+        self.state.round = round_
+        try:
+            with self.in_phase(Phase.RECONSTRUCT):
+                yield
+        finally:
+            self.state.round = None
+
+    def reset(self) -> None:
+        """The cache was emptied for a new prompt: nothing a forward left pending survives (a fresh
+        state; a call still announced is discarded), and a memory budget chooses again."""
+        if self.state.awaiting is not None:
+            discard_attention()
+        self.state = ForwardState()
+        self.forget_choice()

@@ -6,46 +6,48 @@ and :class:`~lukv_cache.LUKVCache` is one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
 from ..layers.layout import Layout
+from ..layers.owner import LaidOutCache
 from ..options.memory import MemoryChoice
 from ..options.policy import CompressionPolicy
 from .forward_state import ForwardState
 
-if TYPE_CHECKING:
-    from ...profiles import Profile
+
+class ForwardDriver(Protocol):
+    """What a cache's other parts see of its :class:`~.compressor.Compressor`, the owner of the forward's
+    state: the state, to read, and the one change a saved context asks of it."""
+
+    @property
+    def state(self) -> ForwardState: ...
+
+    def set_unrouted(self, unrouted: bool) -> None: ...
 
 
-class CompressedCache(Protocol):
-    """A cache as its compression parts see it: its policy, its layers and layout, what a forward leaves
-    pending (``state``, replaced whole by ``reset``: read it anew each time), and the prefill scores it
-    keeps (``None`` unless asked). ``layer_class_to_replicate``: what ``DynamicCache`` grows a layer with
-    while the layout is unknown (``None`` once it is known)."""
+class CompressedCache(LaidOutCache, Protocol):
+    """A cache as its compression parts see it: what its layout sees (:class:`~..layers.owner.LaidOutCache`:
+    its policy, its layers, to read, and the requests that replace them), its layout, what a forward leaves
+    pending (``state``, the :class:`~.compressor.Compressor`'s, replaced whole by ``reset``: read it anew
+    each time, never write it), and the prefill scores it keeps (``None`` unless asked).
+    ``layer_class_to_replicate``: what ``DynamicCache`` grows a layer with while the layout is unknown
+    (``None`` once it is known); :meth:`grow_with` changes it, the cache writes it."""
 
     policy_class: ClassVar[type[CompressionPolicy]]  # the policy its options build
-    layer_class_to_replicate: Any
-    profile: Profile | None  # the profile its budgets come from (set by from_pretrained), else None
-
-    @property
-    def policy(self) -> CompressionPolicy: ...
-
-    @property
-    def layers(self) -> list[Any]: ...
 
     @property
     def layout(self) -> Layout: ...
 
     @property
-    def state(self) -> ForwardState: ...
+    def state(self) -> ForwardState: ...  # its compressor's, to read
+
+    @property
+    def compressor(self) -> ForwardDriver: ...
 
     @property
     def prefill_scores(self) -> dict[int, torch.Tensor] | None: ...
-
-    @property
-    def evicts(self) -> bool: ...
 
     @property
     def is_compressed(self) -> bool: ...
@@ -59,6 +61,8 @@ class CompressedCache(Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...  # a cache class is called with its options
 
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+    def grow_with(self, factory: Any) -> None: ...  # while the layout is unknown, grow layers with factory
 
 
 CacheT = TypeVar("CacheT", bound=CompressedCache)

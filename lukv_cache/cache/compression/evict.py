@@ -25,7 +25,6 @@ from .region import (
     Region,
     keep_mask,
     masked_scores,
-    plan_region,
     score_suffix,
 )
 
@@ -70,18 +69,18 @@ def score_step(
     cache: CompressedCache,
     idx: int,
     layer: LUKVLayer,
+    region: Region,
     module: Any,
     query: torch.Tensor,
     attention_mask: torch.Tensor | None,
 ) -> tuple[Region, torch.Tensor | None]:
-    """Full-attention layer ``idx`` attended (``query``: this forward's) and wants compression: drop what
-    a sliding layer holds beyond its window, plan the region in play and score it (kept in the cache's
-    ``prefill_scores`` if asked); the region and its masked scores (``None``: nothing to rank)."""
+    """Full-attention layer ``idx`` attended (``query``: this forward's) and wants compression: score
+    ``region``, the region in play (:func:`~.region.plan_region`, after a sliding layer dropped what it
+    holds beyond its window), kept in the cache's ``prefill_scores`` if asked; the region and its masked
+    scores (``None``: nothing to rank)."""
     policy = cache.policy
-    layer.drop_out_of_window()  # a sliding layer's prompt older than its window: gone before it waits
     # the queries before what is left attend none of it (causal): a scorer reads the window's own
     query = query[:, :, -layer.suffix_length :] if layer.suffix_length else query[:, :, :0]
-    region = plan_region(layer, policy, attention_mask)
     scores = None
     evictable = region.length and bool(region.n_evictable.any())
     # ratio 0 keeps every token: no scoring needed (a reconstruction scorer could not score here anyway)
@@ -95,20 +94,30 @@ def score_step(
     return region, scores
 
 
-def evict(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
+def evict(
+    cache: CompressedCache,
+    steps: dict[int, tuple[Region, torch.Tensor | None]],
+    cap_ratio: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call for
     the layers whose rows have the same evictable tokens and KV heads, each at the ratio (a sliding layer
     compressed under ``sliding="compress"`` has fewer tokens than a full-attention one, and MiMo-V2-Flash's
-    more heads: their own call)."""
+    more heads: their own call). ``cap_ratio``: with ``max_tokens``, each row's ratio in this forward so
+    far (``ForwardState.cap_ratio``); returns it as the steps leave it (the compressor stores it)."""
     groups: dict[tuple[int, ...], dict[int, tuple[Region, torch.Tensor | None]]] = {}
     for idx, step in steps.items():
         heads = cast(LUKVLayer, cache.layers[idx]).num_heads
         groups.setdefault((heads, *step[0].n_evictable.tolist()), {})[idx] = step
     for group in groups.values():
-        _evict_group(cache, group)
+        cap_ratio = _evict_group(cache, group, cap_ratio)
+    return cap_ratio
 
 
-def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
+def _evict_group(
+    cache: CompressedCache,
+    steps: dict[int, tuple[Region, torch.Tensor | None]],
+    cap_ratio: torch.Tensor | None,
+) -> torch.Tensor | None:
     scores: torch.Tensor | None
     scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
     counts = {}
@@ -131,7 +140,7 @@ def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Te
             cache.memory_choice,
             cache.prefill_scores is not None,
         )
-        ratio, cache.state.cap_ratio = row_ratios(policy, region, cap, slots, cache.state.cap_ratio)
+        ratio, cap_ratio = row_ratios(policy, region, cap, slots, cap_ratio)
         request = AllocationRequest(
             scores=scores,
             n_evictable=region.n_evictable.cpu(),
@@ -162,14 +171,14 @@ def _evict_group(cache: CompressedCache, steps: dict[int, tuple[Region, torch.Te
         else:
             keep = keep_mask(region, scores, counts[idx])
         layer.evict(keep, scores if keeps_scores(policy) else None)
+    return cap_ratio
 
 
 def held_steps(
-    cache: CompressedCache, scores: Mapping[int, torch.Tensor]
+    cache: CompressedCache, held: Mapping[int, Region], scores: Mapping[int, torch.Tensor]
 ) -> dict[int, tuple[Region, torch.Tensor | None]]:
-    """The eviction steps of what ``cache.holding()`` kept (taken from the cache's state), each layer
-    ranked by ``scores[layer]`` (checked), for :func:`evict`."""
-    held, cache.state.held = cache.state.held, {}
+    """The eviction steps of what ``cache.holding()`` kept (``held``: layer -> its region, taken from the
+    forward's state by the compressor), each layer ranked by ``scores[layer]`` (checked), for :func:`evict`."""
     steps = {}
     for idx, region in held.items():
         layer = cast(LUKVLayer, cache.layers[idx])  # only a LUKVLayer holds

@@ -1,15 +1,17 @@
 """What a :class:`~lukv_cache.LUKVCache` keeps between the calls of its forwards (:class:`ForwardState`):
 ``reset`` replaces it whole, so nothing a forward left pending survives a new prompt.
+
+The :class:`~lukv_cache.cache.compression.compressor.Compressor` drives the forwards and owns this state
+(``cache.compressor.state``, read as ``cache.state``): only it and this class's own methods assign its
+fields (``tests/test_architecture.py``); others read it, or ask it to :meth:`~ForwardState.end_prompt`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import enum
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,14 +98,3 @@ class ForwardState:
             "held tokens wait for evict_held()": bool(self.held),
         }
         return [reason for reason, waiting in waits.items() if waiting]
-
-
-@contextlib.contextmanager
-def in_phase(cache: Any, phase: Phase) -> Iterator[None]:
-    """Within this block the forwards into ``cache`` run in ``phase`` (``ForwardState.phase``); the phase
-    before it comes back afterwards, also into a state that ``reset`` replaced meanwhile."""
-    previous, cache.state.phase = cache.state.phase, phase
-    try:
-        yield
-    finally:
-        cache.state.phase = previous

@@ -15,7 +15,7 @@ from ..._compat import cache_kwarg
 from ...errors import ConfigurationError
 from ...scorers.kvzip import RepeatPrompt
 from ..storage.layer import LUKVLayer
-from .forward_state import Phase, in_phase
+from .forward_state import Phase
 from .prefill_inputs import check_prefill_inputs
 
 
@@ -87,7 +87,7 @@ def _prefill(
         repeat_prompt = recon.repeat_prompt(tokenizer)
     if isinstance(vocab, int):
         repeat_prompt.check_vocabulary(vocab)
-    with in_phase(cache, Phase.HOLD):
+    with cache.compressor.in_phase(Phase.HOLD):
         out = model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -119,11 +119,10 @@ def reconstruct(
     }
     stock = {i: layer for i, layer in enumerate(cache.layers) if not isinstance(layer, LUKVLayer)}
     for round_ in recon.rounds(input_ids, mask, prompt, cache.policy.sink):
-        cache.state.round = round_
         round_.scores = scores
         saved = {i: copy.deepcopy(layer) for i, layer in stock.items()}  # sliding layers would slide
         try:
-            with in_phase(cache, Phase.RECONSTRUCT):
+            with cache.compressor.reconstructing(round_):
                 model(
                     input_ids=round_.input_ids,
                     attention_mask=torch.cat([mask, round_.mask.long()], dim=1),
@@ -133,12 +132,11 @@ def reconstruct(
                     **{cache_kwarg(model): cache},
                 )
         finally:
-            cache.state.round = None
             for layer in cache.layers:
                 if isinstance(layer, LUKVLayer):
                     layer.crop(-round_.length)
             for i, layer in saved.items():
-                cache.layers[i] = layer
+                cache.replace_layer(i, layer)
     return scores
 
 

@@ -23,12 +23,14 @@ class Region:
     """The first ``length`` tokens of a layer's dense suffix (all but the protected window), per row:
     ``sinks`` (kept) and ``evictable`` tokens, bool ``[B, length]``; ``seen``: int64 ``[B]``, the real
     tokens (padding excluded) each row of the layer has seen in all (a memory budget sizes each row's
-    bytes by them, as the row alone would be)."""
+    bytes by them, as the row alone would be); ``sinks_left``: int64 ``[B]``, the sinks each row still has
+    to protect after this step (the layer's ``sinks_left`` once the step is taken: the caller stores it)."""
 
     length: int
     sinks: torch.Tensor
     evictable: torch.Tensor
     seen: torch.Tensor
+    sinks_left: torch.Tensor
 
     @property
     def n_evictable(self) -> torch.Tensor:
@@ -46,7 +48,8 @@ def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int
 
 
 def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: torch.Tensor | None) -> Region:
-    """The region of ``layer``'s suffix this step decides about; marks this step's sinks as used."""
+    """The region of ``layer``'s suffix this step decides about, and the sinks each row has left after it
+    (``Region.sinks_left``: the caller stores it as the layer's; nothing here writes the layer)."""
     assert layer.suffix_keys is not None  # the layer holds a forward
     b, s, device = layer.batch_size, layer.suffix_length, layer.suffix_keys.device
     length = max(s - policy.window, 0)
@@ -56,13 +59,13 @@ def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: tor
         oldest = layer.window_start - (layer.cumulative_length - s)  # in suffix columns
         if oldest > 0:
             valid = valid & (torch.arange(length, device=device) >= oldest)
-    if layer.sinks_left is None:
-        layer.sinks_left = torch.full((b,), policy.sink, dtype=torch.long, device=device)
+    left = layer.sinks_left
+    if left is None:
+        left = torch.full((b,), policy.sink, dtype=torch.long, device=device)
     # sinks: the first `sink` real tokens of each row, wherever they fall in a chunked prefill
-    sinks = valid & (valid.long().cumsum(-1) <= layer.sinks_left.unsqueeze(-1))
-    layer.sinks_left = layer.sinks_left - sinks.sum(-1)
+    sinks = valid & (valid.long().cumsum(-1) <= left.unsqueeze(-1))
     seen = valid_from_mask(attention_mask, b, layer.cumulative_length, device).sum(-1).cpu()
-    return Region(length, sinks, valid & ~sinks, seen)
+    return Region(length, sinks, valid & ~sinks, seen, left - sinks.sum(-1))
 
 
 def score_suffix(

@@ -1,7 +1,8 @@
-"""What :meth:`Compressor.on_update <lukv_cache.cache.compression.compressor.Compressor.on_update>` settles and checks
-before a cache stores a layer's keys: at a forward's first layer, the state the previous forward left
-(:func:`begin_forward`; the compressor then evicts what it left pending); then that the scorer can rank
-this forward, that the previous layer's attention read the cache, and that the batch matches. Functions
+"""What :meth:`Compressor.on_update <lukv_cache.cache.compression.compressor.Compressor.on_update>` checks
+before a cache stores a layer's keys: that the scorer can rank this forward (:func:`check_scorer`), that
+the previous layer's attention read the cache (:func:`check_routed`), and that the batch matches
+(:func:`check_batch`); and what an attention call the store cannot serve means (:func:`check_servable`).
+Checks only: they raise or return, and write nothing (the compressor owns the forward's state). Functions
 taking the cache's parts (:class:`~lukv_cache.cache.compression.contract.CompressedCache`).
 """
 
@@ -10,46 +11,9 @@ from __future__ import annotations
 import torch
 
 from ...errors import BatchMismatchError, ConfigurationError, IncompatibleAttentionError
-from ...integration import discard_attention, guard_attention
 from ..storage.layer import LUKVLayer
 from ..storage.report import stock_keys
 from .contract import CompressedCache
-from .forward_state import ForwardState
-
-
-def begin_forward(
-    state: ForwardState, length: int, *, empty: bool = False, recording: bool = False, recorded: bool = False
-) -> bool:
-    """A forward of ``length`` tokens starts (its layer 0): its lengths, whether it is a chunk of the
-    prompt (``state.prompt``: ``empty``, the cache holds nothing yet; ``recording``, the cache records its
-    past for assisted decoding; ``recorded``, it did at an earlier forward already), the attention guard,
-    and no call left waiting by an earlier forward. (What an earlier forward left to evict, the compressor
-    evicts next: :meth:`~lukv_cache.cache.compression.compressor.Compressor.flush`.) Returns whether this forward is
-    one the cache cannot place: a multi-token forward before the first decode, while a past recording
-    left on by an earlier prompt is on (a chunk of this prompt, or assisted decoding's verification
-    forward); it is kept whole, and the caller warns once."""
-    state.previous_length, state.length = state.length, length
-    if empty:
-        # a new prompt; assisted decoding records the past from before its first forward, which holds the
-        # whole prompt and the first drafts: the multi-token forwards after it are verification forwards
-        state.prompt, state.unsure = not recording, recording and recorded
-    unsure = state.unsure and not empty and length > 1
-    if length <= 1:  # decoding: what comes after is a question or a verification forward
-        state.end_prompt()
-    guard_attention()  # implementations registered since import must not read this cache silently
-    state.cap_ratio = None
-    if state.awaiting is not None:  # a previous forward raised between update() and attention
-        state.awaiting = None
-        discard_attention()
-    return unsure
-
-
-def check_forward(cache: CompressedCache, key_states: torch.Tensor, layer_idx: int) -> None:
-    """Before layer ``layer_idx`` stores ``key_states``: the checks of :func:`check_scorer`,
-    :func:`check_routed` and :func:`check_batch`, in that order."""
-    check_scorer(cache, key_states, layer_idx)
-    check_routed(cache)
-    check_batch(cache.layers, key_states)
 
 
 def check_scorer(cache: CompressedCache, key_states: torch.Tensor, layer_idx: int) -> None:
@@ -69,15 +33,11 @@ def check_scorer(cache: CompressedCache, key_states: torch.Tensor, layer_idx: in
         )
 
 
-def check_routed(cache: CompressedCache) -> None:
-    """The previous layer's announced attention never ran: an error if the model did not read the cache
-    as it holds it, else (ratio 0, nothing compressed) the cache stops announcing calls."""
-    state, layout = cache.state, cache.layout
-    if state.awaiting is None:
-        return
-    awaiting, state.awaiting = state.awaiting, None
-    discard_attention()
-    if (cache.evicts or cache.is_compressed) and layout.other_keys:
+def check_routed(cache: CompressedCache, awaiting: int) -> None:
+    """Layer ``awaiting``'s announced attention never ran: an error if the model did not read the cache as
+    it holds it; else (ratio 0, nothing compressed) nothing, and the compressor stops announcing calls
+    (``ForwardState.unrouted``)."""
+    if (cache.evicts or cache.is_compressed) and cache.layout.other_keys:
         raise IncompatibleAttentionError(
             f"LUKVCache layer {awaiting}: the attention received other keys than the cache's update() "
             "returned, so the cache does not hold what attention reads. Multi-head latent attention "
@@ -95,23 +55,17 @@ def check_routed(cache: CompressedCache) -> None:
             "whatever attn_implementation is set: only ratio=0 works with it, so use transformers' DynamicCache "
             "for this model."
         )
-    # ratio 0, nothing compressed: the model's own attention code reads the dense layers exactly;
-    # announce nothing more (no call may wait for an attention function that never comes)
-    state.unrouted = True
 
 
-def refuse_unservable(cache: CompressedCache, layer_idx: int, reason: str) -> None:
+def check_servable(cache: CompressedCache, layer_idx: int, reason: str) -> None:
     """Layer ``layer_idx``'s attention passes what the compressed store's attention cannot read
     (``reason``, the message: a mask of its own per head), seen before the layer is compressed. A cache that
     would compress (it evicts, or holds compressed layers) raises
-    :class:`~lukv_cache.errors.IncompatibleAttentionError`; at ratio 0 it stops announcing calls, as for a
-    model that attends in its own code (:func:`check_routed`): no layer is compressed, and the model's own
-    attention reads the dense layers exactly (DynamicCache's logits)."""
-    state = cache.state
-    state.awaiting = None
+    :class:`~lukv_cache.errors.IncompatibleAttentionError`; at ratio 0 nothing, and the compressor stops
+    announcing calls, as for a model that attends in its own code (:func:`check_routed`): no layer is
+    compressed, and the model's own attention reads the dense layers exactly (DynamicCache's logits)."""
     if cache.evicts or cache.is_compressed:
         raise IncompatibleAttentionError(f"LUKVCache layer {layer_idx}: {reason}")
-    state.unrouted = True
 
 
 def check_batch(layers: list, key_states: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from transformers.cache_utils import (
 from ...errors import ConfigurationError, IncompatibleAttentionError
 from ..storage.layer import LUKVLayer
 from .factory import LayerFactory
+from .owner import LaidOutCache
 from .parallel import HeadShard, head_shard
 
 _WINDOWED = ("sliding_attention", "chunked_attention", "hybrid_sliding")  # stock layers bounded by a window
@@ -92,8 +93,10 @@ def refuse_own_cache(model: Any) -> None:
 
 
 class Layout:
-    """The cache's layer layout and what it learned of the model (its methods take the cache, whose
-    ``layers`` they lay out). ``mesh_shard``: the rank's place in tensor parallelism, from a ``device_mesh=``."""
+    """The cache's layer layout and what it learned of the model. Its methods take the cache
+    (:class:`~.owner.LaidOutCache`), decide which layer stands at each index and ask the cache to put it
+    there (``replace_layer``, ``lay_out``): the cache alone writes its layers. ``mesh_shard``: the rank's
+    place in tensor parallelism, from a ``device_mesh=``."""
 
     def __init__(self, mesh_shard: HeadShard | None = None):
         self.mesh_shard = mesh_shard
@@ -119,7 +122,7 @@ class Layout:
         self.record_past = False  # assisted decoding: layers record their past (rejected drafts roll back)
         self.other_keys = False  # a layer's attention received other keys than update() returned (MLA)
 
-    def set_layout(self, cache: Any, config: Any) -> None:
+    def set_layout(self, cache: LaidOutCache, config: Any) -> None:
         """transformers' own layer for every layer the cache does not compress (sliding and chunked windows,
         linear-attention / SSM states, KV-sharing placeholders, ...), a :class:`LUKVLayer` for every
         full-attention one (built with the cache's policy's settings, :class:`~.factory.LayerFactory`); then
@@ -141,9 +144,12 @@ class Layout:
         modes = getattr(text, "kv_sharing_modes", None) or ()
         self.kv_producers = [i for i, mode in enumerate(modes) if mode == "store"]
         factory = LayerFactory.for_policy(cache.policy)
-        cache.layers = [
-            layer if i in self.kv_producers else _lukv_layer(layer, factory) for i, layer in enumerate(stock)
-        ]
+        cache.lay_out(
+            [
+                layer if i in self.kv_producers else _lukv_layer(layer, factory)
+                for i, layer in enumerate(stock)
+            ]
+        )
         # sliding-window layers: compressed like full ones when the prompt fits their window (decided at the
         # first forward, decide_sliding); chunked layers share the stock class but not the mask: stock
         self.sliding_windows = {
@@ -154,12 +160,11 @@ class Layout:
             and i not in self.kv_producers
         }
         self.pend_sliding(cache)
-        cache.layer_class_to_replicate = None
         if self.record_past:  # assisted decoding asked before the layers existed
             record_in(cache.layers)
         self.learn_model(cache, config)
 
-    def adopt(self, cache: Any, config: Any, length: int) -> None:
+    def adopt(self, cache: LaidOutCache, config: Any, length: int) -> None:
         """A cache built without ``config=`` learns the layout at its first attention call, from the
         attention module's config (what transformers' attention interface hands every attention function),
         during the first forward (``length`` tokens): lay every layer out as :meth:`set_layout` does, and
@@ -176,7 +181,7 @@ class Layout:
                 continue
             new = cache.layers[i] if i < len(cache.layers) else None
             if type(new) is LUKVLayer and new.sliding_window is None and old.compressed:
-                cache.layers[i] = old
+                cache.replace_layer(i, old)
             elif isinstance(new, (LUKVLayer, DynamicLayer, DynamicSlidingWindowLayer)) and not old.compressed:
                 new.update(old.suffix_keys.clone(), old.suffix_values.clone())
             else:
@@ -186,7 +191,7 @@ class Layout:
                     "(LUKVCache(..., config=model.config), or LUKVCache.from_pretrained(model, ...))."
                 )
 
-    def meet_model(self, cache: Any, model: Any, *, strict: bool = False) -> None:
+    def meet_model(self, cache: LaidOutCache, model: Any, *, strict: bool = False) -> None:
         """The cache is handed ``model`` (``from_pretrained(model)``, ``prefill(model, ...)``): learn the
         layout from its config if the cache does not know it yet; and when the model's forward takes no
         cache at all (it keeps a state of its own, as RWKV does, so the cache would stay empty), warn, or
@@ -215,14 +220,14 @@ class Layout:
                 raise ConfigurationError(message)
             warnings.warn(message, stacklevel=3)
 
-    def pend_sliding(self, cache: Any) -> None:
+    def pend_sliding(self, cache: LaidOutCache) -> None:
         """Sliding layers become LUKVLayers that know their window, until the next first forward decides."""
         factory = LayerFactory.for_policy(cache.policy)
         for i, window in self.sliding_windows.items():
-            cache.layers[i] = factory(sliding_window=window)
+            cache.replace_layer(i, factory(sliding_window=window))
         self.undecided = bool(self.sliding_windows)
 
-    def decide_sliding(self, cache: Any, length: int) -> None:
+    def decide_sliding(self, cache: LaidOutCache, length: int) -> None:
         """The first forward (``length`` tokens, padding included) reached the cache: a sliding layer whose
         window holds it stays a compressed LUKVLayer (exact: transformers' sliding mask, built over the
         logical positions, hides what falls out of the window, and folds drop it); a longer prompt gives
@@ -236,13 +241,13 @@ class Layout:
         kept = [i for i, window in self.sliding_windows.items() if compress or length <= window]
         for i, window in self.sliding_windows.items():
             if i not in kept:  # the pending LUKVLayer is empty: an empty stock layer
-                cache.layers[i] = cache.layers[i].to_sliding(window, record_past=self.record_past)
+                cache.replace_layer(i, cache.layers[i].to_sliding(window, record_past=self.record_past))
         self.full_layers = sorted({*self.attention_layers, *kept})
         self.last_full_layer = self.full_layers[-1] if self.full_layers else None
         if self.layout_warning is not None:
             self.warn(cache, *self.layout_warning, kept=kept, length=length)
 
-    def unseat_sliding(self, cache: Any, idx: int) -> bool:
+    def unseat_sliding(self, cache: LaidOutCache, idx: int) -> bool:
         """Sliding layer ``idx``, kept as a LUKVLayer to compress (``sliding="compress"``), is attended over
         other keys than its ``update()`` returned (a latent attention expands them after it, as dots3 does):
         it cannot be compressed, so transformers' own sliding layer takes over what it holds, bounded by its
@@ -250,7 +255,7 @@ class Layout:
         layer = cache.layers[idx]
         if idx not in self.sliding_windows or type(layer) is not LUKVLayer or layer.compressed:
             return False
-        cache.layers[idx] = layer.to_sliding(self.sliding_windows[idx], record_past=self.record_past)
+        cache.replace_layer(idx, layer.to_sliding(self.sliding_windows[idx], record_past=self.record_past))
         self.full_layers = [i for i in self.full_layers if i != idx]
         self.last_full_layer = self.full_layers[-1] if self.full_layers else None
         if self.layout_warning is not None:  # the sliding layers still compressed; the prompt's length
@@ -258,7 +263,7 @@ class Layout:
             self.warn(cache, *self.layout_warning, kept=kept, length=layer.cumulative_length)
         return True
 
-    def reset_sliding(self, cache: Any) -> None:
+    def reset_sliding(self, cache: LaidOutCache) -> None:
         """A new prompt: its length decides again what the sliding layers become."""
         if not self.sliding_windows:
             return
@@ -268,7 +273,7 @@ class Layout:
         self.full_layers = list(self.attention_layers)
         self.last_full_layer = self.full_layers[-1] if self.full_layers else None
 
-    def learn_model(self, cache: Any, config: Any) -> None:
+    def learn_model(self, cache: LaidOutCache, config: Any) -> None:
         """Once per cache: the model's layers (count, last full-attention one) and the profile's fit."""
         if self.config_checked or config is None or not hasattr(config, "get_text_config"):
             return
@@ -304,7 +309,7 @@ class Layout:
 
     def warn(
         self,
-        cache: Any,
+        cache: LaidOutCache,
         layer_types: list[str],
         full: list[int],
         windowed: list[int],

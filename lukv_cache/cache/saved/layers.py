@@ -230,7 +230,7 @@ def restore_layers(
         shape.kv_heads = heads[i]
         if choice is not None:
             shape.fold_state = {**fold_state, "kv_bits": choice.bits_of(i)}
-        cache.layers[i] = _restore_layer(cache, i, entry, reader, shape, devices[i])
+        cache.replace_layer(i, _restore_layer(cache, i, entry, reader, shape, devices[i]))
     # every layer, empty ones included: a cache saved after a forward that stopped part-way through the
     # model holds e.g. [40, 40, 0, 0] tokens
     lengths = [layer.get_seq_length() for layer in cache.layers]
@@ -269,7 +269,7 @@ def restore_layers(
             "and the file says it did not (altered file).",
             "cache.record_past",
         )
-    cache.state.unrouted = flags["unrouted"]
+    cache.compressor.set_unrouted(flags["unrouted"])
     cache.layout.other_keys, cache.layout.record_past = flags["other_keys"], flags["record_past"]
     scores = state.get("prefill_scores") or []
     if scores and cache.prefill_scores is None:
