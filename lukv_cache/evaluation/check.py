@@ -53,6 +53,7 @@ from ..models import check_positions, max_positions
 from ..profiling.build import QUESTION_TEMPLATE
 from ..profiling.calibration import load_calibration
 from ..scorers import get_scorer
+from .decoding import greedy_decode, stop_ids
 from .methods import (
     CHECK_ALLOCATORS,
     CHECK_RATIOS,
@@ -64,7 +65,6 @@ from .methods import (
     scorer_reads_profile,
 )
 from .prefill import SharedPrefill
-from .tasks import greedy_decode, stop_ids
 
 Context = tuple[str, Sequence[str]] | tuple[str, Sequence[str], Sequence[str | None]]
 Encoded = tuple[torch.Tensor, list[torch.Tensor]]  # context ids [1, T], one [1, Q] prompt per question
