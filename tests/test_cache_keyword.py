@@ -15,7 +15,7 @@ from packaging.version import Version
 
 from lukv_cache import LUKVCache, LUKVPipeline
 from lukv_cache._compat import cache_kwarg
-from lukv_cache.evaluation.check import _predictions
+from lukv_cache.evaluation.check.run import _predictions
 from lukv_cache.evaluation.decoding import greedy_decode
 from lukv_cache.evaluation.prefill import SharedPrefill
 from lukv_cache.evaluation.tasks.samples import ContinuationSample

@@ -60,7 +60,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .check import check, check_options, encode_contexts, format_check, read_contexts
+    from .check.formatting import format_check
+    from .check.inputs import check_options, encode_contexts, read_contexts
+    from .check.run import check
 
     # everything that can be refused is refused before the model's weights load
     ratios = check_options(

@@ -11,7 +11,10 @@ from demo_helpers import byte_tokenizer, tiny_llama
 from lukv_cache import LUKVCache
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.evaluation.check import CheckReport, CheckRow, check, format_check, read_contexts
+from lukv_cache.evaluation.check.formatting import format_check
+from lukv_cache.evaluation.check.inputs import read_contexts
+from lukv_cache.evaluation.check.report import CheckReport, CheckRow
+from lukv_cache.evaluation.check.run import check
 from lukv_cache.evaluation.methods import Method, build_methods, make_cache, memory_list
 from lukv_cache.evaluation.prefill import SharedPrefill
 from lukv_cache.evaluation.report import memory_summary, write_results
