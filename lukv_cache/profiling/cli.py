@@ -142,7 +142,7 @@ def _check_kvzap(training: KVzapTraining, args: argparse.Namespace) -> None:
     import shutil
 
     from ..models import load_config, load_tokenizer, max_positions
-    from .build import targets_root
+    from .kvzap_training import targets_root
 
     config = load_config(args.model)
     free = None
