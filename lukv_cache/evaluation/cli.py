@@ -1,7 +1,7 @@
 """``lukv demo``, ``lukv bench`` and ``lukv check``: the work behind the commands.
 
-Their flags are declared in :mod:`lukv_cache.cli` (argparse alone, so ``--help`` stays fast); it imports
-this module only when one of them runs. Commands return an exit code and let
+Their flags are declared in :mod:`lukv_cache.cli.evaluation_commands` (argparse alone, so ``--help`` stays
+fast); it imports this module only when one of them runs. Commands return an exit code and let
 :class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:`` line, exit code 2).
 """
 
