@@ -15,9 +15,12 @@ from packaging.version import Version
 
 from lukv_cache import LUKVCache, LUKVPipeline
 from lukv_cache._compat import cache_kwarg
-from lukv_cache.evaluation.check import _predictions
+from lukv_cache.evaluation.check.run import _predictions
+from lukv_cache.evaluation.decoding import greedy_decode
 from lukv_cache.evaluation.prefill import SharedPrefill
-from lukv_cache.evaluation.tasks import ContinuationSample, greedy_decode, prefill, score_prefilled
+from lukv_cache.evaluation.tasks.samples import ContinuationSample
+from lukv_cache.evaluation.tasks.scoring import score_prefilled
+from lukv_cache.profiling.continuation import prefill
 from lukv_cache.profiling.oracle import oracle_importance, prefill_context
 from lukv_cache.testing import BYTE_VOCAB, byte_tokenizer, prompt
 

@@ -117,7 +117,7 @@ def test_a_path_like_model_that_does_not_exist_says_no_such_folder(model, capsys
 
 
 def test_a_hub_id_is_not_taken_for_a_folder():
-    from lukv_cache.cli import _path_like
+    from lukv_cache.cli.prechecks import _path_like
 
     assert not _path_like("org/model") and not _path_like("smollm2")
     assert _path_like("./model") and _path_like("/abs/model") and _path_like("~/m") and _path_like("org/m/")

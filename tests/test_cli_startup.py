@@ -216,15 +216,17 @@ print(json.dumps({{"results": results, "heavy": heavy, "expected": expected}}))
 
 
 def test_built_in_names_pass_the_early_check():
-    from lukv_cache import cli
+    from lukv_cache.cli import prechecks
 
     parser = build_parser()
     check = parser.parse_args(
         ["check", "smollm2", "--scorer", "kvzap", "--allocators", "global", "threshold"]
     )
-    cli._precheck_check(argparse.Namespace(**{**vars(check), "calibration": ["planted"]}))
-    cli._precheck_bench(parser.parse_args(["bench", "--scorers", "kvzip,snapkv", "--allocators", "hybrid"]))
-    cli._precheck_build(parser.parse_args(["build", "smollm2", "--scorer", "kvzap", "--scorer", "tova"]))
+    prechecks.precheck_check(argparse.Namespace(**{**vars(check), "calibration": ["planted"]}))
+    prechecks.precheck_bench(
+        parser.parse_args(["bench", "--scorers", "kvzip,snapkv", "--allocators", "hybrid"])
+    )
+    prechecks.precheck_build(parser.parse_args(["build", "smollm2", "--scorer", "kvzap", "--scorer", "tova"]))
 
 
 def test_every_positional_argument_has_help():

@@ -1,7 +1,8 @@
 """Evaluation: does a cache keep the answers? Real-model tasks, the benchmark grid, reports, the demo.
 
 * real English text: :mod:`lukv_cache.texts` (gensim's Wikipedia and news files, shipped in its wheel);
-* :mod:`.tasks`: question-agnostic RULER-style retrieval and continuation loss;
+* :mod:`.tasks`: question-agnostic RULER-style retrieval and continuation loss; :mod:`.decoding`: greedy
+  decoding through a prefilled cache;
 * :mod:`.methods`: full cache vs allocator x scorer x ratio; :mod:`.prefill`: one prefill shared by all;
 * :mod:`.runner`: the grid; :mod:`.report`: tables, plots, JSON;
 * :mod:`.demo`: plant facts in a long text, compress, ask; :mod:`.cli`: ``lukv demo`` and ``lukv bench``.

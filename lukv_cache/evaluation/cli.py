@@ -1,7 +1,7 @@
 """``lukv demo``, ``lukv bench`` and ``lukv check``: the work behind the commands.
 
-Their flags are declared in :mod:`lukv_cache.cli` (argparse alone, so ``--help`` stays fast); it imports
-this module only when one of them runs. Commands return an exit code and let
+Their flags are declared in :mod:`lukv_cache.cli.evaluation_commands` (argparse alone, so ``--help`` stays
+fast); it imports this module only when one of them runs. Commands return an exit code and let
 :class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:`` line, exit code 2).
 """
 
@@ -60,7 +60,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .check import check, check_options, encode_contexts, format_check, read_contexts
+    from .check.formatting import format_check
+    from .check.inputs import check_options, encode_contexts, read_contexts
+    from .check.run import check
 
     # everything that can be refused is refused before the model's weights load
     ratios = check_options(

@@ -26,7 +26,8 @@ from ..scorers import get_scorer
 from ..texts import Article
 from .methods import FULL, Method, check_bench_positions
 from .prefill import SharedPrefill
-from .tasks import RetrievalSample, check_sample_positions, context_ids, make_samples, score_prefilled
+from .tasks.samples import RetrievalSample, check_sample_positions, make_samples
+from .tasks.scoring import context_ids, score_prefilled
 
 if TYPE_CHECKING:
     import torch

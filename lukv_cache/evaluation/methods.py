@@ -31,7 +31,7 @@ MIN_CONTEXT_TOKENS = 32  # a shorter context has nothing to compress around its 
 ANSWER_TOKENS = (
     12  # decoded per retrieval answer (a 7-digit number and its period); niah_multivalue: per value
 )
-MAX_NEEDLES = 900  # the distinct "adjective-noun" keys needles are named by (.tasks: 30 x 30)
+MAX_NEEDLES = 900  # the distinct "adjective-noun" keys needles are named by (.tasks.samples: 30 x 30)
 RECALL_MIN_TOKENS = 8  # recall: a sentence's rest shorter than this is not asked
 MIN_CONTINUATION_TOKENS = 2  # the first is predicted by the prefill, the rest by one teacher-forced forward
 
@@ -110,7 +110,7 @@ def check_bench_positions(
     """Refuse (:class:`ConfigurationError`, as ``lukv check`` does) a context length whose tasks need more
     positions than the model has (``config``'s ``max_position_embeddings``), before any text is read: the
     context and at least :func:`tokens_after_context` after it. The samples' exact lengths are checked
-    again once they are built (:func:`~lukv_cache.evaluation.tasks.check_sample_positions`).
+    again once they are built (:func:`~lukv_cache.evaluation.tasks.samples.check_sample_positions`).
 
     >>> from transformers import LlamaConfig
     >>> check_bench_positions(LlamaConfig(max_position_embeddings=512), ["continuation"], 1000, 4, 128)

@@ -19,7 +19,8 @@ import torch
 
 from .methods import FULL
 from .runner import BenchResults
-from .tasks import ACCURACY_TASKS, mean_and_sem
+from .tasks.samples import ACCURACY_TASKS
+from .tasks.statistics import mean_and_sem
 
 
 def _is_retrieval(task: str) -> bool:

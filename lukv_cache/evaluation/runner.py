@@ -25,6 +25,7 @@ from .methods import (
     ALLOCATORS,
     RATIOS,
     SCORERS,
+    TASKS,
     Method,
     build_methods,
     check_bench_numbers,
@@ -32,7 +33,8 @@ from .methods import (
     make_cache,
 )
 from .prefill import SharedPrefill, shareable
-from .tasks import TASKS, Sample, check_sample_positions, context_ids, make_samples, score_prefilled
+from .tasks.samples import Sample, check_sample_positions, make_samples
+from .tasks.scoring import context_ids, score_prefilled
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``lukv pull | push | list | convert``: profiles from the shell.
 
-Their flags are declared in :mod:`lukv_cache.cli` (argparse alone, so ``--help`` stays fast); it imports
-this module only when one of them runs. Each command returns an exit code and lets
+Their flags are declared in :mod:`lukv_cache.cli.profiles_commands` (argparse alone, so ``--help`` stays
+fast); it imports this module only when one of them runs. Each command returns an exit code and lets
 :class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:`` line, exit code 2).
 """
 

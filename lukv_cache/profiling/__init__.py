@@ -18,7 +18,7 @@ _LAZY = {
     "BuildSettings": ".build",
     "build_profile": ".build",
     "build_profiles": ".build",
-    "default_cache_dir": ".build",
+    "default_cache_dir": ".result_store",
     "load_calibration": ".calibration",
     "shipped_calibrations": ".calibration",
     "add_memory_table": ".memory_table",
@@ -33,9 +33,10 @@ _LAZY = {
 # the same names from the same modules, for type checkers and editors (kept equal: tests/test_lazy_names.py)
 if TYPE_CHECKING:
     from ..errors import CalibrationFormatError
-    from .build import BuildSettings, build_profile, build_profiles, default_cache_dir
+    from .build import BuildSettings, build_profile, build_profiles
     from .calibration import load_calibration, shipped_calibrations
     from .memory_table import add_memory_table, measure_memory_table
+    from .result_store import default_cache_dir
     from .scores import prefill_scores
     from .solver import DEFAULT_GRID, exact_keep_counts, greedy_keep_counts, pava, solve_evict_ratios
 

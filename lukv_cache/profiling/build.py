@@ -7,191 +7,36 @@ for every global ratio of the grid; average each head's local evict ratio over t
 
 Per-question oracle importances and the context's scores are cached on disk, keyed by the model's
 fingerprint, the calibration text and the settings that change them, so an interrupted build resumes and
-profiles for other scorers or grids reuse the expensive decoding.
+profiles for other scorers or grids reuse the expensive decoding (:mod:`.result_store`). KVzap's surrogate
+is trained first, in :mod:`.kvzap_training`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
-import json
 import os
-import shutil
-import signal
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 
-from .._paths import cache_root
 from ..errors import ConfigurationError
 from ..scorers import Scorer, get_scorer, kvzap_scorer
 from .calibration import load_calibration
-from .eta import DocumentClock, count, estimate_line, sayer
+from .eta import count, estimate_line, sayer
 from .kvzap_options import KVzapTraining
+from .kvzap_training import train_kvzap
 from .oracle import AGGREGATES, oracle_importance, prefill_context
+from .result_store import ResultStore, default_cache_dir, model_fingerprint, short_sha
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
 
 # Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 _CACHE_FORMAT = 1  # bump when what is cached, or how it is computed, changes
-
-
-def default_cache_dir() -> Path:
-    """Per-question results: ``<lukv_cache's cache root>/profiling`` (``$LUKV_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/lukv_cache``, else ``~/.cache/lukv_cache``).
-
-    >>> default_cache_dir().name
-    'profiling'
-    """
-    return cache_root() / "profiling"
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of the model's config and a sample of every weight (fast even for 8B models): cached
-    results of another model, or of other weights under the same name, are never reused."""
-    h = hashlib.sha256(cast("PreTrainedConfig", model.config).to_json_string(use_diff=False).encode())
-    with torch.no_grad():
-        for name, param in model.state_dict().items():
-            flat = param.detach().reshape(-1)
-            sample = torch.cat([flat[:256], flat[:: max(1, flat.numel() // 256)][:256]])
-            h.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-            h.update(sample.float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _sha(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-_SPILL_PREFIX = "kvzap-rows-"  # + the owning build's pid + "-" + a random suffix
-
-
-def _spill_owner(name: str) -> int | None:
-    """The pid in a spill folder's name (``kvzap-rows-<pid>-<random>``); ``None`` for a folder of the
-    release before, which put no pid in it."""
-    pid, sep, _ = name.removeprefix(_SPILL_PREFIX).partition("-")
-    return int(pid) if sep and pid.isdigit() else None
-
-
-def _sweep_spills(root: Path) -> None:
-    """Remove the row folders of builds that no longer run (killed, or stopped before they could clean):
-    those whose pid is not a live process, and those of the release before (no pid in the name). Another
-    build running now keeps its own."""
-    for folder in root.glob(f"{_SPILL_PREFIX}*"):
-        pid = _spill_owner(folder.name)
-        if folder.is_dir() and (pid is None or not _running(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _on_sigterm(cleanup: Callable[[], None]):
-    """While inside: a SIGTERM first runs ``cleanup``, then does what it did before (the default: the
-    process dies of the signal). Only the main thread can install handlers; elsewhere, and where SIGTERM
-    was ignored, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous == signal.SIG_IGN:
-        yield
-        return
-
-    def handler(signum, frame):
-        cleanup()
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        if callable(previous):
-            previous(signum, frame)
-        else:  # SIG_DFL (or set outside Python): die of the signal, as without this handler
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGTERM) is handler:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def _spill_folder(root: Path | None):
-    """A fresh folder ``<root>/kvzap-rows-<pid>-<random>`` (``root=None``: the system's temporary folder)
-    for the MLP's training rows, removed on the way out, on SIGTERM too; the stale folders of earlier
-    builds are swept first (:func:`_sweep_spills`). A SIGKILL leaves it for the next build to sweep."""
-    base = Path(tempfile.gettempdir()) if root is None else root
-    base.mkdir(parents=True, exist_ok=True)
-    _sweep_spills(base)
-    folder = Path(tempfile.mkdtemp(prefix=f"{_SPILL_PREFIX}{os.getpid()}-", dir=base))
-    try:
-        with _on_sigterm(lambda: shutil.rmtree(folder, ignore_errors=True)):
-            yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-class _ResultStore:
-    """Per-question results as safetensors files (no pickle), written atomically."""
-
-    def __init__(self, root: Path | None):
-        self.root = root
-        if root is None:
-            return
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigurationError(
-                f"Cannot use {str(root)!r} for per-question results: {err.strerror or err}. Pass another "
-                "cache_dir (--cache-dir), or cache_dir=False to keep nothing."
-            ) from None
-        for stale in root.glob(".*.tmp"):  # left by an interrupted build, unless that build still runs
-            pid = stale.name.rsplit(".", 2)[-2]
-            if not (pid.isdigit() and _running(int(pid))):
-                stale.unlink(missing_ok=True)
-
-    def has(self, key: str) -> bool:
-        """Whether a result is kept under ``key`` (a torn one is found when :meth:`load` reads it)."""
-        return self.root is not None and (self.root / f"{key}.safetensors").is_file()
-
-    def load(self, key: str) -> dict[str, np.ndarray] | None:
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
-
-        if self.root is None or not (self.root / f"{key}.safetensors").is_file():
-            return None
-        try:
-            return load_file(self.root / f"{key}.safetensors")
-        except (SafetensorError, OSError, ValueError):
-            return None  # a torn or foreign file: recompute it
-
-    def save(self, key: str, tensors: dict[str, np.ndarray]) -> None:
-        from safetensors.numpy import save_file
-
-        if self.root is None:
-            return
-        path = self.root / f"{key}.safetensors"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
 
 
 def _context_scores(model, context_ids: torch.Tensor, scorer: Scorer, tokenizer) -> dict[int, np.ndarray]:
@@ -235,7 +80,7 @@ class CalibrationRun:
     total_questions: int
     description: str
     k_max: int
-    store: _ResultStore
+    store: ResultStore
     context_sha: str
     fingerprint: str
     aggregate: str = "max"
@@ -244,7 +89,7 @@ class CalibrationRun:
 
     def oracle_key(self, index: int) -> str:
         settings = (self.k_max,) if self.aggregate == "max" else (self.k_max, self.aggregate)
-        return "oracle-" + _sha(_CACHE_FORMAT, self.question_ids[index].tolist(), *settings)
+        return "oracle-" + short_sha(_CACHE_FORMAT, self.question_ids[index].tolist(), *settings)
 
     def kept(self, index: int) -> bool:
         """Whether the ``index``-th question's oracle importance is kept from an earlier build."""
@@ -256,7 +101,7 @@ class CalibrationRun:
 
     def scores(self, scorer: Scorer) -> dict[int, np.ndarray]:
         """The scorer's prefill scores on the context, ``{layer: [H_kv, T]}`` (compressed layers only)."""
-        key = "scores-" + _sha(
+        key = "scores-" + short_sha(
             _CACHE_FORMAT,
             scorer.name,
             scorer.params,
@@ -357,9 +202,9 @@ def prepare_run(
             f"has {limit}; use a shorter calibration file or a smaller k_max."
         )
     fingerprint = model_fingerprint(model)
-    context_sha = _sha(context, context_ids.tolist())
+    context_sha = short_sha(context, context_ids.tolist())
     root = None if cache_dir is False else Path(cache_dir or default_cache_dir()).expanduser()
-    store = _ResultStore(None if root is None else root / f"{fingerprint}-{context_sha}")
+    store = ResultStore(None if root is None else root / f"{fingerprint}-{context_sha}")
     return CalibrationRun(
         model,
         tokenizer,
@@ -470,7 +315,7 @@ def build_profiles(
     surrogate = None
     if any(s.name == "kvzap" for s in scorer_objs):  # learn KVzap's surrogate first (unless given one)
         given = next(s for s in scorer_objs if s.name == "kvzap").params.get("surrogate")
-        surrogate = given or _train_kvzap(
+        surrogate = given or train_kvzap(
             model,
             tokenizer,
             settings.kvzap or KVzapTraining(),
@@ -609,93 +454,6 @@ def _with_memory_table(profile, run: CalibrationRun, calibration, settings: Buil
         show_progress=settings.show_progress,
     )
     return dataclasses.replace(profile, memory_table=table)
-
-
-def targets_root(cache_dir) -> Path | None:
-    """Where a kvzap build keeps its targets and spills its MLP rows (``False``: nowhere)."""
-    return default_cache_dir() if cache_dir is None else (Path(cache_dir) if cache_dir is not False else None)
-
-
-def cached_kvzip_targets(
-    model, tokenizer, cache_dir=None, target: str = "kvzip_plus"
-) -> Callable[[torch.Tensor], dict]:
-    """``targets(ids)``: :func:`~lukv_cache.profiling.kvzap.kvzip_targets` of a document ``[1, T]``
-    (``{layer: [1, T, H]}``; ``target``: ``"kvzip_plus"`` or ``"kvzip"``), kept in ``cache_dir`` (default
-    :func:`default_cache_dir`, ``False``: not kept) under the model's fingerprint, the target and the
-    tokens, so a build that stops resumes without the repeat passes it ran, and benchmarks share them."""
-    from .kvzap import kvzip_targets
-
-    store = _targets_store(cache_dir)
-    fingerprint = model_fingerprint(model)
-
-    def targets(ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        key = _sha(f"{target}_targets", fingerprint, ids.tolist())
-        saved = store.load(key)
-        if saved is None:
-            computed = {layer: t.numpy() for layer, t in kvzip_targets(model, tokenizer, ids, target).items()}
-            store.save(key, {str(layer): t for layer, t in computed.items()})
-            return {layer: torch.from_numpy(t) for layer, t in computed.items()}
-        return {int(layer): torch.from_numpy(t) for layer, t in saved.items()}
-
-    return targets
-
-
-def _targets_store(cache_dir) -> _ResultStore:
-    root = targets_root(cache_dir)
-    return _ResultStore(None if root is None else root / "kvzap")
-
-
-def kvzip_targets_kept(
-    model, documents: Sequence[torch.Tensor], cache_dir=None, target: str = "kvzip"
-) -> list[bool]:
-    """Whether :func:`cached_kvzip_targets` keeps each document's targets from an earlier build."""
-    store, fingerprint = _targets_store(cache_dir), model_fingerprint(model)
-    return [store.has(_sha(f"{target}_targets", fingerprint, ids.tolist())) for ids in documents]
-
-
-def _train_kvzap(model, tokenizer, training: KVzapTraining, seed: int, cache_dir, show_progress: bool):
-    """KVzap's surrogate for ``model``, trained as ``training`` says; each document's KVzip targets (the
-    repeat passes, most of the time) are kept in ``cache_dir`` so an interrupted build resumes."""
-    from tqdm.auto import tqdm
-
-    from ..models import max_positions
-    from ..scorers.kvzap import KVZAP_WINDOW
-    from .kvzap import score_thresholds, train_surrogate
-
-    if not isinstance(training, KVzapTraining):
-        raise ConfigurationError(f"kvzap must be a KVzapTraining, got {type(training).__name__}.")
-    docs = training.corpus(tokenizer, seed, max_positions(model.config))
-    targets = cached_kvzip_targets(model, tokenizer, cache_dir, training.target)
-
-    # the MLP's rows wait on disk, next to the cached targets, one file per layer (memory: one layer's rows);
-    # the folder goes when training ends, fails or is stopped by SIGTERM, and a killed build's at the next
-    root = targets_root(cache_dir)
-    if root is not None:
-        root.mkdir(parents=True, exist_ok=True)
-    spill = _spill_folder(root) if training.family == "mlp" else contextlib.nullcontext()
-    clock = DocumentClock(  # says what it runs, then (once) an estimate measured on the first document
-        sayer(show_progress), docs, kvzip_targets_kept(model, docs, cache_dir, training.target)
-    )
-    bar = tqdm(total=len(docs), desc="KVzap surrogate", unit="document", disable=not show_progress)
-    with bar, spill as folder:
-        surrogate = train_surrogate(
-            model,
-            tokenizer,
-            docs,
-            family=training.family,
-            features=training.features,
-            alpha=training.alpha,
-            samples=training.samples,
-            hidden=training.hidden,
-            seed=seed,
-            progress=lambda done: clock.done(done, bar),
-            targets_of=targets,
-            meta={"corpus": f"{training.describe()} ({len(docs)} documents)", "target": training.target},
-            spill=folder,
-        )
-    spread = docs[:: max(1, len(docs) // 8)][:8]  # 8 documents across the groups, lengths and corpora
-    surrogate.meta["thresholds"] = score_thresholds(model, surrogate, spread, DEFAULT_GRID, KVZAP_WINDOW)
-    return surrogate
 
 
 def build_profile(

@@ -1,9 +1,9 @@
 """``lukv build``, ``lukv memory-table`` and ``lukv show``: build a profile from the shell, add its memory
 table to one built without it, and look at one.
 
-Their flags are declared in :mod:`lukv_cache.cli` (argparse alone, so help needs no torch); commands
-return an exit code and let :class:`~lukv_cache.errors.LUKVError` propagate (printed as one ``error:``
-line, exit code 2).
+Their flags are declared in :mod:`lukv_cache.cli.profiling_commands` (argparse alone, so help needs no
+torch); commands return an exit code and let :class:`~lukv_cache.errors.LUKVError` propagate (printed as
+one ``error:`` line, exit code 2).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def _check_kvzap(training: KVzapTraining, args: argparse.Namespace) -> None:
     import shutil
 
     from ..models import load_config, load_tokenizer, max_positions
-    from .build import targets_root
+    from .kvzap_training import targets_root
 
     config = load_config(args.model)
     free = None

@@ -11,7 +11,7 @@ import pytest
 from benchmark_scripts import SCRIPTS, argument, module
 
 from lukv_cache._paths import cache_root
-from lukv_cache.cli import add_bench_arguments
+from lukv_cache.cli.evaluation_commands import add_bench_arguments
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

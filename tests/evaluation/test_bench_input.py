@@ -100,6 +100,7 @@ def test_run_benchmark_refuses_counts_that_cannot_run(model, tokenizer, articles
 
 
 def test_the_needles_bound_is_the_number_of_distinct_keys():
-    from lukv_cache.evaluation import methods, tasks
+    from lukv_cache.evaluation import methods
+    from lukv_cache.evaluation.tasks import samples
 
-    assert methods.MAX_NEEDLES == len(tasks._ADJECTIVES) * len(tasks._NOUNS)
+    assert methods.MAX_NEEDLES == len(samples._ADJECTIVES) * len(samples._NOUNS)

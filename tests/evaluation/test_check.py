@@ -1,7 +1,9 @@
 from demo_helpers import tiny_profile
 
 from lukv_cache.cli import main
-from lukv_cache.evaluation.check import check, format_check, read_contexts
+from lukv_cache.evaluation.check.formatting import format_check
+from lukv_cache.evaluation.check.inputs import read_contexts
+from lukv_cache.evaluation.check.run import check
 from lukv_cache.profiles import save_to_local_dir
 
 

@@ -8,7 +8,11 @@ import pytest
 
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.evaluation.check import CheckReport, CheckRow, check, format_check, is_correct, read_contexts
+from lukv_cache.evaluation.check.formatting import format_check
+from lukv_cache.evaluation.check.grading import is_correct
+from lukv_cache.evaluation.check.inputs import read_contexts
+from lukv_cache.evaluation.check.report import CheckReport, CheckRow
+from lukv_cache.evaluation.check.run import check
 
 TEXT = "The ferry to Kestrel Quay leaves at nine. The harbour master is called Ada. " * 8
 

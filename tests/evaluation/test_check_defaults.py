@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from lukv_cache.cli import build_parser
-from lukv_cache.evaluation.check import check
+from lukv_cache.evaluation.check.run import check
 from lukv_cache.profiles import save_to_local_dir
 from lukv_cache.testing import flat_profile, random_surrogate
 

@@ -8,7 +8,7 @@ from demo_helpers import byte_tokenizer, tiny_llama
 
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError, UnknownNameError
-from lukv_cache.evaluation.check import check
+from lukv_cache.evaluation.check.run import check
 from lukv_cache.testing import flat_profile
 
 POSITIONS = 2048  # tiny_llama's max_position_embeddings
@@ -46,7 +46,7 @@ def test_a_context_longer_than_the_models_positions_is_refused_before_the_weight
 
 
 def test_a_megabytes_long_context_is_refused_without_being_tokenised():
-    from lukv_cache.evaluation.check import encode_contexts
+    from lukv_cache.evaluation.check.inputs import encode_contexts
 
     tokenizer = byte_tokenizer()
     seen = []

@@ -9,7 +9,10 @@ import torch
 from demo_helpers import tiny_profile
 
 from lukv_cache.cli import main
-from lukv_cache.evaluation.check import CheckReport, CheckRow, check, format_check, read_contexts
+from lukv_cache.evaluation.check.formatting import format_check
+from lukv_cache.evaluation.check.inputs import read_contexts
+from lukv_cache.evaluation.check.report import CheckReport, CheckRow
+from lukv_cache.evaluation.check.run import check
 from lukv_cache.evaluation.methods import Method
 from lukv_cache.evaluation.prefill import SharedPrefill
 from lukv_cache.profiles import save_to_local_dir
@@ -132,7 +135,7 @@ class _Scripted:
 
 
 def test_one_teacher_forced_forward_gives_each_greedy_step_the_stop_and_the_nll():
-    from lukv_cache.evaluation.check import _STOP, _predictions
+    from lukv_cache.evaluation.check.run import _STOP, _predictions
 
     prompt = torch.tensor([[1, 2]])
     model = _Scripted([9 % 8, 5, 6, 0])  # after 1: ?, after 2: 5, after 5: 6, after 6: a stop

@@ -8,7 +8,9 @@ import pytest
 
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.evaluation.check import check, format_check, read_contexts
+from lukv_cache.evaluation.check.formatting import format_check
+from lukv_cache.evaluation.check.inputs import read_contexts
+from lukv_cache.evaluation.check.run import check
 from lukv_cache.evaluation.methods import kv_bits_list
 from lukv_cache.evaluation.report import write_results
 from lukv_cache.evaluation.runner import BenchSettings, run_benchmark

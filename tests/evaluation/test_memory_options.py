@@ -11,7 +11,10 @@ from demo_helpers import byte_tokenizer, tiny_llama
 from lukv_cache import LUKVCache
 from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.evaluation.check import CheckReport, CheckRow, check, format_check, read_contexts
+from lukv_cache.evaluation.check.formatting import format_check
+from lukv_cache.evaluation.check.inputs import read_contexts
+from lukv_cache.evaluation.check.report import CheckReport, CheckRow
+from lukv_cache.evaluation.check.run import check
 from lukv_cache.evaluation.methods import Method, build_methods, make_cache, memory_list
 from lukv_cache.evaluation.prefill import SharedPrefill
 from lukv_cache.evaluation.report import memory_summary, write_results
@@ -183,13 +186,14 @@ def test_lukv_bench_refuses_bad_budgets_before_the_model_loads(extra, message, n
 
 def test_lukv_bench_takes_kv_bits_with_budgets_when_ratios_run_too():
     """--kv-bits then multiplies the ratios (the budgets choose their own): the flags pass the early check."""
-    from lukv_cache.cli import _precheck_bench, build_parser
+    from lukv_cache.cli import build_parser
+    from lukv_cache.cli.prechecks import precheck_bench
 
-    _precheck_bench(
+    precheck_bench(
         build_parser().parse_args(["bench", "--memory", "0.1", "--ratios", "0.5", "--kv-bits", "4"])
     )
     with pytest.raises(ConfigurationError, match="Drop --kv-bits, or add --ratios"):
-        _precheck_bench(build_parser().parse_args(["bench", "--memory", "0.1", "--kv-bits", "4"]))
+        precheck_bench(build_parser().parse_args(["bench", "--memory", "0.1", "--kv-bits", "4"]))
 
 
 # -------------------------------------------------------------------------------------- lukv check --memory

@@ -3,13 +3,9 @@ import torch
 from transformers import DynamicCache
 
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.evaluation.tasks import (
-    ContinuationSample,
-    RetrievalSample,
-    evaluate_sample,
-    make_samples,
-    mean_and_sem,
-)
+from lukv_cache.evaluation.tasks.samples import ContinuationSample, RetrievalSample, make_samples
+from lukv_cache.evaluation.tasks.scoring import evaluate_sample
+from lukv_cache.evaluation.tasks.statistics import mean_and_sem
 
 
 def test_multikey_context_holds_every_needle_and_each_question_asks_one(tokenizer, articles):
@@ -85,7 +81,9 @@ def test_questions_decoded_as_one_batch_match_one_by_one_decoding(model, tokeniz
     import copy
 
     from lukv_cache import LUKVCache
-    from lukv_cache.evaluation.tasks import context_ids, greedy_decode, prefill, score_prefilled, stop_ids
+    from lukv_cache.evaluation.decoding import greedy_decode, stop_ids
+    from lukv_cache.evaluation.tasks.scoring import context_ids, score_prefilled
+    from lukv_cache.profiling.continuation import prefill
 
     def new_cache():
         return DynamicCache() if cache_kind == "dynamic" else LUKVCache(0.5, "keydiff", config=model.config)
@@ -105,7 +103,7 @@ def test_questions_decoded_as_one_batch_match_one_by_one_decoding(model, tokeniz
 
 
 def test_recall_quotes_whole_sentences_of_its_own_context(tokenizer, articles):
-    from lukv_cache.evaluation.tasks import RecallSample
+    from lukv_cache.evaluation.tasks.samples import RecallSample
 
     samples = make_samples("recall", tokenizer, 2, 300, n_needles=3, articles=articles)
     assert samples == make_samples("recall", tokenizer, 2, 300, n_needles=3, articles=articles)  # seeded

@@ -12,6 +12,7 @@ from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles.profile import Profile
 from lukv_cache.profiling import build_profiles
 from lukv_cache.profiling.kvzap_options import KVzapTraining
+from lukv_cache.profiling.result_store import ResultStore
 
 
 def test_end_to_end_build_gives_a_valid_profile(tiny_model, byte_tokenizer, tiny_calibration, tmp_path):
@@ -219,7 +220,7 @@ def test_stale_temporary_files_of_a_dead_build_are_removed_on_the_next_run(tmp_p
     alive = store_dir / f".oracle-y.safetensors.{os.getpid()}.tmp"  # a running build's
     dead.write_bytes(b"half")
     alive.write_bytes(b"half")
-    build_module._ResultStore(store_dir)
+    ResultStore(store_dir)
     assert not dead.exists() and alive.exists()
 
 
@@ -323,7 +324,7 @@ def test_a_kvzap_build_sweeps_spill_folders_no_live_build_owns():
     import tempfile
     from pathlib import Path
 
-    from lukv_cache.profiling.build import _spill_folder
+    from lukv_cache.profiling.spills import spill_folder
 
     root = Path(tempfile.mkdtemp())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -333,7 +334,7 @@ def test_a_kvzap_build_sweeps_spill_folders_no_live_build_owns():
     for folder in (*stale, live):
         folder.mkdir()
         (folder / "0.x").write_bytes(b"\0" * 64)
-    with _spill_folder(root) as folder:
+    with spill_folder(root) as folder:
         assert folder.parent == root and folder.name.startswith(f"kvzap-rows-{os.getpid()}-")
         assert not any(p.exists() for p in stale) and live.exists()
     assert not folder.exists() and live.exists()
@@ -348,8 +349,8 @@ def test_a_kvzap_build_stopped_by_sigterm_removes_its_spill_folder(tmp_path):
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from lukv_cache.profiling.build import _spill_folder\n"
-        "with _spill_folder(Path(sys.argv[1])) as folder:\n"
+        "from lukv_cache.profiling.spills import spill_folder\n"
+        "with spill_folder(Path(sys.argv[1])) as folder:\n"
         "    (folder / '0.x').write_bytes(b'rows')\n"
         "    print(folder, flush=True)\n"
         "    time.sleep(120)\n"

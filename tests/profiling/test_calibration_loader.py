@@ -60,7 +60,7 @@ def test_planted_set_asks_back_each_planted_fact_once_and_matches_its_generator(
     import importlib.util
     from pathlib import Path
 
-    from lukv_cache.evaluation.tasks import NEEDLE
+    from lukv_cache.evaluation.tasks.samples import NEEDLE
     from lukv_cache.profiling.calibration import calibration_path
 
     context, questions, _ = load_calibration("planted")

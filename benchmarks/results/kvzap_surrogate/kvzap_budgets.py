@@ -28,8 +28,8 @@ from kvzap_lengths import WINDOW, global_keep  # the benchmark next to this one
 
 from lukv_cache import LUKVCache
 from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import cached_kvzip_targets
 from lukv_cache.profiling.kvzap import SKIP_FIRST, python_docs_documents, token_feature_maps
+from lukv_cache.profiling.kvzap_training import cached_kvzip_targets
 
 
 def top_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

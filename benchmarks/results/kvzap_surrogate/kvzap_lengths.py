@@ -38,13 +38,13 @@ from _out import default_out, write_table
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import cached_kvzip_targets
 from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
     news_documents,
     spearman,
     token_feature_maps,
 )
+from lukv_cache.profiling.kvzap_training import cached_kvzip_targets
 from lukv_cache.profiling.ridge import RidgeStats
 
 WINDOW = 32

@@ -33,7 +33,6 @@ from _out import default_out, write_table
 from kvzap_features import wikipedia_documents  # the benchmark next to this one
 
 from lukv_cache.models import load_smollm2
-from lukv_cache.profiling.build import cached_kvzip_targets
 from lukv_cache.profiling.kvzap import (
     SKIP_FIRST,
     fit_mlp,
@@ -42,6 +41,7 @@ from lukv_cache.profiling.kvzap import (
     spearman,
     token_feature_maps,
 )
+from lukv_cache.profiling.kvzap_training import cached_kvzip_targets
 from lukv_cache.profiling.ridge import RidgeStats
 
 

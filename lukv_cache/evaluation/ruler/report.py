@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..tasks import mean_and_sem
+from ..tasks.statistics import mean_and_sem
 from . import TASKS
 from .leaderboard import plot_leaderboard
 

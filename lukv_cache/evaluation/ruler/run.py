@@ -20,9 +20,9 @@ from ...cache import LUKVCache, kv_cache_bytes
 from ...errors import ConfigurationError, ProfileError
 from ...models import check_positions
 from ...scorers import get_scorer
+from ..decoding import greedy_decode
 from ..methods import Method, make_cache, scorer_reads_profile
 from ..prefill import SharedPrefill, shareable
-from ..tasks import greedy_decode
 from .generate import generate
 from .prompt import Sample, from_row, prompt_ids
 from .scoring import score

@@ -1,47 +1,19 @@
-"""Question-agnostic long-context tasks on real text: RULER-style retrieval and continuation loss.
+"""The tasks' samples: seeded retrieval, continuation and recall samples built from real Wikipedia text.
 
-Every task runs the same way, as in the paper: the context is prefilled into a fresh cache (which
-compresses it), and only then does the question arrive; it is forwarded and greedy-decoded through that
-same cache. Several questions about one context share one prefill (each question decodes on a copy).
-
-* ``niah_single``: one "special magic number" needle in a real-text haystack, asked back.
-* ``niah_multikey``: several needles with different keys (default 4); every key is asked, one per question.
-* ``niah_multivalue``: several values for one key; the answer must list them all (score = fraction found).
-* ``continuation``: the first ``context_tokens`` of a Wikipedia article are compressed, the next 128
-  tokens are teacher-forced; the score is their mean negative log-likelihood (lower is better).
-* ``recall``: natural-text recall, nothing planted. The first ``context_tokens`` of an article are
-  compressed; then whole sentences of that context (default 4, chosen at random) are asked back, each cued by
-  its first five words, and the rest of the sentence (up to 48 tokens) is teacher-forced; the score is the
-  fraction of those tokens the model predicts exactly (greedy copy accuracy, higher is better).
-
-Prompts are plain completions (context, then question, no chat template, no special tokens): SmolLM2-135M
-answers ~75% of multikey questions at ~1k tokens that way and ~0% with its chat template.
-
-    >>> from lukv_cache.evaluation.tasks import make_samples, evaluate_sample
-    >>> samples = make_samples("niah_multikey", tokenizer, n_samples=2, context_tokens=1000)  # doctest: +SKIP
-    >>> evaluate_sample(model, tokenizer, samples[0], make_cache=DynamicCache).score  # doctest: +SKIP
-    0.75
+What each task is: :mod:`lukv_cache.evaluation.tasks`.
 """
 
 from __future__ import annotations
 
-import copy
-import math
 import random
 import re
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from .._compat import cache_kwarg
-from ..cache import kv_cache_bytes
-from ..errors import ConfigurationError
-from ..profiling.continuation import continuation_nll, prefill
-from ..texts import Article, wikipedia_articles
-from .methods import (  # light, for the command line's help and its early checks
+from ...errors import ConfigurationError
+from ...texts import Article, wikipedia_articles
+from ..methods import (  # light, for the command line's help and its early checks
     ANSWER_TOKENS,
     RECALL_MIN_TOKENS,
     TASKS,
@@ -53,7 +25,6 @@ ACCURACY_TASKS = (*RETRIEVAL_TASKS, "recall")  # scored in [0, 1], higher is bet
 RECALL_PROMPT = '\n\nQuote the sentence of the text above that begins with "{cue}":\n'
 RECALL_CUE_WORDS = 5
 RECALL_MAX_TOKENS = 48  # of a sentence's rest, teacher-forced
-CacheFactory = Callable[[], Any]
 
 PREAMBLE = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
@@ -136,7 +107,6 @@ _NOUNS = (
     "pillow",
     "rocket",
 )
-_ANSWER_END = re.compile(r"\d\.")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 
 
@@ -205,25 +175,6 @@ class RecallSample:
 
 
 Sample = RetrievalSample | ContinuationSample | RecallSample
-
-
-@dataclass
-class SampleResult:
-    """What one cache did on one sample.
-
-    ``score``: accuracy in [0, 1] for retrieval and recall (mean over questions), mean NLL per token
-    (nats) for continuation. ``kv_bytes``/``context_tokens`` are measured right after the context prefill.
-
-    >>> SampleResult(score=1.0, kv_bytes=10, context_tokens=5).score
-    1.0
-    """
-
-    score: float
-    kv_bytes: int
-    context_tokens: int
-    outputs: list[str] = field(default_factory=list)
-    question_scores: list[float] = field(default_factory=list)
-    prefill_seconds: float = 0.0
 
 
 # --------------------------------------------------------------------------------------- building samples
@@ -459,7 +410,7 @@ def sample_positions(tokenizer: Any, sample: Sample) -> int:
 def check_sample_positions(config: Any, tokenizer: Any, samples: Sequence[Sample]) -> None:
     """Refuse (:class:`ConfigurationError`, as ``lukv check`` does) samples that need more positions than
     the model has (``config``'s ``max_position_embeddings``), before any of them runs."""
-    from ..models import check_positions
+    from ...models import check_positions
 
     for number, sample in enumerate(samples, start=1):
         needed = sample_positions(tokenizer, sample)
@@ -469,175 +420,3 @@ def check_sample_positions(config: Any, tokenizer: Any, samples: Sequence[Sample
             f"Sample {number} of {sample.task} (its context and what follows it)",
             "pass a smaller --context-tokens (context_tokens=)",
         )
-
-
-# --------------------------------------------------------------------------------------- running samples
-
-
-def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device
-
-
-@torch.no_grad()
-def greedy_decode(
-    model: Any,
-    cache: Any,
-    prompt_ids: torch.Tensor,
-    max_new_tokens: int,
-    stop_ids: Sequence[int] = (),
-    done: Callable[[list[int]], bool] | None = None,
-) -> list[list[int]]:
-    """Forward ``prompt_ids`` ``[B, q]`` through a prefilled ``cache`` (batch ``B``), then decode greedily.
-
-    A row stops after ``max_new_tokens``, at a token in ``stop_ids`` (not kept), or once ``done(tokens)``
-    says its answer is complete; decoding ends when every row has stopped. Returns each row's new tokens.
-
-    >>> new_ids = greedy_decode(model, cache, question_ids, max_new_tokens=12)  # doctest: +SKIP
-    """
-    rows = prompt_ids.shape[0]
-    generated: list[list[int]] = [[] for _ in range(rows)]
-    active = [True] * rows
-    inputs = prompt_ids
-    passed = {cache_kwarg(model): cache}
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=inputs, use_cache=True, logits_to_keep=1, **passed).logits
-        tokens = logits[:, -1].argmax(-1).tolist()
-        for row, token in enumerate(tokens):
-            if not active[row]:
-                continue
-            if token in stop_ids:
-                active[row] = False
-                continue
-            generated[row].append(token)
-            if done is not None and done(generated[row]):
-                active[row] = False
-        if not any(active):
-            break
-        inputs = torch.tensor(tokens, device=prompt_ids.device).unsqueeze(-1)
-    return generated
-
-
-def stop_ids(tokenizer: Any) -> list[int]:
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    # The answer is one line; a newline means the model moved on.
-    for text in ("\n", "\n\n"):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) == 1:
-            stops.append(ids[0])
-    return stops
-
-
-def _encode(tokenizer: Any, text: str, device: torch.device) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor([ids], dtype=torch.long, device=device)
-
-
-def _answer_score(output: str, answers: Sequence[str]) -> float:
-    return sum(answer in output for answer in answers) / len(answers)
-
-
-def context_ids(tokenizer: Any, sample: Sample, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The sample's context as ``[1, T]`` token ids (no special tokens).
-
-    >>> ids = context_ids(tokenizer, sample)  # doctest: +SKIP
-    """
-    if isinstance(sample, ContinuationSample | RecallSample):
-        return torch.tensor([sample.context_ids], dtype=torch.long, device=device)
-    return _encode(tokenizer, sample.context, torch.device(device))
-
-
-@torch.no_grad()
-def score_prefilled(
-    model: Any, tokenizer: Any, sample: Sample, cache: Any, last_logits: torch.Tensor
-) -> tuple[float, list[str], list[float]]:
-    """Answer ``sample``'s questions (or teacher-force its continuation) through a cache that already holds
-    the context. ``last_logits``: the prefill's last-position logits ``[1, V]``.
-
-    Returns ``(score, outputs, question_scores)``. Every question sees the same prefilled context: they
-    decode as one batch (the cache's rows repeated) when they have the same length, else one by one on
-    copies. The cache itself is consumed.
-
-    >>> score, outputs, _ = score_prefilled(model, tokenizer, sample, cache, last_logits)  # doctest: +SKIP
-    """
-    device = _device(model)
-    if isinstance(sample, ContinuationSample):
-        target = torch.tensor([sample.continuation_ids], dtype=torch.long, device=device)
-        return continuation_nll(model, cache, last_logits, target), [], []
-    if isinstance(sample, RecallSample):
-        return _score_recall(model, tokenizer, sample, cache)
-
-    stops = stop_ids(tokenizer)
-
-    def done(tokens: list[int]) -> bool:
-        # A 7-digit answer ends with a period; stopping there saves the decode steps of the next sentence.
-        return _ANSWER_END.search(tokenizer.decode(tokens, skip_special_tokens=True)) is not None
-
-    prompts = [_encode(tokenizer, q.prompt, device) for q in sample.questions]
-    max_new = max(q.max_new_tokens for q in sample.questions)
-    single = all(len(q.answers) == 1 for q in sample.questions)  # a list of values has periods inside
-    if len({p.shape[1] for p in prompts}) == 1:
-        # Questions of equal length (make_samples picks keys so) decode as one batch on copies of the rows.
-        if len(prompts) > 1:
-            cache.batch_repeat_interleave(len(prompts))
-        new_ids = greedy_decode(model, cache, torch.cat(prompts), max_new, stops, done if single else None)
-    else:
-        new_ids = []
-        for index, prompt in enumerate(prompts):
-            working = cache if index == len(prompts) - 1 else copy.deepcopy(cache)
-            new_ids += greedy_decode(model, working, prompt, max_new, stops, done if single else None)
-    outputs = [tokenizer.decode(ids, skip_special_tokens=True) for ids in new_ids]
-    scores = [_answer_score(text, q.answers) for text, q in zip(outputs, sample.questions)]
-    return sum(scores) / len(scores), outputs, scores
-
-
-@torch.no_grad()
-def _score_recall(
-    model: Any, tokenizer: Any, sample: RecallSample, cache: Any
-) -> tuple[float, list[str], list[float]]:
-    """Each quote on its own copy of the prefilled cache: prompt + cue + rest forwarded at once, the rest's
-    tokens scored by whether the greedy prediction is the true token."""
-    device = _device(model)
-    outputs, scores = [], []
-    for index, (prompt_ids, cue, rest) in enumerate(sample.quotes):
-        working = cache if index == len(sample.quotes) - 1 else copy.deepcopy(cache)
-        ids = torch.tensor([prompt_ids + cue + rest[:-1]], dtype=torch.long, device=device)
-        logits = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): working}).logits  # [1, q, V]
-        predicted = logits[0, len(prompt_ids) + len(cue) - 1 :].argmax(-1)  # predicts rest[0 ...]
-        target = torch.tensor(rest, device=device)
-        scores.append(float((predicted == target).double().mean()))
-        outputs.append(tokenizer.decode(predicted.tolist(), skip_special_tokens=True))
-    return sum(scores) / len(scores), outputs, scores
-
-
-@torch.no_grad()
-def evaluate_sample(model: Any, tokenizer: Any, sample: Sample, make_cache: CacheFactory) -> SampleResult:
-    """Prefill ``sample``'s context into ``make_cache()``, then answer its questions (or teacher-force its
-    continuation) through that same cache.
-
-    >>> from transformers import DynamicCache
-    >>> result = evaluate_sample(model, tokenizer, sample, DynamicCache)  # doctest: +SKIP
-    """
-    ids = context_ids(tokenizer, sample, _device(model))
-    cache = make_cache()
-    started = time.perf_counter()
-    last_logits = prefill(model, ids, cache)
-    prefill_seconds = time.perf_counter() - started
-    held = kv_cache_bytes(cache)
-    score, outputs, question_scores = score_prefilled(model, tokenizer, sample, cache, last_logits)
-    return SampleResult(score, held, ids.shape[1], outputs, question_scores, prefill_seconds)
-
-
-def mean_and_sem(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and its standard error (sample standard deviation / sqrt(n); 0 for n = 1).
-
-    >>> mean_and_sem([1.0, 0.0, 1.0, 0.0])
-    (0.5, 0.28867513459481287)
-    """
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan")
-    mean = sum(values) / n
-    if n == 1:
-        return mean, 0.0
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(variance / n)
