@@ -15,8 +15,8 @@ neither torch nor transformers: ``lukv_cache.evaluation.ruler.scoring``, RULER's
 
     OMP_NUM_THREADS=1 PYTHONPATH=. /tmp/kvp/bin/python benchmarks/kvpress_ruler.py \\
         --presses full snapkv adakv kvzip lukv keydiff --ratios 0.8 --samples 5 --threads 1 \\
-        --check benchmarks/results/ruler/qwen_4k.jsonl
-    PYTHONPATH=. /tmp/kvp/bin/python benchmarks/kvpress_ruler.py --table \\
+        --check benchmarks/results/ruler/qwen_4k.jsonl --out benchmarks/results/ruler/kvpress_qwen_4k.jsonl
+    PYTHONPATH=. /tmp/kvp/bin/python benchmarks/kvpress_ruler.py --table --out benchmarks/results/ruler/kvpress_qwen_4k.jsonl \\
         --check benchmarks/results/ruler/qwen_4k.jsonl      # the table only (no torch, no model)
 
 Inputs: the samples ``lukv ruler`` saved (``--samples-dir``, default
@@ -105,6 +105,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from _out import default_out
+
 MODEL_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 SEED = 42
 TASKS = (
@@ -115,7 +117,6 @@ PRESSES = ("full", "snapkv", "adakv", "kvzip", "lukv", "keydiff")
 RESULTS = Path("benchmarks/results/ruler")
 DEFAULTS = {
     "samples_dir": RESULTS / "qwen_4k.samples" / "seed42" / "4096",
-    "out": RESULTS / "kvpress_qwen_4k.jsonl",
     "model": Path("~/.cache/lukv_cache/qwen2.5-coder-0.5b-instruct").expanduser(),
     "profile": Path("profiles_hub/Qwen/Qwen2.5-Coder-0.5B-Instruct/keydiff.safetensors"),
 }
@@ -439,7 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples-dir", type=Path, default=DEFAULTS["samples_dir"])
     parser.add_argument("--model", type=Path, default=DEFAULTS["model"], help="the model folder")
     parser.add_argument("--profile", type=Path, default=DEFAULTS["profile"], help="lukv's budget curve")
-    parser.add_argument("--out", type=Path, default=DEFAULTS["out"])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_out("kvpress_ruler") / "kvpress_qwen_4k.jsonl",
+        help="results file (default: under the lukv cache; the committed run wrote benchmarks/results/ruler/)",
+    )
     parser.add_argument("--check", type=Path, metavar="OURS.jsonl", help="compare kvpress:full with our full")
     parser.add_argument("--table", action="store_true", help="only print the table (and --check)")
     parser.add_argument("--table-out", type=Path, help="also write the table (markdown) here")
