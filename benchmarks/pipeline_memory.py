@@ -36,7 +36,8 @@ def tensors(cache):
                     if t is not None
                 )
             yield from layer.suffix_buffers or ()
-            yield from (t for t in (layer.sinks_left, layer.queries) if t is not None)
+            record = layer.eviction
+            yield from (t for t in (record.sinks_left, record.queries) if t is not None)
         else:
             yield from (
                 t

@@ -471,16 +471,65 @@ def _owner_violations(tree: ast.AST, path: Path, fields: set[str]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+RECORD = CACHE / "storage" / "record.py"
+COMPRESSION = CACHE / "compression"
+RECORD_WRITERS = {"keep_sinks", "settle", "record_queries"}  # EvictionRecord's: compression's alone
+
+
+def _record_fields() -> set[str]:
+    tree = ast.parse(RECORD.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EvictionRecord"]
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _record_violations(tree: ast.AST, path: Path, fields: set[str]) -> list[str]:
+    """A layer's eviction record (``<x>.eviction``, an ``EvictionRecord``) is compression's: its fields are
+    assigned by its own methods alone, its writers called from ``compression/`` alone, and the layer (a
+    module of ``storage/``) only builds its own (``self.eviction``) and forwards batch and device operations."""
+    found = []
+    for target in _written(tree):
+        inner = target.value if isinstance(target, ast.Subscript) else target
+        where = f"line {target.lineno}: {ast.unparse(target)}"
+        if not isinstance(inner, ast.Attribute):
+            continue
+        if inner.attr in fields and not (path == RECORD and _is_self(inner.value)):
+            found.append(where)
+        if inner.attr == "eviction" and not (path.parent == CACHE / "storage" and _is_self(inner.value)):
+            found.append(where)
+    for node in ast.walk(tree):
+        if (
+            path.parent != COMPRESSION
+            and isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in RECORD_WRITERS
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr == "eviction"
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}(...)")
+    return list(dict.fromkeys(found))
+
+
 CACHE_MODULES = sorted(CACHE.rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", CACHE_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_one_owner_writes_the_layers_and_the_forward_state(path):
-    found = _owner_violations(ast.parse(path.read_text()), path, _state_fields())
+    tree = ast.parse(path.read_text())
+    found = _owner_violations(tree, path, _state_fields())
     assert not found, (
         f"{path.relative_to(PACKAGE)} writes state another object owns (ask its owner: cache.replace_layer / "
         "lay_out / grow_with for the layers, the Compressor for the forward's state; a pure helper returns "
         "what it decides): " + ", ".join(found)
+    )
+    found = _record_violations(tree, path, _record_fields())
+    assert not found, (
+        f"{path.relative_to(PACKAGE)} writes a layer's eviction record, which compression owns (compression "
+        "calls its writers, keep_sinks / settle / record_queries; the layer only carries it): "
+        + ", ".join(found)
     )
 
 
@@ -505,3 +554,24 @@ def test_the_owner_check_sees_every_kind_of_write():
     )
     found = _owner_violations(ast.parse(source), PURE[0], _state_fields())
     assert {int(line.split(":")[0].removeprefix("line ")) for line in found} == set(range(1, 12)), found
+
+
+def test_the_owner_check_sees_every_write_of_an_eviction_record():
+    assert _record_fields() == {"sinks_left", "settled_length", "queries"}
+    source = (
+        "layer.eviction.sinks_left = left\n"
+        "self.eviction.queries = None\n"
+        "layer.eviction.settle(n)\n"
+        "cache.layers[i].eviction.record_queries(q, 2)\n"
+        "layer.eviction = None\n"
+        "a, layer.eviction.settled_length = 1, 0\n"
+        "self.eviction = EvictionRecord()\n"
+        "self.eviction.select_rows(rows)\n"
+        "n = layer.eviction.settled_length\n"
+    )
+    layer = CACHE / "storage" / "layer.py"
+    found = _record_violations(ast.parse(source), layer, _record_fields())
+    assert {int(line.split(":")[0].removeprefix("line ")) for line in found} == set(range(1, 7)), found
+    found = _record_violations(ast.parse(source), COMPRESSION / "fold.py", _record_fields())
+    assert {int(line.split(":")[0].removeprefix("line ")) for line in found} == {1, 2, 5, 6, 7}, found
+    assert not _record_violations(ast.parse("self.settled_length = n\n"), RECORD, _record_fields())

@@ -346,7 +346,7 @@ class Compressor:
         """The region of ``layer``'s suffix this step decides about
         (:func:`~lukv_cache.cache.compression.region.plan_region`); the sinks it protects are used."""
         region = plan_region(layer, self.policy, attention_mask)
-        layer.sinks_left = region.sinks_left
+        layer.eviction.keep_sinks(region.sinks_left)
         return region
 
     def awaits(self, idx: int) -> Any:

@@ -171,6 +171,7 @@ def _evict_group(
         else:
             keep = keep_mask(region, scores, counts[idx])
         layer.evict(keep, scores if keeps_scores(policy) else None)
+        layer.eviction.settle(layer.cumulative_length)
     return cap_ratio
 
 

@@ -56,10 +56,10 @@ def fold_due(layer: LUKVLayer, policy: CompressionPolicy, query: torch.Tensor) -
     reads at the next fold; whether ``fold_interval`` tokens arrived since the last eviction (the fold is
     then due: every layer's at once, after the last full-attention layer's attention)."""
     fold = policy.fold_interval
-    since = layer.cumulative_length - layer.settled_length
+    since = layer.cumulative_length - layer.eviction.settled_length
     wanted = policy.scorer.n_queries
     if wanted and since > fold - wanted:
-        layer.record_queries(query, wanted)
+        layer.eviction.record_queries(query, wanted)
     return since >= fold
 
 
@@ -179,6 +179,7 @@ def fold_evict(
     for i, (layer, frame, keep) in enumerate(zip(layers, frames, keeps)):
         kept = None if not kept_scores else cast("list[torch.Tensor]", raw)[i][keep]  # scored above
         layer.refold(frame.source[keep], keep.sum(-1), kept, capacity=policy.fold_interval)
+        layer.eviction.settle(layer.cumulative_length)
 
 
 def held_scores(
@@ -196,10 +197,10 @@ def held_scores(
     if keeps_scores(policy):
         context = scorer_context(policy, shard, idx, module, layer, attention_mask)
         valid = suffix_valid(attention_mask, layer)
-        suffix = score_suffix(policy.scorer, layer, layer.queries, valid, context)
+        suffix = score_suffix(policy.scorer, layer, layer.eviction.queries, valid, context)
         stored = None if store is None or store.scores is None else store.scores.unsqueeze(-1)
         return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
     assert layer.suffix_keys is not None and layer.suffix_values is not None  # it holds what it folds
     keys = gather_held(held, None if store is None else store.keys, layer.suffix_keys)
     values = gather_held(held, None if store is None else store.values, layer.suffix_values)
-    return rescore(policy.scorer, held, keys, values, layer.queries, layer.num_heads)
+    return rescore(policy.scorer, held, keys, values, layer.eviction.queries, layer.num_heads)

@@ -8,8 +8,9 @@ are ranked by the scorer and each segment keeps its budget. Scores come from one
 * **rescored** (the default for scorers that read keys, values and queries only: ``keydiff``,
   ``snapkv``, ``tova``, ``expected_attention``, ``knorm``, ``streaming``, ``random``): each segment's held
   tokens are scored again at the fold, on their own (a head's tokens differ from its neighbours' after an
-  eviction), with the queries of the last decoding steps (:meth:`LUKVLayer.record_queries`), so
-  keydiff's anchor and snapkv's observation window are those of the current state;
+  eviction), with the queries of the last decoding steps (the layer's eviction record keeps them:
+  :meth:`~lukv_cache.cache.storage.record.EvictionRecord.record_queries`), so keydiff's anchor and
+  snapkv's observation window are those of the current state;
 * **kept** (scorers that read every KV head of a token, ``Scorer.context``: ``kvzap``): a token is scored
   once, when it leaves the dense suffix (prefill or fold), where all heads still hold it, and its score
   is stored with it in the store (``RaggedStore.scores``) and reused at every later fold.

@@ -24,7 +24,8 @@ class Region:
     ``sinks`` (kept) and ``evictable`` tokens, bool ``[B, length]``; ``seen``: int64 ``[B]``, the real
     tokens (padding excluded) each row of the layer has seen in all (a memory budget sizes each row's
     bytes by them, as the row alone would be); ``sinks_left``: int64 ``[B]``, the sinks each row still has
-    to protect after this step (the layer's ``sinks_left`` once the step is taken: the caller stores it)."""
+    to protect after this step (the layer's eviction record's ``sinks_left`` once the step is taken: the caller
+    stores it)."""
 
     length: int
     sinks: torch.Tensor
@@ -59,7 +60,7 @@ def plan_region(layer: LUKVLayer, policy: CompressionPolicy, attention_mask: tor
         oldest = layer.window_start - (layer.cumulative_length - s)  # in suffix columns
         if oldest > 0:
             valid = valid & (torch.arange(length, device=device) >= oldest)
-    left = layer.sinks_left
+    left = layer.eviction.sinks_left
     if left is None:
         left = torch.full((b,), policy.sink, dtype=torch.long, device=device)
     # sinks: the first `sink` real tokens of each row, wherever they fall in a chunked prefill

@@ -7,7 +7,11 @@
   compression, appended in place into a buffer that grows geometrically (no per-step copy of anything).
 
 The layer owns its tensors and knows nothing of eviction policy: the cache decides what to keep and calls
-:meth:`LUKVLayer.evict`. Lengths reported to transformers are *logical* (tokens seen), never the stored
+:meth:`LUKVLayer.evict`. What compression keeps about the layer between its steps (the sinks each row has
+left, the length at the last eviction, recorded queries) is compression's :class:`~.record.EvictionRecord`,
+``layer.eviction``, which the layer only carries: its batch operations, device moves, ``crop`` and state
+take it along. ``fold_at`` and ``bounded`` are storage settings (how far the dense suffix grows while
+decoding, fixed when the layer is built), so they are the layer's. Lengths reported to transformers are *logical* (tokens seen), never the stored
 count: transformers builds one mask per forward from them and indexes padding by absolute position.
 
 ``suffix_keys`` / ``suffix_values`` are the dense suffix (what :meth:`LUKVLayer.update` returns, and what
@@ -19,8 +23,8 @@ read as zeros (the attention mask hides them). Otherwise reading them raises
 :class:`~lukv_cache.errors.RaggedCacheError`; :meth:`LUKVLayer.head_tokens` reads one (row, KV head).
 
 Its parts: the suffix (:mod:`.suffix`), the store's absorb and rebuild (:mod:`.merge`), the logical view
-(:mod:`.logical`), the sliding window (:mod:`.window`), batch rows and offloading (:mod:`.rows`) and
-its state for saved contexts (:mod:`.layer_state`).
+(:mod:`.logical`), the sliding window (:mod:`.window`), batch rows and offloading (:mod:`.rows`), its
+state for saved contexts (:mod:`.layer_state`) and the eviction record it carries (:mod:`.record`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .layer_state import LayerState
 from .logical import head_tokens, logical_content
 from .merge import absorb, rebuild
 from .ragged import RaggedStore
+from .record import EvictionRecord
 from .rows import BatchRows
 from .suffix import MIN_CAPACITY, DenseSuffix
 from .window import SlidingWindow
@@ -72,15 +77,12 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         self.cumulative_length = 0
         self.store: RaggedStore | None = None
         self.compressed = False
-        # [B] sinks still to protect per row (a chunk of a chunked prefill may be all padding); the cache's
-        # eviction reads and updates it, batch operations keep it aligned with the rows
-        self.sinks_left: torch.Tensor | None = None
+        # compression's bookkeeping of this layer (sinks left, settled length, recorded queries): compression
+        # writes it, the layer carries it through its batch operations, device moves, crop and state
+        self.eviction = EvictionRecord()
+        # storage settings: how the dense suffix grows while decoding
         self.fold_at = fold_at  # fold a decoding suffix this long into the store
         self.bounded = bounded  # the suffix buffer never grows past fold_at + 1 (eviction at fold time)
-        # logical length at the last eviction or fold: eviction at fold time counts the tokens since then
-        self.settled_length = 0
-        # [B, H_q, W, D]: the last post-RoPE queries, kept while they may score a fold (record_queries)
-        self.queries: torch.Tensor | None = None
         self.kv_bits = kv_bits  # the store's bits per key / value entry (None: the model's dtype)
 
     # ------------------------------------------------------------------ the dense suffix
@@ -243,9 +245,7 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         self.suffix = None
         self.cumulative_length = 0
         self.compressed = False
-        self.sinks_left = None
-        self.settled_length = 0
-        self.queries = None
+        self.eviction = EvictionRecord()
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -260,8 +260,7 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
             return
         n = min(n, self.cumulative_length)
         self.cumulative_length -= n
-        self.settled_length = min(self.settled_length, self.cumulative_length)
-        self.queries = None
+        self.eviction.crop(self.cumulative_length)
         if n <= self.suffix.length:
             self.suffix.truncate(self.suffix.length - n)
             return
@@ -271,8 +270,9 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> int:
-        """Bytes of every tensor this layer holds (store, positions, offsets, suffix buffers)."""
-        total = sum(t.numel() * t.element_size() for t in (self.sinks_left, self.queries) if t is not None)
+        """Bytes of every tensor this layer holds (store, positions, offsets, suffix buffers, its eviction
+        record's)."""
+        total = self.eviction.memory_bytes()
         total += 0 if self.suffix is None else self.suffix.memory_bytes()
         return total + (self.store.memory_bytes() if self.store is not None else 0)
 
@@ -300,7 +300,7 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         )
         kept = suffix.keys[:, :, r:], suffix.values[:, :, r:]
         self.suffix = DenseSuffix.of(*kept, capacity=suffix.length - r + MIN_CAPACITY)
-        self._settle()
+        self.compressed = True  # compression settles the layer's eviction record
         self.drop_out_of_window()
 
     def fold(self) -> None:
@@ -332,19 +332,5 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
             self.store, suffix.keys, suffix.values, start, source, counts, scores, self.kv_bits
         )
         self.suffix = DenseSuffix.of(suffix.keys[:, :, :0], suffix.values[:, :, :0], capacity=capacity)
-        self._settle()
+        self.compressed = True  # compression settles the layer's eviction record
         self.slide()
-
-    def _settle(self) -> None:
-        """After an eviction or a refold: the layer is compressed and settled at its length."""
-        self.compressed = True
-        self.settled_length = self.cumulative_length
-        self.queries = None
-
-    def record_queries(self, query: torch.Tensor, count: int) -> None:
-        """Keep this forward's post-RoPE ``query [B, H_q, q, D]`` after the ones kept before, the last
-        ``count`` of them (a scorer that reads queries ranks the tokens at the next fold with them)."""
-        recent = query[:, :, -count:]
-        if self.queries is not None and self.queries.shape[0] == recent.shape[0]:
-            recent = torch.cat([self.queries, recent], dim=2)[:, :, -count:]
-        self.queries = recent.clone()  # never a view: it would pin the forward's queries

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .ragged import RaggedStore
+from .record import RECORD_FIELDS, EvictionRecord
 from .state_check import StateCheck, StateShape
 from .suffix import DenseSuffix
 
@@ -64,16 +65,22 @@ def checked_parts(
 
 
 # what state_dict gives as parts of their own, or leaves out: the dtype and device (the suffix's), the
-# sliding window's tensor (rebuilt from sliding_window, on the layer's device)
-_PARTS = {"suffix", "store", "dtype", "device", "_sliding_window_tensor"}
+# sliding window's tensor (rebuilt from sliding_window, on the layer's device); the eviction record's
+# fields are given among the layer's own
+_PARTS = {"suffix", "store", "eviction", "dtype", "device", "_sliding_window_tensor"}
 
 
 class LayerState:
     """A layer's state as a plain dict (a mixin of LUKVLayer): its own attributes (``vars``: every plain
-    attribute the layer sets, transformers' included, travels), its parts' states and its dtype."""
+    attribute the layer sets, transformers' included, travels), its eviction record's fields beside them,
+    its parts' states and its dtype.
+
+    A mixin, not a part the layer holds: the state is the layer's own attributes (``vars(layer)``, as the
+    saved-context format records them) and ``load_state`` sets them back on the layer."""
 
     suffix: DenseSuffix | None
     store: RaggedStore | None
+    eviction: EvictionRecord
     is_initialized: bool
     sliding_window: int | None
     _sliding_window_tensor: torch.Tensor  # a sliding layer's window, on its device (transformers' name)
@@ -81,12 +88,14 @@ class LayerState:
     device: Any
 
     def state_dict(self) -> dict[str, Any]:
-        """The layer's state: ``attrs`` (its plain attributes by name, transformers' included, and
-        ``_suffix_len``, the suffix's length, under the saved-context format's name), ``tensors`` (its
-        other tensors: ``sinks_left``, ``queries``), ``dtype`` (None before the first update) and its parts'
+        """The layer's state: ``attrs`` (its plain attributes by name, transformers' included, its eviction
+        record's fields (:data:`~lukv_cache.cache.storage.record.RECORD_FIELDS`) and ``_suffix_len``, the
+        suffix's length, under the saved-context format's names), ``tensors`` (its other tensors, the
+        record's: ``sinks_left``, ``queries``), ``dtype`` (None before the first update) and its parts'
         states, ``suffix`` (:meth:`DenseSuffix.state_dict`) and ``store`` (:meth:`RaggedStore.state_dict`),
         each None when the layer has none."""
         own = {name: value for name, value in vars(self).items() if name not in _PARTS}
+        own.update(self.eviction.fields())
         own["_suffix_len"] = 0 if self.suffix is None else self.suffix.length
         return {
             "attrs": {name: value for name, value in own.items() if not isinstance(value, torch.Tensor)},
@@ -100,9 +109,11 @@ class LayerState:
         """Take :meth:`state_dict`'s ``state``, its tensors on ``device``, checked against ``shape`` (the
         model's sizes, the cache's fold settings, the other layers' batch) by :func:`checked_parts`;
         ``state["attrs"]`` have the types a fresh layer's have (the caller checks them)."""
-        for name, value in {**state["attrs"], **state["tensors"]}.items():
-            if name != "_suffix_len":
+        values = {**state["attrs"], **state["tensors"]}
+        for name, value in values.items():
+            if name != "_suffix_len" and name not in RECORD_FIELDS:
                 setattr(self, name, value)
+        self.eviction = EvictionRecord.from_fields(values)
         if self.sliding_window is not None:
             self._sliding_window_tensor = self._sliding_window_tensor.to(device)
         if self.is_initialized:

@@ -10,6 +10,7 @@ import torch
 
 from ...errors import BatchIndexError, ConfigurationError
 from .ragged import RaggedStore
+from .record import EvictionRecord
 from .suffix import DenseSuffix
 
 
@@ -53,13 +54,17 @@ def select_rows(indices, batch: int) -> torch.Tensor:
 class BatchRows:
     """A layer's batch operations and offloading, transformers' layer API (a mixin of
     :class:`~lukv_cache.cache.storage.layer.LUKVLayer`): every tensor the layer keeps per batch row (its dense
-    suffix, ragged store, ``sinks_left`` and recorded ``queries``) follows the rows selected, or moves to
-    the device, together. A compressed layer's suffix keeps its capacity (it decodes into it)."""
+    suffix, ragged store and the tensors of its eviction record) follows the rows selected, or moves to the
+    device, together. A compressed layer's suffix keeps its capacity (it decodes into it).
+
+    A mixin, not a part the layer holds: its public methods are transformers' layer contract, called on the
+    layer itself, and they replace the layer's own suffix and store (a part would need the layer back, and
+    the layer a forwarding method for each); what the layer only carries, its eviction record, is a part
+    (:meth:`~lukv_cache.cache.storage.record.EvictionRecord.select_rows`, ``move_to``)."""
 
     suffix: DenseSuffix | None
     store: RaggedStore | None
-    sinks_left: torch.Tensor | None
-    queries: torch.Tensor | None
+    eviction: EvictionRecord
     compressed: bool
     is_initialized: bool
     device: Any
@@ -74,10 +79,7 @@ class BatchRows:
         self.suffix = DenseSuffix.of(
             suffix.keys.index_select(0, rows), suffix.values.index_select(0, rows), capacity
         )
-        if self.sinks_left is not None:
-            self.sinks_left = self.sinks_left[rows.to(self.sinks_left.device)]
-        if self.queries is not None:
-            self.queries = self.queries.index_select(0, rows.to(self.queries.device))
+        self.eviction.select_rows(rows)
         if self.store is not None:
             self.store = self.store.select_rows(rows)
 
@@ -107,9 +109,6 @@ class BatchRows:
 
     def _move(self, device) -> None:
         self.suffix = cast(DenseSuffix, self.suffix).to(device)
-        if self.sinks_left is not None:
-            self.sinks_left = self.sinks_left.to(device, non_blocking=True)
-        if self.queries is not None:
-            self.queries = self.queries.to(device, non_blocking=True)
+        self.eviction.move_to(device)
         if self.store is not None:
             self.store = self.store.to(device)

@@ -20,6 +20,10 @@ from .suffix import DenseSuffix
 class SlidingWindow:
     """The sliding-window operations of a layer (a mixin of LUKVLayer; see the module docstring).
 
+    A mixin, not a part the layer holds: its fields are transformers' sliding-layer contract, read on the
+    layer itself (``sliding_window``, ``is_sliding``, ``_sliding_window_tensor``; transformers calls
+    ``activate_past_recording`` on the layer), and its operations replace the layer's own store and suffix.
+
     >>> from lukv_cache.cache.storage.layer import LUKVLayer
     >>> import torch
     >>> layer = LUKVLayer(sliding_window=4)
