@@ -34,7 +34,10 @@ MACHINE_PATH = re.compile(
 MACHINE_PATHS_ALLOWED = {
     "benchmarks/gpu_check.py": ("/tmp/gpu_check_toy.json", "the docstring's example output file, any folder"),
     "benchmarks/kvpress_efficiency.py": ("/tmp/kvpress-venv", "the throwaway venv its recipe creates first"),
-    "benchmarks/kvpress_ruler.py": ("/tmp/kvp", "the venv its recipe creates first (kvpress needs transformers < 5.3)"),
+    "benchmarks/kvpress_ruler.py": (
+        "/tmp/kvp",
+        "the venv its recipe creates first (kvpress needs transformers < 5.3)",
+    ),
     "benchmarks/results/ruler/kvpress_env.txt": ("/tmp/kvp", "that venv, as it was made"),
     "benchmarks/results/install/fresh_venvs.sh": ("/tmp/lukv-fresh-venvs", "its own work folder, recreated"),
     "tests/profiles/test_profile_hub.py": ("/home/me/models/llama", "a made-up folder the test passes"),
