@@ -159,6 +159,19 @@ def evaluation_commands(subparsers: Any) -> None:
     )
     ruler.add_argument("--name", help="stem of the results files (default: ruler_<model>)")
     ruler.add_argument("--quiet", action="store_true", help="no progress bar")
+    ruler.add_argument(
+        "--report",
+        action="store_true",
+        help="write the tables and the picture from <out>/<name>.jsonl as it stands, running nothing (no "
+        "model is loaded; its run header names the model)",
+    )
+    ruler.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="FILE",
+        help="other results files of the same model, seed and samples (e.g. benchmarks/kvpress_ruler.py's) "
+        "whose methods join the tables and the picture (default: none)",
+    )
     ruler.set_defaults(
         func=lazy_command("lukv_cache.evaluation.ruler.command", "run_command", precheck_ruler)
     )

@@ -3,8 +3,11 @@ amount to, kvpress's results beside ours; written with the tables."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from lukv_cache.cli import main
 from lukv_cache.evaluation.ruler.leaderboard import curves
 from lukv_cache.evaluation.ruler.report import summarize, write_report
 
@@ -44,3 +47,38 @@ def test_the_report_writes_the_picture_beside_the_tables(tmp_path):
     assert paths["run_1024"] == picture
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "global/kvzap@mem0.1" in paths["md"].read_text()
+
+
+def _results(path, records, model="m", seed=42):
+    lines = [{"kind": "run", "model": model, "seed": seed}, *records]
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "sample", "cut', encoding="utf-8"
+    )
+
+
+def test_report_writes_the_tables_from_the_file_alone_with_the_compared_runs(tmp_path, monkeypatch, capsys):
+    import lukv_cache.evaluation.ruler.command as command
+
+    monkeypatch.setattr(command, "load_model", lambda *a, **k: pytest.fail("--report loaded a model"))
+    ours = [r for r in RECORDS if not r["method"].startswith("kvpress:")]
+    _results(tmp_path / "run.jsonl", ours)
+    _results(tmp_path / "kvpress.jsonl", [r for r in RECORDS if r["method"].startswith("kvpress:")])
+    argv = ["ruler", "smollm2", "--report", "--out", str(tmp_path), "--name", "run"]
+    assert main([*argv, "--compare", str(tmp_path / "kvpress.jsonl")]) == 0
+    table = (tmp_path / "run.md").read_text()
+    assert "| kvpress:snapkv@0.8 | 1.000 | 0.0 ± 0.0 |" in table  # the compared run joins ours
+    assert "| global/kvzap@0.8 | 0.200 | 25.0 ±" in table
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert len(rows) == 6 and rows[0]["method"] == "full"
+    assert "kvpress:snapkv@0.8" in capsys.readouterr().out
+
+
+def test_report_refuses_a_compared_run_of_another_model_or_no_results(tmp_path, capsys):
+    _results(tmp_path / "run.jsonl", RECORDS[:4])
+    _results(tmp_path / "other.jsonl", RECORDS[-4:], model="another/model")
+    argv = ["ruler", "smollm2", "--report", "--out", str(tmp_path)]
+    assert main([*argv, "--name", "run", "--compare", str(tmp_path / "other.jsonl")]) == 2
+    assert "holds a run of 'another/model'" in capsys.readouterr().err
+    assert main([*argv, "--name", "missing"]) == 2
+    assert "No results file" in capsys.readouterr().err
+    assert not (tmp_path / "run.md").exists()

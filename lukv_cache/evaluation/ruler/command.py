@@ -32,8 +32,53 @@ def methods_of(args: argparse.Namespace) -> list[Any]:
     )
 
 
-def run_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+def _stem(args: argparse.Namespace) -> str:
+    return args.name or "ruler_" + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(args.model).name or args.model)
+
+
+def _compared(head: dict[str, Any], files: list[str] | None) -> list[dict[str, Any]]:
+    """The samples of the ``--compare`` files, each checked to be a run of the same model and seed."""
+    from ...errors import ConfigurationError
+    from .store import read_results
+
+    records: list[dict[str, Any]] = []
+    for file in files or ():
+        other, samples = read_results(file)
+        if {k: other.get(k) for k in ("model", "seed")} != {k: head.get(k) for k in ("model", "seed")}:
+            raise ConfigurationError(
+                f"--compare {file} holds a run of {other.get('model')!r} with seed {other.get('seed')!r}, not "
+                f"{head.get('model')!r} with seed {head.get('seed')!r}: compare runs on the same samples."
+            )
+        records += samples
+    return records
+
+
+def _report(
+    records: list[dict[str, Any]], methods: list[str], out: Path, stem: str, meta: dict[str, Any]
+) -> None:
     from .report import format_markdown, summarize, write_report
+
+    rows = summarize(records, methods)
+    paths = write_report(rows, out, stem, meta)
+    print(format_markdown(rows))
+    print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+
+
+def report_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """``lukv ruler --report``: the tables and the picture from the results file alone (no model, no run)."""
+    from .store import read_results
+
+    out, stem = Path(args.out).expanduser(), _stem(args)
+    head, records = read_results(out / f"{stem}.jsonl")
+    compared = _compared(head, args.compare)
+    meta = {"model": head.get("model"), "seed": head.get("seed"), "command": command_line(argv)}
+    _report(records + compared, [], out, stem, meta)
+    return 0
+
+
+def run_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    if args.report:
+        return report_command(args, argv)
     from .run import RulerSettings, run_ruler
     from .store import Store
 
@@ -45,9 +90,9 @@ def run_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         check_positions(config, length, f"--lengths {length}", "pass a smaller --lengths")
     model, tokenizer = load_model(args.model, threads=args.threads, verbose=True)
     model_id = str(getattr(model.config, "name_or_path", "") or args.model)
-    stem = args.name or "ruler_" + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(args.model).name or args.model)
-    out = Path(args.out).expanduser()
+    stem, out = _stem(args), Path(args.out).expanduser()
     store = Store(out / f"{stem}.jsonl", {"model": model_id, "seed": args.seed})
+    compared = _compared({"model": model_id, "seed": args.seed}, args.compare)  # refused before the run
     settings = RulerSettings(
         lengths=list(dict.fromkeys(args.lengths)),
         tasks=tasks,
@@ -59,9 +104,7 @@ def run_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         share_prefill=not args.no_share_prefill,
     )
     skipped = run_ruler(model, tokenizer, settings, store, out / f"{stem}.samples", progress=not args.quiet)
-    rows = summarize(store.records, [m.name for m in methods])
     meta = {"model": model_id, "seed": args.seed, "command": command_line(argv), "skipped": skipped}
-    paths = write_report(rows, out, stem, meta)
-    print(format_markdown(rows))
-    print(f"results {store.path}; wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+    print(f"results {store.path}", flush=True)
+    _report(store.records + compared, [m.name for m in methods], out, stem, meta)
     return 0

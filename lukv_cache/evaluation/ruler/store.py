@@ -64,6 +64,23 @@ class Store:
         self.done.add(key(record))
 
 
+def read_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A results file's run header (``model``, ``seed``) and its finished samples, read only (a line cut by a
+    killed run is skipped, the file left as it is); a missing or empty file is a :class:`ConfigurationError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigurationError(f"No results file {path}: run lukv ruler without --report first.")
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # the last line of a killed run
+    if not rows or rows[0].get("kind") != "run":
+        raise ConfigurationError(f"{path} is not a lukv ruler results file (its first line names no run).")
+    return rows[0], [r for r in rows[1:] if r.get("kind") == "sample"]
+
+
 def read_samples(path: Path, wanted: int) -> list[dict[str, Any]] | None:
     """The first ``wanted`` samples saved at ``path``, or ``None`` when the file holds fewer."""
     if not path.is_file():
