@@ -162,8 +162,8 @@ def evaluation_commands(subparsers: Any) -> None:
     ruler.add_argument(
         "--report",
         action="store_true",
-        help="write the tables and the picture from <out>/<name>.jsonl as it stands, running nothing (no "
-        "model is loaded; its run header names the model)",
+        help="write the tables and the picture from <out>/<name>.jsonl as it stands, over the first --samples "
+        "samples of each task, running nothing (no model is loaded; its run header names the model)",
     )
     ruler.add_argument(
         "--compare",

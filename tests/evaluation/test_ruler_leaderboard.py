@@ -71,6 +71,10 @@ def test_report_writes_the_tables_from_the_file_alone_with_the_compared_runs(tmp
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
     assert len(rows) == 6 and rows[0]["method"] == "full"
     assert "kvpress:snapkv@0.8" in capsys.readouterr().out
+    assert main([*argv, "--samples", "1"]) == 0  # the first sample of each task only
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert {task["n"] for row in rows for task in row["tasks"].values()} == {1}
+    assert rows[1]["method"] == "global/kvzap@0.5" and rows[2]["average"] == 0.0  # kvzap@0.8 scored 0 on #0
 
 
 def test_report_refuses_a_compared_run_of_another_model_or_no_results(tmp_path, capsys):

@@ -65,14 +65,15 @@ def _report(
 
 
 def report_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    """``lukv ruler --report``: the tables and the picture from the results file alone (no model, no run)."""
+    """``lukv ruler --report``: the tables and the picture from the results file alone (no model, no run),
+    over the first ``--samples`` samples of each task."""
     from .store import read_results
 
     out, stem = Path(args.out).expanduser(), _stem(args)
     head, records = read_results(out / f"{stem}.jsonl")
-    compared = _compared(head, args.compare)
+    first = [r for r in records + _compared(head, args.compare) if int(r["index"]) < args.samples]
     meta = {"model": head.get("model"), "seed": head.get("seed"), "command": command_line(argv)}
-    _report(records + compared, [], out, stem, meta)
+    _report(first, [], out, stem, meta)
     return 0
 
 
