@@ -575,3 +575,46 @@ def test_the_owner_check_sees_every_write_of_an_eviction_record():
     found = _record_violations(ast.parse(source), COMPRESSION / "fold.py", _record_fields())
     assert {int(line.split(":")[0].removeprefix("line ")) for line in found} == {1, 2, 5, 6, 7}, found
     assert not _record_violations(ast.parse("self.settled_length = n\n"), RECORD, _record_fields())
+
+
+def _layout_writes(tree: ast.AST) -> list[str]:
+    """``<x>.layout.<field> = ...`` (or ``+=``) in ``tree``: a part writing the layout's fields itself."""
+    found = []
+    for node in ast.walk(tree):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign)
+            else []
+        )
+        flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        for target in flat:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute):
+                owner = target.value
+                named = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+                if named == "layout":
+                    found.append(f"line {node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+@pytest.mark.parametrize("path", CACHE_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_layout_is_written_by_its_own_methods(path):
+    # the cache, the compressor and a saved file's reader ask the Layout (restore, saw_other_keys,
+    # record_the_past, set_num_layers, ...): it alone assigns its fields
+    found = _layout_writes(ast.parse(path.read_text()))
+    assert not found, (
+        f"{path.relative_to(PACKAGE)} writes the layout's fields (ask a Layout method): " + ", ".join(found)
+    )
+
+
+def test_the_layout_check_sees_a_write():
+    source = "cache.layout.undecided = False\na, self.layout.x = 1, 2\ncache.layout.n += 1\nlayout = 3\ncache.layout.full_layers[0] = 1\n"
+    assert [f.split(":")[0] for f in _layout_writes(ast.parse(source))] == [
+        "line 1",
+        "line 2",
+        "line 3",
+        "line 5",
+    ]

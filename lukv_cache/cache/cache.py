@@ -139,7 +139,7 @@ class LUKVCache(HybridRouting, CacheReport):
 
     @num_layers.setter
     def num_layers(self, value: int | None) -> None:
-        self.layout.num_layers = value
+        self.layout.set_num_layers(value)
 
     @property
     def evicts(self) -> bool:
@@ -189,7 +189,7 @@ class LUKVCache(HybridRouting, CacheReport):
         if self.layout.unseat_sliding(self, layer_idx):  # transformers' own sliding layer holds it now
             self.compressor.stop_awaiting()
             return
-        self.layout.other_keys = True
+        self.layout.saw_other_keys()
 
     def _after_attention(
         self,
@@ -300,7 +300,7 @@ class LUKVCache(HybridRouting, CacheReport):
                 "The tokens can differ from plain greedy decoding with the same cache settings.",
                 stacklevel=2,
             )
-        self.layout.record_past = True
+        self.layout.record_the_past()
         super().activate_past_recording(*args, **kwargs)
 
     def _check_refeed(self, length: int) -> None:

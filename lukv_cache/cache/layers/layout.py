@@ -122,6 +122,25 @@ class Layout:
         self.record_past = False  # assisted decoding: layers record their past (rejected drafts roll back)
         self.other_keys = False  # a layer's attention received other keys than update() returned (MLA)
 
+    def restore(self, full_layers: list[int], *, other_keys: bool, record_past: bool) -> None:
+        """The layout a saved context recorded (its reader checked it): these compressed layers, decided."""
+        self.full_layers = sorted(full_layers)
+        self.last_full_layer = self.full_layers[-1] if self.full_layers else None
+        self.undecided = False
+        self.layout_warning = None
+        self.other_keys, self.record_past = other_keys, record_past
+
+    def saw_other_keys(self) -> None:
+        """A layer's attention received other keys than ``update()`` returned (MLA)."""
+        self.other_keys = True
+
+    def record_the_past(self) -> None:
+        """Assisted decoding: layers record their past from now on (rejected drafts roll back)."""
+        self.record_past = True
+
+    def set_num_layers(self, value: int | None) -> None:
+        self.num_layers = value
+
     def set_layout(self, cache: LaidOutCache, config: Any) -> None:
         """transformers' own layer for every layer the cache does not compress (sliding and chunked windows,
         linear-attention / SSM states, KV-sharing placeholders, ...), a :class:`LUKVLayer` for every

@@ -247,10 +247,6 @@ def restore_layers(
         for i in full
     ):
         reader.fail("its list of compressed layers is malformed (damaged file).", "cache.full_layers")
-    cache.layout.full_layers = sorted(full)
-    cache.layout.last_full_layer = cache.layout.full_layers[-1] if full else None
-    cache.layout.undecided = False
-    cache.layout.layout_warning = None
     flags = {}
     for key in ("unrouted", "other_keys", "record_past"):
         value = state.get(key)
@@ -270,7 +266,7 @@ def restore_layers(
             "cache.record_past",
         )
     cache.compressor.set_unrouted(flags["unrouted"])
-    cache.layout.other_keys, cache.layout.record_past = flags["other_keys"], flags["record_past"]
+    cache.layout.restore(full, other_keys=flags["other_keys"], record_past=flags["record_past"])
     scores = state.get("prefill_scores") or []
     if scores and cache.prefill_scores is None:
         reader.fail(
