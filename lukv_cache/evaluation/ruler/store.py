@@ -45,12 +45,10 @@ class Store:
 
     def _read(self) -> Iterator[dict[str, Any]]:
         text = self.path.read_text(encoding="utf-8")
-        if text and not text.endswith("\n"):  # a line cut by a killed run: dropped
-            text = text[: text.rfind("\n") + 1]
-            self.path.write_text(text, encoding="utf-8")
-        for line in text.splitlines():
-            if line.strip():
-                yield json.loads(line)
+        whole = _whole_lines(text)
+        if len(whole) != len(text):  # a line cut by a killed run: dropped from the file too
+            self.path.write_text(whole, encoding="utf-8")
+        return _records(whole)
 
     def _write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as handle:
@@ -64,18 +62,22 @@ class Store:
         self.done.add(key(record))
 
 
+def _whole_lines(text: str) -> str:
+    """``text`` without a last line cut by a killed run (one with no newline yet)."""
+    return text if not text or text.endswith("\n") else text[: text.rfind("\n") + 1]
+
+
+def _records(text: str) -> Iterator[dict[str, Any]]:
+    return (json.loads(line) for line in text.splitlines() if line.strip())
+
+
 def read_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A results file's run header (``model``, ``seed``) and its finished samples, read only (a line cut by a
     killed run is skipped, the file left as it is); a missing or empty file is a :class:`ConfigurationError`."""
     path = Path(path)
     if not path.is_file():
         raise ConfigurationError(f"No results file {path}: run lukv ruler without --report first.")
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # the last line of a killed run
+    rows = list(_records(_whole_lines(path.read_text(encoding="utf-8"))))
     if not rows or rows[0].get("kind") != "run":
         raise ConfigurationError(f"{path} is not a lukv ruler results file (its first line names no run).")
     return rows[0], [r for r in rows[1:] if r.get("kind") == "sample"]
