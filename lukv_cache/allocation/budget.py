@@ -16,7 +16,7 @@ import torch
 MAX_RATIO = 0.999999  # a row's ratio never reaches 1: every head keeps at least its min_keep share
 
 
-def fill_ratio(n: torch.Tensor, total: torch.Tensor, slots: float) -> torch.Tensor:
+def fill_ratio(n: torch.Tensor, total: torch.Tensor, slots: float | torch.Tensor) -> torch.Tensor:
     """float64 ``[B]``: the ratio at which ``slots`` heads of ``n [B]`` evictable tokens each keep, on
     average, their share of ``total [B]`` (the room); 0 where the room holds all ``n``. Not clamped
     (clamp it to ``[0, MAX_RATIO]``). ``slots`` may be a weighted count (heads whose tokens cost more

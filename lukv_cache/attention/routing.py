@@ -73,6 +73,20 @@ def _per_head_message(module: torch.nn.Module, attention_mask: torch.Tensor) -> 
     )
 
 
+def _mask_for_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | None:
+    """``attention_mask`` over the keys a stock layer returned: its last ``key``-length columns where it is
+    longer. transformers builds one mask per layer kind, sized by the first layer of that kind; when that
+    layer is a compressed sliding LUKVLayer (logical positions, every column) and another of the kind is
+    transformers' own sliding layer (its last ``window - 1`` tokens and the new ones), as a KV-sharing
+    producer of Gemma-3n / Gemma-4 and the layers that read it are, the mask's last columns are exactly
+    that layer's keys (both end at the newest token)."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        keys = key.shape[-2]
+        if attention_mask.shape[-1] > keys:
+            return attention_mask[..., -keys:]
+    return attention_mask
+
+
 def route(stock: Callable | None) -> Callable:
     """A lukv-aware attention function around ``stock`` (``None``: the module's own eager function).
 
@@ -97,6 +111,7 @@ def route(stock: Callable | None) -> Callable:
                     "changed in between), which a compressed LUKVCache cannot serve exactly: use transformers' "
                     "DynamicCache for this model."
                 )
+            attention_mask = _mask_for_keys(attention_mask, key)
             return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         call = claim_attention(module, key)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -107,6 +122,7 @@ def route(stock: Callable | None) -> Callable:
             call.on_unservable(_per_head_message(module, attention_mask))
             call = None  # the stock attention reads the dense layer, exactly; nothing to finish
         if call is None or call.store is None:
+            attention_mask = _mask_for_keys(attention_mask, key)
             output = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:
             out = compressed_attention(

@@ -228,12 +228,6 @@ def test_a_budget_too_small_for_the_protected_tokens_is_a_typed_error():
         LUKVCache(memory=0.01, window=32).prefill(model, prompt(1, 200))
 
 
-def test_a_model_with_sliding_layers_is_refused_for_now():
-    model = tiny_model("gemma2", "eager")
-    with pytest.raises(ConfigurationError, match="every layer is full attention"):
-        LUKVCache(memory=0.2).prefill(model, prompt(1, 200))
-
-
 def test_saved_contexts_keep_the_choice(tmp_path):
     model = tiny_model("llama", "sdpa")
     ids = prompt(1, 400, seed=9)

@@ -321,12 +321,6 @@ def test_compress_saves_and_loads_with_its_option(tmp_path):
         ({"ratio": 0.5, "sliding": "drop"}, "sliding must be one of 'keep', 'compress'"),
         ({"max_tokens": 64, "sliding": "compress"}, "does not combine with max_tokens"),
         ({"decode_max_tokens": 64, "sliding": "compress"}, "does not combine with decode_max_tokens="),
-        # issue 54, item 9: a memory budget was refused by a message blaming max_tokens=
-        ({"memory": 0.1, "sliding": "compress"}, r"does not combine with memory= yet: a memory budget"),
-        (
-            {"max_bytes": 10**6, "sliding": "compress"},
-            r"does not combine with max_bytes= yet: a memory budget",
-        ),
     ],
 )
 def test_a_bad_sliding_option_is_a_configuration_error(kwargs, match):

@@ -13,7 +13,7 @@ import torch
 
 from ...allocation.budget import MAX_RATIO, fill_ratio, trim_weighted
 from ..layers.parallel import HeadShard
-from ..options.memory import MemoryChoice, budget_shapes, prefill_scores_bytes
+from ..options.memory import Kinds, MemoryChoice, budget_shapes, prefill_scores_bytes
 from ..options.policy import CompressionPolicy
 from ..storage.layer import LUKVLayer
 from .fold import keeps_scores
@@ -24,7 +24,7 @@ def row_ratios(
     policy: CompressionPolicy,
     region: Region,
     cap: torch.Tensor | None,
-    slots: float,
+    slots: float | torch.Tensor,
     fixed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float64 ``[B]``: each row's ratio; with ``max_tokens``, the one that fills the room ``cap`` leaves
@@ -50,7 +50,10 @@ def token_cap(
     query_heads: int | None = None,
     choice: MemoryChoice | None = None,
     keeps_prefill_scores: bool = False,
-) -> tuple[torch.Tensor | None, float, list[int] | None]:
+    later: dict[int, Region] | None = None,
+    seen: torch.Tensor | None = None,
+    kinds: Kinds | None = None,
+) -> tuple[torch.Tensor | None, float | torch.Tensor, list[int] | None]:
     """With ``max_tokens``: int64 ``[B]``, the evictable tokens that the layers ``evicted`` now (over all
     ``num_heads`` KV heads of the model) may keep in all, so that after this forward every row holds at
     most ``max_tokens`` tokens per (full-attention layer, KV head) on average (every layer's store, its
@@ -63,7 +66,15 @@ def token_cap(
     everywhere it is counted in tokens as above; with per-layer widths, in bytes: every token weighs
     its layer's bytes, the pairs still to evict are weighed alike, and the third value is the weight of
     each layer of ``evicted`` (``None`` when every token weighs the same), which the trim honours
-    (:func:`trim_weighted`)."""
+    (:func:`trim_weighted`).
+
+    ``later``: the layers a whole-model allocator evicts in this forward after these, with their regions
+    (a sliding layer compressed under a budget holds fewer tokens than a full-attention one, so it is
+    allocated in a call of its own): their protected tokens are kept out of the room, and the pairs come
+    back as a count ``[B]`` weighed by each layer's evictable tokens, so that the ratio that fills the
+    room is one for every layer (:func:`row_ratios`). ``seen``: each row's real tokens where ``region``'s
+    are not (a sliding layer's), from a full-attention layer of the step. ``kinds``: the model's other layer kinds
+    (:class:`~lukv_cache.cache.options.memory.Kinds`), which a budget counts."""
     if policy.max_tokens is None and not policy.in_bytes:
         return None, 0, None
     full = full or [i for i, layer in enumerate(layers) if isinstance(layer, LUKVLayer)]
@@ -80,17 +91,40 @@ def token_cap(
     # the bytes hold this many tokens at the layers' bits; the layers evicted before this step have
     # folded their windows into their stores (counted there)
     assert choice is not None  # chosen at the budget's first compression
-    scores = prefill_scores_bytes(len(full), num_heads, layer.suffix_length) if keeps_prefill_scores else 0
+    later = later or {}
+    evicting = [i for i in evicting if i not in later]
+    layers_counted = len(full) if kinds is None else len(kinds.compressed)
+    scores = (
+        prefill_scores_bytes(layers_counted, num_heads, layer.suffix_length) if keeps_prefill_scores else 0
+    )
     # [B]: each row its own, as the row alone (padding is not its tokens)
-    budget, shapes = budget_shapes(policy, layer, len(full), num_heads, query_heads, region.seen, scores)
-    cost = {i: shapes.stored_token(choice.bits_of(i), keeps_scores(policy)) for i in full}
+    budget, shapes = budget_shapes(
+        policy,
+        layer,
+        layers_counted,
+        num_heads,
+        query_heads,
+        region.seen if seen is None else seen,
+        scores,
+        kinds,
+    )
+    cost = {i: shapes.stored_token(choice.bits_of(i), keeps_scores(policy)) for i in {*full, *later}}
     uniform = len(set(cost.values())) == 1
     unit = cost[full[0]] if uniform else 1  # one width: count tokens, else bytes
-    weight = {i: cost[i] // unit for i in full}
+    weight = {i: cost[i] // unit for i in cost}
     pairs = num_heads * sum(weight[i] for i in evicting)
     room = (budget - shapes.fixed()) // unit
     cap = room - stored_in_stores(layers, shard, sinks.shape[0], weight) - pairs * (window + sinks)
-    return cap, pairs, None if uniform else [weight[i] for i in evicted]
+    slots: float | torch.Tensor = pairs
+    if later:
+        mine = region.n_evictable.cpu().double().clamp_min(1)
+        weighed = torch.full_like(mine, float(pairs))
+        for i, other in later.items():
+            kept = layers[i].suffix_length - other.length + other.sinks.sum(-1).cpu()  # window + sinks
+            cap = cap - num_heads * weight[i] * kept
+            weighed = weighed + num_heads * weight[i] * other.n_evictable.cpu().double() / mine
+        slots = weighed
+    return cap, slots, None if uniform else [weight[i] for i in evicted]
 
 
 def refill_bytes(

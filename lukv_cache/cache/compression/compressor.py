@@ -26,10 +26,8 @@ from typing import Any, Literal, cast
 
 import torch
 
-from ...errors import ConfigurationError
 from ...integration import discard_attention, guard_attention
 from ..layers.factory import LayerFactory
-from ..layers.layout import BUDGET_NEEDS_FULL_ATTENTION
 from ..options.memory import (
     BITS,
     MemoryChoice,
@@ -45,6 +43,7 @@ from .contract import CompressedCache
 from .evict import evict, held_steps, score_step, wants_compression
 from .fold import fold_due, fold_evict, keeps_scores
 from .forward_state import ForwardState, Phase
+from .kinds import cache_kinds
 from .region import Region, plan_region
 from .settle import check_batch, check_routed, check_scorer, check_servable
 
@@ -220,12 +219,22 @@ class Compressor:
         step = score_step(
             self.cache, idx, layer, self.plan(layer, attention_mask), module, query, attention_mask
         )
-        if policy.defers:
+        if self.defers:
             state.deferred[idx] = step
             if last:
                 self.evict_deferred()
         else:
             self.evict({idx: step})
+
+    @property
+    def defers(self) -> bool:
+        """Whether the prompt's eviction waits for the last compressed layer: a whole-model allocator's, and
+        any under a memory budget on a model whose sliding windows it compresses (their bytes share the
+        budget with the full-attention layers', whose regions give each row's real tokens: a sliding
+        layer's mask hides what left its window)."""
+        policy = self.policy
+        sliding = policy.in_bytes and policy.sliding == "compress" and bool(self.cache.layout.sliding_windows)
+        return policy.defers or sliding
 
     def flush(self) -> None:
         """Evict what a forward left waiting (it ended before its last full-attention layer): the deferred
@@ -256,17 +265,17 @@ class Compressor:
         cache, policy = self.cache, self.policy
         layout = cache.layout
         layer = cast(LUKVLayer, cache.layers[idx])
-        full = layout.full_layers or [i for i, each in enumerate(cache.layers) if isinstance(each, LUKVLayer)]
-        count = layout.num_layers or len(cache.layers)
-        if len(full) != count or not all(type(each) is LUKVLayer for each in cache.layers):
-            raise ConfigurationError(BUDGET_NEEDS_FULL_ATTENTION)
         heads = layer.num_heads * (1 if layout.head_shard is None else layout.head_shard.size)
+        kinds = cache_kinds(cache, layer, heads)
+        compressed = len(kinds.compressed)
         # keep_scores: every layer's prefill scores of this forward count in the budget too
         scores = (
-            0 if cache.prefill_scores is None else prefill_scores_bytes(len(full), heads, layer.suffix_length)
+            0
+            if cache.prefill_scores is None
+            else prefill_scores_bytes(compressed, heads, layer.suffix_length)
         )
         queries = kept_queries(policy, layout.query_heads, heads)
-        shapes = layer_shapes(layer, len(full), heads, queries, scores)
+        shapes = layer_shapes(layer, compressed, heads, queries, scores, kinds)
         profile = (policy.allocator_kwargs or {}).get("profile") or getattr(cache, "profile", None)
         choice = choose_bits(
             policy.memory,
@@ -332,6 +341,7 @@ class Compressor:
             cache.num_layers,
             layout.query_heads,
             scores_bytes,
+            layout.kv_readers,
         )
         self._report("fold", folding, started)
 

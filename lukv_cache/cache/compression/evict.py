@@ -20,6 +20,7 @@ from .cap import refill_bytes, row_ratios, token_cap
 from .contract import CompressedCache
 from .fold import keeps_scores, scorer_context, suffix_valid
 from .forward_state import ForwardState
+from .kinds import cache_kinds
 from .region import (
     CompressionPolicy,
     Region,
@@ -108,8 +109,14 @@ def evict(
     for idx, step in steps.items():
         heads = cast(LUKVLayer, cache.layers[idx]).num_heads
         groups.setdefault((heads, *step[0].n_evictable.tolist()), {})[idx] = step
-    for group in groups.values():
-        cap_ratio = _evict_group(cache, group, cap_ratio)
+    order = list(groups.values())
+    # each row's real tokens, from a full-attention layer's region where the step has one (a sliding
+    # layer's mask hides what left its window, as it hides padding)
+    full = [step[0].seen for idx, step in steps.items() if cache.layers[idx].sliding_window is None]
+    for n, group in enumerate(order):
+        # a cap counts the layers of the groups still to come (their protected tokens, their share)
+        later = {idx: step[0] for rest in order[n + 1 :] for idx, step in rest.items()}
+        cap_ratio = _evict_group(cache, group, cap_ratio, later, full[0] if full else None)
     return cap_ratio
 
 
@@ -117,6 +124,8 @@ def _evict_group(
     cache: CompressedCache,
     steps: dict[int, tuple[Region, torch.Tensor | None]],
     cap_ratio: torch.Tensor | None,
+    later: dict[int, Region] | None = None,
+    seen: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     scores: torch.Tensor | None
     scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
@@ -139,6 +148,11 @@ def _evict_group(
             cache.layout.query_heads,
             cache.memory_choice,
             cache.prefill_scores is not None,
+            later,
+            seen,
+            cache_kinds(cache, cast(LUKVLayer, cache.layers[scored[0]]), scores.shape[2])
+            if policy.in_bytes
+            else None,
         )
         ratio, cap_ratio = row_ratios(policy, region, cap, slots, cap_ratio)
         request = AllocationRequest(

@@ -7,6 +7,7 @@ The pure pieces (what a layer holds, rescoring) are :mod:`lukv_cache.cache.compr
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, cast
 
 import torch
@@ -19,6 +20,7 @@ from ..options.policy import CompressionPolicy
 from ..storage.layer import LUKVLayer
 from ..storage.ragged import keep_mask_from_counts
 from .fold_plan import Held, gather_held, held_tokens, masked_held, rescore
+from .kinds import layer_kinds
 from .region import score_suffix, suffix_positions, valid_from_mask
 
 _UNBOUNDED = 1 << 40  # tokens per (layer, KV head) when only a memory budget's bytes bound a fold
@@ -77,6 +79,7 @@ def fold_evict(
     num_layers: int | None,
     query_heads: int | None = None,
     scores_bytes: int = 0,
+    readers: list[int] | None = None,
 ) -> None:
     """Eviction at fold time (:mod:`lukv_cache.cache.compression.fold_plan`): the layers whose fold is due (``folding``:
     layer -> the attention module that read it, its mask) keep, per row, at most ``decode_max_tokens``
@@ -85,7 +88,8 @@ def fold_evict(
     hold (``scores_bytes``: the kept prefill scores' bytes per row, which count in it): in tokens at one
     width; with per-layer widths in bytes, each layer's tokens at its own width (the ratio the higher of
     the two, the counts trimmed to both). A budget without ``decode_max_tokens`` bounds the bytes alone,
-    and its folds protect the prompt's ``window``."""
+    and its folds protect the prompt's ``window``. ``readers``: the layers that read another's KV (a budget
+    counts nothing for them, :func:`~.kinds.layer_kinds`)."""
     kept_scores = keeps_scores(policy)
     idxs = sorted(folding)
     all_layers, layers = layers, [layers[i] for i in idxs]
@@ -94,7 +98,12 @@ def fold_evict(
     first = layers[0]
     assert first.suffix_keys is not None  # the layer holds a forward
     b, h, device = first.batch_size, first.num_heads, first.suffix_keys.device
-    real = valid_from_mask(folding[idxs[0]][1], b, first.cumulative_length, device).sum(-1).cpu()
+    # each row's real tokens, from a full-attention layer's mask where one folds (a sliding layer's hides
+    # what left its window)
+    counted = next((i for i, layer in zip(idxs, layers) if layer.sliding_window is None), idxs[0])
+    real = (
+        valid_from_mask(folding[counted][1], b, all_layers[counted].cumulative_length, device).sum(-1).cpu()
+    )
     recent = policy.window if policy.decode_max_tokens is None else policy.decode_window
     frames = [
         held_tokens(layer, suffix_valid(folding[i][1], layer), policy.sink, recent)
@@ -114,10 +123,24 @@ def fold_evict(
     per_head = torch.tensor(bound)  # [B] under a memory budget
     weights, room = None, None  # per-layer widths: each layer's bytes per token, the bytes [B] left
     if policy.in_bytes:  # and no more than the memory budget's bytes hold at the layers' bits
-        full = [i for i, layer in enumerate(all_layers) if isinstance(layer, LUKVLayer)]
+        others = readers or []
+        kinds = layer_kinds(all_layers, others, first, heads)
+        full = [i for i, layer in enumerate(all_layers) if isinstance(layer, LUKVLayer) and i not in others]
         # each row its own budget, by the real tokens it has seen (as the row alone)
-        budget, shapes = budget_shapes(policy, first, len(full), heads, query_heads, real, scores_bytes)
+        budget, shapes = budget_shapes(
+            policy, first, len(full), heads, query_heads, real, scores_bytes, kinds
+        )
         cost = {i: shapes.stored_token(all_layers[i].kv_bits, kept_scores) for i in full}
+        least = shapes.fixed() + protected.sum((0, 2)) * min(cost.values())  # [B]: what no fold can evict
+        if kinds.stock and bool((least > budget).any()):
+            warnings.warn(
+                f"LUKVCache(memory= / max_bytes=): the layers this cache leaves to transformers (layers "
+                f"{[i for i, layer in enumerate(all_layers) if not isinstance(layer, LUKVLayer)]}) grew past "
+                "what the budget leaves them, so the cache holds more than its budget from now on: nothing it "
+                "can evict makes room. Raise the budget (memory= grows with the tokens; a fixed max_bytes= does "
+                "not).",
+                stacklevel=2,
+            )
         if len(set(cost.values())) > 1 and idxs == full:  # in bytes, every layer's tokens at its width
             weights = [cost[i] for i in idxs]
             spent = (protected * torch.tensor(weights).view(-1, 1, 1)).sum((0, 2))

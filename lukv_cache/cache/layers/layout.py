@@ -35,13 +35,6 @@ logger = logging.getLogger("lukv_cache")
 _warned: set[tuple[str, str]] = set()
 
 
-BUDGET_NEEDS_FULL_ATTENTION = (
-    "memory= and max_bytes= need a model whose every layer is full attention (this one has sliding-window, "
-    "linear-attention or shared layers, whose bytes the budget does not count yet): use ratio= with kv_bits= "
-    "on it."
-)
-
-
 def bounds_given(policy: Any) -> tuple[str, ...]:
     """The token bounds a cache's ``policy`` was given, for its messages: ``max_tokens`` and/or
     ``decode_max_tokens`` (whose bound is ``max_tokens`` too when nothing else bounds the prompt), or none
@@ -108,6 +101,7 @@ class Layout:
         self.last_full_layer: int | None = None
         self.full_layers: list[int] = []
         self.kv_producers: list[int] = []  # layers whose KV later layers read (KV sharing): kept whole
+        self.kv_readers: list[int] = []  # and the layers that read it: they hold nothing of their own
         # sliding layers laid out as LUKVLayers until the first forward decides (its length vs the window):
         # layer -> its sliding_window; whether that forward is still to come; the layout's own full-attention
         # layers
@@ -162,6 +156,7 @@ class Layout:
         # reads its KV from shared_kv_states): kept whole too, or assisted decoding would read a partial KV
         modes = getattr(text, "kv_sharing_modes", None) or ()
         self.kv_producers = [i for i, mode in enumerate(modes) if mode == "store"]
+        self.kv_readers = [i for i, mode in enumerate(modes) if mode == "reuse"]
         factory = LayerFactory.for_policy(cache.policy)
         cache.lay_out(
             [
@@ -316,8 +311,16 @@ class Layout:
         # layers without per-token KV (linear attention, SSM, conv, KV-sharing placeholders) hold nothing to evict
         windowed = [i for i, kind in enumerate(layer_types) if kind in _WINDOWED]
         whole = [i for i, kind in enumerate(layer_types) if kind in _HELD_WHOLE]
-        if cache.policy.in_bytes and len(full) != len(layer_types):
-            raise ConfigurationError(BUDGET_NEEDS_FULL_ATTENTION)
+        policy = cache.policy
+        compressible = full or (self.sliding_windows and policy.sliding == "compress")
+        if policy.in_bytes and not policy.keeps_whole and not compressible:
+            budget = "memory=" if policy.memory is not None else "max_bytes="
+            raise ConfigurationError(
+                f"{budget} cannot hold on this model: it has no layer this cache compresses (layer types "
+                f"{sorted(set(layer_types))}; layers {producers} keep their KV whole for later layers to read), "
+                "so what it holds is what a DynamicCache holds. Generate without a budget (memory=1.0 is the "
+                "whole cache), or on a model with full-attention or sliding-window layers of its own."
+            )
         if self.undecided:  # what the sliding layers become is known at the first forward: warn then
             self.layout_warning = (layer_types, full, windowed, whole, producers)
         else:

@@ -17,6 +17,10 @@ at 4 bits (``layer_loss``) lets it weigh mixed widths too: the layers that lose 
 the others at 4 (:func:`choose_mix`). The bits are fixed from then on (the layers' stores are built in them);
 each later compression's budget is what the bytes hold at those bits, counted per layer (a token of an 8-bit
 layer costs more than one of a 4-bit layer) and enforced like ``max_tokens`` (:mod:`..compression.cap`).
+
+On a model with other layer kinds (:class:`Kinds`) the full cache is what the model's own cache holds for the
+prompt, layer by layer (a sliding window at most its window, linear-attention states at their size, a layer
+that reads another's KV nothing), and the layers the cache does not compress count as fixed bytes.
 """
 
 from __future__ import annotations
@@ -46,6 +50,54 @@ LayerBits = int | None | tuple[int | None, ...]  # one width for every layer, or
 
 
 @dataclass(frozen=True)
+class Kinds:
+    """What the model's own cache (``DynamicCache(config=model.config)``) holds per batch row, layer kind by
+    kind: the full cache a ``memory=`` fraction is taken of, and the bytes of the layers this cache leaves
+    to transformers (fixed bytes of the budget: no eviction changes them).
+
+    ``compressed``: one entry per layer the cache compresses (full attention; a sliding window compressed
+    under ``sliding="compress"``), the tokens per KV head the model's own cache holds there at most:
+    ``None`` for every token, ``w - 1`` for a sliding window of ``w`` (what transformers'
+    ``DynamicSlidingWindowLayer`` keeps). ``stock``: one ``(bytes per token of one row, hold)`` per layer
+    left to transformers' own layer that holds per-token keys and values (a sliding window kept whole, a
+    chunked window, a layer whose KV later layers read, an indexed layer). ``states``: bytes per row of
+    linear-attention / SSM states (conv and recurrent), beside the compressed layers or alone.
+
+    >>> kinds = Kinds(compressed=(None, 7), stock=((64, 7),), states=100)
+    >>> kinds.holdable(20), kinds.other(20), kinds.full(torch.tensor([20, 5]), pair_token=64).tolist()
+    (27, 548, [2276, 1060])
+    """
+
+    compressed: tuple[int | None, ...]
+    stock: tuple[tuple[int, int | None], ...] = ()
+    states: int = 0
+
+    def holdable(self, length: int) -> int:
+        """Tokens per KV head the compressed layers could hold, in all, for ``length`` tokens seen."""
+        return sum(_held(length, hold) for hold in self.compressed)
+
+    def other(self, length: int) -> int:
+        """Bytes per row of the layers the cache does not compress, once ``length`` columns (padding included)
+        have reached them."""
+        return sum(cost * _held(length, hold) for cost, hold in self.stock) + self.states
+
+    def full(self, seen: torch.Tensor, pair_token: int) -> torch.Tensor:
+        """int64 ``[B]``: the bytes the model's own cache holds for each row's ``seen`` tokens (``pair_token``:
+        bytes of one token of every KV head of a compressed layer, at the model's dtype)."""
+        seen = seen.long()
+        total = torch.full_like(seen, self.states)
+        for hold in self.compressed:
+            total = total + pair_token * (seen if hold is None else seen.clamp_max(hold))
+        for cost, hold in self.stock:
+            total = total + cost * (seen if hold is None else seen.clamp_max(hold))
+        return total
+
+
+def _held(length: int, hold: int | None) -> int:
+    return length if hold is None else min(length, hold)
+
+
+@dataclass(frozen=True)
 class Shapes:
     """What a budget's arithmetic needs of the model: the compressed layers' count, KV heads (all of the
     model's, under tensor parallelism too), key and value head dims, dtype, and each layer's decode room
@@ -60,6 +112,9 @@ class Shapes:
     queries: int = 0  # bytes of the queries a layer keeps for its next fold's scorer, per row
     position_bytes: int = POSITION_BYTES  # 4 where positions pass int16's range (int32)
     scores: int = 0  # bytes per row of the prefill scores the cache keeps (keep_scores=True), every layer's
+    # other layer kinds (None: every layer is a compressed full-attention one) and the columns they have seen
+    kinds: Kinds | None = None
+    length: int = 0
 
     @property
     def slots(self) -> int:
@@ -86,17 +141,37 @@ class Shapes:
     def fixed(self) -> int:
         """Bytes of one row that do not depend on how many tokens are kept: every layer's decode room,
         its store's offsets (one per KV head, and the last), its count of sinks still to keep and the
-        queries it keeps for its next fold's scorer; and the prefill scores the cache keeps."""
+        queries it keeps for its next fold's scorer; the prefill scores the cache keeps; and what the
+        layers it does not compress hold (:meth:`Kinds.other`) once the decode room has filled."""
         per_layer = 2 * OFFSET_BYTES + self.queries
         dense = self.slots * (self.room * self.dense_token + OFFSET_BYTES)
-        return dense + self.layers * per_layer + self.scores
+        # the layers left to transformers grow while decoding until the next fold: counted at its length
+        other = 0 if self.kinds is None else self.kinds.other(self.length + self.room)
+        return dense + self.layers * per_layer + self.scores + other
+
+    def holdable(self, length: int) -> int:
+        """Tokens one row's compressed (layer, KV head) pairs could hold in all for ``length`` tokens seen
+        (a sliding window's at most its own)."""
+        if self.kinds is None:
+            return self.slots * length
+        return self.heads * self.kinds.holdable(length)
+
+    def full_bytes(self, seen: torch.Tensor) -> torch.Tensor:
+        """int64 ``[B]``: what the model's own cache holds for each row's ``seen`` tokens."""
+        pair_token = self.heads * self.dense_token
+        if self.kinds is None:
+            return seen.long() * self.layers * pair_token
+        return self.kinds.full(seen, pair_token)
 
 
-def layer_shapes(layer: Any, layers: int, heads: int, queries: int = 0, scores: int = 0) -> Shapes:
+def layer_shapes(
+    layer: Any, layers: int, heads: int, queries: int = 0, scores: int = 0, kinds: Kinds | None = None
+) -> Shapes:
     """The :class:`Shapes` of a model whose ``layers`` compressed layers are like ``layer`` (a
     :class:`~lukv_cache.cache.storage.layer.LUKVLayer` holding a forward), ``heads`` KV heads each; ``queries``:
     query vectors (of all query heads) each layer keeps for its next fold's scorer; ``scores``: bytes per
-    row of the prefill scores the cache keeps (:func:`prefill_scores_bytes`)."""
+    row of the prefill scores the cache keeps (:func:`prefill_scores_bytes`); ``kinds``: the model's other
+    layer kinds, ``None`` when every layer is a compressed full-attention one."""
     keys, values = layer.suffix_keys, layer.suffix_values
     query_bytes = queries * keys.shape[-1] * keys.element_size()
     # positions up to the decode room's last are int16 while they fit (lukv_cache.cache.storage.ragged)
@@ -111,6 +186,8 @@ def layer_shapes(layer: Any, layers: int, heads: int, queries: int = 0, scores: 
         query_bytes,
         position,
         scores,
+        kinds,
+        layer.cumulative_length,
     )
 
 
@@ -137,12 +214,14 @@ def budget_shapes(
     query_heads: int | None,
     seen: torch.Tensor,
     scores: int = 0,
+    kinds: Kinds | None = None,
 ) -> tuple[torch.Tensor, Shapes]:
     """int64 ``[B]``: the bytes each row may hold under ``policy``'s budget over ``layers`` compressed
     layers of ``heads`` KV heads like ``layer``, for the real tokens it has ``seen`` (:func:`row_budgets`),
     and the :class:`Shapes` they are counted with (``query_heads``: the model's, whose queries a layer may
-    keep for its next fold, ``None`` when unknown; ``scores``: the kept prefill scores' bytes per row)."""
-    shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads, heads), scores)
+    keep for its next fold, ``None`` when unknown; ``scores``: the kept prefill scores' bytes per row;
+    ``kinds``: the model's other layer kinds, if any)."""
+    shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads, heads), scores, kinds)
     return row_budgets(policy.memory, policy.max_bytes, seen, shapes), shapes
 
 
@@ -163,7 +242,7 @@ def row_budget(memory: float | None, max_bytes: int | None, length: int, shapes:
     if max_bytes is not None:
         return max_bytes
     assert memory is not None
-    return int(memory * length * shapes.slots * shapes.dense_token)
+    return int(memory * int(shapes.full_bytes(torch.tensor([length]))[0]))
 
 
 def row_budgets(
@@ -179,7 +258,7 @@ def row_budgets(
     if max_bytes is not None:
         return torch.full(seen.shape, max_bytes, dtype=torch.long)
     assert memory is not None
-    return (memory * seen.double() * shapes.slots * shapes.dense_token).long()  # as row_budget rounds
+    return (memory * shapes.full_bytes(seen).double()).long()  # as row_budget rounds
 
 
 def tokens_allowed(budget: int, shapes: Shapes, bits: int | None, scores: bool) -> int:
@@ -345,7 +424,7 @@ def choose_bits(
     4
     """
     budget = row_budget(memory, max_bytes, length, shapes)
-    slots = shapes.slots * max(length, 1)
+    slots = max(shapes.holdable(length), 1)
     if shapes.head_dim % 2 or shapes.value_dim % 2:  # 4-bit codes pack two channels per byte
         precisions = tuple(bits for bits in precisions if bits != 4)
         if not precisions:
@@ -362,10 +441,17 @@ def choose_bits(
     if not fits:
         least = shapes.fixed() + protected * shapes.slots * shapes.stored_token(precisions[-1], scores)
         asked = f"memory={memory}" if max_bytes is None else f"max_bytes={max_bytes}"
+        other = 0 if shapes.kinds is None else shapes.kinds.other(shapes.length + shapes.room)
+        left = (
+            f" ({other} of them for the layers it leaves to transformers: sliding windows kept whole, "
+            "linear-attention states, shared KV; sliding='compress' compresses the windows too)"
+            if other
+            else ""
+        )
         raise ConfigurationError(
             f"{asked} gives {budget} bytes per row for this {length}-token prompt, but even at {_bits_text(precisions[-1])} the "
             f"cache needs {least} for the tokens every head keeps (sink + window: {protected} per head) and "
-            "its decode room: raise the budget, or lower sink=, window= or fold_interval=."
+            f"its decode room{left}: raise the budget, or lower sink=, window= or fold_interval=."
         )
     if table is not None:
         bits = table.choose({bits: 1.0 - kept[bits] for bits in fits})

@@ -183,13 +183,16 @@ class CompressionPolicy:
         "The cache chooses the bits (the model's precision, 8 or 4) and how many tokens to keep so that "
         "everything it holds (keys and values with their scales and zeros, positions, offsets, the decode room, "
         "kept queries and prefill scores: ``memory_bytes()``) fits, after every forward, ``memory`` times the "
-        "bytes a full ``DynamicCache`` holds for the tokens seen so far at the model's dtype (folds while "
+        "bytes the model's own ``DynamicCache(config=model.config)`` holds for the tokens seen so far at the "
+        "model's dtype, layer by layer (a sliding window at most its window, linear-attention states at their "
+        "size; folds while "
         "decoding evict what no longer fits; ``memory=1.0`` is the whole cache, exactly "
         "``DynamicCache``'s); the profile's measured table picks the "
         "bits when it has one (and, when it measured each layer's loss at 4 bits, may keep some layers at 8 "
         "bits and the rest at 4), else a fixed rule (``docs/memory.md``). ``cache.kv_bits`` (a tuple, one per "
-        "layer, for mixed widths) and ``cache.memory_choice`` say what it chose. Full-attention models only, "
-        "for now.",
+        "layer, for mixed widths) and ``cache.memory_choice`` say what it chose. Every layer kind counts: "
+        'sliding windows are compressed in the budget (``sliding`` defaults to ``"compress"`` with it; '
+        'with ``"keep"`` their windows count whole), the layers left to transformers at what they hold.',
         check=checked_memory,
         kinds=(float, int, type(None)),
         low=0,
@@ -213,9 +216,11 @@ class CompressionPolicy:
         '``"compress"`` (the default with ``ratio``): the layer drops what is older than its window, as '
         "transformers' own sliding layer does, and ``ratio`` removes that fraction of what is left too "
         "(allocated apart from the full-attention layers, which hold more tokens), so ``ratio`` counts every "
-        'layer\'s entries. ``"keep"`` (the default with ``max_tokens`` or ``decode_max_tokens``, which do not '
-        'combine with ``"compress"`` yet): transformers\' sliding layer holds the window whole and ``ratio`` '
-        "removes entries of the full-attention layers only, so the cache saves less than ``ratio`` says. On "
+        "layer's entries; under ``memory``/``max_bytes`` the budget's bytes span every layer. ``\"keep\"`` "
+        '(the default with ``max_tokens`` or ``decode_max_tokens``, which do not combine with ``"compress"`` '
+        "yet, and with ``memory=1.0``): transformers' sliding layer holds the window whole and ``ratio`` "
+        "removes entries of the full-attention layers only (a budget counts the windows whole), so the cache "
+        "saves less than ``ratio`` says. On "
         'Gemma-3-270M, at equal bytes ``"compress"`` kept far more of the text (``docs/benchmarks.md``). A '
         "prompt that fits the window is compressed like a full layer's either way.",
         check=checked_sliding,
@@ -303,12 +308,13 @@ class CompressionPolicy:
             fold_interval = BUDGET_FOLD_AT if memory is not None or max_bytes is not None else FOLD_AT
         kv_bits = check("kv_bits", given["kv_bits"])
         in_bytes = memory is not None or max_bytes is not None
-        bounded = max_tokens is not None or decode_max_tokens is not None or in_bytes
+        bounded = max_tokens is not None or decode_max_tokens is not None
         sliding = given["sliding"]
-        if (
-            sliding is None
-        ):  # the default: compress, but a token bound is shared by layers holding the same tokens
-            sliding = "keep" if bounded else "compress"
+        if sliding is None:
+            # the default: compress (a budget's bytes are counted layer by layer, the sliding ones too), but
+            # a token bound is shared by layers holding the same tokens, and memory=1.0 holds what
+            # DynamicCache holds
+            sliding = "keep" if bounded or (memory is not None and memory >= 1.0) else "compress"
         sliding = check("sliding", sliding)
         if sliding == "compress" and bounded:
             _refuse_compressed_sliding(given)
@@ -470,19 +476,12 @@ def _check_table_alone(evict_ratio: Any, ratio: Any, max_tokens: Any) -> None:
 
 
 def _refuse_compressed_sliding(given: Mapping[str, Any]) -> None:
-    """``sliding="compress"`` with a bound: the error names the bound the user passed."""
+    """``sliding="compress"`` with a token bound: the error names the bound the user passed."""
     tokens = [f"{name}=" for name in ("max_tokens", "decode_max_tokens") if given[name] is not None]
-    if tokens:
-        raise ConfigurationError(
-            f"sliding='compress' does not combine with {' or '.join(tokens)} yet (a token bound is shared by "
-            "layers that all hold the same tokens); use ratio=, or leave sliding= unset (with a bound it is "
-            "'keep')."
-        )
-    budget = "memory=" if given["memory"] is not None else "max_bytes="
     raise ConfigurationError(
-        f"sliding='compress' does not combine with {budget} yet: a memory budget runs on models whose every "
-        "layer is full attention, where sliding= changes nothing; leave sliding= unset, or use ratio= with "
-        "sliding='compress'."
+        f"sliding='compress' does not combine with {' or '.join(tokens)} yet (a token bound is shared by "
+        "layers that all hold the same tokens); use ratio= or memory=, or leave sliding= unset (with a token "
+        "bound it is 'keep')."
     )
 
 

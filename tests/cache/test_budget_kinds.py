@@ -1,0 +1,199 @@
+"""A memory budget on every layer kind (issue 57): sliding windows, linear-attention / SSM states, parallel
+hybrids and KV sharing. ``memory=f`` is ``f`` times what the model's own ``DynamicCache(config=...)`` holds
+(a sliding layer at most its window, linear states at their size, a layer reading another's KV nothing), the
+layers left to transformers count as they are, and the bound holds after every forward, as on full-attention
+models (``test_budget_property.py``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from helpers import tiny_model
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from lukv_cache import LUKVCache
+from lukv_cache._compat import cache_kwarg
+from lukv_cache.cache.storage.layer import LUKVLayer
+from lukv_cache.cache.storage.report import kv_cache_bytes
+from lukv_cache.errors import ConfigurationError
+from lukv_cache.testing import left_padded, prompt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "families"))
+
+import families  # noqa: E402
+
+WINDOW = 64  # the tiny Gemmas' sliding window here: a 300-token prompt is longer, 40 tokens fit
+QUESTION = 40
+
+
+def _forward(model, cache, ids, mask=None):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+
+
+def _own_bytes(model, ids: torch.Tensor) -> int:
+    """Bytes the model's own cache (``DynamicCache(config=...)``) holds after ``ids``."""
+    cache = DynamicCache(config=model.config)
+    _forward(model, cache, ids)
+    return kv_cache_bytes(cache)
+
+
+def _six_layers(model_type: str):
+    """A tiny Gemma-3n / Gemma-4 of 6 layers (sliding / full, alternating): the family matrix's has only the
+    layers that keep their KV for others (2 of them), which leaves nothing to compress."""
+    kwargs = families.config_kwargs(model_type)
+    kwargs.update(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
+    kwargs["intermediate_size"] = 128
+    if model_type == "gemma3n_text":
+        kwargs["num_kv_shared_layers"] = 2  # layers 4 and 5 read the KV of layers 2 and 3
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs)).eval()
+
+
+def _model(kind: str):
+    if kind in ("gemma3", "gemma2"):
+        return tiny_model(kind, attn="eager", sliding_window=WINDOW)
+    if kind == "gemma3n_text":
+        return _six_layers(kind)
+    model = families.build_model(kind, "sdpa")
+    return model[0] if isinstance(model, tuple) else model
+
+
+def _run_and_check(model, options: dict, ids, mask=None) -> tuple[LUKVCache, list[float]]:
+    """The prompt, decoding steps, a question, more steps; after each forward the bytes against the budget
+    (``memory`` times the model's own cache for the same tokens, or ``max_bytes`` per row)."""
+    rows = ids.shape[0]
+    cache = LUKVCache(**options, config=model.config)
+    seen, tokens = [], ids
+
+    def check():
+        if "max_bytes" in options:
+            bound = options["max_bytes"] * rows
+        else:
+            bound = int(options["memory"] * _own_bytes(model, tokens))
+        seen.append(cache.memory_bytes() / bound)
+        assert cache.memory_bytes() <= bound, (len(seen), cache.memory_bytes(), bound)
+
+    out = _forward(model, cache, ids, mask)
+    check()
+    for step in range(14):
+        new = prompt(rows, QUESTION, seed=11) if step == 6 else out.logits[:, -1:].argmax(-1)
+        mask = None if mask is None else torch.cat([mask, torch.ones_like(new)], 1)
+        tokens = torch.cat([tokens, new], 1)
+        out = _forward(model, cache, new, mask)
+        check()
+    return cache, seen
+
+
+KINDS = ["gemma3", "gemma2", "qwen3_next", "lfm2", "jamba", "falcon_h1", "gemma3n_text"]
+
+
+@pytest.mark.parametrize("options", [dict(memory=0.5), dict(memory=0.3), dict(max_bytes=30_000)], ids=repr)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_budget_holds_after_every_forward_on_every_layer_kind(kind, options):
+    model = _model(kind)
+    length = 300 if kind.startswith("gemma") else 150
+    if kind == "gemma3n_text":  # half its KV is in the two layers others read, kept whole
+        options = dict(memory=0.7) if "memory" in options else dict(max_bytes=110_000)
+    cache, seen = _run_and_check(model, options, prompt(1, length, seed=2))
+    assert cache.memory_choice is not None
+    if cache.memory_choice.ratio > 0:  # the budget is used, not only respected (unless it holds every token)
+        assert max(seen) > 0.75
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_next", "gemma3n_text"])
+@pytest.mark.parametrize("length", [40, 300])
+def test_memory_is_a_fraction_of_the_models_own_cache(kind, length):
+    """The budget is ``memory`` times what ``DynamicCache(config=...)`` holds for the prompt, layer by layer:
+    on Gemma the windows hold at most 63 tokens, Qwen3-Next's linear layer its states, Gemma-3n's reading
+    layers nothing."""
+    model = _model(kind)
+    ids = prompt(1, length, seed=3)
+    memory = 0.9 if kind == "gemma3n_text" else 0.7  # what gemma3n's layers kept whole leave room for
+    cache = LUKVCache(memory=memory, config=model.config)
+    _forward(model, cache, ids)
+    assert cache.memory_choice.budget == int(memory * _own_bytes(model, ids))
+
+
+def test_a_padded_batch_holds_the_budget_on_a_sliding_model():
+    model = _model("gemma3")
+    ids, mask = left_padded((300, 211), seed=3)
+    _run_and_check(model, dict(memory=0.3), ids, mask)
+
+
+def test_sliding_windows_are_compressed_in_the_budget_by_default_and_counted_whole_with_keep():
+    model = _model("gemma3")
+    ids = prompt(1, 300, seed=4)
+    compress, _ = _run_and_check(model, dict(memory=0.45), ids)
+    keep, _ = _run_and_check(model, dict(memory=0.45, sliding="keep"), ids)
+    assert compress.policy.sliding == "compress" and keep.policy.sliding == "keep"
+    assert all(isinstance(layer, LUKVLayer) for layer in compress.layers)
+    assert [type(layer) for layer in keep.layers][::2] == [DynamicSlidingWindowLayer] * 2
+    # the windows whole leave the full-attention layer less: it keeps fewer tokens
+    assert int(keep.stored_tokens()[1].sum()) < int(compress.stored_tokens()[1].sum())
+
+
+def test_a_budget_that_the_windows_kept_whole_leave_no_room_for_says_so():
+    model = _model("gemma3")
+    with pytest.raises(ConfigurationError, match="for the layers it leaves to transformers"):
+        LUKVCache(memory=0.25, sliding="keep", config=model.config).prefill(model, prompt(1, 300, seed=4))
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_next"])
+def test_memory_one_is_the_models_own_cache(kind):
+    model = _model(kind)
+    ids = prompt(1, 120, seed=5)
+    ours, theirs = LUKVCache(memory=1.0, config=model.config), DynamicCache(config=model.config)
+    a, b = _forward(model, ours, ids), _forward(model, theirs, ids)
+    for step in range(6):
+        assert torch.equal(a.logits, b.logits), step
+        assert ours.memory_bytes() == kv_cache_bytes(theirs), step
+        token = a.logits[:, -1:].argmax(-1)
+        a, b = _forward(model, ours, token), _forward(model, theirs, token)
+
+
+def test_a_model_with_nothing_to_compress_refuses_a_budget():
+    """The family matrix's tiny Gemma-4: both its layers keep their KV for others to read."""
+    model = _model("gemma4_text")
+    with pytest.raises(ConfigurationError, match="no layer this cache compresses"):
+        LUKVCache(memory=0.5, config=model.config).prefill(model, prompt(1, 100, seed=1))
+
+
+def test_layers_of_another_shape_are_refused_rather_than_miscounted():
+    """Gemma-4's full-attention layers have wider heads (``global_head_dim``) than its sliding ones."""
+    model = _six_layers("gemma4_text")
+    with pytest.raises(ConfigurationError, match="count every compressed layer at one shape"):
+        LUKVCache(memory=0.5, config=model.config).prefill(model, prompt(1, 150, seed=1))
+
+
+def test_layers_left_to_transformers_growing_past_a_fixed_budget_warn():
+    """Gemma-3n's layers that others read keep every token: past a fixed ``max_bytes`` nothing the cache can
+    evict makes room, and it says so."""
+    model = _model("gemma3n_text")
+    cache = LUKVCache(max_bytes=60_000, config=model.config)
+    out = _forward(model, cache, prompt(1, 150, seed=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(60):
+            out = _forward(model, cache, out.logits[:, -1:].argmax(-1))
+    assert any("grew past what the budget leaves them" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("kind", ["gemma4_text", "gemma3n_text"])
+def test_layers_kept_whole_beside_compressed_sliding_ones_decode_exactly(kind):
+    """Ratio 0 under ``sliding="compress"``: the compressed sliding layers and the stock ones that others
+    read share one sliding mask (sized by the first, a LUKVLayer's logical positions); decoding past the
+    window gives DynamicCache's logits."""
+    model = _six_layers(kind)
+    ids = prompt(1, 40, seed=6)
+    ours, theirs = LUKVCache(0.0, sliding="compress", config=model.config), DynamicCache(config=model.config)
+    a, b = _forward(model, ours, ids), _forward(model, theirs, ids)
+    for step in range(12):  # the window is 8 (the matrix's tiny config): decoding runs far past it
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-5, msg=f"step {step}")
+        token = a.logits[:, -1:].argmax(-1)
+        a, b = _forward(model, ours, token), _forward(model, theirs, token)
