@@ -126,6 +126,19 @@ def test_a_padded_batch_holds_the_budget_on_a_sliding_model():
     _run_and_check(model, dict(memory=0.3), ids, mask)
 
 
+@pytest.mark.parametrize("memory", [0.3, 0.15])
+def test_a_padded_row_keeps_what_it_keeps_alone_on_a_sliding_model(memory):
+    """Each row's budget counts its real tokens, read off the full-attention layer's mask (a sliding layer's
+    hides what left its window, as it hides padding)."""
+    model = _model("gemma3")
+    ids, mask = left_padded((300, 150), seed=3)
+    batch, alone = (LUKVCache(memory=memory, config=model.config) for _ in range(2))
+    _forward(model, batch, ids, mask)
+    _forward(model, alone, ids[1:, -150:])
+    assert batch.kv_bits == alone.kv_bits
+    assert torch.equal(batch.stored_tokens()[:, 1], alone.stored_tokens()[:, 0])
+
+
 def test_sliding_windows_are_compressed_in_the_budget_by_default_and_counted_whole_with_keep():
     model = _model("gemma3")
     ids = prompt(1, 300, seed=4)
