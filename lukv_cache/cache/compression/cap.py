@@ -68,7 +68,8 @@ def token_cap(
     each layer of ``evicted`` (``None`` when every token weighs the same), which the trim honours
     (:func:`trim_weighted`).
 
-    ``later``: the layers a whole-model allocator evicts in this forward after these, with their regions
+    ``later``: in a step that evicts every layer the forward compresses (deferred or held; ``None``
+    otherwise), the layers it evicts after these, with their regions
     (a sliding layer compressed under a budget holds fewer tokens than a full-attention one, so it is
     allocated in a call of its own): their protected tokens are kept out of the room, and the pairs come
     back as a count ``[B]`` weighed by each layer's evictable tokens, so that the ratio that fills the
@@ -78,7 +79,10 @@ def token_cap(
     if policy.max_tokens is None and not policy.in_bytes:
         return None, 0, None
     full = full or [i for i, layer in enumerate(layers) if isinstance(layer, LUKVLayer)]
-    evicting = list(evicted) if policy.defers else [*evicted, *(i for i in full if i > max(evicted))]
+    if later is not None:  # the forward's every compressed layer is in this step: these, then ``later``
+        evicting = list(evicted)
+    else:
+        evicting = list(evicted) if policy.defers else [*evicted, *(i for i in full if i > max(evicted))]
     layer = layers[evicted[0]]
     window = layer.suffix_length - region.length
     sinks = region.sinks.sum(-1).cpu()
@@ -92,7 +96,6 @@ def token_cap(
     # folded their windows into their stores (counted there)
     assert choice is not None  # chosen at the budget's first compression
     later = later or {}
-    evicting = [i for i in evicting if i not in later]
     layers_counted = len(full) if kinds is None else len(kinds.compressed)
     scores = (
         prefill_scores_bytes(layers_counted, num_heads, layer.suffix_length) if keeps_prefill_scores else 0

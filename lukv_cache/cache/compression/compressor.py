@@ -252,7 +252,8 @@ class Compressor:
         budgeted = self.policy.in_bytes and bool(steps)
         if budgeted and self.memory_choice is None:
             self.choose_bits(min(steps))
-        self.state.cap_ratio = evict(self.cache, steps, self.state.cap_ratio)
+        # a step of several layers (deferred or held) is every layer this forward compresses
+        self.state.cap_ratio = evict(self.cache, steps, self.state.cap_ratio, whole=len(steps) > 1)
         if budgeted:  # every kept token costs the same: the window joins the store, in its bits
             for idx in steps:
                 cast(LUKVLayer, self.cache.layers[idx]).fold()

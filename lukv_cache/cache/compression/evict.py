@@ -99,12 +99,15 @@ def evict(
     cache: CompressedCache,
     steps: dict[int, tuple[Region, torch.Tensor | None]],
     cap_ratio: torch.Tensor | None = None,
+    whole: bool = False,
 ) -> torch.Tensor | None:
     """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call for
     the layers whose rows have the same evictable tokens and KV heads, each at the ratio (a sliding layer
     compressed under ``sliding="compress"`` has fewer tokens than a full-attention one, and MiMo-V2-Flash's
     more heads: their own call). ``cap_ratio``: with ``max_tokens``, each row's ratio in this forward so
-    far (``ForwardState.cap_ratio``); returns it as the steps leave it (the compressor stores it)."""
+    far (``ForwardState.cap_ratio``); returns it as the steps leave it (the compressor stores it).
+    ``whole``: ``steps`` are every layer this forward compresses (a deferred or held eviction), so a cap
+    counts those of the groups still to come, and no others."""
     groups: dict[tuple[int, ...], dict[int, tuple[Region, torch.Tensor | None]]] = {}
     for idx, step in steps.items():
         heads = cast(LUKVLayer, cache.layers[idx]).num_heads
@@ -115,7 +118,7 @@ def evict(
     full = [step[0].seen for idx, step in steps.items() if cache.layers[idx].sliding_window is None]
     for n, group in enumerate(order):
         # a cap counts the layers of the groups still to come (their protected tokens, their share)
-        later = {idx: step[0] for rest in order[n + 1 :] for idx, step in rest.items()}
+        later = {idx: step[0] for rest in order[n + 1 :] for idx, step in rest.items()} if whole else None
         cap_ratio = _evict_group(cache, group, cap_ratio, later, full[0] if full else None)
     return cap_ratio
 
