@@ -14,7 +14,7 @@ from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import Profile
 from lukv_cache.profiling import cli as profiling_cli
 from lukv_cache.profiling.continuation import continuation_nll, prefill
-from lukv_cache.profiling.memory_table import add_memory_table, measure_memory_table
+from lukv_cache.profiling.memory_table import DEFAULT_RATIOS, add_memory_table, measure_memory_table
 
 TEXT = testing.prose(1200, seed=3)  # one token a character with byte_tokenizer()
 
@@ -181,7 +181,10 @@ def test_a_build_measures_the_table_on_its_calibration_context(
     calibration = calibration_writer(tmp_path / "c.jsonl", context=text)
     profile = _build(tiny_model, byte_tokenizer, calibration, tmp_path)
     table = profile.memory_table
-    assert table is not None and table.loss.shape == (3, 5) and np.isfinite(table.loss).all()
+    assert (
+        table is not None and table.loss.shape == (3, len(DEFAULT_RATIOS)) and np.isfinite(table.loss).all()
+    )
+    assert table.ratios.tolist() == list(np.float32(DEFAULT_RATIOS))
     # 4 windows of 110 tokens: too short for 128 continuation tokens, so half of each window
     assert "4 contexts of 55 tokens x 55 continuation tokens" in table.measure
     expected = measure_memory_table(tiny_model, byte_tokenizer, profile, text, continuation_tokens=55)
@@ -250,7 +253,7 @@ def test_lukv_memory_table(tiny_model, byte_tokenizer, calibration_writer, tmp_p
     args = ["memory-table", "tiny", str(path), "--calibration", str(calibration), "--quiet"]
     assert main([*args, "--contexts", "2", "--continuation-tokens", "32"]) == 0
     out = capsys.readouterr().out
-    assert "memory    loss of model, int8, int4 at ratios 0.50 0.70 0.80 0.90 0.95" in out
+    assert "memory    loss of model, int8, int4 at ratios 0.25 0.50 0.70 0.80 0.90 0.95" in out
     assert f"wrote {path}" in out
     assert Profile.load(path).memory_table.measure.startswith("continuation excess NLL")
     assert main(args) == 2  # already there
