@@ -120,6 +120,49 @@ def test_memory_is_a_fraction_of_the_models_own_cache(kind, length):
     assert cache.memory_choice.budget == int(memory * _own_bytes(model, ids))
 
 
+@pytest.mark.parametrize("options", [dict(memory=0.3), dict(memory=0.15), dict(max_bytes=20_000)], ids=repr)
+@pytest.mark.parametrize("kind", ["gemma3", "gemma3n_text"])
+def test_one_ratio_for_every_layer_holds_the_budget_too(kind, options):
+    model = _model(kind)
+    if kind == "gemma3n_text":
+        options = dict(memory=0.7) if "memory" in options else dict(max_bytes=110_000)
+    cache, _ = _run_and_check(model, {**options, "split": "ratio"}, prompt(1, 300, seed=2))
+    assert cache.policy.split == "ratio"
+
+
+@pytest.mark.parametrize("memory", [0.3, 0.15])
+def test_global_first_keeps_the_full_attention_layers_tokens_before_the_windows(memory):
+    """The default split under a budget: the sliding layers give their tokens first (down to their protected
+    ones), the full-attention layer keeps what the rest of the bytes hold; one ratio for every layer
+    (``split="ratio"``) keeps fewer of the full-attention layer's in the same bytes."""
+    model = _model("gemma3")
+    ids = prompt(1, 300, seed=7)
+    first, ratio = (
+        LUKVCache(memory=memory, config=model.config),
+        LUKVCache(memory=memory, split="ratio", config=model.config),
+    )
+    _forward(model, first, ids)
+    _forward(model, ratio, ids)
+    assert first.policy.split == "global_first"
+    kept_first, kept_ratio = first.stored_tokens()[:, 0], ratio.stored_tokens()[:, 0]  # [layers, heads]
+    assert int(kept_first[1].sum()) > int(kept_ratio[1].sum())  # layer 1: full attention
+    assert int(kept_first[0].sum()) < int(kept_ratio[0].sum())  # layer 0: a window
+    budget = first.memory_choice.budget
+    assert first.memory_bytes() <= budget and ratio.memory_bytes() <= budget
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(ratio=0.5, split="global_first"), "pass memory= or max_bytes= with it"),
+        (dict(memory=0.3, split="kinds"), "split must be one of 'global_first', 'ratio'"),
+    ],
+)
+def test_a_split_without_a_budget_or_unknown_is_a_configuration_error(options, match):
+    with pytest.raises(ConfigurationError, match=match):
+        LUKVCache(**options)
+
+
 def test_a_padded_batch_holds_the_budget_on_a_sliding_model():
     model = _model("gemma3")
     ids, mask = left_padded((300, 211), seed=3)

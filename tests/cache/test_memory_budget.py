@@ -280,7 +280,7 @@ def _resaved(src, dst, edit):
             "memory budget's choice is malformed",
         ),
         (lambda meta: meta["cache"]["memory_choice"].update(kv_bits=8), "kv_bits=4"),
-        (lambda meta: meta["options"].update(memory=None), "without memory= or max_bytes="),
+        (lambda meta: meta["options"].update(memory=None, split="ratio"), "without memory= or max_bytes="),
     ],
 )
 def test_a_saved_choice_that_does_not_fit_the_file_is_a_typed_error(tmp_path, edit, match):

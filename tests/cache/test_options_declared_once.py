@@ -45,6 +45,7 @@ SAVED_KEYS = {
     "keep_scores",
     "kv_bits",
     "sliding",
+    "split",
     "profiles",
 }
 

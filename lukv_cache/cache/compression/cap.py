@@ -52,6 +52,7 @@ def token_cap(
     keeps_prefill_scores: bool = False,
     later: dict[int, Region] | None = None,
     seen: torch.Tensor | None = None,
+    earlier: list[int] | None = None,
     kinds: Kinds | None = None,
 ) -> tuple[torch.Tensor | None, float | torch.Tensor, list[int] | None]:
     """With ``max_tokens``: int64 ``[B]``, the evictable tokens that the layers ``evicted`` now (over all
@@ -73,8 +74,11 @@ def token_cap(
     (a sliding layer compressed under a budget holds fewer tokens than a full-attention one, so it is
     allocated in a call of its own): their protected tokens are kept out of the room, and the pairs come
     back as a count ``[B]`` weighed by each layer's evictable tokens, so that the ratio that fills the
-    room is one for every layer (:func:`row_ratios`). ``seen``: each row's real tokens where ``region``'s
-    are not (a sliding layer's), from a full-attention layer of the step. ``kinds``: the model's other layer kinds
+    room is one for every layer (:func:`row_ratios`); with ``split="global_first"`` a full-attention layer
+    among them holds back all its tokens instead (the sliding ones, evicted first, take what is left). ``seen``: each row's real tokens where ``region``'s
+    are not (a sliding layer's), from a full-attention layer of the step. ``earlier``: the layers the step
+    evicted before these, whose protected windows are still dense (they join the stores after the step).
+    ``kinds``: the model's other layer kinds
     (:class:`~lukv_cache.cache.options.memory.Kinds`), which a budget counts."""
     if policy.max_tokens is None and not policy.in_bytes:
         return None, 0, None
@@ -111,19 +115,28 @@ def token_cap(
         scores,
         kinds,
     )
-    cost = {i: shapes.stored_token(choice.bits_of(i), keeps_scores(policy)) for i in {*full, *later}}
+    cost = {
+        i: shapes.stored_token(choice.bits_of(i), keeps_scores(policy))
+        for i in {*full, *later, *(earlier or [])}
+    }
     uniform = len(set(cost.values())) == 1
     unit = cost[full[0]] if uniform else 1  # one width: count tokens, else bytes
     weight = {i: cost[i] // unit for i in cost}
     pairs = num_heads * sum(weight[i] for i in evicting)
     room = (budget - shapes.fixed()) // unit
     cap = room - stored_in_stores(layers, shard, sinks.shape[0], weight) - pairs * (window + sinks)
+    for i in earlier or {}:  # their windows: all their dense suffix holds now, not in their stores yet
+        cap = cap - num_heads * weight[i] * layers[i].suffix_length
     slots: float | torch.Tensor = pairs
     if later:
         mine = region.n_evictable.cpu().double().clamp_min(1)
         weighed = torch.full_like(mine, float(pairs))
+        first = policy.split == "global_first"
         for i, other in later.items():
             kept = layers[i].suffix_length - other.length + other.sinks.sum(-1).cpu()  # window + sinks
+            if first and layers[i].sliding_window is None:  # a full-attention layer keeps every token first
+                cap = cap - num_heads * weight[i] * (kept + other.n_evictable.cpu())
+                continue
             cap = cap - num_heads * weight[i] * kept
             weighed = weighed + num_heads * weight[i] * other.n_evictable.cpu().double() / mine
         slots = weighed

@@ -107,19 +107,28 @@ def evict(
     more heads: their own call). ``cap_ratio``: with ``max_tokens``, each row's ratio in this forward so
     far (``ForwardState.cap_ratio``); returns it as the steps leave it (the compressor stores it).
     ``whole``: ``steps`` are every layer this forward compresses (a deferred or held eviction), so a cap
-    counts those of the groups still to come, and no others."""
+    counts those of the groups still to come, and no others; under a budget with ``split="global_first"``
+    the sliding groups are evicted first, each group at the ratio its room leaves it, the full-attention
+    layers' tokens all held back for them (:func:`~.cap.token_cap`)."""
     groups: dict[tuple[int, ...], dict[int, tuple[Region, torch.Tensor | None]]] = {}
     for idx, step in steps.items():
         heads = cast(LUKVLayer, cache.layers[idx]).num_heads
         groups.setdefault((heads, *step[0].n_evictable.tolist()), {})[idx] = step
     order = list(groups.values())
+    first = whole and cache.policy.in_bytes and cache.policy.split == "global_first"
+    if first:  # the sliding layers give their tokens first: evicted first, the full-attention ones' kept
+        order.sort(key=lambda group: cache.layers[next(iter(group))].sliding_window is None)
     # each row's real tokens, from a full-attention layer's region where the step has one (a sliding
     # layer's mask hides what left its window, as it hides padding)
     full = [step[0].seen for idx, step in steps.items() if cache.layers[idx].sliding_window is None]
     for n, group in enumerate(order):
         # a cap counts the layers of the groups still to come (their protected tokens, their share)
         later = {idx: step[0] for rest in order[n + 1 :] for idx, step in rest.items()} if whole else None
-        cap_ratio = _evict_group(cache, group, cap_ratio, later, full[0] if full else None)
+        # and those of the groups evicted before (their windows join their stores after the step)
+        earlier = [idx for done in order[:n] for idx in done]
+        if first:  # each group its own ratio: what the room leaves it
+            cap_ratio = None
+        cap_ratio = _evict_group(cache, group, cap_ratio, later, full[0] if full else None, earlier)
     return cap_ratio
 
 
@@ -129,6 +138,7 @@ def _evict_group(
     cap_ratio: torch.Tensor | None,
     later: dict[int, Region] | None = None,
     seen: torch.Tensor | None = None,
+    earlier: list[int] | None = None,
 ) -> torch.Tensor | None:
     scores: torch.Tensor | None
     scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
@@ -153,6 +163,7 @@ def _evict_group(
             cache.prefill_scores is not None,
             later,
             seen,
+            earlier,
             cache_kinds(cache, cast(LUKVLayer, cache.layers[scored[0]]), scores.shape[2])
             if policy.in_bytes
             else None,

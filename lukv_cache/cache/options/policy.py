@@ -39,6 +39,7 @@ from .values import (
     checked_ratio,
     checked_scorer,
     checked_sliding,
+    checked_split,
     count,
 )
 
@@ -227,6 +228,20 @@ class CompressionPolicy:
         kinds=(str,),
         before="keep",  # files written before the option: their sliding layers were "keep"'s
     )
+    split: str = option(
+        None,
+        "How a memory budget shares its bytes between sliding-window and full-attention layers.",
+        '``"global_first"`` (the default with ``memory``/``max_bytes``): the full-attention layers keep their '
+        "tokens first and the compressed sliding windows give theirs first (they hold only the last tokens, "
+        "which the full-attention layers hold too); once the windows keep only their protected tokens, the "
+        'full-attention layers evict. ``"ratio"``: one ratio for every layer. Each layer ranks its own tokens '
+        "either way. On Gemma-3-270M at 1k tokens (tuning texts) ``global_first`` kept 86.8% recall at "
+        'memory=0.1 where ``"ratio"`` kept 51.4% (``docs/memory.md``). Only with a budget (``ratio`` without '
+        "one evicts every layer at the ratio).",
+        check=checked_split,
+        kinds=(str,),
+        before="ratio",  # files written before the option: one ratio for every layer
+    )
     evict_ratio: Any = option(
         None,
         "`[layers, kv_heads]` fixed local evict ratios for the `profile` (or `hybrid`) allocator.",
@@ -316,6 +331,13 @@ class CompressionPolicy:
             # DynamicCache holds
             sliding = "keep" if bounded or (memory is not None and memory >= 1.0) else "compress"
         sliding = check("sliding", sliding)
+        split = given["split"]
+        if split == "global_first" and not in_bytes:
+            raise ConfigurationError(
+                f"split={split!r} shares a memory budget's bytes between layer kinds: pass memory= or max_bytes= "
+                "with it (ratio= evicts every layer at the ratio)."
+            )
+        split = check("split", "global_first" if split is None and in_bytes else split or "ratio")
         if sliding == "compress" and bounded:
             _refuse_compressed_sliding(given)
         if decode_max_tokens is not None:
@@ -374,6 +396,7 @@ class CompressionPolicy:
             memory=memory,
             max_bytes=max_bytes,
             sliding=sliding,
+            split=split,
             evict_ratio=given["evict_ratio"],
             allocator_kwargs=allocator_kwargs,
         )

@@ -64,6 +64,7 @@ MAX_BYTES_LIMIT = 2**50
 # entries only. A prompt that fits the window is compressed like a full layer's either way. Measured on
 # Gemma-3-270M (docs/benchmarks.md): at equal bytes "compress" keeps far more of the text.
 SLIDING = ("keep", "compress")
+SPLITS = ("global_first", "ratio")  # how a memory budget shares its bytes between layer kinds
 
 
 @overload
@@ -165,6 +166,16 @@ def checked_sliding(name: str, value: Any, default: Any) -> str:
         raise ConfigurationError(
             f"sliding must be one of {', '.join(map(repr, SLIDING))} (what a sliding-window layer does with a "
             f"prompt longer than its window), got {value!r}."
+        )
+    return value
+
+
+def checked_split(name: str, value: Any, default: Any) -> str:
+    """``split``'s check: one of :data:`SPLITS`."""
+    if not isinstance(value, str) or value not in SPLITS:
+        raise ConfigurationError(
+            f"split must be one of {', '.join(map(repr, SPLITS))} (how a memory budget shares its bytes between "
+            f"sliding-window and full-attention layers), got {value!r}."
         )
     return value
 
