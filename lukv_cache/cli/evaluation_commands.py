@@ -64,6 +64,14 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
         "(evicted at the ratio too) or keep (transformers' own sliding layer, ratio counts the full-attention "
         "layers); LUKVCache(sliding=...) (default: the cache's, compress)",
     )
+    parser.add_argument(
+        "--split",
+        choices=("global_first", "ratio"),
+        default=None,
+        help="how every --memory budget shares its bytes between sliding-window and full-attention layers: "
+        "global_first (the windows give their tokens first) or ratio (one ratio for every layer); "
+        "LUKVCache(split=...) (default: the cache's, global_first)",
+    )
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

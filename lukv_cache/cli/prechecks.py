@@ -170,9 +170,19 @@ def precheck_bench(args: argparse.Namespace) -> None:
             "--kv-bits sets the bits of the --ratios' caches, and --memory runs no ratio unless --ratios is "
             "given: a memory budget chooses its own bits. Drop --kv-bits, or add --ratios."
         )
+    _split_needs_memory(args)
     for task in _parts(args.tasks):  # the runner's own check, before the model loads
         if task not in TASKS:
             raise ConfigurationError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
+
+
+def _split_needs_memory(args: argparse.Namespace) -> None:
+    """``--split`` shares a memory budget's bytes: without ``--memory`` it would change nothing."""
+    if getattr(args, "split", None) is not None and not _parts(args.memory):
+        raise ConfigurationError(
+            f"--split {args.split} shares the --memory budgets' bytes between layer kinds, and no --memory is "
+            "given: add --memory, or drop --split (--ratios evict every layer at the ratio)."
+        )
 
 
 def precheck_ruler(args: argparse.Namespace) -> None:
@@ -190,6 +200,7 @@ def precheck_ruler(args: argparse.Namespace) -> None:
     refuse_unknown("allocator", _parts(args.allocators))
     kv_bits_list(_parts(args.kv_bits))
     memory_list(_parts(args.memory))
+    _split_needs_memory(args)
     for task in _parts(args.tasks):
         if task not in RULER_TASKS:
             raise ConfigurationError(f"Unknown RULER task {task!r}; choose from {', '.join(RULER_TASKS)}.")

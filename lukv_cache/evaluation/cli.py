@@ -132,6 +132,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         share_prefill=not args.no_share_prefill,
         kv_bits=kv_bits_list(split_values(args.kv_bits) or []),
         sliding=args.sliding,
+        split=args.split,
         memory=memory,
     )
     # a context the model has no positions for is refused before its weights load, as `lukv check` does

@@ -160,6 +160,8 @@ class Method:
     # LUKVCache(sliding=...): one value per run (`lukv bench --sliding`), not in the name; None: its default
     sliding: str | None = None
     memory: float | None = None
+    # LUKVCache(split=...) of a memory budget: one value per run (`lukv bench --split`), not in the name
+    split: str | None = None
 
     def __post_init__(self) -> None:
         if self.memory is not None and (self.ratio is not None or self.kv_bits is not None):
@@ -229,9 +231,11 @@ def build_methods(
     kv_bits: Sequence[int | None] = (None,),
     sliding: str | None = None,
     memory: Sequence[float] = (),
+    split: str | None = None,
 ) -> list[Method]:
     """The grid: the full cache (first) and every allocator x scorer x ratio (x ``kv_bits``), then every
-    allocator x scorer x ``memory`` budget (the budget chooses the bits: ``kv_bits`` does not apply).
+    allocator x scorer x ``memory`` budget (the budget chooses the bits: ``kv_bits`` does not apply;
+    ``split``: how the budgets share their bytes between layer kinds, ``LUKVCache(split=...)``).
 
     >>> [m.name for m in build_methods(["uniform"], ["keydiff"], [0.5])]
     ['full', 'uniform/keydiff@0.5']
@@ -248,7 +252,7 @@ def build_methods(
         for b in dict.fromkeys(kv_bits)
     ]
     grid += [
-        Method(a, s, sliding=sliding, memory=float(m))
+        Method(a, s, sliding=sliding, memory=float(m), split=split)
         for a in allocators
         for s in scorers
         for m in dict.fromkeys(memory)
@@ -292,7 +296,9 @@ def make_cache(
 
     # a memory budget chooses the ratio and the bits (passing either with it is refused)
     sizing: dict[str, Any] = (
-        {"memory": method.memory} if method.memory is not None else {"kv_bits": method.kv_bits}
+        {"memory": method.memory, **({"split": method.split} if method.split else {})}
+        if method.memory is not None
+        else {"kv_bits": method.kv_bits}
     )
     if method.allocator not in allocators_reading_profile() and not scorer_reads_profile(method.scorer):
         return LUKVCache(

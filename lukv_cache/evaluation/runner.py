@@ -60,6 +60,9 @@ class BenchSettings:
     share_prefill: bool = True
     kv_bits: Sequence[int | None] = (None,)  # the stores' bits per entry, each a column of the grid
     sliding: str | None = None  # what every cache's sliding-window layers do (LUKVCache(sliding=...))
+    split: str | None = (
+        None  # how every memory budget shares its bytes between layer kinds (LUKVCache(split=...))
+    )
     # memory budgets (fractions of the full cache's bytes), each a method per allocator x scorer
     memory: Sequence[float] = ()
 
@@ -143,6 +146,7 @@ def run_benchmark(
         kv_bits=settings.kv_bits,
         sliding=settings.sliding,
         memory=settings.memory,
+        split=settings.split,
     )
     results = BenchResults(settings, started_utc=datetime.datetime.now(datetime.UTC).isoformat())
     say = log or (lambda _msg: None)

@@ -29,6 +29,7 @@ def methods_of(args: argparse.Namespace) -> list[Any]:
         kv_bits=kv_bits_list(split_values(args.kv_bits) or []),
         sliding=args.sliding,
         memory=memory,
+        split=args.split,
     )
 
 
