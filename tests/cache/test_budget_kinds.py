@@ -21,7 +21,7 @@ from lukv_cache._compat import cache_kwarg
 from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.cache.storage.report import kv_cache_bytes
 from lukv_cache.errors import ConfigurationError
-from lukv_cache.testing import left_padded, prompt
+from lukv_cache.testing import flat_profile, left_padded, prompt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "families"))
 
@@ -253,3 +253,31 @@ def test_layers_kept_whole_beside_compressed_sliding_ones_decode_exactly(kind):
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-5, msg=f"step {step}")
         token = a.logits[:, -1:].argmax(-1)
         a, b = _forward(model, ours, token), _forward(model, theirs, token)
+
+
+def test_the_one_line_on_a_sliding_model_says_what_keeps_the_text(tmp_path, caplog):
+    """``from_pretrained(model, ratio=0.8)`` with nothing else chosen evicts a sliding model's windows and
+    full-attention layers alike: it says so once, with the budget that kept the text in fewer bytes; any
+    other choice, or a full-attention model, says nothing."""
+    from lukv_cache.cache import pretrained
+
+    gemma, llama = _model("gemma3"), tiny_model("llama", "sdpa")
+    path = tmp_path / "keydiff.safetensors"
+    flat_profile(3, 2, model_id="org/gemma").save(path)
+    pretrained._warned_sliding.discard("gemma3_text")
+    with caplog.at_level("WARNING", logger="lukv_cache"):
+        cache = LUKVCache.from_pretrained(path, ratio=0.8, config=gemma.config)
+        LUKVCache.from_pretrained(path, ratio=0.8, config=gemma.config)  # once per model type
+    assert cache.ratio == 0.8 and cache.policy.memory is None  # the ratio is kept as asked
+    assert caplog.text.count("has sliding-window layers, and ratio=0.8 evicts them") == 1
+    assert "LUKVCache.from_pretrained(model, memory=0.2)" in caplog.text
+    caplog.clear()
+    pretrained._warned_sliding.discard("gemma3_text")
+    with caplog.at_level("WARNING", logger="lukv_cache"):
+        for chosen in (dict(sliding="compress"), dict(allocator="uniform"), dict(memory=0.2)):
+            LUKVCache.from_pretrained(
+                path, **({"ratio": 0.8} if "memory" not in chosen else {}), config=gemma.config, **chosen
+            )
+        flat_profile(2, 2).save(tmp_path / "llama.safetensors")
+        LUKVCache.from_pretrained(tmp_path / "llama.safetensors", ratio=0.8, config=llama.config)
+    assert "has sliding-window layers" not in caplog.text
