@@ -64,7 +64,8 @@ def summarize(records: Sequence[dict[str, Any]], methods: Sequence[str] = ()) ->
 
 
 def format_markdown(rows: Sequence[dict[str, Any]], header: str = "") -> str:
-    """The tables, one per length (scores x100, ± the standard error over samples; n: samples)."""
+    """The tables, one per length (scores x100, ± the standard error over samples; n: samples; an average
+    over fewer tasks than the table's names how many)."""
     lines = [header] if header else []
     for length in sorted({r["length"] for r in rows}):
         at = [r for r in rows if r["length"] == length]
@@ -82,8 +83,10 @@ def format_markdown(rows: Sequence[dict[str, Any]], header: str = "") -> str:
                 c = r["tasks"].get(t)
                 cells.append(f"{c['mean']:.1f} ± {c['se']:.1f} (n={c['n']})" if c else "")
             kv = f"{r['kv_fraction']:.3f}" if r["kv_fraction"] is not None else "n/a"
+            # a method not run on every task of the table yet: its average is over fewer tasks, and says so
+            some = f" ({len(r['tasks'])} of {len(tasks)} tasks)" if len(r["tasks"]) < len(tasks) else ""
             lines.append(
-                f"| {r['method']} | {kv} | {r['average']:.1f} ± {r['average_se']:.1f} | "
+                f"| {r['method']} | {kv} | {r['average']:.1f} ± {r['average_se']:.1f}{some} | "
                 + " | ".join(cells)
                 + " |"
             )
