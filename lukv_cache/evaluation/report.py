@@ -210,15 +210,24 @@ def format_markdown(results: BenchResults, rows: list[dict[str, Any]] | None = N
             )
         ratios = list(s.ratios)
         if ratios:
+            # one row per kv_bits too when the run had several (`--kv-bits none 8 4`)
+            widths = list(dict.fromkeys(getattr(s, "kv_bits", None) or (None,)))
+            bits_column = len(widths) > 1
             lines += [
                 "",
-                "| allocator | scorer | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |",
-                "|---|---|" + "---|" * len(ratios),
+                "| allocator | scorer | "
+                + ("bits | " if bits_column else "")
+                + " | ".join(f"ratio {r:g}" for r in ratios)
+                + " |",
+                "|---|---|" + ("---|" if bits_column else "") + "---|" * len(ratios),
             ]
             for allocator in s.allocators:
                 for scorer in s.scorers:
-                    cells = [_cell(task_rows.get(f"{allocator}/{scorer}@{r:g}")) for r in ratios]
-                    lines.append(f"| {allocator} | {scorer} | " + " | ".join(cells) + " |")
+                    for bits in widths:
+                        suffix = "" if bits is None else f"/int{bits}"
+                        cells = [_cell(task_rows.get(f"{allocator}/{scorer}@{r:g}{suffix}")) for r in ratios]
+                        label = ("model | " if bits is None else f"int{bits} | ") if bits_column else ""
+                        lines.append(f"| {allocator} | {scorer} | {label}" + " | ".join(cells) + " |")
         lines += _memory_table(s, task_rows, _is_retrieval(task))
         kept = [
             f"{r:g}: {100 * task_rows[m]['kept_fraction_mean']:.1f}%"
