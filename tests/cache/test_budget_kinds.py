@@ -214,9 +214,15 @@ def test_memory_one_is_the_models_own_cache(kind):
 
 
 def test_a_model_with_nothing_to_compress_refuses_a_budget():
-    """The family matrix's tiny Gemma-4: both its layers keep their KV for others to read."""
-    model = _model("gemma4_text")
-    with pytest.raises(ConfigurationError, match="no layer this cache compresses"):
+    """A Qwen3-Next of linear-attention layers alone (from transformers 5.24 the family matrix's 2-layer
+    Gemma-4 is one too: both its layers keep their KV for others to read)."""
+    kwargs = families.config_kwargs("qwen3_next")
+    kwargs["layer_types"] = ["linear_attention", "linear_attention"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **kwargs)).eval()
+    with pytest.raises(
+        ConfigurationError, match=r"no layer this cache compresses \(layer types \['linear_attention'\]\)"
+    ):
         LUKVCache(memory=0.5, config=model.config).prefill(model, prompt(1, 100, seed=1))
 
 

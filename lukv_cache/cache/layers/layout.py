@@ -315,11 +315,12 @@ class Layout:
         compressible = full or (self.sliding_windows and policy.sliding == "compress")
         if policy.in_bytes and not policy.keeps_whole and not compressible:
             budget = "memory=" if policy.memory is not None else "max_bytes="
+            shared = f"; layers {producers} keep their KV whole for later layers to read" if producers else ""
             raise ConfigurationError(
                 f"{budget} cannot hold on this model: it has no layer this cache compresses (layer types "
-                f"{sorted(set(layer_types))}; layers {producers} keep their KV whole for later layers to read), "
-                "so what it holds is what a DynamicCache holds. Generate without a budget (memory=1.0 is the "
-                "whole cache), or on a model with full-attention or sliding-window layers of its own."
+                f"{sorted(set(layer_types))}{shared}), so what it holds is what a DynamicCache holds. Generate "
+                "without a budget (memory=1.0 is the whole cache), or on a model with full-attention or "
+                "sliding-window layers of its own."
             )
         if self.undecided:  # what the sliding layers become is known at the first forward: warn then
             self.layout_warning = (layer_types, full, windowed, whole, producers)
