@@ -39,7 +39,8 @@ def test_bench_grid_has_a_column_per_kv_bits_and_quantized_stores_hold_fewer_byt
     kept = [rows[("niah_multikey", name)]["kept_fraction_mean"] for name in names]
     assert kept[0] == kept[1] == kept[2]  # the same tokens are kept
     assert "excess_nll" in rows[("continuation", names[2])]
-    markdown = paths["md"].read_text()  # the grid has a row per kv_bits (it showed the model precision's alone before)
+    # the grid has a row per kv_bits (it showed the model precision's alone before)
+    markdown = paths["md"].read_text()
     assert "| allocator | scorer | bits | ratio 0.5 |" in markdown
     for label in ("model", "int8", "int4"):
         assert f"| uniform | keydiff | {label} | " in markdown

@@ -162,20 +162,26 @@ def checked_kv_bits(name: str, value: Any, default: Any) -> int | None:
 
 def checked_sliding(name: str, value: Any, default: Any) -> str:
     """``sliding``'s check: one of :data:`SLIDING`."""
-    if not isinstance(value, str) or value not in SLIDING:
-        raise ConfigurationError(
-            f"sliding must be one of {', '.join(map(repr, SLIDING))} (what a sliding-window layer does with a "
-            f"prompt longer than its window), got {value!r}."
-        )
-    return value
+    return _one_of(
+        "sliding", value, SLIDING, "what a sliding-window layer does with a prompt longer than its window"
+    )
 
 
 def checked_split(name: str, value: Any, default: Any) -> str:
     """``split``'s check: one of :data:`SPLITS`."""
-    if not isinstance(value, str) or value not in SPLITS:
+    return _one_of(
+        "split",
+        value,
+        SPLITS,
+        "how a memory budget shares its bytes between sliding-window and full-attention layers",
+    )
+
+
+def _one_of(name: str, value: Any, choices: tuple[str, ...], what: str) -> str:
+    """``value``, one of ``choices``; else a :class:`ConfigurationError` naming them and ``what`` the option is."""
+    if not isinstance(value, str) or value not in choices:
         raise ConfigurationError(
-            f"split must be one of {', '.join(map(repr, SPLITS))} (how a memory budget shares its bytes between "
-            f"sliding-window and full-attention layers), got {value!r}."
+            f"{name} must be one of {', '.join(map(repr, choices))} ({what}), got {value!r}."
         )
     return value
 
