@@ -35,7 +35,8 @@ def layer_kinds(layers: list[Any], readers: list[int], template: LUKVLayer, head
     batch = template.batch_size
     keys, values = template.suffix_keys, template.suffix_values
     token = heads * (keys.shape[-1] + values.shape[-1]) * keys.element_size()  # one row, every head
-    states = {type(layer): _state_bytes(layer, batch) for layer in layers if _state_bytes(layer, batch)}
+    own = [_state_bytes(layer, batch) for layer in layers]  # 0 where none, or not filled yet
+    states = {type(layer): size for layer, size in zip(layers, own) if size}
     compressed: list[int | None] = []
     stock: list[tuple[int, int | None]] = []
     state_bytes = 0
@@ -43,7 +44,7 @@ def layer_kinds(layers: list[Any], readers: list[int], template: LUKVLayer, head
         if i in readers:
             continue
         if isinstance(layer, LinearAttentionCacheLayerMixin):  # alone, or beside compressed attention
-            state_bytes += _state_bytes(layer, batch) or states.get(type(layer), 0)
+            state_bytes += own[i] or states.get(type(layer), 0)
         if isinstance(layer, LUKVLayer):
             _check_shape(i, layer, template)
             window = layer.sliding_window
