@@ -70,6 +70,8 @@ CASES = {
     "bench-ratio-out-of-range": lambda t: ["bench", "--ratios", "0.5,1.5"],
     "bench-memory-out-of-range": lambda t: ["bench", "--memory", "0"],
     "bench-memory-with-kv-bits": lambda t: ["bench", "--memory", "0.1", "--kv-bits", "4"],
+    "bench-split-without-memory": lambda t: ["bench", "--split", "ratio", "--ratios", "0.5"],
+    "ruler-split-without-memory": lambda t: ["ruler", "smollm2", "--split", "global_first"],
     "check-memory-out-of-range": lambda t: ["check", "smollm2", "--memory", "1.5"],
     "check-memory-with-kv-bits": lambda t: ["check", "smollm2", "--memory", "0.1", "--kv-bits", "8"],
     "check-memory-with-ratios": lambda t: ["check", "smollm2", "--memory", "0.1", "--ratios", "0.5"],
@@ -206,3 +208,9 @@ def test_convert_a_curve_claiming_petabytes_is_one_error_line(tmp_path, capsys):
 def test_a_count_out_of_range_says_what_is_allowed(argv, allowed, capsys):
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == f"error: {allowed}"
+
+
+@pytest.mark.parametrize("case", ["bench-split-without-memory", "ruler-split-without-memory"])
+def test_split_without_a_memory_budget_says_so(case, tmp_path, capsys):
+    assert main(CASES[case](tmp_path)) == 2
+    assert "no --memory is given" in capsys.readouterr().err
