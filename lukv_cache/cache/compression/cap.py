@@ -117,7 +117,7 @@ def token_cap(
     )
     cost = {
         i: shapes.stored_token(choice.bits_of(i), keeps_scores(policy))
-        for i in {*full, *later, *(earlier or [])}
+        for i in {*full, *evicting, *later, *(earlier or [])}
     }
     uniform = len(set(cost.values())) == 1
     unit = cost[full[0]] if uniform else 1  # one width: count tokens, else bytes
