@@ -171,7 +171,8 @@ def from_pretrained(
     if config is None and isinstance(model_or_profile, (str, os.PathLike)):
         config = _local_config(model_or_profile)
     if _evicts_sliding_windows(config or options.get("config"), scorer, allocator, options):
-        _warn_sliding(config or options.get("config"), ratio)
+        model = model_or_profile if hasattr(model_or_profile, "named_modules") else None
+        ratio = _held_in_bytes(config or options.get("config"), model, ratio, options)
     try:
         profile = resolve_profile(model_or_profile, scorer, hub=hub, local_dir=local_dir)
     except (ProfileNotFoundError, HubUnavailableError, ConfigurationError) as err:
@@ -242,6 +243,7 @@ def _evicts_sliding_windows(config: Any, scorer: Any, allocator: Any, options: d
         "kv_bits",
         "sliding",
         "split",
+        "memory_floor",
         "evict_ratio",
     )
     if scorer is not None or allocator is not None or any(options.get(name) is not None for name in chosen):
@@ -256,23 +258,83 @@ def _evicts_sliding_windows(config: Any, scorer: Any, allocator: Any, options: d
     return any(kind == "sliding_attention" and mode is None for kind, mode in zip(kinds, modes))
 
 
-def _warn_sliding(config: Any, ratio: float | None) -> None:
-    """Say once per model type that eviction alone on a sliding-window model loses text at high ratios, and
-    what keeps it in fewer bytes (docs/memory.md: Gemma-3-270M)."""
-    kind = str(getattr(config.get_text_config(decoder=True), "model_type", "") or type(config).__name__)
-    if ratio is None or ratio < 0.5 or kind in _warned_sliding:
-        return
-    _warned_sliding.add(kind)
-    logger.warning(
-        "lukv_cache: %s has sliding-window layers, and ratio=%g evicts them and its full-attention layers "
-        "alike: on Gemma-3-270M at 0.8 that lost most of the text (recall 40%% of 93%% at 1k tokens) where "
-        "memory=%g (fewer bits before fewer tokens, the windows evicted before the full-attention layers) kept "
-        "it in fewer bytes: LUKVCache.from_pretrained(model, memory=%g). docs/memory.md, 'Every layer kind'.",
-        kind,
-        ratio,
-        round(1.0 - ratio, 4),
-        round(1.0 - ratio, 4),
-    )
+def one_line_in_bytes(model: Any) -> bool:
+    """Whether ``LUKVCache.from_pretrained(model, ratio=r)`` (nothing else chosen) holds the ratio as
+    ``memory=1 - r`` on ``model`` (a loaded model): a sliding-window model whose layers a budget counts."""
+    config = getattr(model, "config", None)
+    return _evicts_sliding_windows(config, None, None, {}) and _budget_counts(config, model)
+
+
+def _held_in_bytes(config: Any, model: Any, ratio: float | None, options: dict[str, Any]) -> float | None:
+    """The one line on a sliding-window model: ``ratio`` held as a byte budget, ``memory=1 - ratio`` of the
+    model's own cache with ``memory_floor=True`` (set in ``options``; ``None`` returned for the ratio), where
+    the budget counts the model's layers (:func:`_budget_counts`; ``model``: the loaded model, if given);
+    said once per model type. Eviction alone
+    lost Gemma-3-270M's text at 0.8 where the budget, choosing fewer bits before fewer tokens and evicting
+    the windows before the full-attention layers, kept it in fewer bytes (docs/memory.md). Where the budget
+    cannot count the model, ``ratio`` as it is, with a warning."""
+    text = config.get_text_config(decoder=True)
+    kind = str(getattr(text, "model_type", "") or type(config).__name__)
+    if ratio is None:  # never here: the one line's default ratio is set before
+        return ratio
+    if not _budget_counts(config, model):
+        if kind not in _warned_sliding:
+            _warned_sliding.add(kind)
+            logger.warning(
+                "lukv_cache: %s has sliding-window layers, and ratio=%g evicts them and its full-attention "
+                "layers alike: on Gemma-3-270M at 0.8 that lost most of the text. A memory budget, which keeps "
+                "it there, does not count this model's layers yet (docs/memory.md, 'Every layer kind').",
+                kind,
+                ratio,
+            )
+        return ratio
+    memory = round(1.0 - ratio, 6)
+    options.update(memory=memory, memory_floor=True)
+    if kind not in _warned_sliding:
+        _warned_sliding.add(kind)
+        logger.warning(
+            "lukv_cache: %s has sliding-window layers: ratio=%g is held as memory=%g, a byte budget of %g%% of "
+            "the model's own cache (fewer bits before fewer tokens, the windows evicted before the "
+            "full-attention layers). On Gemma-3-270M eviction alone at 0.8 lost most of the text (recall 42%% "
+            "of 93%% at 1k tokens) where this kept it (91%%, in 17%% of the bytes). Pass sliding='compress' "
+            "to evict at the ratio instead. docs/memory.md, 'Every layer kind'.",
+            kind,
+            ratio,
+            memory,
+            round(100 * memory, 4),
+        )
+    return None
+
+
+def _budget_counts(config: Any, model: Any = None) -> bool:
+    """Whether a memory budget counts the layers of ``config``'s model as they are: attention layers, full or
+    sliding, each with its own KV, all of one shape (not KV-sharing layers, not the linear-attention or
+    chunked kinds; not Gemma-4's wider global heads or MiMo-V2-Flash's sliding layers of twice the KV
+    heads, which the budget refuses: read off the key and value projections of ``model``, or of the model
+    built from ``config`` on the meta device, which allocates nothing)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    kinds = get_layer_types_and_kwargs(text)[0]
+    if any(kind not in ("full_attention", "sliding_attention") for kind in kinds):
+        return False
+    if getattr(text, "num_kv_shared_layers", 0) or any(getattr(text, "kv_sharing_modes", None) or ()):
+        return False
+    if model is None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except Exception:  # noqa: BLE001 - a config transformers cannot build: its layers as the config says
+            return True
+    widths: dict[str, set[int]] = {"k_proj": set(), "v_proj": set()}
+    for name, module in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in widths and hasattr(module, "out_features"):
+            widths[kind].add(module.out_features)
+    return all(len(found) <= 1 for found in widths.values())
 
 
 _warned_sliding: set[str] = set()

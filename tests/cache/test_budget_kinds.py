@@ -90,7 +90,17 @@ def _run_and_check(model, options: dict, ids, mask=None) -> tuple[LUKVCache, lis
     return cache, seen
 
 
-KINDS = ["gemma3", "gemma2", "qwen3_next", "lfm2", "jamba", "falcon_h1", "gemma3n_text"]
+KINDS = [
+    "gemma3",
+    "gemma2",
+    "qwen3_next",
+    "lfm2",
+    "jamba",
+    "falcon_h1",
+    "gemma3n_text",
+    "dory",
+]  # dory: a looped
+# model whose cache gains layers (copies of its recurrent ones) at the first forward
 
 
 @pytest.mark.parametrize("options", [dict(memory=0.5), dict(memory=0.3), dict(max_bytes=30_000)], ids=repr)
@@ -261,10 +271,10 @@ def test_layers_kept_whole_beside_compressed_sliding_ones_decode_exactly(kind):
         a, b = _forward(model, ours, token), _forward(model, theirs, token)
 
 
-def test_the_one_line_on_a_sliding_model_says_what_keeps_the_text(tmp_path, caplog):
-    """``from_pretrained(model, ratio=0.8)`` with nothing else chosen evicts a sliding model's windows and
-    full-attention layers alike: it says so once, with the budget that kept the text in fewer bytes; any
-    other choice, or a full-attention model, says nothing."""
+def test_the_one_line_on_a_sliding_model_holds_its_ratio_in_bytes(tmp_path, caplog):
+    """``from_pretrained(model, ratio=0.8)`` with nothing else chosen is, on a sliding-window model,
+    ``memory=0.2`` of the model's own cache with ``memory_floor=True`` (eviction alone lost Gemma's text):
+    said once per model type; any other choice, or a full-attention model, keeps the ratio and says nothing."""
     from lukv_cache.cache import pretrained
 
     gemma, llama = _model("gemma3"), tiny_model("llama", "sdpa")
@@ -274,16 +284,77 @@ def test_the_one_line_on_a_sliding_model_says_what_keeps_the_text(tmp_path, capl
     with caplog.at_level("WARNING", logger="lukv_cache"):
         cache = LUKVCache.from_pretrained(path, ratio=0.8, config=gemma.config)
         LUKVCache.from_pretrained(path, ratio=0.8, config=gemma.config)  # once per model type
-    assert cache.ratio == 0.8 and cache.policy.memory is None  # the ratio is kept as asked
-    assert caplog.text.count("has sliding-window layers, and ratio=0.8 evicts them") == 1
-    assert "LUKVCache.from_pretrained(model, memory=0.2)" in caplog.text
+    assert (cache.policy.memory, cache.policy.memory_floor, cache.policy.sliding) == (0.2, True, "compress")
+    assert caplog.text.count("ratio=0.8 is held as memory=0.2") == 1
+    assert LUKVCache.from_pretrained(path, ratio=0.0, config=gemma.config).policy.keeps_whole
     caplog.clear()
     pretrained._warned_sliding.discard("gemma3_text")
     with caplog.at_level("WARNING", logger="lukv_cache"):
-        for chosen in (dict(sliding="compress"), dict(allocator="uniform"), dict(memory=0.2)):
-            LUKVCache.from_pretrained(
+        for chosen in (dict(sliding="compress"), dict(allocator="uniform"), dict(memory=0.3)):
+            cache = LUKVCache.from_pretrained(
                 path, **({"ratio": 0.8} if "memory" not in chosen else {}), config=gemma.config, **chosen
             )
+            assert not cache.policy.memory_floor and cache.policy.memory in (None, 0.3)
         flat_profile(2, 2).save(tmp_path / "llama.safetensors")
-        LUKVCache.from_pretrained(tmp_path / "llama.safetensors", ratio=0.8, config=llama.config)
-    assert "has sliding-window layers" not in caplog.text
+        cache = LUKVCache.from_pretrained(tmp_path / "llama.safetensors", ratio=0.8, config=llama.config)
+        assert (cache.ratio, cache.policy.memory) == (0.8, None)
+    assert "sliding-window layers" not in caplog.text
+
+
+def test_the_one_line_on_a_sliding_model_keeps_its_bytes_and_short_prompts(tmp_path):
+    """The one line's budget on Gemma holds after every forward of a long prompt and its decoding; a prompt
+    too short for 20% of its bytes (the protected tokens and the decode room do not fit) keeps those, where
+    the same ``memory=0.2`` without the floor refuses it."""
+    model = _model("gemma3")
+    path = tmp_path / "keydiff.safetensors"
+    flat_profile(3, 2, model_id="org/gemma").save(path)
+    ids = prompt(1, 300, seed=3)
+    cache = LUKVCache.from_pretrained(path, ratio=0.8, config=model.config)
+    tokens = ids
+    out = _forward(model, cache, ids)
+    for _ in range(12):
+        assert cache.memory_bytes() <= int(0.2 * _own_bytes(model, tokens))
+        token = out.logits[:, -1:].argmax(-1)
+        tokens = torch.cat([tokens, token], -1)
+        out = _forward(model, cache, token)
+    short = prompt(1, 12, seed=4)
+    with pytest.raises(ConfigurationError, match="memory=0.2 gives"):
+        _forward(model, LUKVCache(memory=0.2, config=model.config), short)
+    cache = LUKVCache.from_pretrained(path, ratio=0.8, config=model.config)
+    floor = LUKVCache(memory=0.2, memory_floor=True, config=model.config)
+    for each in (cache, floor):
+        generated = model.generate(short, max_new_tokens=6, do_sample=False, **{cache_kwarg(model): each})
+        assert generated.shape[-1] == 18
+        assert each.memory_choice is not None and each.memory_choice.budget > int(
+            0.2 * _own_bytes(model, short)
+        )
+
+
+@pytest.mark.parametrize("given", ["config", "model"])
+@pytest.mark.parametrize("kind", ["gemma3n_text", "mimo_v2_flash"])
+def test_the_one_line_keeps_its_ratio_where_a_budget_cannot_count_the_model(tmp_path, caplog, kind, given):
+    """A sliding model whose layers a budget does not count yet keeps the ratio as asked, with a warning:
+    KV-sharing layers (Gemma-3n), sliding layers of twice the KV heads (MiMo-V2-Flash: read off the model's
+    projections, or off the model built from the config on the meta device)."""
+    from lukv_cache.cache import pretrained
+
+    model = _model(kind) if kind == "gemma3n_text" else families.build_model(kind, "eager")
+    model.config.name_or_path = f"org/{kind}"
+    pretrained._warned_sliding.discard(kind)
+    with caplog.at_level("WARNING", logger="lukv_cache"):
+        if given == "model":
+            cache = LUKVCache.from_pretrained(model, ratio=0.8, local_files_only=True)
+        else:
+            cache = LUKVCache.from_pretrained(
+                f"org/{kind}", ratio=0.8, local_files_only=True, config=model.config
+            )
+    assert (cache.ratio, cache.policy.memory) == (0.8, None)
+    assert "does not count this model's layers yet" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "options", [dict(ratio=0.5, memory_floor=True), dict(memory=0.2, memory_floor="yes")]
+)
+def test_memory_floor_needs_a_budget_and_a_bool(options):
+    with pytest.raises(ConfigurationError, match="memory_floor"):
+        LUKVCache(**options)

@@ -46,6 +46,7 @@ SAVED_KEYS = {
     "kv_bits",
     "sliding",
     "split",
+    "memory_floor",
     "profiles",
 }
 

@@ -47,3 +47,23 @@ def test_a_scorer_given_alone_keeps_the_one_lines_allocator_for_it_first(model, 
 def test_the_command_leaves_scorer_and_allocators_to_the_one_line():
     args = build_parser().parse_args(["check", "smollm2", "--text", "a.txt", "--questions", "q.txt"])
     assert args.scorer is None and args.allocators is None
+
+
+def test_check_measures_budgets_on_a_sliding_model_whose_one_line_holds_bytes(tokenizer, tmp_path):
+    """On a sliding-window model the one line holds ``ratio`` as ``memory=1 - ratio`` (docs/memory.md), so
+    ``lukv check`` with nothing chosen measures those budgets and recommends one; a ratio given is measured
+    as asked."""
+    from helpers import tiny_model
+
+    from lukv_cache.evaluation.methods import CHECK_RATIOS
+
+    gemma = tiny_model(
+        "gemma3", attn="eager", vocab_size=tokenizer.vocab_size, sliding_window=64,
+        max_position_embeddings=2048, name_or_path="tests/tiny-gemma3",
+    )  # fmt: skip
+    contexts = [(TEXT, ["When does the ferry leave?"])]
+    report = check(gemma, tokenizer, contexts, max_new_tokens=2, profiles_dir=tmp_path, show_progress=False)
+    assert sorted({row.memory for row in report.rows}) == sorted(round(1 - r, 6) for r in CHECK_RATIOS)
+    assert all(row.ratio is None for row in report.rows)
+    report = _check(gemma, tokenizer, tmp_path)  # ratios=(0.5,) given
+    assert [row.ratio for row in report.rows] == [0.5] * len(report.rows)

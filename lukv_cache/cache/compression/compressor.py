@@ -287,6 +287,7 @@ class Compressor:
             policy.sink + policy.window,
             getattr(profile, "memory_table", None),
             self.precisions,
+            policy.memory_floor,
         )
         self.adopt_choice(choice)
         log_choice(choice)

@@ -222,7 +222,22 @@ def budget_shapes(
     keep for its next fold, ``None`` when unknown; ``scores``: the kept prefill scores' bytes per row;
     ``kinds``: the model's other layer kinds, if any)."""
     shapes = layer_shapes(layer, layers, heads, kept_queries(policy, query_heads, heads), scores, kinds)
-    return row_budgets(policy.memory, policy.max_bytes, seen, shapes), shapes
+    budget = row_budgets(policy.memory, policy.max_bytes, seen, shapes)
+    if policy.memory_floor:
+        stored_scores = policy.evicts_at_folds and policy.scorer.keeps_scores  # as the stores keep them
+        budget = budget.clamp_min(floor_bytes(shapes, policy.sink + policy.window, stored_scores))
+    return budget, shapes
+
+
+def floor_bytes(shapes: Shapes, protected: int, scores: bool) -> int:
+    """Bytes per row a budget under ``memory_floor=True`` is at least: the decode room and the other fixed
+    bytes, and ``protected`` tokens (sink + window) of every (layer, KV head) at the model's precision.
+
+    >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
+    >>> floor_bytes(shapes, 5, False) == shapes.fixed() + 4 * 5 * shapes.stored_token(None, False)
+    True
+    """
+    return shapes.fixed() + protected * shapes.slots * shapes.stored_token(None, scores)
 
 
 @functools.lru_cache(maxsize=64)
@@ -409,12 +424,14 @@ def choose_bits(
     protected: int,
     table: Any = None,
     precisions: tuple[int | None, ...] = BITS,
+    floor: bool = False,
 ) -> MemoryChoice:
     """The precision for a prompt of ``length`` tokens (see the module docstring). ``protected``: tokens
     each (layer, KV head) keeps whatever the budget (sinks and window): a precision whose bytes cannot hold
     them is out; none can is a :class:`~lukv_cache.errors.ConfigurationError`. ``table``: the profile's
     measured table (its ``choose`` picks among the precisions that fit), or ``None``. ``precisions``: the
-    ones to choose among (a benchmark fixes one to compare them at the same bytes).
+    ones to choose among (a benchmark fixes one to compare them at the same bytes). ``floor``
+    (``memory_floor=True``): a budget below :func:`floor_bytes` is raised to it instead of refused.
 
     >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
     >>> choice = choose_bits(0.2, None, 100, shapes, False, protected=5)
@@ -424,6 +441,8 @@ def choose_bits(
     4
     """
     budget = row_budget(memory, max_bytes, length, shapes)
+    if floor:
+        budget = max(budget, floor_bytes(shapes, protected, scores))
     slots = max(shapes.holdable(length), 1)
     if shapes.head_dim % 2 or shapes.value_dim % 2:  # 4-bit codes pack two channels per byte
         precisions = tuple(bits for bits in precisions if bits != 4)

@@ -32,6 +32,7 @@ from .spec import fields_of, option, option_signature, option_spec
 from .values import (
     check_ratio,
     checked_allocator_options,
+    checked_flag,
     checked_fraction,
     checked_kv_bits,
     checked_max_bytes,
@@ -242,6 +243,18 @@ class CompressionPolicy:
         kinds=(str,),
         before="ratio",  # files written before the option: one ratio for every layer
     )
+    memory_floor: bool = option(
+        False,
+        "With `memory`/`max_bytes`: a prompt too short for the budget keeps its protected tokens instead of raising.",
+        "A budget must hold the tokens every head keeps (``sink + window``) and the decode room; on a prompt "
+        "of a few dozen tokens a small fraction of its bytes cannot, and ``memory=`` refuses the prompt "
+        "(a ConfigurationError). With ``memory_floor=True`` the budget is then raised to what they need at "
+        "the model's precision (the cache evicts every other token, as ``ratio=`` does on such a prompt). "
+        "``from_pretrained(model, ratio=...)`` on a sliding-window model sets it (``docs/memory.md``).",
+        check=checked_flag,
+        kinds=(bool,),
+        before=False,  # files written before the option: a budget without a floor
+    )
     evict_ratio: Any = option(
         None,
         "`[layers, kv_heads]` fixed local evict ratios for the `profile` (or `hybrid`) allocator.",
@@ -338,6 +351,12 @@ class CompressionPolicy:
                 "with it (ratio= evicts every layer at the ratio)."
             )
         split = check("split", "global_first" if split is None and in_bytes else split or "ratio")
+        memory_floor = check("memory_floor", given["memory_floor"])
+        if memory_floor and not in_bytes:
+            raise ConfigurationError(
+                "memory_floor=True raises a memory budget on prompts too short for it: pass memory= or "
+                "max_bytes= with it."
+            )
         if sliding == "compress" and bounded:
             _refuse_compressed_sliding(given)
         if decode_max_tokens is not None:
@@ -397,6 +416,7 @@ class CompressionPolicy:
             max_bytes=max_bytes,
             sliding=sliding,
             split=split,
+            memory_floor=memory_floor,
             evict_ratio=given["evict_ratio"],
             allocator_kwargs=allocator_kwargs,
         )

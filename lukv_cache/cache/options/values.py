@@ -52,6 +52,11 @@ def check_flag(name: str, value: Any) -> bool:
     raise ConfigurationError(f"{name} must be True or False, got {value!r}.")
 
 
+def checked_flag(name: str, value: Any, default: Any) -> bool:
+    """A flag option's check (:func:`check_flag`)."""
+    return check_flag(name, value)
+
+
 # 1 PiB per batch row: beyond any memory; a larger max_bytes is a mistake (10**30 overflowed at the first
 # forward; None means no budget)
 MAX_BYTES_LIMIT = 2**50

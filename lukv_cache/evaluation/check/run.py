@@ -13,12 +13,14 @@ import torch
 
 from ..._compat import cache_kwarg
 from ...allocation import allocators_reading_profile
+from ...cache.pretrained import one_line_in_bytes
 from ...cache.storage.quant import check_kv_bits
 from ...errors import ConfigurationError, ProfileError
 from ...scorers import get_scorer
 from ..decoding import greedy_decode, stop_ids
 from ..methods import (
     CHECK_ALLOCATORS,
+    CHECK_RATIOS,
     FULL,
     Method,
     make_cache,
@@ -103,10 +105,15 @@ def check(
 
     By default (``scorer`` / ``allocators`` ``None``) it measures what ``LUKVCache.from_pretrained(model,
     ratio=..., scorer=scorer)`` would use (:func:`~lukv_cache.evaluation.methods.one_line_method`: its
-    scorer, and its allocator first), then :data:`CHECK_ALLOCATORS` with that scorer."""
+    scorer, and its allocator first), then :data:`CHECK_ALLOCATORS` with that scorer; on a sliding-window
+    model whose one line holds the ratio as a byte budget (``memory=1 - ratio``: docs/memory.md), with
+    nothing chosen, the budgets ``1 -`` :data:`CHECK_RATIOS` instead of the ratios."""
     started = time.perf_counter()
     kv_bits = check_kv_bits(kv_bits)
     budgets = memory_list(memory)
+    defaults = ratios is None and not budgets and kv_bits is None and scorer is None and allocators is None
+    if defaults and one_line_in_bytes(model):  # what the one line does there: 1 - ratio of the bytes
+        budgets = memory_list([round(1.0 - ratio, 6) for ratio in CHECK_RATIOS])
     check_options(  # the ratios, budgets and kv_bits together, before the model's defaults are looked up
         allocators=allocators, scorer=scorer, max_new_tokens=max_new_tokens, tolerance=tolerance,
         ratios=ratios, memory=budgets, kv_bits=kv_bits,
