@@ -375,3 +375,34 @@ def test_a_quantized_triton_kernel_that_runs_gives_its_result_without_a_warning(
         )
     assert out is result
     assert kernels._quantized_failure is None
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_a_compressed_prompt_holds_no_unused_room_and_with_kv_bits_no_dense_window(bits):
+    """After the prompt's eviction the suffix buffer holds just its tokens (no room until the first decoded
+    token); with ``kv_bits`` the protected window has joined the store, in its bits: the same tokens kept,
+    none at full precision. Decoding then grows the suffix as before."""
+    model = tiny_model("llama")
+    ids = prompt(1, 120, seed=5)
+    cache = LUKVCache(0.6, "keydiff", "uniform", window=8, kv_bits=bits)
+    reference = LUKVCache(0.6, "keydiff", "uniform", window=8)
+    for each in (cache, reference):
+        with torch.no_grad():
+            model(ids, past_key_values=each)
+    assert torch.equal(cache.stored_tokens(), reference.stored_tokens())
+    for layer in cache.layers:
+        assert layer.suffix_buffers[0].shape[-2] == layer.suffix_length  # no unused room
+        assert layer.suffix_length == (8 if bits is None else 0)
+    sequences, _ = greedy_with_logits(model, ids, cache, new_tokens=4)
+    dense = 8 if bits is None else 0  # generate feeds back 3 of its 4 new tokens
+    assert sequences.shape[-1] == 124 and all(layer.suffix_length == dense + 3 for layer in cache.layers)
+
+
+def test_under_a_token_bound_the_window_stays_dense_with_kv_bits():
+    """``max_tokens``' cap counts every layer's window as dense: the window is not folded there (the same tokens
+    as at full precision, ``test_max_tokens_and_kvzip_prefill_with_kv_bits``)."""
+    model = tiny_model("llama")
+    cache = LUKVCache(max_tokens=40, scorer="keydiff", window=8, kv_bits=4)
+    with torch.no_grad():
+        model(prompt(1, 120, seed=5), past_key_values=cache)
+    assert all(layer.suffix_length == 8 for layer in cache.layers)

@@ -257,6 +257,12 @@ class Compressor:
         if budgeted:  # every kept token costs the same: the window joins the store, in its bits
             for idx in steps:
                 cast(LUKVLayer, self.cache.layers[idx]).fold()
+        elif self.policy.kv_bits is not None and self.policy.max_tokens is None:
+            # so with kv_bits: no kept token stays at full precision (the buffer grows from the first decoded
+            # token, as after any eviction). Not under a token bound, whose cap counts every layer's window
+            # as dense (cap.token_cap)
+            for idx in steps:
+                cast(LUKVLayer, self.cache.layers[idx]).fold(room=0)
         self._report("evict", steps, started)
 
     def choose_bits(self, idx: int) -> MemoryChoice:

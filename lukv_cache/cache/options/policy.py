@@ -173,8 +173,9 @@ class CompressionPolicy:
         None,
         "Bits per entry of the stored keys and values (8 or 4), `None` at the model's precision (or what `memory` chose).",
         "Per token, groups of 32 channels with a 2-byte scale and zero each, bf16 or an fp16 model's fp16 "
-        "(:mod:`lukv_cache.cache.storage.quant`); the dense suffix (window, new tokens) stays at full precision until "
-        "it folds. Scores are computed before quantization, so the prompt's eviction is the same for every "
+        "(:mod:`lukv_cache.cache.storage.quant`); the protected window joins the store after the prompt's eviction "
+        "(not under ``max_tokens``/``decode_max_tokens``), new tokens stay at full precision until the suffix "
+        "folds. Scores are computed before quantization, so the prompt's eviction is the same for every "
         "``kv_bits``. A cache that evicts nothing (``ratio=0``) still quantizes: its logits are no longer the "
         "full cache's (on a tiny fp32 model about 1e-3 off at 8 bits, 1e-2 at 4).",
         check=checked_kv_bits,

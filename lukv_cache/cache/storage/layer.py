@@ -289,8 +289,9 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
     # ------------------------------------------------------------------ eviction and folds
     def evict(self, keep: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         """Move the kept tokens of the suffix's first ``R`` tokens (``keep [B, H, R]``) into the ragged store
-        and drop the rest; the suffix then holds its last ``S - R`` tokens (the protected window), with room
-        for 16 more before it grows: the buffer is sized by the tokens it holds, never by a setting.
+        and drop the rest; the suffix then holds its last ``S - R`` tokens (the protected window) in a buffer
+        of just those: the first decoded token grows it (geometrically while decoding, :meth:`_append`), so a
+        compressed prompt holds no room it has not used yet.
         ``scores [B, H, R]``: stored with the kept tokens (eviction at fold time reuses them)."""
         suffix = cast(DenseSuffix, self.suffix)  # initialized
         r = keep.shape[-1]
@@ -299,12 +300,13 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
             self.store, suffix.keys[:, :, :r], suffix.values[:, :, :r], keep, start, scores, self.kv_bits
         )
         kept = suffix.keys[:, :, r:], suffix.values[:, :, r:]
-        self.suffix = DenseSuffix.of(*kept, capacity=suffix.length - r + MIN_CAPACITY)
+        self.suffix = DenseSuffix.of(*kept, capacity=suffix.length - r)
         self.compressed = True  # compression settles the layer's eviction record
         self.drop_out_of_window()
 
-    def fold(self) -> None:
-        """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one."""
+    def fold(self, room: int | None = None) -> None:
+        """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one of
+        ``room`` tokens (``None``: ``fold_at + 1``, what decoding fills before the next fold)."""
         suffix = self.suffix
         if suffix is None or not suffix.length:
             return
@@ -313,7 +315,9 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         start = self.cumulative_length - s
         self.store = absorb(self.store, suffix.keys, suffix.values, keep, start, kv_bits=self.kv_bits)
         self.suffix = DenseSuffix.of(
-            suffix.keys[:, :, :0], suffix.values[:, :, :0], capacity=self.fold_at + 1
+            suffix.keys[:, :, :0],
+            suffix.values[:, :, :0],
+            capacity=self.fold_at + 1 if room is None else room,
         )
         self.slide()
 
