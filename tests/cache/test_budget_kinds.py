@@ -132,7 +132,7 @@ def test_one_ratio_for_every_layer_holds_the_budget_too(kind, options):
     assert cache.policy.split == "ratio"
 
 
-@pytest.mark.parametrize("memory", [0.3, 0.15])
+@pytest.mark.parametrize("memory", [0.22, 0.15])  # at 0.3, 4 bits keep every token: nothing to split
 def test_global_first_keeps_the_full_attention_layers_tokens_before_the_windows(memory):
     """The default split under a budget: the sliding layers give their tokens first (down to their protected
     ones), the full-attention layer keeps what the rest of the bytes hold; one ratio for every layer
@@ -171,7 +171,7 @@ def test_a_padded_batch_holds_the_budget_on_a_sliding_model():
     _run_and_check(model, dict(memory=0.3), ids, mask)
 
 
-@pytest.mark.parametrize("memory", [0.3, 0.15])
+@pytest.mark.parametrize("memory", [0.22, 0.15])  # the same bits for the batch and the row alone
 def test_a_padded_row_keeps_what_it_keeps_alone_on_a_sliding_model(memory):
     """Each row's budget counts its real tokens, read off the full-attention layer's mask (a sliding layer's
     hides what left its window, as it hides padding)."""
@@ -350,3 +350,32 @@ def test_the_one_line_keeps_its_ratio_where_a_budget_cannot_count_the_model(tmp_
 def test_memory_floor_needs_a_budget_and_a_bool(options):
     with pytest.raises(ConfigurationError, match="memory_floor"):
         LUKVCache(**options)
+
+
+def _flat_table(loss_none: float, loss_8: float, loss_4: float):
+    import numpy as np
+
+    from lukv_cache.profiles.memory_table import MemoryTable
+
+    loss = np.array([[loss_none] * 2, [loss_8] * 2, [loss_4] * 2], dtype=np.float32)
+    return MemoryTable((None, 8, 4), np.array([0.5, 0.9], dtype=np.float32), loss, "test")
+
+
+@pytest.mark.parametrize("split, by", [("global_first", "whole"), ("ratio", "table")])
+def test_on_sliding_windows_a_budget_keeps_every_token_before_the_table_evicts(tmp_path, split, by):
+    """Where 4 bits keep every token the model's own cache holds and 8 bits would evict, a budget on a model
+    with compressed sliding windows (``global_first``) keeps every token in 4 bits, though the table says 8
+    bits lose less: the table measured eviction at one ratio of every layer, not the budget's split. With
+    ``split="ratio"`` (how the table measured) the table decides."""
+    import dataclasses
+
+    model = _model("gemma3")
+    path = tmp_path / "keydiff.safetensors"
+    dataclasses.replace(
+        flat_profile(3, 2, model_id="org/gemma"), memory_table=_flat_table(0.5, 0.01, 0.3)
+    ).save(path)
+    cache = LUKVCache.from_pretrained(path, memory=0.3, split=split, config=model.config)
+    _forward(model, cache, prompt(1, 300, seed=2))
+    choice = cache.memory_choice
+    assert choice.kept[4] == 1.0 and choice.kept[8] < 1.0  # the case: 4 bits keep everything, 8 evict
+    assert (choice.by, choice.kv_bits) == (by, 4 if by == "whole" else 8)

@@ -294,6 +294,7 @@ class Compressor:
             getattr(profile, "memory_table", None),
             self.precisions,
             policy.memory_floor,
+            policy.split == "global_first" and any(hold is not None for hold in kinds.compressed),
         )
         self.adopt_choice(choice)
         log_choice(choice)

@@ -47,6 +47,12 @@ SCORE_BYTES = 4  # float32 scores, when the cache keeps them
 MIN_KEPT_AT_8_BITS = 0.15
 
 LayerBits = int | None | tuple[int | None, ...]  # one width for every layer, or one per layer
+# why a budget chose its bits (MemoryChoice.by), as its log line says it
+BY = {
+    "table": "the profile's measured table",
+    "rule": "the profile's fallback rule",
+    "whole": "keeping every token: on sliding windows the table's eviction losses are not the budget's",
+}
 
 
 @dataclass(frozen=True)
@@ -355,7 +361,7 @@ class MemoryChoice:
             or not isinstance(kept, dict)
             or set(kept) != set(keys)
             or not all(_fraction(v) for v in kept.values())
-            or by not in ("table", "rule")
+            or by not in BY
         ):
             return None
         fraction = None if mixed_kept is None else float(mixed_kept)
@@ -376,7 +382,7 @@ class MemoryChoice:
         return (
             f"lukv_cache: memory budget {self.budget} bytes per row for {self.length} tokens: {bits}, "
             f"keeping {100 * (1 - self.ratio):.1f}% of the tokens (ratio {self.ratio:.3f}; chosen by "
-            f"the profile's {'measured table' if self.by == 'table' else 'fallback rule'})."
+            f"{BY[self.by]})."
         )
 
 
@@ -425,6 +431,7 @@ def choose_bits(
     table: Any = None,
     precisions: tuple[int | None, ...] = BITS,
     floor: bool = False,
+    whole_first: bool = False,
 ) -> MemoryChoice:
     """The precision for a prompt of ``length`` tokens (see the module docstring). ``protected``: tokens
     each (layer, KV head) keeps whatever the budget (sinks and window): a precision whose bytes cannot hold
@@ -432,6 +439,11 @@ def choose_bits(
     measured table (its ``choose`` picks among the precisions that fit), or ``None``. ``precisions``: the
     ones to choose among (a benchmark fixes one to compare them at the same bytes). ``floor``
     (``memory_floor=True``): a budget below :func:`floor_bytes` is raised to it instead of refused.
+    ``whole_first`` (a model with compressed sliding windows, ``split="global_first"``): where some
+    precision keeps every token and another would evict, the most precise that keeps every token (``by``
+    ``"whole"``), whatever the table: its losses are measured evicting one ratio of every layer, which is not
+    how the budget evicts there (on Gemma-3-270M it preferred 8 bits evicting to 4 bits keeping everything,
+    and lost more: docs/memory.md).
 
     >>> shapes = Shapes(layers=2, heads=2, head_dim=8, value_dim=8, dtype=torch.float32, room=5)
     >>> choice = choose_bits(0.2, None, 100, shapes, False, protected=5)
@@ -472,6 +484,9 @@ def choose_bits(
             f"cache needs {least} for the tokens every head keeps (sink + window: {protected} per head) and "
             f"its decode room{left}: raise the budget, or lower sink=, window= or fold_interval=."
         )
+    whole = [bits for bits in fits if kept[bits] >= 1.0]
+    if whole_first and whole and len(whole) < len(fits):
+        return MemoryChoice(whole[0], budget, length, kept, "whole")
     if table is not None:
         bits = table.choose({bits: 1.0 - kept[bits] for bits in fits})
         by = "table"
