@@ -68,7 +68,12 @@ def _run_and_check(model, options: dict, ids, mask=None) -> tuple[LUKVCache, lis
     """The prompt, decoding steps, a question, more steps; after each forward the bytes against the budget
     (``memory`` times the model's own cache for the same tokens, or ``max_bytes`` per row)."""
     rows = ids.shape[0]
-    cache = LUKVCache(**options, config=model.config)
+    options = dict(options)
+    path = options.pop("profile_path", None)  # a profile file (with its memory table) to build the cache from
+    if path is None:
+        cache = LUKVCache(**options, config=model.config)
+    else:
+        cache = LUKVCache.from_pretrained(path, **options, config=model.config)
     seen, tokens = [], ids
 
     def check():
@@ -379,3 +384,23 @@ def test_on_sliding_windows_a_budget_keeps_every_token_before_the_table_evicts(t
     choice = cache.memory_choice
     assert choice.kept[4] == 1.0 and choice.kept[8] < 1.0  # the case: 4 bits keep everything, 8 evict
     assert (choice.by, choice.kv_bits) == (by, 4 if by == "whole" else 8)
+
+
+def test_keeping_every_token_on_sliding_windows_spends_the_bytes_left_on_8_bit_layers(tmp_path):
+    """With the table's per-layer losses, the bytes that every token at 4 bits leaves go to 8-bit layers (those
+    that lose most at 4 bits first), every token still kept; the bound holds after every forward."""
+    import dataclasses
+
+    import numpy as np
+
+    model = _model("gemma3")
+    table = dataclasses.replace(_flat_table(0.5, 0.01, 0.3), layer_loss=np.array([0.0, 0.2, 0.1]))
+    path = tmp_path / "keydiff.safetensors"
+    dataclasses.replace(flat_profile(3, 2, model_id="org/gemma"), memory_table=table).save(path)
+    options = dict(memory=0.38, profile_path=path)
+    cache, _ = _run_and_check(model, options, prompt(1, 300, seed=2))
+    choice = cache.memory_choice
+    assert choice.by == "whole" and choice.mixed_kept == 1.0
+    assert choice.kv_bits[1] == 8 and 4 in choice.kv_bits  # layer 1 loses most at 4 bits: widened first
+    saved = cache.save(tmp_path / "context.safetensors")
+    assert LUKVCache.load(saved, model).memory_choice == choice  # "whole" is a reason a saved file may give

@@ -486,6 +486,9 @@ def choose_bits(
         )
     whole = [bits for bits in fits if kept[bits] >= 1.0]
     if whole_first and whole and len(whole) < len(fits):
+        mix = whole_mix(budget, length, shapes, scores, table) if whole[0] == 4 else None
+        if mix is not None:  # some layers (those that lose most at 4 bits) at 8, every token kept
+            return MemoryChoice(mix, budget, length, kept, "whole", 1.0)
         return MemoryChoice(whole[0], budget, length, kept, "whole")
     if table is not None:
         bits = table.choose({bits: 1.0 - kept[bits] for bits in fits})
@@ -551,6 +554,42 @@ def choose_mix(
     k, kept = best
     at_8_bits = set(order[:k])
     return tuple(8 if i in at_8_bits else 4 for i in range(layers)), kept
+
+
+def whole_mix(budget: int, length: int, shapes: Shapes, scores: bool, table: Any) -> tuple[int, ...] | None:
+    """Per-layer widths that keep every token the model's own cache holds in ``budget``'s bytes, as many
+    layers at 8 bits as fit (those that lose most at 4 bits first: ``table.layer_order()``), the rest at 4;
+    ``None`` when not even one layer fits at 8 bits, or without the table's ``layer_loss`` for every
+    compressed layer (a model whose compressed layers are its decoder layers, in order).
+
+    >>> import numpy as np
+    >>> from lukv_cache.profiles import MemoryTable
+    >>> table = MemoryTable((8, 4), np.array([0.5], dtype=np.float32), np.zeros((2, 1), dtype=np.float32),
+    ...                     layer_loss=np.array([0.0, 0.3, 0.0]))  # layer 1 loses most at 4 bits
+    >>> shapes = Shapes(layers=3, heads=1, head_dim=64, value_dim=64, dtype=torch.float32, room=1,
+    ...                 kinds=Kinds(compressed=(7, None, 7)), length=20)
+    >>> wide, narrow = shapes.stored_token(8, False), shapes.stored_token(4, False)
+    >>> budget = shapes.fixed() + 7 * narrow + 20 * wide + 7 * narrow  # room for layer 1 at 8 bits
+    >>> whole_mix(budget, 20, shapes, False, table), whole_mix(budget - 1, 20, shapes, False, table)
+    ((4, 8, 4), None)
+    """
+    order = [] if table is None else table.layer_order()
+    holds = shapes.kinds.compressed if shapes.kinds is not None else (None,) * shapes.layers
+    if len(order) != shapes.layers or len(holds) != shapes.layers:
+        return None
+    wide, narrow = shapes.stored_token(8, scores), shapes.stored_token(4, scores)
+    tokens = [shapes.heads * _held(length, hold) for hold in holds]
+    room = budget - shapes.fixed() - narrow * sum(tokens)  # every token at 4 bits, then widen
+    at_8_bits: set[int] = set()
+    for layer in order:
+        extra = (wide - narrow) * tokens[layer]
+        if extra > room:
+            break
+        room -= extra
+        at_8_bits.add(layer)
+    if not at_8_bits:
+        return None
+    return tuple(8 if i in at_8_bits else 4 for i in range(shapes.layers))
 
 
 def log_choice(choice: MemoryChoice) -> None:
