@@ -486,9 +486,9 @@ def choose_bits(
         )
     whole = [bits for bits in fits if kept[bits] >= 1.0]
     if whole_first and whole and len(whole) < len(fits):
-        mix = whole_mix(budget, length, shapes, scores, table) if whole[0] == 4 else None
-        if mix is not None:  # some layers (those that lose most at 4 bits) at 8, every token kept
-            return MemoryChoice(mix, budget, length, kept, "whole", 1.0)
+        widths = whole_mix(budget, length, shapes, scores, table) if whole[0] == 4 else None
+        if widths is not None:  # some layers (those that lose most at 4 bits) at 8, every token kept
+            return MemoryChoice(widths, budget, length, kept, "whole", 1.0)
         return MemoryChoice(whole[0], budget, length, kept, "whole")
     if table is not None:
         bits = table.choose({bits: 1.0 - kept[bits] for bits in fits})
