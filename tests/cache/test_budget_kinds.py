@@ -404,3 +404,18 @@ def test_keeping_every_token_on_sliding_windows_spends_the_bytes_left_on_8_bit_l
     assert choice.kv_bits[1] == 8 and 4 in choice.kv_bits  # layer 1 loses most at 4 bits: widened first
     saved = cache.save(tmp_path / "context.safetensors")
     assert LUKVCache.load(saved, model).memory_choice == choice  # "whole" is a reason a saved file may give
+
+
+def test_the_one_lines_padded_short_prompts_keep_what_each_row_keeps_alone(tmp_path):
+    """Prompts too short for the one line's budget (the floor raised it): a padded row chooses the bits and
+    keeps the tokens it does alone (the keep-every-token rule does not apply to a floored budget, where each
+    row's length would pick other bits: the family matrix's Dory caught it)."""
+    model = _model("gemma3")
+    path = tmp_path / "keydiff.safetensors"
+    flat_profile(3, 2, model_id="org/gemma").save(path)
+    ids, mask = left_padded((24, 14), seed=5)
+    batch, alone = (LUKVCache.from_pretrained(path, ratio=0.5, config=model.config) for _ in range(2))
+    _forward(model, batch, ids, mask)
+    _forward(model, alone, ids[1:, -14:])
+    assert batch.kv_bits == alone.kv_bits
+    assert torch.equal(batch.stored_tokens()[:, 1], alone.stored_tokens()[:, 0])

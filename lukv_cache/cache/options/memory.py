@@ -439,7 +439,8 @@ def choose_bits(
     measured table (its ``choose`` picks among the precisions that fit), or ``None``. ``precisions``: the
     ones to choose among (a benchmark fixes one to compare them at the same bytes). ``floor``
     (``memory_floor=True``): a budget below :func:`floor_bytes` is raised to it instead of refused.
-    ``whole_first`` (a model with compressed sliding windows, ``split="global_first"``): where some
+    ``whole_first`` (a model with compressed sliding windows, ``split="global_first"``; not on a prompt the
+    floor raised the budget for): where some
     precision keeps every token and another would evict, the most precise that keeps every token (``by``
     ``"whole"``), whatever the table: its losses are measured evicting one ratio of every layer, which is not
     how the budget evicts there (on Gemma-3-270M it preferred 8 bits evicting to 4 bits keeping everything,
@@ -453,8 +454,9 @@ def choose_bits(
     4
     """
     budget = row_budget(memory, max_bytes, length, shapes)
-    if floor:
-        budget = max(budget, floor_bytes(shapes, protected, scores))
+    least = floor_bytes(shapes, protected, scores) if floor else 0
+    floored = budget < least  # a prompt too short for the budget: its protected tokens, as ratio= keeps them
+    budget = max(budget, least)
     slots = max(shapes.holdable(length), 1)
     if shapes.head_dim % 2 or shapes.value_dim % 2:  # 4-bit codes pack two channels per byte
         precisions = tuple(bits for bits in precisions if bits != 4)
@@ -485,7 +487,7 @@ def choose_bits(
             f"its decode room{left}: raise the budget, or lower sink=, window= or fold_interval=."
         )
     whole = [bits for bits in fits if kept[bits] >= 1.0]
-    if whole_first and whole and len(whole) < len(fits):
+    if whole_first and not floored and whole and len(whole) < len(fits):
         widths = whole_mix(budget, length, shapes, scores, table) if whole[0] == 4 else None
         if widths is not None:  # some layers (those that lose most at 4 bits) at 8, every token kept
             return MemoryChoice(widths, budget, length, kept, "whole", 1.0)
