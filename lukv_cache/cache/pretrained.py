@@ -320,15 +320,26 @@ def _budget_counts(config: Any, model: Any = None) -> bool:
         return False
     if getattr(text, "num_kv_shared_layers", 0) or any(getattr(text, "kv_sharing_modes", None) or ()):
         return False
-    if model is None:
+    if model is not None:
+        return _one_kv_width(model)
+    # a process serving many requests builds the meta model once per config, not once per cache
+    key = config.to_json_string(use_diff=False)
+    if key not in _widths_of_config:
         import torch
         from transformers import AutoModelForCausalLM
 
         try:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
+                _widths_of_config[key] = _one_kv_width(AutoModelForCausalLM.from_config(config))
         except Exception:  # noqa: BLE001 - a config transformers cannot build: its layers as the config says
-            return True
+            _widths_of_config[key] = True
+        while len(_widths_of_config) > 64:  # the oldest configs forgotten first
+            _widths_of_config.pop(next(iter(_widths_of_config)))
+    return _widths_of_config[key]
+
+
+def _one_kv_width(model: Any) -> bool:
+    """Whether every key projection of ``model`` has one width, and every value projection one."""
     widths: dict[str, set[int]] = {"k_proj": set(), "v_proj": set()}
     for name, module in model.named_modules():
         kind = name.rsplit(".", 1)[-1]
@@ -337,6 +348,7 @@ def _budget_counts(config: Any, model: Any = None) -> bool:
     return all(len(found) <= 1 for found in widths.values())
 
 
+_widths_of_config: dict[str, bool] = {}  # config JSON -> _one_kv_width of its meta model (at most 64)
 _warned_sliding: set[str] = set()
 
 

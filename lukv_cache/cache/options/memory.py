@@ -454,9 +454,9 @@ def choose_bits(
     4
     """
     budget = row_budget(memory, max_bytes, length, shapes)
-    least = floor_bytes(shapes, protected, scores) if floor else 0
-    floored = budget < least  # a prompt too short for the budget: its protected tokens, as ratio= keeps them
-    budget = max(budget, least)
+    raised = floor_bytes(shapes, protected, scores) if floor else 0
+    floored = budget < raised  # a prompt too short for the budget: its protected tokens, as ratio= keeps them
+    budget = max(budget, raised)
     slots = max(shapes.holdable(length), 1)
     if shapes.head_dim % 2 or shapes.value_dim % 2:  # 4-bit codes pack two channels per byte
         precisions = tuple(bits for bits in precisions if bits != 4)
