@@ -76,6 +76,14 @@ def profiling_commands(subparsers: Any) -> None:
         help="oracle importance over the decode steps: max (the paper) or mean",
     )
     build.add_argument(
+        "--sliding",
+        choices=("keep", "compress"),
+        default="keep",
+        help="models with sliding-window layers: optimise the full-attention layers only (keep), or one "
+        "budget across both kinds, each sliding head over its window (compress: for caches with "
+        "sliding='compress')",
+    )
+    build.add_argument(
         "--max-questions", type=int, help="use a seeded random subset of the questions (default: all)"
     )
     build.add_argument("--seed", type=int, default=0, help="seed of --max-questions' subset")

@@ -37,14 +37,20 @@ from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
 # Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 _CACHE_FORMAT = 1  # bump when what is cached, or how it is computed, changes
+SLIDING_BUILDS = ("keep", "compress")  # BuildSettings.sliding
 
 
-def _context_scores(model, context_ids: torch.Tensor, scorer: Scorer, tokenizer) -> dict[int, np.ndarray]:
-    """The scores the cache ranks by at prefill, per compressed layer: ``{layer: [H_kv, T]}``."""
+def _context_scores(
+    model, context_ids: torch.Tensor, scorer: Scorer, tokenizer, sliding: str = "keep"
+) -> dict[int, np.ndarray]:
+    """The scores the cache ranks by at prefill, per compressed layer: ``{layer: [H_kv, T]}`` (a sliding
+    layer under ``sliding="compress"``: ``[H_kv, W - 1]``, the context's last tokens, which it holds)."""
     from .scores import prefill_scores
 
     with torch.inference_mode():
-        per_layer = prefill_scores(model, context_ids.to(model.device), scorer, tokenizer=tokenizer)
+        per_layer = prefill_scores(
+            model, context_ids.to(model.device), scorer, tokenizer=tokenizer, sliding=sliding
+        )
     return {i: s[0].float().cpu().numpy() for i, s in enumerate(per_layer) if s is not None}
 
 
@@ -84,11 +90,14 @@ class CalibrationRun:
     context_sha: str
     fingerprint: str
     aggregate: str = "max"
+    sliding: str = "keep"  # "compress": sliding-window layers are scored and recorded over their window
     _state: Any = None
     prefill_seconds: float = 0.0  # the context's prefill, once a question needed it
 
     def oracle_key(self, index: int) -> str:
-        settings = (self.k_max,) if self.aggregate == "max" else (self.k_max, self.aggregate)
+        settings: tuple = (self.k_max,) if self.aggregate == "max" else (self.k_max, self.aggregate)
+        if self.sliding != "keep":
+            settings += (f"sliding={self.sliding}",)
         return "oracle-" + short_sha(_CACHE_FORMAT, self.question_ids[index].tolist(), *settings)
 
     def kept(self, index: int) -> bool:
@@ -109,25 +118,36 @@ class CalibrationRun:
             getattr(scorer.fn, "__module__", None),
             getattr(scorer.fn, "__qualname__", None),
             repr(scorer.reconstruction),
+            *((f"sliding={self.sliding}",) if self.sliding != "keep" else ()),
         )
         cached = self.store.load(key)
         if cached is not None:
             return {int(k): v for k, v in cached.items() if k != "none"}
-        scores = _context_scores(self.model, self.context_ids, scorer, self.tokenizer)
+        scores = _context_scores(self.model, self.context_ids, scorer, self.tokenizer, self.sliding)
         self.store.save(key, {str(layer): v for layer, v in scores.items()} or {"none": np.zeros(1)})
         return scores
 
     def score_array(self, scorer: Scorer) -> tuple[np.ndarray, list[int]]:
         """:meth:`scores` as one float32 ``[L, H_kv, T]`` array over every decoder layer (zeros where a layer
-        is never compressed), and the compressed layers, sorted."""
+        is never compressed; a layer that holds only the context's last tokens, a compressed sliding
+        window, is zero before them: :meth:`held`), and the compressed layers, sorted."""
         config = self.model.config.get_text_config()
         per_layer = self.scores(scorer)
         full = np.zeros(
             (config.num_hidden_layers, config.num_key_value_heads, self.context_len), dtype=np.float32
         )
         for layer, values in per_layer.items():
-            full[layer] = values
+            full[layer, :, self.context_len - values.shape[-1] :] = values
         return full, sorted(per_layer)
+
+    def held(self, scorer: Scorer) -> dict[int, int]:
+        """The compressed layers that hold fewer than the context's tokens (sliding windows under
+        ``sliding="compress"``): layer -> how many of the context's last tokens it holds."""
+        return {
+            layer: int(v.shape[-1])
+            for layer, v in self.scores(scorer).items()
+            if v.shape[-1] < self.context_len
+        }
 
     def prefill(self) -> None:
         """Prefill the context that every question continues, with room after it for the longest question
@@ -156,7 +176,13 @@ class CalibrationRun:
             self.prefill()  # only when something must be decoded (resumed builds skip it)
             eos = getattr(self.tokenizer, "eos_token_id", None)
             importance, answer = oracle_importance(
-                self.model, self._state, ids, k_max=self.k_max, eos_token_id=eos, aggregate=self.aggregate
+                self.model,
+                self._state,
+                ids,
+                k_max=self.k_max,
+                eos_token_id=eos,
+                aggregate=self.aggregate,
+                sliding=self.sliding == "compress",
             )
             cached = {"importance": importance, "answer": np.asarray(answer, dtype=np.int64)}
             self.store.save(key, cached)
@@ -173,6 +199,7 @@ def prepare_run(
     seed: int = 0,
     cache_dir: str | os.PathLike | None | Literal[False] = None,
     aggregate: str = "max",
+    sliding: str = "keep",
 ) -> CalibrationRun:
     """Tokenise a calibration set for ``model`` and open its result cache (nothing is decoded yet).
 
@@ -183,6 +210,8 @@ def prepare_run(
         raise ConfigurationError(f"k_max must be at least 1, got {k_max}.")
     if aggregate not in AGGREGATES:
         raise ConfigurationError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {aggregate!r}.")
+    if sliding not in SLIDING_BUILDS:
+        raise ConfigurationError(f"sliding must be one of {', '.join(SLIDING_BUILDS)}, got {sliding!r}.")
     context, questions, description = load_calibration(calibration)
     selected = _select_questions(questions, max_questions, seed)
     config = model.config.get_text_config()
@@ -218,6 +247,7 @@ def prepare_run(
         context_sha,
         fingerprint,
         aggregate,
+        sliding,
     )
 
 
@@ -241,6 +271,11 @@ class BuildSettings:
     eviction ratio) on windows of the calibration context and store it in the profile
     (:func:`~lukv_cache.profiling.memory_table.measure_memory_table`, what a memory budget picks its
     precision by; its 3 x 5 cells cost 4 windows x 16 prefills of about a quarter of the context each).
+    ``sliding``: on a model with sliding-window layers, ``"keep"`` optimises the full-attention layers only
+    (the sliding rows are the global ratio); ``"compress"`` also scores each sliding layer over the window
+    it holds at the end of the context (the oracle reads the decode's attention over it) and hands out one
+    budget across both kinds, each head by its own number of tokens: a profile for ``sliding="compress"``
+    caches. On a model without sliding layers both build the same profile.
 
     >>> BuildSettings(k_max=32).scope
     'all'
@@ -261,8 +296,13 @@ class BuildSettings:
     extra: dict | None = None
     kvzap: KVzapTraining | None = None
     memory_table: bool = True
+    sliding: str = "keep"
 
     def __post_init__(self) -> None:
+        if self.sliding not in SLIDING_BUILDS:
+            raise ConfigurationError(
+                f"sliding must be one of {', '.join(SLIDING_BUILDS)}, got {self.sliding!r}."
+            )
         if self.scope not in ("all", "layer"):
             raise ConfigurationError(f"scope must be 'all' or 'layer', got {self.scope!r}.")
         if self.sink < 0 or (self.window is not None and self.window < 0):
@@ -339,6 +379,7 @@ def build_profiles(
         seed=settings.seed,
         cache_dir=settings.cache_dir,
         aggregate=settings.aggregate,
+        sliding=settings.sliding,
     )
     t = run.context_len
     windows = {s.name: s.window if settings.window is None else settings.window for s in scorer_objs}
@@ -354,6 +395,7 @@ def build_profiles(
     model.eval()
     try:
         scores = {s.name: run.score_array(s) for s in scorer_objs}
+        held = {s.name: run.held(s) for s in scorer_objs}
         shape = (len(grid_arr), config.num_hidden_layers, config.num_key_value_heads)
         sums = {s.name: np.zeros(shape) for s in scorer_objs}
         say = sayer(settings.show_progress)
@@ -396,6 +438,7 @@ def build_profiles(
                         min_keep=settings.min_keep,
                         scope=settings.scope,
                         layers=layers,
+                        held=held[s.name],
                     )
                 progress.update(1)
     finally:
@@ -414,6 +457,7 @@ def build_profiles(
         "calibration_sha256": run.context_sha,
         "model_fingerprint": run.fingerprint,
         "ratio_of": "evictable tokens (sinks and window excluded)",
+        "sliding": settings.sliding,
         **(settings.extra or {}),
     }
     profiles = {

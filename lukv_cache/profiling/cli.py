@@ -108,6 +108,7 @@ def _build_into(args: argparse.Namespace, scorers: list[str], mirror: Path | Non
         extra=extra,
         kvzap=kvzap,
         memory_table=not args.no_memory_table,
+        sliding=args.sliding,
     )
     for name, profile in profiles.items():
         if mirror is not None:

@@ -52,7 +52,8 @@ class _Recorder:
 
     context_len: int
     mode: str = "context"  # "context": prefill of the context; "decode": question + answer tokens
-    kv_len: int = 0  # keys a full-attention layer holds in the current forward (to skip sliding layers)
+    kv_len: int = 0  # keys a full-attention layer holds in the current forward
+    sliding: bool = False  # also record sliding-window layers (over the context tokens in their window)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_q, T_ctx], sums to 1
     importance: dict[int, torch.Tensor] = field(
         default_factory=dict
@@ -117,8 +118,16 @@ def _observe(rec: _Recorder, module, query, key, value, attention_mask, scaling,
             return
         rec.value_norms[layer] = _value_norms(module, value, t)
         return
-    if key.shape[-2] != rec.kv_len or layer not in rec.value_norms:
-        return  # a sliding-window layer only holds its window: not part of the optimisation
+    if layer not in rec.value_norms:
+        return
+    s = key.shape[-2]
+    if s != rec.kv_len and not (rec.sliding and getattr(module, "sliding_window", None) and s < rec.kv_len):
+        return  # a sliding-window layer (unless asked for) holds only its window: not part of the optimisation
+    # the keys are the last `s` positions: a sliding layer's window starts at `first`; its context part is
+    # positions [first, t) (none once the decode has slid past the context)
+    first = rec.kv_len - s
+    if first >= t:
+        return
     q = query[0, :, -1].float()  # the newest query: [H_q, D]
     k = key[0].float()  # [H_kv, S, D]
     groups = q.shape[0] // k.shape[0]
@@ -126,8 +135,10 @@ def _observe(rec: _Recorder, module, query, key, value, attention_mask, scaling,
     if kwargs.get("softcap") is not None:
         logits = torch.tanh(logits / kwargs["softcap"]) * kwargs["softcap"]
     if isinstance(attention_mask, torch.Tensor):
-        logits = _apply_mask(logits, attention_mask[0, :, -1, : k.shape[1]])
-    contribution = logits.softmax(dim=-1)[:, :t] * rec.value_norms[layer]  # [H_q, T_ctx]
+        logits = _apply_mask(logits, attention_mask[0, :, -1, -k.shape[1] :])
+    # [H_q, T_ctx]: zero before the window
+    contribution = torch.zeros_like(rec.value_norms[layer])
+    contribution[:, first:] = logits.softmax(dim=-1)[:, : t - first] * rec.value_norms[layer][:, first:]
     step_max = contribution.view(k.shape[0], groups, t).amax(dim=1)
     if layer in rec.importance:
         if rec.aggregate == "max":
@@ -316,6 +327,7 @@ def oracle_importance(
     k_max: int = 64,
     eos_token_id=None,
     aggregate: str = "max",
+    sliding: bool = False,
 ) -> tuple[np.ndarray, list[int]]:
     """Oracle importance ``[L, H_kv, T_ctx]`` (float32; zero for layers not recorded) for one question,
     and the greedy answer tokens.
@@ -325,6 +337,9 @@ def oracle_importance(
     query producing each of the ``k_max`` answer tokens is one decode step. Stops early at ``eos_token_id``.
     ``aggregate``: over the decode steps, ``"max"`` (the paper) or ``"mean"`` (a token read a little at
     many steps counts more than under the max; a sum would allocate the same, budgets being scale-free).
+    ``sliding``: also record the sliding-window layers, over the context tokens their window holds at each
+    step (zero elsewhere; normalised by the same ``Z_l`` over the whole context as a full-attention layer);
+    otherwise their rows are zero.
     """
     if aggregate not in AGGREGATES:
         raise ConfigurationError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {aggregate!r}.")
@@ -336,7 +351,11 @@ def oracle_importance(
         )
     eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
     rec = _Recorder(
-        context_len=state.context_len, mode="decode", value_norms=state.value_norms, aggregate=aggregate
+        context_len=state.context_len,
+        mode="decode",
+        value_norms=state.value_norms,
+        aggregate=aggregate,
+        sliding=sliding,
     )
     cache = _question_cache(state.cache)
     answer: list[int] = []

@@ -23,6 +23,7 @@ def prefill_scores(
     *,
     tokenizer=None,
     repeat_prompt=None,
+    sliding: str = "keep",
 ) -> list[torch.Tensor | None]:
     """The scores a ``LUKVCache`` ranks by at prefill, per layer: fp32 ``[B, H_kv, T]`` (None for layers
     that are never compressed, e.g. sliding-window ones).
@@ -32,6 +33,8 @@ def prefill_scores(
     depend on the ratio, so the cache evicts (nearly) everything right after each layer's attention: the
     context's KV is never held whole (with ``ratio=0`` it would be, for the whole forward). Reconstruction
     scorers (``kvzip``) need the ``tokenizer`` for their repeat prompt (or ``repeat_prompt``).
+    ``sliding="compress"``: a sliding-window layer's scores too, ``[B, H_kv, W - 1]`` over the prompt's last
+    tokens (what it holds and ranks at the end of a prefill longer than its window).
 
     >>> scores = prefill_scores(model, inputs["input_ids"], "keydiff")
     >>> scores[0].shape
@@ -45,9 +48,9 @@ def prefill_scores(
         sink=0,
         window=0,
         keep_scores=True,
-        # every context token's score in the layers a profile optimises: a sliding layer given a context
-        # longer than its window is left out of the optimisation (its rows are rho), not scored on its window
-        sliding="keep",
+        # every context token's score in the layers a profile optimises: under "keep", a sliding layer given a
+        # context longer than its window is left out of the optimisation (its rows are rho)
+        sliding=sliding,
     )
     # logits_to_keep=1: only the scores are read; the prompt's logits would be [B, T, vocab] fp32
     cache.prefill(

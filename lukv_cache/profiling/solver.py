@@ -97,9 +97,14 @@ def pava_blocks(gains: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if gains.ndim != 2:
         raise ConfigurationError(f"pava_blocks expects gains of shape [heads, n], got {gains.shape}.")
     h, n = gains.shape
-    sums = np.maximum(gains, 0.0).ravel()  # gains are oracle masses; clip float noise below zero
+    return _pava_flat(gains.ravel(), np.repeat(np.arange(h), n), h)
+
+
+def _pava_flat(gains: np.ndarray, rows: np.ndarray, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pava_blocks` of rows laid end to end (``rows``: each gain's row, non-decreasing; rows may
+    differ in length)."""
+    sums = np.maximum(gains, 0.0)  # gains are oracle masses; clip float noise below zero
     counts = np.ones_like(sums)
-    rows = np.repeat(np.arange(h), n)
     for _ in range(_MAX_PARALLEL_PASSES):
         viol = (sums[:-1] * counts[1:] < sums[1:] * counts[:-1]) & (rows[:-1] == rows[1:])
         if not viol.any():
@@ -222,6 +227,30 @@ def greedy_keep_counts(
     return m + _greedy_extra(values, lengths, rows, keep - h * m, h)
 
 
+def ragged_keep_counts(
+    gains: Sequence[np.ndarray], grid: np.ndarray | Sequence[float] = DEFAULT_GRID, min_keep: float = 0.01
+) -> np.ndarray:
+    """:func:`greedy_keep_counts` for heads of different lengths (``gains[h]``: head ``h``'s ``n_h`` gains in
+    its scorer's order): every head keeps at least ``min_keep_count(n_h)``, the kept total at ratio ``rho``
+    is ``round((1 - rho) * sum(n_h))``, handed out by decreasing relaxed gain. ``[G, H]``.
+
+    >>> ragged_keep_counts([np.array([5.0, 4.0, 0.0, 0.0]), np.array([1.0, 1.0])], [0.5], 0.0).tolist()
+    [[2, 1]]
+    """
+    grid = check_grid(grid)
+    lengths = np.array([len(g) for g in gains], dtype=np.int64)
+    if lengths.size == 0 or (lengths < 1).any():
+        raise ConfigurationError("ragged_keep_counts needs at least one head, each with a token to rank.")
+    mins = np.array([min_keep_count(int(n), min_keep) for n in lengths], dtype=np.int64)
+    keep = total_keep(int(lengths.sum()), grid, int(mins.sum()))
+    rest = [np.asarray(g, dtype=np.float64)[m:] for g, m in zip(gains, mins)]
+    if not any(len(r) for r in rest):
+        return np.broadcast_to(lengths, (len(grid), len(lengths))).copy()
+    rows = np.repeat(np.arange(len(rest)), [len(r) for r in rest])
+    values, blocks, block_rows = _pava_flat(np.concatenate(rest), rows, len(rest))
+    return mins + _greedy_extra(values, blocks, block_rows, keep - int(mins.sum()), len(rest))
+
+
 def exact_keep_counts(curves: Sequence[np.ndarray], budget: int, min_keep: Sequence[int] | int = 0):
     """Exact allocation by dynamic programming (multiple-choice knapsack); for small instances and tests.
 
@@ -276,6 +305,7 @@ def solve_evict_ratios(
     min_keep: float = 0.01,
     scope: str = "all",
     layers: Sequence[int] | None = None,
+    held: dict[int, int] | None = None,
 ) -> np.ndarray:
     """Local evict ratios ``[G, L, H_kv]`` for one calibration question.
 
@@ -283,6 +313,10 @@ def solve_evict_ratios(
     ``layers`` restricts the optimisation to some layers (the others, e.g. sliding-window layers, get the
     global ratio). ``scope="all"``: one budget for all heads of all layers; ``"layer"``: each layer keeps
     exactly ``1 - rho`` of its tokens and only the split between its heads is optimised.
+    ``held``: layers that hold only the context's last ``held[l]`` tokens (a sliding window's ``W - 1`` at
+    the end of the prompt, as the cache compresses it): their evictable tokens are ``[T - held + sink,
+    T - window)``, and under ``scope="all"`` they share the one budget with the others, each head by its
+    own number of tokens.
 
     Ratios are relative to the evictable tokens and lie in ``[0, 1 - min_keep]``.
     """
@@ -302,6 +336,9 @@ def solve_evict_ratios(
     evict = np.broadcast_to(grid[:, None, None], (len(grid), num_layers, num_heads)).astype(np.float64)
     if not layers:
         return evict.astype(np.float32)
+    held = {layer: h for layer, h in (held or {}).items() if layer in layers and h < t}
+    if held:
+        return _solve_ragged(oracle, scores, grid, sink, window, min_keep, scope, layers, held, evict)
     gains = scorer_order_gains(oracle[layers, :, sink : t - window], scores[layers, :, sink : t - window])
     if scope == "all":
         keep = greedy_keep_counts(gains.reshape(-1, n), grid, min_keep).reshape(len(grid), len(layers), -1)
@@ -310,4 +347,30 @@ def solve_evict_ratios(
     else:
         raise ConfigurationError(f"scope must be 'all' or 'layer', got {scope!r}.")
     evict[:, layers] = 1.0 - keep / n
+    return evict.astype(np.float32)
+
+
+def _solve_ragged(oracle, scores, grid, sink, window, min_keep, scope, layers, held, evict) -> np.ndarray:
+    """:func:`solve_evict_ratios` when some layers hold fewer tokens than the context (``held``)."""
+    t = oracle.shape[-1]
+    starts = {layer: t - held[layer] + sink if layer in held else sink for layer in layers}
+    for layer, start in starts.items():
+        if t - window - start < 1:
+            raise ConfigurationError(
+                f"Layer {layer} holds {held.get(layer, t)} context tokens: nothing to evict after {sink} sinks "
+                f"and a window of {window}."
+            )
+    gains = {
+        layer: scorer_order_gains(oracle[layer, :, start : t - window], scores[layer, :, start : t - window])
+        for layer, start in starts.items()
+    }
+    if scope == "all":
+        heads = [g for layer in layers for g in gains[layer]]
+        keep = ragged_keep_counts(heads, grid, min_keep).reshape(len(grid), len(layers), -1)
+    elif scope == "layer":
+        keep = np.stack([greedy_keep_counts(gains[layer], grid, min_keep) for layer in layers], axis=1)
+    else:
+        raise ConfigurationError(f"scope must be 'all' or 'layer', got {scope!r}.")
+    n = np.array([t - window - starts[layer] for layer in layers], dtype=np.float64)
+    evict[:, layers] = 1.0 - keep / n[None, :, None]
     return evict.astype(np.float32)

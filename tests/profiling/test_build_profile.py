@@ -167,6 +167,26 @@ def test_sliding_window_layers_keep_the_global_ratio(byte_tokenizer, tiny_calibr
     np.testing.assert_allclose(profile.evict_ratio[:, 1].mean(axis=1), profile.grid, atol=0.02)
 
 
+def test_a_profile_across_layer_kinds_shares_one_budget(byte_tokenizer, tiny_calibration):
+    """sliding="compress": the sliding layer's heads are optimised too, over the window they hold; the kept
+    tokens over both kinds are the ratio's, each head counted by its own number of evictable tokens."""
+    from lukv_cache.testing import BYTE_VOCAB, tiny_model
+
+    model = tiny_model("gemma2", attn="eager", vocab_size=BYTE_VOCAB, num_hidden_layers=2, sliding_window=16)
+    kwargs = dict(k_max=2, model_id="org/gemma", cache_dir=False, show_progress=False, memory_table=False)
+    profile = build_profile(model, byte_tokenizer, "keydiff", tiny_calibration, sliding="compress", **kwargs)
+    assert profile.extra["sliding"] == "compress"
+    t = profile.extra["context_tokens"]
+    n = np.array([16 - 1 - profile.sink - profile.window, t - profile.sink - profile.window], dtype=float)
+    kept = ((1 - profile.evict_ratio) * n[None, :, None]).sum(axis=(1, 2))  # averaged over questions
+    low = profile.grid <= 0.9  # above, each head's one kept token is more than the ratio leaves
+    np.testing.assert_allclose(kept[low], (1 - profile.grid[low]) * 2 * n.sum(), rtol=0.02, atol=1.0)
+    assert not np.allclose(profile.evict_ratio[:, 0], profile.grid[:, None], atol=0.02)
+    keep = build_profile(model, byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
+    assert keep.extra["sliding"] == "keep"
+    np.testing.assert_allclose(keep.evict_ratio[:, 0], np.repeat(keep.grid[:, None], 2, axis=1))
+
+
 def test_a_kvzip_profile_builds_from_the_caches_own_reconstruction_scores(
     tiny_model, byte_tokenizer, tiny_calibration, tmp_path
 ):

@@ -33,6 +33,30 @@ def test_oracle_with_logit_softcap_and_sliding_layers_matches_eager_on_full_laye
     np.testing.assert_allclose(importance[1], expected[1], rtol=1e-4, atol=1e-9)
 
 
+def test_sliding_layers_recorded_over_their_window_match_eager():
+    """sliding=True: a sliding layer's importance is its newest query's eager attention over the context
+    tokens still in its window at that step (zero before it), times the same value norms as a full layer."""
+    model = tiny_model("gemma2", attn="eager", num_hidden_layers=2, sliding_window=16)
+    context, question = torch.randint(0, 128, (1, 40)), torch.randint(0, 128, (1, 5))
+    state = prefill_context(model, context)
+    importance, answer = oracle_importance(model, state, question, k_max=6, sliding=True)
+    plain, same = oracle_importance(model, state, question, k_max=6)
+    assert answer == same
+    np.testing.assert_array_equal(importance[1], plain[1])  # the full layer: as before
+    t, q = 40, 5
+    first = t + q - 16  # the first question token's window: 15 keys before it
+    assert not importance[0, :, :first].any() and importance[0, :, first:].min() > 0
+    eager = type(model)(model.config)
+    eager.load_state_dict(model.state_dict())
+    full = torch.cat([context, question, torch.tensor([answer[:-1]])], dim=1)
+    with torch.no_grad():
+        attn = eager.eval()(full, output_attentions=True).attentions[0][0, :, t + q - 1 :, :t]  # [Hq, K, T]
+    contrib = attn * state.value_norms[0][:, None, :]
+    hkv = model.config.num_key_value_heads
+    expected = contrib.view(hkv, -1, *contrib.shape[1:]).amax(dim=1).amax(dim=1).numpy()
+    np.testing.assert_allclose(importance[0], expected, rtol=1e-4, atol=1e-9)
+
+
 def test_oracle_answer_is_the_greedy_generation(make_tiny_model):
     model = make_tiny_model(seed=1)
     context, question = torch.randint(0, 128, (1, 30)), torch.randint(0, 128, (1, 4))

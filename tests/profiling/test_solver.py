@@ -14,6 +14,7 @@ from lukv_cache.profiling.solver import (
     min_keep_count,
     pava,
     pava_blocks,
+    ragged_keep_counts,
     relaxed_loss_curve,
     scorer_order_gains,
     solve_evict_ratios,
@@ -89,6 +90,60 @@ def test_greedy_objective_equals_exact_dp_on_relaxed_instances():
             greedy_obj = sum(curves[i][keep[g_idx, i]] for i in range(h))
             _, dp_obj = exact_keep_counts(curves, budget, m)
             assert greedy_obj == pytest.approx(dp_obj, abs=1e-9)
+
+
+def test_ragged_greedy_equals_exact_dp_on_heads_of_different_lengths():
+    # sliding-window heads hold fewer tokens than full-attention ones: the one budget, still optimal
+    rng = np.random.default_rng(13)
+    for trial in range(40):
+        lengths = rng.integers(2, 9, size=rng.integers(2, 5))
+        gains = [scorer_order_gains(rng.exponential(size=n) ** 2, rng.normal(size=n)) for n in lengths]
+        min_keep = [0.0, 0.3][trial % 2]
+        mins = [min_keep_count(int(n), min_keep) for n in lengths]
+        grid = np.array([0.1, 0.3, 0.5, 0.7, 0.9])
+        keep = ragged_keep_counts(gains, grid, min_keep)
+        total = lengths.sum()
+        expected = np.maximum(np.rint((1 - grid) * total), sum(mins))
+        np.testing.assert_array_equal(keep.sum(axis=1), expected)
+        assert (keep >= mins).all() and (keep <= lengths).all()
+        curves = [relaxed_loss_curve(g, m) for g, m in zip(gains, mins)]
+        for g_idx in range(len(grid)):
+            obj = sum(curves[i][keep[g_idx, i]] for i in range(len(gains)))
+            _, dp_obj = exact_keep_counts(curves, int(keep[g_idx].sum()), mins)
+            assert obj == pytest.approx(dp_obj, abs=1e-9)
+
+
+def test_ragged_greedy_of_equal_lengths_is_the_plain_greedy():
+    rng = np.random.default_rng(14)
+    gains = rng.lognormal(0, 2, size=(6, 50))
+    np.testing.assert_array_equal(
+        ragged_keep_counts(list(gains), DEFAULT_GRID, 0.02), greedy_keep_counts(gains, DEFAULT_GRID, 0.02)
+    )
+
+
+def test_held_layers_rank_only_their_window_and_share_the_budget():
+    rng = np.random.default_rng(15)
+    t, held, sink, window = 120, 30, 2, 3
+    oracle, scores = rng.exponential(size=(3, 2, t)), rng.normal(size=(3, 2, t))
+    oracle[0, :, : t - held] = (
+        1e6  # a sliding layer holds its last 30 tokens: what came before is not its own
+    )
+    evict = solve_evict_ratios(
+        oracle, scores, grid=[0.5, 0.8], sink=sink, window=window, held={0: held, 2: held}
+    )
+    n = np.array([held - sink - window, t - sink - window, held - sink - window], dtype=float)
+    kept = ((1 - evict) * n[None, :, None]).round()
+    np.testing.assert_allclose(kept.sum(axis=(1, 2)), np.rint([0.5 * 2 * n.sum(), 0.2 * 2 * n.sum()]))
+    # what layer 0 saw before its window does not count (had it, every token would go to it)
+    calm = oracle.copy()
+    calm[0, :, : t - held] = 0.0
+    kw = dict(grid=[0.5, 0.8], sink=sink, window=window, held={0: held, 2: held})
+    np.testing.assert_array_equal(evict, solve_evict_ratios(calm, scores, **kw))
+    oracle[0, :, t - held + sink : t - window] *= 1e3  # its own window matters most: it keeps it all
+    evict = solve_evict_ratios(oracle, scores, grid=[0.5], sink=sink, window=window, held={0: held, 2: held})
+    np.testing.assert_allclose(evict[0, 0], 0.0, atol=1e-6)
+    with pytest.raises(ConfigurationError, match="nothing to evict"):
+        solve_evict_ratios(oracle, scores, grid=[0.5], sink=sink, window=window, held={0: 5})
 
 
 def test_greedy_is_never_better_than_exact_dp_on_the_original_losses():
