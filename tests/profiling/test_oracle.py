@@ -57,6 +57,29 @@ def test_sliding_layers_recorded_over_their_window_match_eager():
     np.testing.assert_allclose(importance[0], expected, rtol=1e-4, atol=1e-9)
 
 
+def test_sliding_layers_under_sdpa_masks_match_eager():
+    """Gemma-3 (no softcap): the oracle's sdpa path reads transformers' sliding-window masks; a question of
+    several tokens gets a real mask there, whose last row must be the newest query's."""
+    model = tiny_model("gemma3", num_hidden_layers=3, sliding_window=16)
+    context, question = torch.randint(0, 128, (1, 40)), torch.randint(0, 128, (1, 6))
+    state = prefill_context(model, context)
+    importance, answer = oracle_importance(model, state, question, k_max=5, sliding=True)
+    t, q = 40, 6
+    eager = type(model)(model.config)
+    eager.load_state_dict(model.state_dict())
+    eager.set_attn_implementation("eager")
+    full = torch.cat([context, question, torch.tensor([answer[:-1]])], dim=1)
+    with torch.no_grad():
+        attentions = eager.eval()(full, output_attentions=True).attentions
+    hkv = model.config.num_key_value_heads
+    for layer in range(3):
+        attn = attentions[layer][0, :, t + q - 1 :, :t]  # [Hq, K, T]
+        contrib = attn * state.value_norms[layer][:, None, :]
+        expected = contrib.view(hkv, -1, *contrib.shape[1:]).amax(dim=1).amax(dim=1).numpy()
+        np.testing.assert_allclose(importance[layer], expected, rtol=1e-4, atol=1e-9)
+    assert not importance[0, :, : t + q - 16].any() and importance[1, :, :10].any()  # sliding / full
+
+
 def test_oracle_answer_is_the_greedy_generation(make_tiny_model):
     model = make_tiny_model(seed=1)
     context, question = torch.randint(0, 128, (1, 30)), torch.randint(0, 128, (1, 4))
