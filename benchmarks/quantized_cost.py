@@ -18,6 +18,11 @@ room to grow.
 
     python benchmarks/quantized_cost.py --tokens 4096 --batch 1 4 --threads 2 --decode-steps 64
 
+``--transformers``: also every token held (ratio 0), against transformers' own caches at the same tokens:
+``DynamicCache`` (fp32), ``LUKVCache(0, kv_bits=8 / 4)`` and ``QuantizedCache(backend="quanto", nbits=4)``
+(its last ``residual_length`` tokens at full precision; needs ``pip install optimum-quanto``), each ``/ fp32``
+against the ``DynamicCache``.
+
 ``--smoke``: cache_bench's tiny model (``--small``), 256 tokens, batch 1, 2 decode steps, the table written in
 a temporary folder (``benchmarks/smoke.py``).
 """
@@ -59,6 +64,26 @@ def ideal_bytes(cache) -> tuple[int, int]:
     return store, suffix
 
 
+def tensor_bytes(t) -> int:
+    """Bytes a tensor holds, through tensor subclasses (quanto's codes, scales and shifts) to plain tensors."""
+    if t is None:
+        return 0
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def transformers_cache_bytes(cache) -> int:
+    """What a transformers cache holds: each layer's full-precision keys and values, and a QuantizedCache
+    layer's codes with their scales and shifts."""
+    return sum(
+        tensor_bytes(getattr(layer, name, None))
+        for layer in cache.layers
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values")
+    )
+
+
 def run(
     tokens: int,
     batch: int,
@@ -67,6 +92,7 @@ def run(
     steps: int,
     small: bool = False,
     memory: float | None = None,
+    against_transformers: bool = False,
 ) -> dict:
     from lukv_cache import LUKVCache
 
@@ -83,7 +109,20 @@ def run(
     if memory is not None:  # the budget's own choice, and the same bytes at full precision (eviction alone)
         specs["memory"] = dict(memory=memory, scorer="keydiff", allocator="uniform", config=model.config)
         specs["memory fp32"] = dict(specs["memory"])
-    caches = {}
+    if against_transformers:  # every token held: our codes against transformers' caches
+        for bits in (8, 4):
+            specs[f"all int{bits}"] = dict(
+                ratio=0.0, scorer="keydiff", allocator="uniform", config=model.config, kv_bits=bits
+            )
+    caches: dict = {}
+    if against_transformers:
+        from transformers import DynamicCache, QuantizedCache
+
+        caches["all fp32"] = DynamicCache(config=model.config)
+        caches["all quanto int4"] = QuantizedCache(backend="quanto", config=model.config, nbits=4)
+        with torch.no_grad():
+            for name in ("all fp32", "all quanto int4"):
+                cache_bench._fill(model, caches[name], batch, tokens, torch.Generator().manual_seed(1))
     with torch.no_grad():
         for name, kwargs in specs.items():
             gen = torch.Generator().manual_seed(1)  # the same keys and values in every cache
@@ -103,6 +142,16 @@ def run(
             )
     row = {"tokens": tokens, "batch": batch, "threads": threads, "ratio": ratio}
     for name, cache in caches.items():
+        if not isinstance(cache, LUKVCache):  # transformers' caches: what they hold, every token
+            held = transformers_cache_bytes(cache)
+            row[name] = {
+                "bytes": held,
+                "ideal": held,
+                "store_ideal": held,
+                "kept_per_head": tokens,
+                "bits": None,
+            }
+            continue
         store, suffix = ideal_bytes(cache)
         row[name] = {
             "bytes": cache.memory_bytes(),
@@ -128,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="also LUKVCache(memory=M) and the same bytes at full precision (its base)",
     )
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also every token held: DynamicCache, LUKVCache(0, kv_bits=8/4), QuantizedCache(quanto, 4 bits)",
+    )
     parser.add_argument("--block-rows", type=int, help="AttentionLimits.block_rows (default: the library's)")
     parser.add_argument("--out", help="write the table here too")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
@@ -135,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.out = str(_smoke.begin(stand_ins=False).out("quantized_cost.md"))
         args.tokens, args.batch, args.threads, args.decode_steps, args.memory = [256], [1], 1, 2, 0.3
+    if args.transformers:
+        try:
+            import optimum.quanto  # noqa: F401
+        except ImportError:
+            parser.error(
+                "--transformers needs optimum-quanto (QuantizedCache's backend): pip install optimum-quanto"
+            )
     if args.block_rows:
         from dataclasses import replace
 
@@ -146,19 +207,31 @@ def main(argv: list[str] | None = None) -> int:
         f"{' '.join(map(str, args.batch))} --threads {args.threads} --ratio {args.ratio} --decode-steps "
         f"{args.decode_steps}"
         + (f" --block-rows {args.block_rows}" if args.block_rows else "")
-        + (f" --memory {args.memory:g}" if args.memory is not None else ""),
+        + (f" --memory {args.memory:g}" if args.memory is not None else "")
+        + (" --transformers" if args.transformers else ""),
         "",
         "| context | batch | cache | kept/head | MiB | bytes / ideal | store bytes / fp32 store | decode ms | / fp32 |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for tokens in args.tokens:
         for batch in args.batch:
-            row = run(tokens, batch, args.threads, args.ratio, args.decode_steps, args.smoke, args.memory)
+            row = run(
+                tokens,
+                batch,
+                args.threads,
+                args.ratio,
+                args.decode_steps,
+                args.smoke,
+                args.memory,
+                args.transformers,
+            )
             names = ["fp32", "int8", "int4", "ragged fp32", "ragged int4"]
             names += [] if args.memory is None else ["memory fp32", "memory", "memory tokens fp32"]
+            names += ["all fp32", "all int8", "all int4", "all quanto int4"] if args.transformers else []
             for name in names:
                 r = row[name]
-                base = row[next((f"{k} fp32" for k in ("ragged", "memory") if name.startswith(k)), "fp32")]
+                kind = next((k for k in ("ragged", "memory", "all") if name.startswith(k)), None)
+                base = row["fp32" if kind is None else f"{kind} fp32"]
                 label = (
                     name
                     if not name.startswith("memory")
@@ -168,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
                     label += f" (int{r['bits']})" if r["bits"] else " (fp32)"
                 if name == "memory tokens fp32":
                     label = "fp32, the same tokens (max_tokens, fold_interval=8)"
+                label = {
+                    "all fp32": "every token: DynamicCache (fp32)",
+                    "all int8": "every token: LUKVCache(0, kv_bits=8)",
+                    "all int4": "every token: LUKVCache(0, kv_bits=4)",
+                    "all quanto int4": "every token: QuantizedCache(quanto, nbits=4)",
+                }.get(name, label)
                 lines.append(
                     f"| {tokens} | {batch} | {label} | {r['kept_per_head']:.1f} | {r['bytes'] / 2**20:.2f} | "
                     f"{r['bytes'] / r['ideal']:.3f} | {r['store_ideal'] / base['store_ideal']:.3f} | "
