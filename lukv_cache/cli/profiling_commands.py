@@ -192,6 +192,12 @@ def profiling_commands(subparsers: Any) -> None:
         help="tokens prefilled per window (default: the longest that leaves --contexts windows)",
     )
     table.add_argument("--seed", type=int, default=0, help="seed of the windows")
+    table.add_argument(
+        "--no-share-prefill",
+        action="store_true",
+        help="prefill each cell's context itself instead of replaying the window's one prefill (the same "
+        "table, more passes)",
+    )
     table.add_argument("--quiet", action="store_true", help="no progress bar")
     add_threads_argument(table)
     table.set_defaults(func=lazy_command(run, "_memory_table", precheck_memory_table))

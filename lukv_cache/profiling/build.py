@@ -270,7 +270,8 @@ class BuildSettings:
     records it). ``memory_table``: after the profile is built, measure its loss at a grid of (kv_bits,
     eviction ratio) on windows of the calibration context and store it in the profile
     (:func:`~lukv_cache.profiling.memory_table.measure_memory_table`, what a memory budget picks its
-    precision by; its 3 x 5 cells cost 4 windows x 16 prefills of about a quarter of the context each).
+    precision by; 4 windows of about a quarter of the context, each prefilled once and replayed into every
+    cell's cache).
     ``sliding``: on a model with sliding-window layers, ``"keep"`` optimises the full-attention layers only
     (the sliding rows are the global ratio); ``"compress"`` also scores each sliding layer over the window
     it holds at the end of the context (the oracle reads the decode's attention over it) and hands out one

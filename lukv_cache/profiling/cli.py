@@ -180,6 +180,7 @@ def _memory_table(args: argparse.Namespace) -> int:
         context_tokens=args.context_tokens,
         seed=args.seed,
         show_progress=not args.quiet,
+        share_prefill=not args.no_share_prefill,
     )
     print("\n".join(memory_table_lines(Profile.load(path).memory_table)))
     print(f"wrote {path} in {time.perf_counter() - start:.1f} s")

@@ -144,6 +144,7 @@ def measure_memory_table(
     allocator: str | None = None,
     layers: bool = True,
     show_progress: bool = False,
+    share_prefill: bool = True,
 ) -> MemoryTable:
     """The loss of ``profile``'s cache on ``model`` at every (``bits``, ``ratios``): the mean over
     ``contexts`` windows of ``texts`` of the continuation's excess NLL (nats per token) against the full
@@ -163,6 +164,13 @@ def measure_memory_table(
     with every layer at 8 (one more pass per window and layer): what a memory budget weighs when it keeps
     some layers at 8 bits and the others at 4.
 
+    ``share_prefill``: each window's context is prefilled once and replayed into every cell's cache
+    (:class:`~lukv_cache.cache.compression.recorded.RecordedPrefill`: compression never changes a layer's
+    prefill output, so every cell sees the same keys, values and queries); the same table as a prefill per
+    cell, for a fraction of the passes. Not on models with sliding-window layers or other attention than
+    sdpa / eager, nor with a reconstruction scorer (``kvzip``, whose repeat passes read the context):
+    those prefill each cell.
+
     >>> table = measure_memory_table(model, tokenizer, profile, calibration_texts("planted"))  # doctest: +SKIP
     >>> table.loss.shape  # doctest: +SKIP
     (3, 5)
@@ -171,6 +179,7 @@ def measure_memory_table(
     from transformers import DynamicCache
 
     from ..cache import LUKVCache
+    from ..cache.compression.recorded import RecordedPrefill, shareable
 
     bits, ratio_list = _check_grid(bits, ratios)
     if contexts < 1 or continuation_tokens < 2:
@@ -215,6 +224,8 @@ def measure_memory_table(
             cast(Any, cache.layers[at_4_bits]).kv_bits = 4  # a LUKVLayer (every layer of a LUKVCache)
         return cache
 
+    scorer = quantized(ratio_list[0], bits[0]).policy.scorer
+    share = share_prefill and shareable(model) and scorer.reconstruction is None
     was_training = model.training
     model.eval()
     bar = tqdm(
@@ -228,10 +239,22 @@ def measure_memory_table(
             for w, window in enumerate(windows):
                 ids = torch.tensor([window], dtype=torch.long, device=device)
                 context, target = ids[:, :context_tokens], ids[:, context_tokens:]
+                recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
 
-                def nll(cache: Any, context: torch.Tensor = context, target: torch.Tensor = target) -> float:
+                def nll(
+                    cache: Any,
+                    context: torch.Tensor = context,
+                    target: torch.Tensor = target,
+                    recorded: RecordedPrefill | None = recorded,
+                ) -> float:
                     torch.manual_seed(seed)  # a scorer that draws random numbers draws the same ones
-                    if isinstance(cache, LUKVCache):  # as a user fills one: reconstruction scorers too
+                    if recorded is not None:  # the window's one prefill, replayed
+                        if isinstance(cache, LUKVCache):
+                            recorded.replay_into(cache)
+                        else:
+                            cache = recorded.full_cache(model.config)
+                        last_logits = cast(torch.Tensor, recorded.last_logits)
+                    elif isinstance(cache, LUKVCache):  # as a user fills one: reconstruction scorers too
                         out = cache.prefill(model, context, tokenizer=tokenizer, logits_to_keep=1)
                         last_logits = out.logits[:, -1, :]
                     else:

@@ -260,3 +260,14 @@ def test_lukv_memory_table(tiny_model, byte_tokenizer, calibration_writer, tmp_p
     assert "--replace" in capsys.readouterr().err
     assert main([*args, "--replace", "--contexts", "0"]) == 2
     assert main(["memory-table", "tiny", str(tmp_path / "none.safetensors")]) == 2
+
+
+def test_the_shared_prefill_gives_the_table_of_a_prefill_per_cell(tiny_model, byte_tokenizer):
+    """One prefill per window, replayed into every cell's cache (and the layer losses'): the same table."""
+    profile = _profile(tiny_model)
+    kwargs = dict(contexts=2, continuation_tokens=32, ratios=(0.3, 0.9))
+    shared = measure_memory_table(tiny_model, byte_tokenizer, profile, TEXT, **kwargs)
+    each = measure_memory_table(tiny_model, byte_tokenizer, profile, TEXT, share_prefill=False, **kwargs)
+    np.testing.assert_allclose(shared.loss, each.loss, atol=2e-6)
+    np.testing.assert_allclose(shared.layer_loss, each.layer_loss, atol=2e-6)
+    assert np.abs(each.layer_loss).max() > 0 and np.abs(each.loss).max() > 1e-3

@@ -9,6 +9,7 @@
 * a forward: :mod:`.forward_state` (what a forward leaves pending), :mod:`.settle` (what ``update`` settles
   and checks first);
 * a context: :mod:`.prefill` (``LUKVCache.prefill``, KVzip's passes) and :mod:`.prefill_inputs` (its checks);
+  :mod:`.recorded` (one prefill recorded and replayed into many caches: benchmarks, memory tables);
 * :mod:`.contract`: the cache as these modules see it (a protocol).
 """
 
