@@ -136,9 +136,12 @@ def _observe(rec: _Recorder, module, query, key, value, attention_mask, scaling,
         logits = torch.tanh(logits / kwargs["softcap"]) * kwargs["softcap"]
     if isinstance(attention_mask, torch.Tensor):
         logits = _apply_mask(logits, attention_mask[0, :, -1, -k.shape[1] :])
-    # [H_q, T_ctx]: zero before the window
-    contribution = torch.zeros_like(rec.value_norms[layer])
-    contribution[:, first:] = logits.softmax(dim=-1)[:, : t - first] * rec.value_norms[layer][:, first:]
+    weights = logits.softmax(dim=-1)[:, : t - first] * rec.value_norms[layer][:, first:]
+    if first:  # a sliding window: [H_q, T_ctx], zero before it
+        contribution = weights.new_zeros(rec.value_norms[layer].shape)
+        contribution[:, first:] = weights
+    else:
+        contribution = weights
     step_max = contribution.view(k.shape[0], groups, t).amax(dim=1)
     if layer in rec.importance:
         if rec.aggregate == "max":

@@ -337,40 +337,24 @@ def solve_evict_ratios(
     if not layers:
         return evict.astype(np.float32)
     held = {layer: h for layer, h in (held or {}).items() if layer in layers and h < t}
-    if held:
-        return _solve_ragged(oracle, scores, grid, sink, window, min_keep, scope, layers, held, evict)
-    gains = scorer_order_gains(oracle[layers, :, sink : t - window], scores[layers, :, sink : t - window])
-    if scope == "all":
-        keep = greedy_keep_counts(gains.reshape(-1, n), grid, min_keep).reshape(len(grid), len(layers), -1)
+    starts = [t - held[layer] + sink if layer in held else sink for layer in layers]
+    for layer, start in zip(layers, starts):
+        if t - window - start < 1:
+            raise ConfigurationError(
+                f"Layer {layer} holds {held[layer]} context tokens: nothing to evict after {sink} sinks "
+                f"and a window of {window}."
+            )
+    gains = [
+        scorer_order_gains(oracle[layer, :, start : t - window], scores[layer, :, start : t - window])
+        for layer, start in zip(layers, starts)
+    ]
+    if scope == "all":  # one budget; heads of held layers counted by their own tokens
+        heads = [g for layer_gains in gains for g in layer_gains]
+        keep = ragged_keep_counts(heads, grid, min_keep).reshape(len(grid), len(layers), -1)
     elif scope == "layer":
         keep = np.stack([greedy_keep_counts(g, grid, min_keep) for g in gains], axis=1)
     else:
         raise ConfigurationError(f"scope must be 'all' or 'layer', got {scope!r}.")
-    evict[:, layers] = 1.0 - keep / n
-    return evict.astype(np.float32)
-
-
-def _solve_ragged(oracle, scores, grid, sink, window, min_keep, scope, layers, held, evict) -> np.ndarray:
-    """:func:`solve_evict_ratios` when some layers hold fewer tokens than the context (``held``)."""
-    t = oracle.shape[-1]
-    starts = {layer: t - held[layer] + sink if layer in held else sink for layer in layers}
-    for layer, start in starts.items():
-        if t - window - start < 1:
-            raise ConfigurationError(
-                f"Layer {layer} holds {held.get(layer, t)} context tokens: nothing to evict after {sink} sinks "
-                f"and a window of {window}."
-            )
-    gains = {
-        layer: scorer_order_gains(oracle[layer, :, start : t - window], scores[layer, :, start : t - window])
-        for layer, start in starts.items()
-    }
-    if scope == "all":
-        heads = [g for layer in layers for g in gains[layer]]
-        keep = ragged_keep_counts(heads, grid, min_keep).reshape(len(grid), len(layers), -1)
-    elif scope == "layer":
-        keep = np.stack([greedy_keep_counts(gains[layer], grid, min_keep) for layer in layers], axis=1)
-    else:
-        raise ConfigurationError(f"scope must be 'all' or 'layer', got {scope!r}.")
-    n = np.array([t - window - starts[layer] for layer in layers], dtype=np.float64)
-    evict[:, layers] = 1.0 - keep / n[None, :, None]
+    evictable = np.array([t - window - start for start in starts], dtype=np.float64)
+    evict[:, layers] = 1.0 - keep / evictable[None, :, None]
     return evict.astype(np.float32)
