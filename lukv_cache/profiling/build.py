@@ -30,7 +30,7 @@ from .calibration import load_calibration
 from .eta import count, estimate_line, sayer
 from .kvzap_options import KVzapTraining
 from .kvzap_training import train_kvzap
-from .oracle import AGGREGATES, oracle_importance, prefill_context
+from .oracle import AGGREGATES, oracle_importances, prefill_context
 from .result_store import ResultStore, default_cache_dir, model_fingerprint, short_sha
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
 
@@ -38,6 +38,8 @@ from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 _CACHE_FORMAT = 1  # bump when what is cached, or how it is computed, changes
 SLIDING_BUILDS = ("keep", "compress")  # BuildSettings.sliding
+# a question batch's attention over the context (its largest tensors) stays under this
+ORACLE_BATCH_BYTES = 1 << 30
 
 
 def _context_scores(
@@ -100,10 +102,6 @@ class CalibrationRun:
             settings += (f"sliding={self.sliding}",)
         return "oracle-" + short_sha(_CACHE_FORMAT, self.question_ids[index].tolist(), *settings)
 
-    def kept(self, index: int) -> bool:
-        """Whether the ``index``-th question's oracle importance is kept from an earlier build."""
-        return self.store.has(self.oracle_key(index))
-
     @property
     def context_len(self) -> int:
         return int(self.context_ids.shape[1])
@@ -150,21 +148,47 @@ class CalibrationRun:
         }
 
     def prefill(self) -> None:
-        """Prefill the context that every question continues, with room after it for the longest question
-        and its answer; once (a second call does nothing). :meth:`oracle` calls it when a question must be
-        decoded; call it first to measure the prefill apart. Sets :attr:`prefill_seconds`."""
+        """Prefill the context that every question continues; once (a second call does nothing).
+        :meth:`decode` calls it when a question must be decoded; call it first to measure the prefill
+        apart. Sets :attr:`prefill_seconds`."""
         if self._state is not None:
             return
-        reserve = max(q.shape[1] for q in self.question_ids) + self.k_max
         started = time.perf_counter()
-        self._state = prefill_context(self.model, self.context_ids, reserve=reserve)
+        self._state = prefill_context(self.model, self.context_ids)
         self.prefill_seconds = time.perf_counter() - started
 
-    def oracle(self, index: int) -> np.ndarray:
-        """Oracle importance ``[L, H_kv, T]`` of the ``index``-th selected question (decoded once, then cached)."""
-        ids = self.question_ids[index]
-        key = self.oracle_key(index)
-        cached = self.store.load(key)
+    def batches(self, indices: Sequence[int]) -> list[list[int]]:
+        """``indices`` in the batches :meth:`decode` decodes together: as many questions as keep the
+        attention of a batch's question tokens over the context within :data:`ORACLE_BATCH_BYTES`."""
+        config = self.model.config.get_text_config()
+        width = max((self.question_ids[i].shape[1] for i in indices), default=1)
+        per_question = 3 * 4 * config.num_attention_heads * width * (self.context_len + width)
+        size = max(1, ORACLE_BATCH_BYTES // per_question)
+        return [list(indices[k : k + size]) for k in range(0, len(indices), size)]
+
+    def decode(self, indices: Sequence[int]) -> list[np.ndarray]:
+        """Decode the ``indices``-th selected questions as one batch after the context (prefilled once):
+        their oracle importances, each also cached with its answer."""
+        self.prefill()
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        results = oracle_importances(
+            self.model,
+            self._state,
+            [self.question_ids[i] for i in indices],
+            k_max=self.k_max,
+            eos_token_id=eos,
+            aggregate=self.aggregate,
+            sliding=self.sliding == "compress",
+        )
+        for index, (importance, answer) in zip(indices, results, strict=True):
+            self.store.save(
+                self.oracle_key(index),
+                {"importance": importance, "answer": np.asarray(answer, dtype=np.int64)},
+            )
+        return [importance for importance, _ in results]
+
+    def _cached_oracle(self, index: int) -> np.ndarray | None:
+        cached = self.store.load(self.oracle_key(index))
         valid = (
             cached is not None
             and "importance" in cached
@@ -172,21 +196,17 @@ class CalibrationRun:
             and cached["importance"].shape[-1] == self.context_len
             and bool(np.isfinite(cached["importance"]).all())
         )
-        if not valid:  # missing, torn, foreign or NaN: decode again
-            self.prefill()  # only when something must be decoded (resumed builds skip it)
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-            importance, answer = oracle_importance(
-                self.model,
-                self._state,
-                ids,
-                k_max=self.k_max,
-                eos_token_id=eos,
-                aggregate=self.aggregate,
-                sliding=self.sliding == "compress",
-            )
-            cached = {"importance": importance, "answer": np.asarray(answer, dtype=np.int64)}
-            self.store.save(key, cached)
-        return cast("dict[str, np.ndarray]", cached)["importance"]  # loaded and valid, or just decoded
+        return cast("dict[str, np.ndarray]", cached)["importance"] if valid else None
+
+    def kept(self, index: int) -> bool:
+        """Whether the ``index``-th question's oracle importance is kept (valid) from an earlier build."""
+        return self._cached_oracle(index) is not None
+
+    def oracle(self, index: int) -> np.ndarray:
+        """Oracle importance ``[L, H_kv, T]`` of the ``index``-th selected question (decoded once, then
+        cached; a missing, torn, foreign or NaN entry is decoded again)."""
+        importance = self._cached_oracle(index)
+        return self.decode([index])[0] if importance is None else importance
 
 
 def prepare_run(
@@ -404,44 +424,59 @@ def build_profiles(
         if say is not None:
             say(
                 f"LU-KV profile: {count(len(run.selected), 'question')}, each decoding up to {settings.k_max} "
-                f"answer tokens after the {t:,}-token context; {len(run.selected) - len(pending)} kept from an "
+                f"answer tokens after the {t:,}-token context, decoded together in batches of up to "
+                f"{len(run.batches(range(len(run.selected)))[0])}; {len(run.selected) - len(pending)} kept from an "
                 "earlier build"
             )
         progress = tqdm(
             total=len(run.selected), desc="LU-KV profile", unit="question", disable=not settings.show_progress
         )
+        solved: dict[int, dict[str, np.ndarray]] = {}
+
+        def solve(index: int, importance: np.ndarray) -> None:
+            solved[index] = {
+                s.name: solve_evict_ratios(
+                    importance,
+                    scores[s.name][0],
+                    grid=grid_arr,
+                    sink=settings.sink,
+                    window=windows[s.name],
+                    min_keep=settings.min_keep,
+                    scope=settings.scope,
+                    layers=scores[s.name][1],
+                    held=held[s.name],
+                )
+                for s in scorer_objs
+            }
+
         with progress:
-            for index in range(len(run.selected)):
+            for index in sorted(set(range(len(run.selected))) - set(pending)):
+                solve(index, run.oracle(index))
+                progress.update(1)
+            batches = run.batches(pending)
+            for number, batch in enumerate(batches):
                 started, prefill = time.perf_counter(), run.prefill_seconds
-                importance = run.oracle(index)
-                if say is not None and pending and index == pending[0]:  # the first decoded: the rest's time
+                # decoded together, each saved: a stopped build resumes after the last whole batch
+                for index, importance in zip(batch, run.decode(batch), strict=True):
+                    solve(index, importance)
+                progress.update(len(batch))
+                if say is not None and number == 0 and len(batches) > 1:  # the first batch: the rest's time
                     seconds = time.perf_counter() - started - (run.prefill_seconds - prefill)
-                    rest = len(pending) - 1
+                    rest = len(pending) - len(batch)
                     how = f"; the context's prefill took {run.prefill_seconds:.0f} s more, once"
                     say(
                         estimate_line(
-                            "LU-KV profile",
-                            "question",
+                            f"LU-KV profile (a batch of {count(len(batch), 'question')} at a time)",
+                            "batch",
                             seconds,
-                            seconds * rest,
+                            seconds * rest / len(batch),
                             f"{count(rest, 'question')} left",
                             how,
                         )
                     )
-                for s in scorer_objs:
-                    full, layers = scores[s.name]
-                    sums[s.name] += solve_evict_ratios(
-                        importance,
-                        full,
-                        grid=grid_arr,
-                        sink=settings.sink,
-                        window=windows[s.name],
-                        min_keep=settings.min_keep,
-                        scope=settings.scope,
-                        layers=layers,
-                        held=held[s.name],
-                    )
-                progress.update(1)
+        for index in range(len(run.selected)):  # summed in one order, whichever were kept
+            for name, ratios in solved[index].items():
+                sums[name] += ratios
     finally:
         model.train(was_training)
 

@@ -13,9 +13,11 @@ question token for ``k = 0``, then each generated token), ``W_O[q]`` is query he
 so that layers compare.
 
 It is streamed: a custom attention function (swapped in for the pass with
-:func:`~lukv_cache.attention.swap.attention_swapped`) returns the stock output and, during decoding, also
-reads the softmax row of the newest query and folds it into a running max.
-Nothing larger than one layer's ``[H_q, T]`` attention row is ever held.
+:func:`~lukv_cache.attention.swap.attention_swapped`) prefills the context with the stock attention, then
+decodes the questions as one batch (:func:`oracle_importances`): each step computes the batch's attention
+over the shared context (read once for every question) and each question's own tokens, and folds the
+softmax row of each newest query into a running max. Nothing larger than one layer's attention rows of the
+batch is ever held, and the context is never copied.
 
 Example::
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import cast
@@ -36,7 +37,7 @@ from typing import cast
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from .._compat import cache_kwarg
@@ -51,16 +52,13 @@ class _Recorder:
     """What the oracle attention function writes to during one pass (one per build, never on a module)."""
 
     context_len: int
-    mode: str = "context"  # "context": prefill of the context; "decode": question + answer tokens
-    kv_len: int = 0  # keys a full-attention layer holds in the current forward
     sliding: bool = False  # also record sliding-window layers (over the context tokens in their window)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_q, T_ctx], sums to 1
-    importance: dict[int, torch.Tensor] = field(
-        default_factory=dict
-    )  # layer -> [H_kv, T_ctx] running max/sum
+    importance: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H_kv, T_ctx] max/sum
     aggregate: str = (
         "max"  # over decode steps: "max" (the paper) or "mean" (a running sum, divided at the end)
     )
+    rows: _Rows | None = None  # a question batch's decode; None: the context's prefill
 
 
 _ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("lukv_oracle", default=None)
@@ -110,61 +108,29 @@ def _value_norms(module: torch.nn.Module, value: torch.Tensor, context_len: int)
     return norms / norms.sum().clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def _observe(rec: _Recorder, module, query, key, value, attention_mask, scaling, kwargs) -> None:
-    layer = module.layer_idx
-    t = rec.context_len
-    if rec.mode == "context":
-        if key.shape[-2] != t:
-            return
-        rec.value_norms[layer] = _value_norms(module, value, t)
-        return
-    if layer not in rec.value_norms:
-        return
-    s = key.shape[-2]
-    if s != rec.kv_len and not (rec.sliding and getattr(module, "sliding_window", None) and s < rec.kv_len):
-        return  # a sliding-window layer (unless asked for) holds only its window: not part of the optimisation
-    # the keys are the last `s` positions: a sliding layer's window starts at `first`; its context part is
-    # positions [first, t) (none once the decode has slid past the context)
-    first = rec.kv_len - s
-    if first >= t:
-        return
-    q = query[0, :, -1].float()  # the newest query: [H_q, D]
-    k = key[0].float()  # [H_kv, S, D]
-    groups = q.shape[0] // k.shape[0]
-    logits = torch.einsum("hgd,hsd->hgs", q.view(k.shape[0], groups, -1), k).flatten(0, 1) * scaling
-    if kwargs.get("softcap") is not None:
-        logits = torch.tanh(logits / kwargs["softcap"]) * kwargs["softcap"]
-    if isinstance(attention_mask, torch.Tensor):
-        logits = _apply_mask(logits, attention_mask[0, :, -1, -k.shape[1] :])
-    weights = logits.softmax(dim=-1)[:, : t - first] * rec.value_norms[layer][:, first:]
-    if first:  # a sliding window: [H_q, T_ctx], zero before it
-        contribution = weights.new_zeros(rec.value_norms[layer].shape)
-        contribution[:, first:] = weights
-    else:
-        contribution = weights
-    step_max = contribution.view(k.shape[0], groups, t).amax(dim=1)
-    if layer in rec.importance:
-        if rec.aggregate == "max":
-            torch.maximum(rec.importance[layer], step_max, out=rec.importance[layer])
-        else:
-            rec.importance[layer] += step_max
-    else:
-        rec.importance[layer] = step_max
+def _observe_context(rec: _Recorder, module, value) -> None:
+    """The context's prefill: a layer that holds every context token gets its value norms (it is recorded)."""
+    if value.shape[-2] == rec.context_len:
+        rec.value_norms[module.layer_idx] = _value_norms(module, value, rec.context_len)
 
 
 def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Stock attention output; while a recorder is active, also records value norms and oracle maxima."""
+    """Stock attention output; while a recorder is active, also records value norms (the context's prefill)
+    or, for a question batch, computes the batch's attention itself and records the oracle maxima."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    rec = _ACTIVE.get()
+    if rec is not None and rec.rows is not None:
+        with torch.no_grad():
+            return _rows_attention(rec, module, query, key, value, scaling, kwargs.get("softcap")), None
     if kwargs.get("softcap") is not None:
         out = _eager_output(module, query, key, value, attention_mask, scaling, kwargs["softcap"])
     else:
         out = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    rec = _ACTIVE.get()
     if rec is not None:
         with torch.no_grad():
-            _observe(rec, module, query, key, value, attention_mask, scaling, kwargs)
+            _observe_context(rec, module, value)
     return out
 
 
@@ -182,7 +148,8 @@ def _recording(model, rec: _Recorder) -> Iterator[_Recorder]:
 
 @dataclass
 class ContextState:
-    """The context after prefill: its cache (copied for each question) and its value-projection norms."""
+    """The context after prefill: its cache (never written again: each question batch keeps its own tokens
+    apart from it) and its value-projection norms."""
 
     cache: DynamicCache
     context_len: int
@@ -195,103 +162,9 @@ def _text_config(model):
     return model.config.get_text_config()
 
 
-class _Reserve:
-    """One allocation for the KV of every full-attention layer of the context, with room after it.
-
-    ``[n_layers, 2, B, H_kv, T + reserve, D]``, made at the first layer's first update; a layer of another
-    shape gets its own. One block (not a tensor per layer, each step) keeps the context out of the small
-    allocations between which freed temporaries would otherwise pile up.
-    """
-
-    def __init__(self, num_layers: int, reserve: int):
-        self.num_layers, self.reserve = num_layers, reserve
-        self.block: torch.Tensor | None = None
-        self.next = 0
-
-    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, h, t, d = like.shape
-        shape = (2, b, h, t + self.reserve, d)
-        if self.block is None:
-            self.block = like.new_empty((max(1, self.num_layers), *shape))
-        if self.block.shape[1:] != shape or self.next >= self.block.shape[0]:
-            own = like.new_empty(shape)  # a layer of another shape (or more layers than counted)
-            return own[0], own[1]
-        self.next += 1
-        return self.block[self.next - 1, 0], self.block[self.next - 1, 1]
-
-
-class _ContextLayer(DynamicLayer):
-    """A full-attention layer that writes into a buffer ``[B, H, T + reserve, D]`` instead of concatenating.
-
-    The context fills ``[:T]`` and is never written again; each question's tokens go after it, in place,
-    and the layer hands attention views of the buffer (no copy of the context per question and per step).
-    The context's own forward attends over the tensors it computed, exactly as with a ``DynamicLayer``.
-    A question that does not fit moves its copy of the layer to a larger buffer of its own.
-    """
-
-    def __init__(self, reserve: _Reserve):
-        super().__init__()
-        self._reserve: _Reserve | None = reserve
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:  # the context
-            self.lazy_initialization(key_states, value_states)
-            self._keys, self._values = cast(_Reserve, self._reserve).take(key_states)
-            self._reserve = None
-            self.keys, self.values = self._keys[..., :0, :], self._values[..., :0, :]
-        # tensors from the context's update on (above)
-        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)
-        buffer_keys, buffer_values = cast(torch.Tensor, self._keys), cast(torch.Tensor, self._values)
-        start = keys.shape[-2]
-        end = start + key_states.shape[-2]
-        if end > buffer_keys.shape[-2]:
-            grown = buffer_keys.new_empty((2, *buffer_keys.shape[:2], 2 * end, buffer_keys.shape[-1]))
-            grown[0, ..., :start, :] = keys
-            grown[1, ..., :start, :] = values
-            self._keys, self._values = buffer_keys, buffer_values = grown[0], grown[1]
-        buffer_keys[..., start:end, :] = key_states
-        buffer_values[..., start:end, :] = value_states
-        self.keys, self.values = buffer_keys[..., :end, :], buffer_values[..., :end, :]
-        if start == 0:
-            return key_states, value_states
-        return self.keys, self.values
-
-    def __deepcopy__(self, memo):
-        new = copy.copy(self)
-        if self._keys is not None:  # a private buffer, not the whole shared block
-            n = cast(torch.Tensor, self.keys).shape[-2]
-            new._keys, new._values = self._keys.clone(), cast(torch.Tensor, self._values).clone()
-            new.keys, new.values = new._keys[..., :n, :], new._values[..., :n, :]
-        return new
-
-
-# never write into their tensors (``update`` concatenates into new ones): a shallow copy is a private copy
-_SHARED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, _ContextLayer)
-
-
-def _question_cache(context: DynamicCache) -> DynamicCache:
-    """A cache that starts where ``context`` ends, without copying the context's tensors.
-
-    A :class:`_ContextLayer` writes a question's tokens after the context in the shared buffer (questions run
-    one at a time); ``DynamicLayer`` and ``DynamicSlidingWindowLayer`` only ever replace their tensors. Other
-    layer types are deep-copied.
-    """
-    cache = copy.copy(context)
-    cache.layers = [
-        copy.copy(layer) if type(layer) in _SHARED_LAYERS else copy.deepcopy(layer)
-        for layer in context.layers
-    ]
-    return cache
-
-
-def prefill_context(model, context_ids: torch.Tensor, *, reserve: int = 256) -> ContextState:
-    """Prefill ``context_ids [1, T]`` once; every question then continues this cache.
-
-    Full-attention layers keep the context in one buffer with ``reserve`` free positions after it for a
-    question and its answer (a longer one costs a copy of the layer for that question).
-    """
+def prefill_context(model, context_ids: torch.Tensor) -> ContextState:
+    """Prefill ``context_ids [1, T]`` once; every question batch then continues this cache without writing to
+    it (a full-attention layer holds the context's keys and values, a sliding-window layer its last ones)."""
     if context_ids.ndim != 2 or context_ids.shape[0] != 1:
         raise ConfigurationError(
             f"The calibration context must be one sequence [1, T], got {context_ids.shape}."
@@ -299,8 +172,12 @@ def prefill_context(model, context_ids: torch.Tensor, *, reserve: int = 256) -> 
     config = _text_config(model)
     rec = _Recorder(context_len=context_ids.shape[1])
     cache = DynamicCache(config=config)
-    pool = _Reserve(sum(type(layer) is DynamicLayer for layer in cache.layers), max(0, int(reserve)))
-    cache.layers = [_ContextLayer(pool) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    unknown = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, DynamicLayer)})
+    if unknown:
+        raise ConfigurationError(
+            f"The oracle decodes over full-attention and sliding-window layers; this model's cache has "
+            f"{', '.join(unknown)} layers, which it does not support yet."
+        )
     with _recording(model, rec), torch.inference_mode():
         # logits_to_keep=1: the context's logits are never read; all of them would be [T, vocab] fp32
         # (0.8 GB for SmolLM2 at 4.3k tokens, more than its KV cache)
@@ -319,7 +196,180 @@ def prefill_context(model, context_ids: torch.Tensor, *, reserve: int = 256) -> 
     )
 
 
+class _RowsLayer(DynamicLayer):
+    """One layer of a question batch's cache: the rows' own tokens ``[B, H_kv, S, D]`` (questions, then
+    answers), after a context every row shares and which stays in the context's cache (the batched
+    attention reads it there). Its length counts the context, so positions and masks line up."""
+
+    def __init__(self, context_len: int):
+        super().__init__()
+        self.context_len = context_len
+
+    def get_seq_length(self) -> int:
+        return self.context_len + super().get_seq_length()
+
+
+@dataclass
+class _Rows:
+    """What the batched attention reads besides its arguments, for the forward under way."""
+
+    context: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: the context's keys, values [1, H_kv, n, D]
+    context_len: int
+    query_pos: torch.Tensor  # [B, q] positions of this forward's queries (-1: a question's padding)
+    key_pos: torch.Tensor  # [B, S] positions of the rows' own tokens held, this forward's too (-1: padding)
+    before: torch.Tensor  # [B] tokens before this forward's first real query (a sliding layer holds them all
+    # while this is at most its window - 1)
+    recording: torch.Tensor  # [B] bool: rows whose answer is still being decoded
+
+
+def _rows_attention(rec: _Recorder, module, query, key, value, scaling, softcap) -> torch.Tensor:
+    """Exact attention of a question batch over the shared context and each row's own tokens, reading the
+    context once for every row; records each recording row's newest query into ``rec.importance``.
+    Returns ``[B, q, H_q, D]`` as transformers' attention functions do."""
+    rows = cast(_Rows, rec.rows)
+    layer = module.layer_idx
+    context_keys, context_values = rows.context[layer]
+    n, t = context_keys.shape[-2], rows.context_len
+    first = t - n  # a sliding layer holds the context's last tokens
+    b, num_q, q, d = query.shape
+    num_kv = key.shape[1]
+    groups = num_q // num_kv
+    queries = query.float().view(b, num_kv, groups, q, d)
+    logits = (
+        torch.cat(
+            [
+                torch.einsum("bhgqd,hnd->bhgqn", queries, context_keys[0].float()),
+                torch.einsum("bhgqd,bhsd->bhgqs", queries, key.float()),
+            ],
+            dim=-1,
+        )
+        * scaling
+    )
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    query_pos = rows.query_pos[:, None, None, :, None]  # [B, 1, 1, q, 1]
+    padding = query_pos < 0
+    context_pos = torch.arange(first, t, device=query.device)
+    key_pos = rows.key_pos[:, None, None, None, :]  # [B, 1, 1, 1, S]
+    see_context = context_pos <= query_pos
+    see_own = (key_pos >= 0) & (key_pos <= query_pos) & ~padding
+    window = getattr(module, "sliding_window", None)
+    if window:
+        see_context = see_context & (query_pos - context_pos < window)
+        see_own = see_own & (query_pos - key_pos < window)
+    see_context = see_context | padding  # a padding query reads the context: finite, and never read
+    logits = logits.masked_fill(
+        ~torch.cat([see_context.expand(-1, -1, -1, -1, n), see_own], -1), float("-inf")
+    )
+    weights = logits.softmax(dim=-1)
+    out = torch.einsum("bhgqn,hnd->bhgqd", weights[..., :n], context_values[0].float()) + torch.einsum(
+        "bhgqs,bhsd->bhgqd", weights[..., n:], value.float()
+    )
+    if layer in rec.value_norms:
+        recorded = rows.recording & ((not window) or rec.sliding or (rows.before <= window - 1))
+        if bool(recorded.any()):
+            norms = rec.value_norms[layer][:, first:].view(num_kv, groups, n)
+            step = (weights[:, :, :, -1, :n] * norms).amax(dim=2)  # [B, H_kv, n], the newest query
+            importance = rec.importance.setdefault(layer, step.new_zeros(b, num_kv, t))
+            part = importance[:, :, first:]
+            keep = recorded[:, None, None]
+            if rec.aggregate == "max":
+                part.copy_(torch.where(keep, torch.maximum(part, step), part))
+            else:
+                part.add_(step * keep)
+    return out.reshape(b, num_q, q, d).transpose(1, 2).contiguous().to(query.dtype)
+
+
 AGGREGATES = ("max", "mean")
+
+
+def _check_question(question_ids: torch.Tensor) -> None:
+    if question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.shape[1] < 1:
+        raise ConfigurationError(
+            f"A question must be one non-empty sequence [1, n], got {question_ids.shape}."
+        )
+
+
+def oracle_importances(
+    model,
+    state: ContextState,
+    questions: list[torch.Tensor],
+    *,
+    k_max: int = 64,
+    eos_token_id=None,
+    aggregate: str = "max",
+    sliding: bool = False,
+) -> list[tuple[np.ndarray, list[int]]]:
+    """:func:`oracle_importance` of several questions after the same context, decoded as one batch: every
+    decode step runs the model once for all of them and reads the context's keys and values once (the
+    context is shared, each row holds only its question and answer). The same importances and answers as
+    one question at a time."""
+    if aggregate not in AGGREGATES:
+        raise ConfigurationError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {aggregate!r}.")
+    if k_max < 1:
+        raise ConfigurationError(f"k_max must be at least 1, got {k_max}.")
+    if not questions:
+        return []
+    for question_ids in questions:
+        _check_question(question_ids)
+    device = model.device
+    t, b = state.context_len, len(questions)
+    lengths = torch.tensor([q.shape[1] for q in questions], device=device)
+    width = int(lengths.max())
+    slots = torch.arange(width, device=device)
+    padding = slots[None, :] < (width - lengths)[:, None]  # questions end together: padded on the left
+    ids = torch.zeros((b, width), dtype=torch.long, device=device)
+    for row, question_ids in enumerate(questions):
+        ids[row, width - question_ids.shape[1] :] = question_ids[0].to(device)
+    positions = t + slots[None, :] - (width - lengths)[:, None]
+    positions = positions.masked_fill(padding, -1)
+    eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
+    rows = _Rows(
+        context=[
+            (cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
+            for layer in cast(list[DynamicLayer], state.cache.layers)
+        ],
+        context_len=t,
+        query_pos=positions,
+        key_pos=positions,
+        before=torch.full((b,), t, device=device),
+        recording=torch.ones(b, dtype=torch.bool, device=device),
+    )
+    rec = _Recorder(
+        context_len=t, value_norms=state.value_norms, aggregate=aggregate, sliding=sliding, rows=rows
+    )
+    cache = DynamicCache()
+    cache.layers = [_RowsLayer(t) for _ in state.cache.layers]
+    answers: list[list[int]] = [[] for _ in range(b)]
+    passed = {cache_kwarg(model): cache}
+    with _recording(model, rec), torch.inference_mode():
+        while bool(rows.recording.any()):
+            logits = model(
+                input_ids=ids,
+                position_ids=rows.query_pos.clamp_min(0),
+                attention_mask=torch.ones((b, t + rows.key_pos.shape[1]), dtype=torch.long, device=device),
+                use_cache=True,
+                logits_to_keep=1,
+                **passed,
+            ).logits
+            tokens = logits[:, -1].argmax(dim=-1)
+            for row, token in enumerate(tokens.tolist()):
+                if bool(rows.recording[row]):
+                    answers[row].append(token)
+                    if token in eos or len(answers[row]) == k_max:
+                        rows.recording[row] = False
+            ids = tokens[:, None]
+            rows.before = rows.query_pos[:, -1] + 1
+            rows.query_pos = rows.before[:, None]
+            rows.key_pos = torch.cat([rows.key_pos, rows.query_pos], dim=1)
+    results = []
+    for row, answer in enumerate(answers):
+        out = np.zeros((state.num_layers, state.num_kv_heads, t), dtype=np.float32)
+        for layer, importance in rec.importance.items():
+            values = importance[row] / len(answer) if aggregate == "mean" else importance[row]
+            out[layer] = values.cpu().numpy()
+        results.append((out, answer))
+    return results
 
 
 def oracle_importance(
@@ -333,48 +383,24 @@ def oracle_importance(
     sliding: bool = False,
 ) -> tuple[np.ndarray, list[int]]:
     """Oracle importance ``[L, H_kv, T_ctx]`` (float32; zero for layers not recorded) for one question,
-    and the greedy answer tokens.
+    and the greedy answer tokens (:func:`oracle_importances` decodes several at once).
 
-    Feeds the question after the context cache (never modified: see :func:`prefill_context`; one
-    question at a time per ``state``), then decodes greedily with a full cache: the
-    query producing each of the ``k_max`` answer tokens is one decode step. Stops early at ``eos_token_id``.
-    ``aggregate``: over the decode steps, ``"max"`` (the paper) or ``"mean"`` (a token read a little at
-    many steps counts more than under the max; a sum would allocate the same, budgets being scale-free).
-    ``sliding``: also record the sliding-window layers, over the context tokens their window holds at each
-    step (zero elsewhere; normalised by the same ``Z_l`` over the whole context as a full-attention layer);
-    otherwise their rows are zero.
+    Feeds the question after the context cache (never modified: see :func:`prefill_context`), then decodes
+    greedily with a full cache: the query producing each of the ``k_max`` answer tokens is one decode step.
+    Stops early at ``eos_token_id``. ``aggregate``: over the decode steps, ``"max"`` (the paper) or
+    ``"mean"`` (a token read a little at many steps counts more than under the max; a sum would allocate
+    the same, budgets being scale-free). ``sliding``: also record the sliding-window layers, over the
+    context tokens their window holds at each step (zero elsewhere; normalised by the same ``Z_l`` over the
+    whole context as a full-attention layer); otherwise their rows are zero (unless the layer still holds
+    every token, a context shorter than its window).
     """
-    if aggregate not in AGGREGATES:
-        raise ConfigurationError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {aggregate!r}.")
-    if k_max < 1:
-        raise ConfigurationError(f"k_max must be at least 1, got {k_max}.")
-    if question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.shape[1] < 1:
-        raise ConfigurationError(
-            f"A question must be one non-empty sequence [1, n], got {question_ids.shape}."
-        )
-    eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
-    rec = _Recorder(
-        context_len=state.context_len,
-        mode="decode",
-        value_norms=state.value_norms,
+    _check_question(question_ids)
+    return oracle_importances(
+        model,
+        state,
+        [question_ids],
+        k_max=k_max,
+        eos_token_id=eos_token_id,
         aggregate=aggregate,
         sliding=sliding,
-    )
-    cache = _question_cache(state.cache)
-    answer: list[int] = []
-    ids = question_ids.to(model.device)
-    rec.kv_len = state.context_len + ids.shape[1]
-    passed = {cache_kwarg(model): cache}
-    with _recording(model, rec), torch.inference_mode():
-        for _ in range(k_max):
-            logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **passed).logits
-            token = int(logits[0, -1].argmax())
-            answer.append(token)
-            if token in eos or len(answer) == k_max:
-                break
-            ids = torch.tensor([[token]], device=model.device)
-            rec.kv_len += 1
-    out = np.zeros((state.num_layers, state.num_kv_heads, state.context_len), dtype=np.float32)
-    for layer, imp in rec.importance.items():
-        out[layer] = (imp / len(answer) if aggregate == "mean" else imp).cpu().numpy()
-    return out, answer
+    )[0]

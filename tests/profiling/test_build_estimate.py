@@ -7,6 +7,7 @@ import torch
 
 from lukv_cache import build_profile
 from lukv_cache.cli import main
+from lukv_cache.profiling import build as build_module
 from lukv_cache.profiling import cli as profiling_cli
 from lukv_cache.profiling import eta
 from lukv_cache.profiling.kvzap_options import KVzapTraining
@@ -25,13 +26,22 @@ def _lukv_build(tiny_model, byte_tokenizer, calibration, cache_dir, monkeypatch,
 def test_lukv_build_says_its_questions_then_an_estimate_measured_on_the_first(
     tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch, capsys
 ):
+    monkeypatch.setattr(build_module, "ORACLE_BATCH_BYTES", 1)  # one question a batch: something to estimate
     assert _lukv_build(tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch) == 0
     err = capsys.readouterr().err
     assert "LU-KV profile: 3 questions, each decoding up to 2 answer tokens after the" in err
-    assert "0 kept from an earlier build" in err
+    assert "decoded together in batches of up to 1;" in err and "0 kept from an earlier build" in err
     said = [line for line in err.splitlines() if ESTIMATE in line]
     assert len(said) == 1, err  # once
-    assert "the first question took" in said[0] and "for the 2 questions left" in said[0]
+    assert "the first batch took" in said[0] and "for the 2 questions left" in said[0]
+
+
+def test_questions_that_fit_one_batch_are_decoded_at_once_with_nothing_to_estimate(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch, capsys
+):
+    assert _lukv_build(tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch) == 0
+    err = capsys.readouterr().err
+    assert "decoded together in batches of up to 3;" in err and ESTIMATE not in err
 
 
 def test_a_resumed_build_says_what_it_kept_and_estimates_nothing(

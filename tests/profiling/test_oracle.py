@@ -1,9 +1,10 @@
 """Streamed oracle importance against a direct eager computation."""
 
 import numpy as np
+import pytest
 import torch
 
-from lukv_cache.profiling.oracle import oracle_importance, prefill_context
+from lukv_cache.profiling.oracle import oracle_importance, oracle_importances, prefill_context
 from lukv_cache.testing import tiny_model
 
 
@@ -168,3 +169,60 @@ def test_softcap_oracle_reads_a_causal_context_prefill():
     importance, answer = oracle_importance(model, prefill_context(model, context), question, k_max=4)
     expected = _direct_oracle(model, context, question, answer, layers=[1, 2])
     np.testing.assert_allclose(importance[1:], expected[1:], rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "family, options, sliding, aggregate",
+    [
+        ("llama", {}, False, "max"),
+        ("llama", {}, False, "mean"),
+        ("gemma2", dict(attn="eager", num_hidden_layers=2, sliding_window=16), True, "max"),
+        ("gemma3", dict(num_hidden_layers=3, sliding_window=16), True, "max"),
+        # the window holds the whole context when a question starts, and slides past it while answering
+        ("gemma3", dict(num_hidden_layers=3, sliding_window=48), False, "max"),
+    ],
+)
+def test_a_question_batch_equals_one_question_at_a_time(family, options, sliding, aggregate):
+    """Questions of different lengths, one stopping early at the end-of-sequence token: decoded as one
+    batch (padded, the context shared) they get the answers and importances they get alone."""
+    model = tiny_model(family, seed=2, **options)
+    context = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    questions = [torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 5)]
+    state = prefill_context(model, context)
+    kw = dict(k_max=6, sliding=sliding, aggregate=aggregate)
+    free = oracle_importance(model, state, questions[1], **kw)[1]
+    stop = next(k for k in range(1, len(free)) if free[k] not in free[:k])  # a token new at step `stop`
+    alone = [oracle_importance(model, state, q, eos_token_id=free[stop], **kw) for q in questions]
+    batch = oracle_importances(model, state, questions, eos_token_id=free[stop], **kw)
+    assert len(alone[1][1]) == stop + 1 < 6 and len({len(answer) for _, answer in alone}) > 1
+    for (importance, answer), (batched, batched_answer) in zip(alone, batch, strict=True):
+        assert batched_answer == answer
+        np.testing.assert_allclose(batched, importance, rtol=1e-5, atol=1e-9)
+        assert importance.any()
+    assert state.cache.get_seq_length() == 40  # the context is left as it was
+
+
+def test_a_sliding_layer_is_recorded_while_its_window_holds_the_whole_context():
+    """sliding=False: a sliding layer whose window still holds every token so far (a context shorter than
+    the window) is recorded as a full layer is, step by step, until the decode slides past the context's
+    first token."""
+    model = tiny_model("gemma3", num_hidden_layers=3, sliding_window=48)
+    assert model.config.layer_types[0] == "sliding_attention"
+    t, q = 40, 6
+    context, question = torch.randint(0, 128, (1, t)), torch.randint(0, 128, (1, q))
+    state = prefill_context(model, context)
+    importance, answer = oracle_importance(model, state, question, k_max=8)
+    eager = type(model)(model.config)
+    eager.load_state_dict(model.state_dict())
+    eager.set_attn_implementation("eager")
+    full = torch.cat([context, question, torch.tensor([answer[:-1]])], dim=1)
+    with torch.no_grad():
+        attn = eager.eval()(full, output_attentions=True).attentions[0][0, :, t + q - 1 :, :t]  # [Hq, K, T]
+    contrib = attn * state.value_norms[0][:, None, :]
+    hkv = model.config.num_key_value_heads
+    steps = contrib.view(hkv, -1, *contrib.shape[1:]).amax(dim=1).transpose(0, 1).numpy()  # [K, H_kv, T]
+    # the query producing answer token k sits at position t + q - 1 + k and follows t + q - 1 + k tokens
+    # (the question's step: t); the window holds them all while that is at most 47
+    held = [k for k in range(len(answer)) if (t if k == 0 else t + q - 1 + k) <= 47]
+    assert 0 < len(held) < len(answer)
+    np.testing.assert_allclose(importance[0], steps[held].max(0), rtol=1e-4, atol=1e-9)
