@@ -24,14 +24,16 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 
+from ..cache.compression.recorded import shareable
 from ..errors import ConfigurationError
 from ..scorers import Scorer, get_scorer, kvzap_scorer
 from .calibration import load_calibration
 from .eta import count, estimate_line, sayer
 from .kvzap_options import KVzapTraining
 from .kvzap_training import train_kvzap
-from .oracle import AGGREGATES, oracle_importances, prefill_context
+from .oracle import AGGREGATES, ContextState, oracle_importances, prefill_context
 from .result_store import ResultStore, default_cache_dir, model_fingerprint, short_sha
+from .scores import replayed_scores
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
 
 # Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
@@ -40,6 +42,8 @@ _CACHE_FORMAT = 1  # bump when what is cached, or how it is computed, changes
 SLIDING_BUILDS = ("keep", "compress")  # BuildSettings.sliding
 # a question batch's attention over the context (its largest tensors) stays under this
 ORACLE_BATCH_BYTES = 1 << 30
+# the context's last queries its prefill keeps, so that scorers reading up to as many rank it from that prefill
+RECORDED_QUERIES = 128
 
 
 def _context_scores(
@@ -94,6 +98,7 @@ class CalibrationRun:
     aggregate: str = "max"
     sliding: str = "keep"  # "compress": sliding-window layers are scored and recorded over their window
     _state: Any = None
+    _scores: dict[str, dict[int, np.ndarray]] = dataclasses.field(default_factory=dict)
     prefill_seconds: float = 0.0  # the context's prefill, once a question needed it
 
     def oracle_key(self, index: int) -> str:
@@ -118,11 +123,23 @@ class CalibrationRun:
             repr(scorer.reconstruction),
             *((f"sliding={self.sliding}",) if self.sliding != "keep" else ()),
         )
+        if key in self._scores:  # read once per run (held() and score_array() both ask)
+            return self._scores[key]
         cached = self.store.load(key)
         if cached is not None:
-            return {int(k): v for k, v in cached.items() if k != "none"}
-        scores = _context_scores(self.model, self.context_ids, scorer, self.tokenizer, self.sliding)
+            self._scores[key] = {int(k): v for k, v in cached.items() if k != "none"}
+            return self._scores[key]
+        if self._replays(scorer):  # from the context's one prefill, which the oracle continues
+            self.prefill()
+            state = cast(ContextState, self._state)
+            impl = self.model.config._attn_implementation
+            with torch.inference_mode():
+                per_layer = replayed_scores(state.recorded(impl), scorer, self.model.config)
+            scores = {i: s[0].float().cpu().numpy() for i, s in enumerate(per_layer) if s is not None}
+        else:
+            scores = _context_scores(self.model, self.context_ids, scorer, self.tokenizer, self.sliding)
         self.store.save(key, {str(layer): v for layer, v in scores.items()} or {"none": np.zeros(1)})
+        self._scores[key] = scores
         return scores
 
     def score_array(self, scorer: Scorer) -> tuple[np.ndarray, list[int]]:
@@ -154,8 +171,17 @@ class CalibrationRun:
         if self._state is not None:
             return
         started = time.perf_counter()
-        self._state = prefill_context(self.model, self.context_ids)
+        queries = RECORDED_QUERIES if shareable(self.model) else 0
+        self._state = prefill_context(self.model, self.context_ids, queries=queries)
         self.prefill_seconds = time.perf_counter() - started
+
+    def _replays(self, scorer: Scorer) -> bool:
+        """Whether ``scorer``'s context scores come from the context's prefill, replayed (every layer full
+        attention, no repeat passes, at most :data:`RECORDED_QUERIES` queries read) rather than a prefill
+        of their own."""
+        return (
+            shareable(self.model) and scorer.reconstruction is None and scorer.n_queries <= RECORDED_QUERIES
+        )
 
     def batches(self, indices: Sequence[int]) -> list[list[int]]:
         """``indices`` in the batches :meth:`decode` decodes together: as many questions as keep the

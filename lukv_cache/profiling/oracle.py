@@ -42,6 +42,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 
 from .._compat import cache_kwarg
 from ..attention.swap import attention_swapped
+from ..cache.compression.recorded import RecordedPrefill
 from ..errors import ConfigurationError
 
 ATTN_NAME = "lukv_oracle"
@@ -59,6 +60,9 @@ class _Recorder:
         "max"  # over decode steps: "max" (the paper) or "mean" (a running sum, divided at the end)
     )
     rows: _Rows | None = None  # a question batch's decode; None: the context's prefill
+    queries: int = 0  # the context's prefill: also keep each layer's last queries (and its module)
+    context_queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    modules: dict[int, torch.nn.Module] = field(default_factory=dict)
 
 
 _ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("lukv_oracle", default=None)
@@ -108,10 +112,14 @@ def _value_norms(module: torch.nn.Module, value: torch.Tensor, context_len: int)
     return norms / norms.sum().clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def _observe_context(rec: _Recorder, module, value) -> None:
-    """The context's prefill: a layer that holds every context token gets its value norms (it is recorded)."""
+def _observe_context(rec: _Recorder, module, query, value) -> None:
+    """The context's prefill: a layer that holds every context token gets its value norms (it is recorded)
+    and, when asked, keeps its last queries."""
     if value.shape[-2] == rec.context_len:
         rec.value_norms[module.layer_idx] = _value_norms(module, value, rec.context_len)
+    if rec.queries:
+        rec.context_queries[module.layer_idx] = query[:, :, -rec.queries :].clone()
+        rec.modules[module.layer_idx] = module
 
 
 def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -130,7 +138,7 @@ def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         )
     if rec is not None:
         with torch.no_grad():
-            _observe_context(rec, module, value)
+            _observe_context(rec, module, query, value)
     return out
 
 
@@ -156,21 +164,40 @@ class ContextState:
     value_norms: dict[int, torch.Tensor]
     num_layers: int
     num_kv_heads: int
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its last queries, if kept
+    modules: dict[int, torch.nn.Module] = field(default_factory=dict)
+
+    def recorded(self, attn_implementation: str) -> RecordedPrefill:
+        """The context's prefill as a :class:`~lukv_cache.cache.compression.recorded.RecordedPrefill` (its
+        keys, values and kept queries), to replay into compressed caches without another forward; for a
+        model whose layers are all full attention, prefilled with ``queries``."""
+        if not self.queries or len(self.queries) != len(self.cache.layers):
+            raise ConfigurationError("This context was prefilled without keeping its queries (queries=0).")
+        layers = cast(list[DynamicLayer], self.cache.layers)
+        return RecordedPrefill(
+            n_queries=next(iter(self.queries.values())).shape[-2],
+            attn_implementation=attn_implementation,
+            keys=[cast(torch.Tensor, layer.keys) for layer in layers],
+            values=[cast(torch.Tensor, layer.values) for layer in layers],
+            prefill_queries=self.queries,
+            modules=dict(self.modules),
+        )
 
 
 def _text_config(model):
     return model.config.get_text_config()
 
 
-def prefill_context(model, context_ids: torch.Tensor) -> ContextState:
+def prefill_context(model, context_ids: torch.Tensor, *, queries: int = 0) -> ContextState:
     """Prefill ``context_ids [1, T]`` once; every question batch then continues this cache without writing to
-    it (a full-attention layer holds the context's keys and values, a sliding-window layer its last ones)."""
+    it (a full-attention layer holds the context's keys and values, a sliding-window layer its last ones).
+    ``queries``: also keep each layer's last ``queries`` queries (:meth:`ContextState.recorded`)."""
     if context_ids.ndim != 2 or context_ids.shape[0] != 1:
         raise ConfigurationError(
             f"The calibration context must be one sequence [1, T], got {context_ids.shape}."
         )
     config = _text_config(model)
-    rec = _Recorder(context_len=context_ids.shape[1])
+    rec = _Recorder(context_len=context_ids.shape[1], queries=max(0, int(queries)))
     cache = DynamicCache(config=config)
     unknown = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, DynamicLayer)})
     if unknown:
@@ -193,6 +220,8 @@ def prefill_context(model, context_ids: torch.Tensor) -> ContextState:
         value_norms=rec.value_norms,
         num_layers=config.num_hidden_layers,
         num_kv_heads=config.num_key_value_heads,
+        queries=rec.context_queries,
+        modules=rec.modules,
     )
 
 

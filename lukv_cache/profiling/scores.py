@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..cache import LUKVCache
+from ..cache.compression.recorded import RecordedPrefill
 from ..scorers import Scorer
 
 if TYPE_CHECKING:
@@ -40,11 +41,31 @@ def prefill_scores(
     >>> scores[0].shape
     torch.Size([1, 2, 48])
     """
-    cache = LUKVCache(
+    cache = _scoring_cache(model.config, scorer, sliding)
+    # logits_to_keep=1: only the scores are read; the prompt's logits would be [B, T, vocab] fp32
+    cache.prefill(
+        model, input_ids, attention_mask, tokenizer=tokenizer, repeat_prompt=repeat_prompt, logits_to_keep=1
+    )
+    return _read_scores(cache, model.config)
+
+
+def replayed_scores(
+    recorded: RecordedPrefill, scorer: str | Scorer, config: Any
+) -> list[torch.Tensor | None]:
+    """:func:`prefill_scores` of a context whose prefill was recorded (a model whose layers are all full
+    attention, a scorer without repeat passes that reads at most ``recorded.n_queries`` queries): the same
+    scores, without a forward through the model."""
+    cache = _scoring_cache(config, scorer, "keep")
+    recorded.replay_into(cache)
+    return _read_scores(cache, config)
+
+
+def _scoring_cache(config: Any, scorer: str | Scorer, sliding: str) -> LUKVCache:
+    return LUKVCache(
         ratio=_SCORING_RATIO,
         scorer=scorer,
         allocator="uniform",  # layer by layer (a whole-model allocator would hold every layer's KV)
-        config=model.config,
+        config=config,
         sink=0,
         window=0,
         keep_scores=True,
@@ -52,10 +73,9 @@ def prefill_scores(
         # context longer than its window is left out of the optimisation (its rows are rho)
         sliding=sliding,
     )
-    # logits_to_keep=1: only the scores are read; the prompt's logits would be [B, T, vocab] fp32
-    cache.prefill(
-        model, input_ids, attention_mask, tokenizer=tokenizer, repeat_prompt=repeat_prompt, logits_to_keep=1
-    )
-    num_layers = cast("PreTrainedConfig", model.config).get_text_config(decoder=True).num_hidden_layers
+
+
+def _read_scores(cache: LUKVCache, config: Any) -> list[torch.Tensor | None]:
+    num_layers = cast("PreTrainedConfig", config).get_text_config(decoder=True).num_hidden_layers
     recorded = cast("dict[int, torch.Tensor]", cache.prefill_scores)  # keep_scores=True: a dict
     return [recorded.get(idx) for idx in range(num_layers)]

@@ -406,3 +406,49 @@ def test_prefill_runs_once_and_the_oracle_continues_it(
     run.prefill()
     run.oracle(0)  # decoded from the context prefilled above
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("scorer", ["keydiff", "snapkv", "expected_attention", "knorm"])
+def test_scores_replayed_from_the_oracle_prefill_equal_a_prefill_of_their_own(tiny_model, scorer):
+    from lukv_cache.profiling.oracle import prefill_context
+    from lukv_cache.profiling.scores import prefill_scores, replayed_scores
+
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(0))
+    state = prefill_context(tiny_model, ids, queries=build_module.RECORDED_QUERIES)
+    replayed = replayed_scores(
+        state.recorded(tiny_model.config._attn_implementation), scorer, tiny_model.config
+    )
+    own = prefill_scores(tiny_model, ids, scorer)
+    assert len(replayed) == len(own) and all(s is not None for s in own)
+    for a, b in zip(replayed, own, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_build_prefills_the_calibration_context_once_for_the_oracle_and_every_scorer(
+    tiny_model, byte_tokenizer, tiny_calibration
+):
+    run = build_module.prepare_run(tiny_model, byte_tokenizer, tiny_calibration, k_max=3, cache_dir=False)
+    contexts = []
+    hook = tiny_model.register_forward_pre_hook(
+        lambda module, args, kwargs: (
+            contexts.append(1)
+            if kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == run.context_len
+            else None
+        ),
+        with_kwargs=True,
+    )
+    try:
+        build_profiles(
+            tiny_model,
+            byte_tokenizer,
+            ["keydiff", "snapkv"],
+            tiny_calibration,
+            k_max=3,
+            model_id="org/tiny",
+            cache_dir=False,
+            show_progress=False,
+            memory_table=False,
+        )
+    finally:
+        hook.remove()
+    assert contexts == [1]
