@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +28,7 @@ from ..errors import ConfigurationError
 from ..profiles.memory_table import MemoryTable
 from .calibration import SHIPPED_FOLDER, load_calibration
 from .continuation import continuation_nll, prefill
+from .eta import count, estimate_line, sayer
 
 DEFAULT_BITS: tuple[int | None, ...] = (None, 8, 4)
 # 0.25 too: below its first ratio a table holds a quantized precision at that ratio's loss, and where eviction
@@ -234,9 +236,18 @@ def measure_memory_table(
         unit="run",
         disable=not show_progress,
     )
+    say = sayer(show_progress)
+    if say is not None:
+        say(
+            f"memory table: {count(contexts, 'window')} of {context_tokens:,} + {continuation_tokens} tokens, "
+            f"{bar.total // contexts} runs each ({len(bits)} precisions x {len(ratio_list)} ratios"
+            + (f", {num_layers + 1} for the layers' losses" if num_layers else "")
+            + ")"
+        )
     try:
         with bar, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for w, window in enumerate(windows):
+                started = time.perf_counter()
                 ids = torch.tensor([window], dtype=torch.long, device=device)
                 context, target = ids[:, :context_tokens], ids[:, context_tokens:]
                 recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
@@ -275,6 +286,17 @@ def measure_memory_table(
                     for layer in range(num_layers):
                         layer_excess[layer, w] = nll(quantized(0.0, 8, layer)) - at_8_bits
                         bar.update(1)
+                if say is not None and w == 0 and contexts > 1:
+                    seconds = time.perf_counter() - started
+                    say(
+                        estimate_line(
+                            "memory table",
+                            "window",
+                            seconds,
+                            seconds * (contexts - 1),
+                            f"{count(contexts - 1, 'window')} left",
+                        )
+                    )
     finally:
         model.train(was_training)
     return MemoryTable(
