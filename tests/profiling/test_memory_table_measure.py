@@ -271,3 +271,25 @@ def test_the_shared_prefill_gives_the_table_of_a_prefill_per_cell(tiny_model, by
     np.testing.assert_allclose(shared.loss, each.loss, atol=2e-6)
     np.testing.assert_allclose(shared.layer_loss, each.layer_loss, atol=2e-6)
     assert np.abs(each.layer_loss).max() > 0 and np.abs(each.loss).max() > 1e-3
+
+
+def test_layer_losses_reuse_the_8_bit_outputs_below_their_layer_and_equal_full_passes():
+    """A layer's loss pass computes only from its own layer up (the first layer aside): the layers below
+    hand back their 8-bit pass's outputs. Same losses as every layer computed, to float noise."""
+    model = testing.tiny_model(num_hidden_layers=5, vocab_size=testing.BYTE_VOCAB, pad_token_id=None)
+    tokenizer = testing.byte_tokenizer()
+    profile = _profile(model)
+    kwargs = dict(ratios=(0.7,), contexts=2, continuation_tokens=32)
+    calls = []
+    hook = model.model.layers[3].self_attn.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        reused = measure_memory_table(model, tokenizer, profile, TEXT, **kwargs)
+    finally:
+        hook.remove()
+    full = measure_memory_table(model, tokenizer, profile, TEXT, share_prefill=False, **kwargs)
+    np.testing.assert_allclose(reused.layer_loss, full.layer_loss, atol=2e-6)
+    np.testing.assert_allclose(reused.loss, full.loss, atol=2e-6)
+    assert np.abs(full.layer_loss).max() > 0
+    # per window: the recorded prefill, the full cache, 3 cells, the 8-bit pass and layers 0-3's passes run
+    # layer 3; layer 4's pass reuses its output
+    assert len(calls) == 2 * (1 + 1 + 3 + 1 + 4)
