@@ -20,8 +20,9 @@ room to grow.
 
 ``--transformers``: also every token held (ratio 0), against transformers' own caches at the same tokens:
 ``DynamicCache`` (fp32), ``LUKVCache(0, kv_bits=8 / 4)`` and ``QuantizedCache(backend="quanto", nbits=4)``
-(its last ``residual_length`` tokens at full precision; needs ``pip install optimum-quanto``), each ``/ fp32``
-against the ``DynamicCache``.
+(its last ``residual_length`` tokens at full precision; needs ``pip install optimum-quanto``), and, where
+``hqq`` is installed (``pip install hqq termcolor``; the table says when it is not), ``QuantizedCache(
+backend="hqq", nbits=8 / 4)``, each ``/ fp32`` against the ``DynamicCache``.
 
 ``--smoke``: cache_bench's tiny model (``--small``), 256 tokens, batch 1, 2 decode steps, the table written in
 a temporary folder (``benchmarks/smoke.py``).
@@ -41,6 +42,13 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import _smoke  # noqa: E402
 import cache_bench  # noqa: E402  (benchmarks/cache_bench.py: the model and the fill)
+
+try:  # transformers' QuantizedCache(backend="hqq") needs it; its rows are left out (and said so) without
+    import hqq  # noqa: F401
+
+    HQQ = True
+except ImportError:
+    HQQ = False
 
 
 def ideal_bytes(cache) -> tuple[int, int]:
@@ -65,9 +73,13 @@ def ideal_bytes(cache) -> tuple[int, int]:
 
 
 def tensor_bytes(t) -> int:
-    """Bytes a tensor holds, through tensor subclasses (quanto's codes, scales and shifts) to plain tensors."""
+    """Bytes a tensor holds, through tensor subclasses (quanto's codes, scales and shifts) to plain tensors,
+    and HQQ's (codes, meta) pairs (its scales and zeros)."""
     if t is None:
         return 0
+    if isinstance(t, tuple):  # HQQ: (codes, {"scale": ..., "zero": ..., other settings})
+        codes, meta = t
+        return tensor_bytes(codes) + sum(tensor_bytes(meta.get(name)) for name in ("scale", "zero"))
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
         names, _ = t.__tensor_flatten__()
         return sum(tensor_bytes(getattr(t, name)) for name in names)
@@ -120,8 +132,11 @@ def run(
 
         caches["all fp32"] = DynamicCache(config=model.config)
         caches["all quanto int4"] = QuantizedCache(backend="quanto", config=model.config, nbits=4)
+        if HQQ:
+            for bits in (8, 4):
+                caches[f"all hqq int{bits}"] = QuantizedCache(backend="hqq", config=model.config, nbits=bits)
         with torch.no_grad():
-            for name in ("all fp32", "all quanto int4"):
+            for name in [n for n in caches if n.startswith("all ")]:
                 cache_bench._fill(model, caches[name], batch, tokens, torch.Generator().manual_seed(1))
     with torch.no_grad():
         for name, kwargs in specs.items():
@@ -210,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         + (f" --memory {args.memory:g}" if args.memory is not None else "")
         + (" --transformers" if args.transformers else ""),
         "",
+        *(
+            ["hqq is not installed here: no QuantizedCache(hqq) rows (pip install hqq termcolor).", ""]
+            if args.transformers and not HQQ
+            else []
+        ),
         "| context | batch | cache | kept/head | MiB | bytes / ideal | store bytes / fp32 store | decode ms | / fp32 |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -228,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             names = ["fp32", "int8", "int4", "ragged fp32", "ragged int4"]
             names += [] if args.memory is None else ["memory fp32", "memory", "memory tokens fp32"]
             names += ["all fp32", "all int8", "all int4", "all quanto int4"] if args.transformers else []
+            names += ["all hqq int8", "all hqq int4"] if args.transformers and HQQ else []
             for name in names:
                 r = row[name]
                 kind = next((k for k in ("ragged", "memory", "all") if name.startswith(k)), None)
@@ -246,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                     "all int8": "every token: LUKVCache(0, kv_bits=8)",
                     "all int4": "every token: LUKVCache(0, kv_bits=4)",
                     "all quanto int4": "every token: QuantizedCache(quanto, nbits=4)",
+                    "all hqq int8": "every token: QuantizedCache(hqq, nbits=8)",
+                    "all hqq int4": "every token: QuantizedCache(hqq, nbits=4)",
                 }.get(name, label)
                 lines.append(
                     f"| {tokens} | {batch} | {label} | {r['kept_per_head']:.1f} | {r['bytes'] / 2**20:.2f} | "
