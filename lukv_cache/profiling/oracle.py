@@ -264,18 +264,13 @@ def _rows_attention(rec: _Recorder, module, query, key, value, scaling, softcap)
     num_kv = key.shape[1]
     groups = num_q // num_kv
     queries = query.float().view(b, num_kv, groups, q, d)
-    logits = (
-        torch.cat(
-            [
-                torch.einsum("bhgqd,hnd->bhgqn", queries, context_keys[0].float()),
-                torch.einsum("bhgqd,bhsd->bhgqs", queries, key.float()),
-            ],
-            dim=-1,
-        )
-        * scaling
-    )
+    # the logits over the context and over the row's own tokens, kept apart (no [.., n + S] copy): the
+    # context part, [B, H_kv, G, q, n], is the largest tensor of a batch
+    over_context = torch.einsum("bhgqd,hnd->bhgqn", queries, context_keys[0].float()).mul_(scaling)
+    over_own = torch.einsum("bhgqd,bhsd->bhgqs", queries, key.float()).mul_(scaling)
     if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+        for part in (over_context, over_own):
+            part.div_(softcap).tanh_().mul_(softcap)
     query_pos = rows.query_pos[:, None, None, :, None]  # [B, 1, 1, q, 1]
     padding = query_pos < 0
     context_pos = torch.arange(first, t, device=query.device)
@@ -287,18 +282,22 @@ def _rows_attention(rec: _Recorder, module, query, key, value, scaling, softcap)
         see_context = see_context & (query_pos - context_pos < window)
         see_own = see_own & (query_pos - key_pos < window)
     see_context = see_context | padding  # a padding query reads the context: finite, and never read
-    logits = logits.masked_fill(
-        ~torch.cat([see_context.expand(-1, -1, -1, -1, n), see_own], -1), float("-inf")
-    )
-    weights = logits.softmax(dim=-1)
-    out = torch.einsum("bhgqn,hnd->bhgqd", weights[..., :n], context_values[0].float()) + torch.einsum(
-        "bhgqs,bhsd->bhgqd", weights[..., n:], value.float()
+    over_context.masked_fill_(~see_context, float("-inf"))
+    over_own.masked_fill_(~see_own, float("-inf"))
+    # one softmax over both parts, in place
+    peak = torch.maximum(over_context.amax(-1, keepdim=True), over_own.amax(-1, keepdim=True))
+    over_context.sub_(peak).exp_()
+    over_own.sub_(peak).exp_()
+    total = over_context.sum(-1, keepdim=True) + over_own.sum(-1, keepdim=True)
+    weights, own_weights = over_context.div_(total), over_own.div_(total)
+    out = torch.einsum("bhgqn,hnd->bhgqd", weights, context_values[0].float()) + torch.einsum(
+        "bhgqs,bhsd->bhgqd", own_weights, value.float()
     )
     if layer in rec.value_norms:
         recorded = rows.recording & ((not window) or rec.sliding or (rows.before <= window - 1))
         if bool(recorded.any()):
             norms = rec.value_norms[layer][:, first:].view(num_kv, groups, n)
-            step = (weights[:, :, :, -1, :n] * norms).amax(dim=2)  # [B, H_kv, n], the newest query
+            step = (weights[:, :, :, -1] * norms).amax(dim=2)  # [B, H_kv, n], the newest query
             importance = rec.importance.setdefault(layer, step.new_zeros(b, num_kv, t))
             part = importance[:, :, first:]
             keep = recorded[:, None, None]
