@@ -95,7 +95,7 @@ def test_a_surrogate_too_big_for_memory_or_rows_too_big_for_the_disk_are_refused
     with pytest.raises(ConfigurationError, match="GiB of memory.*--kvzap-hidden"):
         training.check_for(big, memory=need["surrogate"])
     with pytest.raises(ConfigurationError, match="spills .* GiB"):
-        KVzapTraining().check_for(big, free_disk=10 * 2**30, memory=2**50)
-    KVzapTraining().check_for(big, free_disk=30 * 2**30, memory=2**50)  # 24.1 GiB of rows
+        KVzapTraining().check_for(big, free_disk=4 * 2**30, memory=2**50)
+    KVzapTraining().check_for(big, free_disk=8 * 2**30, memory=2**50)  # 6.0 GiB of rows
     with pytest.raises(ConfigurationError, match="positions"):
         KVzapTraining().check_for(LlamaConfig(max_position_embeddings=16), memory=2**50)
