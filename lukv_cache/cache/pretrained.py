@@ -468,10 +468,11 @@ def _places_searched(model_id: str, hub: HubLocation, local_dir: str | os.PathLi
     return "looked in " + ", ".join(places[:-1]) + " and " + places[-1], f"lukv build {model_id}"
 
 
-# What a profile build costs, as the fallback's log line says it: measured (`lukv build <model> --scorer keydiff
-# --threads 1`, docs/benchmarks.md "Per model"); the build prints its own estimate before its long part
+# What a profile build costs, as the fallback's log line says it: measured (`lukv build qwen2.5-coder-0.5b
+# --scorer keydiff --threads 2` from an empty cache folder, docs/profiles.md "Cost"); the build prints its
+# own estimate before its long part
 BUILD_TIME = (
-    "a keydiff build took 1 min 47 s for Gemma-3-270M and 4 min 15 s for Qwen2.5-0.5B on one CPU thread; "
+    "a keydiff build took 3 min 14 s for Qwen2.5-0.5B on 2 CPU threads, its memory table included; "
     "it says its own estimate before the long part"
 )
 
