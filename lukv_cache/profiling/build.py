@@ -213,7 +213,9 @@ class CalibrationRun:
             )
         return [importance for importance, _ in results]
 
-    def _cached_oracle(self, index: int) -> np.ndarray | None:
+    def cached_oracle(self, index: int) -> np.ndarray | None:
+        """The ``index``-th question's oracle importance kept by an earlier build, or ``None`` when it is
+        missing, torn, foreign or NaN (to decode again)."""
         cached = self.store.load(self.oracle_key(index))
         valid = (
             cached is not None
@@ -224,14 +226,10 @@ class CalibrationRun:
         )
         return cast("dict[str, np.ndarray]", cached)["importance"] if valid else None
 
-    def kept(self, index: int) -> bool:
-        """Whether the ``index``-th question's oracle importance is kept (valid) from an earlier build."""
-        return self._cached_oracle(index) is not None
-
     def oracle(self, index: int) -> np.ndarray:
         """Oracle importance ``[L, H_kv, T]`` of the ``index``-th selected question (decoded once, then
         cached; a missing, torn, foreign or NaN entry is decoded again)."""
-        importance = self._cached_oracle(index)
+        importance = self.cached_oracle(index)
         return self.decode([index])[0] if importance is None else importance
 
 
@@ -446,17 +444,6 @@ def build_profiles(
         shape = (len(grid_arr), config.num_hidden_layers, config.num_key_value_heads)
         sums = {s.name: np.zeros(shape) for s in scorer_objs}
         say = sayer(settings.show_progress)
-        pending = [i for i in range(len(run.selected)) if not run.kept(i)]
-        if say is not None:
-            say(
-                f"LU-KV profile: {count(len(run.selected), 'question')}, each decoding up to {settings.k_max} "
-                f"answer tokens after the {t:,}-token context, decoded together in batches of up to "
-                f"{len(run.batches(range(len(run.selected)))[0])}; {len(run.selected) - len(pending)} kept from an "
-                "earlier build"
-            )
-        progress = tqdm(
-            total=len(run.selected), desc="LU-KV profile", unit="question", disable=not settings.show_progress
-        )
         solved: dict[int, dict[str, np.ndarray]] = {}
 
         def solve(index: int, importance: np.ndarray) -> None:
@@ -475,10 +462,28 @@ def build_profiles(
                 for s in scorer_objs
             }
 
+        pending: list[int] = []
+        for index in range(len(run.selected)):  # an earlier build's results: each read once, solved now
+            importance = run.cached_oracle(index)
+            if importance is None:
+                pending.append(index)
+            else:
+                solve(index, importance)
+        if say is not None:
+            say(
+                f"LU-KV profile: {count(len(run.selected), 'question')}, each decoding up to {settings.k_max} "
+                f"answer tokens after the {t:,}-token context, decoded together in batches of up to "
+                f"{len(run.batches(range(len(run.selected)))[0])}; {len(run.selected) - len(pending)} kept from an "
+                "earlier build"
+            )
+        progress = tqdm(
+            total=len(run.selected),
+            initial=len(run.selected) - len(pending),
+            desc="LU-KV profile",
+            unit="question",
+            disable=not settings.show_progress,
+        )
         with progress:
-            for index in sorted(set(range(len(run.selected))) - set(pending)):
-                solve(index, run.oracle(index))
-                progress.update(1)
             batches = run.batches(pending)
             for number, batch in enumerate(batches):
                 started, prefill = time.perf_counter(), run.prefill_seconds
