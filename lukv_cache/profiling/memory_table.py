@@ -284,13 +284,13 @@ def measure_memory_table(
                         excess[i, j, w] = nll(cache) - full
                         bar.update(1)
                 if num_layers:
-                    below = _LayerOutputs(model) if recorded is not None else None
-                    with below.record() if below is not None else contextlib.nullcontext():
+                    below = _LayerOutputs(model if recorded is not None else None)
+                    with below.record():
                         at_8_bits = nll(quantized(0.0, 8))
                     bar.update(1)
                     for layer in range(num_layers):
                         # the layers below `layer` see what they saw at 8 bits: their outputs are reused
-                        with below.reused_below(layer) if below is not None else contextlib.nullcontext():
+                        with below.reused_below(layer):
                             layer_excess[layer, w] = nll(quantized(0.0, 8, layer)) - at_8_bits
                         bar.update(1)
                 if say is not None and w == 0 and contexts > 1:
@@ -324,10 +324,12 @@ class _LayerOutputs:
     in one layer's store, so every layer below it computes exactly what it computed there (same inputs, same
     8-bit keys and values): reusing them saves about half of those passes. The first layer always runs (it
     opens each forward for the cache). Only for a shared prefill's models (every layer full attention, no
-    layer reading another's keys and values)."""
+    layer reading another's keys and values): ``model=None``, or a decoder without a ``layers`` list, records
+    and reuses nothing (every layer runs)."""
 
-    def __init__(self, model: Any):
-        self.layers = list(cast(Any, model).get_decoder().layers)
+    def __init__(self, model: Any | None):
+        decoder = None if model is None else model.get_decoder()
+        self.layers = list(getattr(decoder, "layers", None) or [])
         self.outputs: dict[int, Any] = {}
 
     @contextlib.contextmanager
