@@ -422,7 +422,6 @@ def oracle_importance(
     whole context as a full-attention layer); otherwise their rows are zero (unless the layer still holds
     every token, a context shorter than its window).
     """
-    _check_question(question_ids)
     return oracle_importances(
         model,
         state,
