@@ -35,6 +35,7 @@ from .oracle import AGGREGATES, ContextState, oracle_importances, prefill_contex
 from .result_store import ResultStore, default_cache_dir, model_fingerprint, short_sha
 from .scores import replayed_scores
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
+from .table_dtype import TABLE_DTYPES
 
 # Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
@@ -315,7 +316,9 @@ class BuildSettings:
     eviction ratio) on windows of the calibration context and store it in the profile
     (:func:`~lukv_cache.profiling.memory_table.measure_memory_table`, what a memory budget picks its
     precision by; 4 windows of about a quarter of the context, each prefilled once and replayed into every
-    cell's cache).
+    cell's cache). ``table_dtype``: the precision of the table's passes (``None``: the model's; ``"auto"``,
+    what ``lukv build`` asks for: bfloat16 on a CPU that multiplies it natively;
+    :func:`~lukv_cache.profiling.table_dtype.table_dtype`).
     ``sliding``: on a model with sliding-window layers, ``"keep"`` optimises the full-attention layers only
     (the sliding rows are the global ratio); ``"compress"`` also scores each sliding layer over the window
     it holds at the end of the context (the oracle reads the decode's attention over it) and hands out one
@@ -341,6 +344,7 @@ class BuildSettings:
     extra: dict | None = None
     kvzap: KVzapTraining | None = None
     memory_table: bool = True
+    table_dtype: str | None = None
     sliding: str = "keep"
 
     def __post_init__(self) -> None:
@@ -350,6 +354,10 @@ class BuildSettings:
             )
         if self.scope not in ("all", "layer"):
             raise ConfigurationError(f"scope must be 'all' or 'layer', got {self.scope!r}.")
+        if self.table_dtype is not None and self.table_dtype not in TABLE_DTYPES:
+            raise ConfigurationError(
+                f"table_dtype must be one of {', '.join(TABLE_DTYPES)} (or None), got {self.table_dtype!r}."
+            )
         if self.sink < 0 or (self.window is not None and self.window < 0):
             raise ConfigurationError(
                 f"sink and window must be >= 0, got sink={self.sink}, window={self.window}."
@@ -563,6 +571,7 @@ def _with_memory_table(profile, run: CalibrationRun, calibration, settings: Buil
         continuation_tokens=continuation_for(run.context_len),
         seed=settings.seed,
         show_progress=settings.show_progress,
+        dtype=settings.table_dtype,
     )
     return dataclasses.replace(profile, memory_table=table)
 

@@ -108,6 +108,7 @@ def _build_into(args: argparse.Namespace, scorers: list[str], mirror: Path | Non
         extra=extra,
         kvzap=kvzap,
         memory_table=not args.no_memory_table,
+        table_dtype=args.table_dtype,
         sliding=args.sliding,
     )
     for name, profile in profiles.items():
@@ -181,6 +182,7 @@ def _memory_table(args: argparse.Namespace) -> int:
         seed=args.seed,
         show_progress=not args.quiet,
         share_prefill=not args.no_share_prefill,
+        dtype=args.table_dtype,
     )
     print("\n".join(memory_table_lines(Profile.load(path).memory_table)))
     print(f"wrote {path} in {time.perf_counter() - start:.1f} s")

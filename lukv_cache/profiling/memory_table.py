@@ -30,6 +30,7 @@ from ..profiles.memory_table import MemoryTable
 from .calibration import SHIPPED_FOLDER, load_calibration
 from .continuation import continuation_nll, prefill
 from .eta import count, estimate_line, sayer
+from .table_dtype import model_in, table_dtype
 
 DEFAULT_BITS: tuple[int | None, ...] = (None, 8, 4)
 # 0.25 too: below its first ratio a table holds a quantized precision at that ratio's loss, and where eviction
@@ -148,6 +149,7 @@ def measure_memory_table(
     layers: bool = True,
     show_progress: bool = False,
     share_prefill: bool = True,
+    dtype: str | torch.dtype | None = None,
 ) -> MemoryTable:
     """The loss of ``profile``'s cache on ``model`` at every (``bits``, ``ratios``): the mean over
     ``contexts`` windows of ``texts`` of the continuation's excess NLL (nats per token) against the full
@@ -174,6 +176,11 @@ def measure_memory_table(
     layers below that layer (they compute the same thing), about half of those passes' work. Not on models
     with sliding-window layers or other attention than sdpa / eager, nor with a reconstruction scorer
     (``kvzip``, whose repeat passes read the context): those prefill each cell and run every layer.
+
+    ``dtype``: the precision of the passes (:func:`~lukv_cache.profiling.table_dtype.table_dtype`): ``None``
+    (the model's own), a floating dtype or its name (the passes run on a copy of the model in it; the model is
+    not changed), or ``"auto"`` (bfloat16 for a float32 model on a CPU that multiplies bfloat16 natively, what
+    ``lukv build`` asks for); ``measure`` names it.
 
     >>> table = measure_memory_table(model, tokenizer, profile, calibration_texts("planted"))  # doctest: +SKIP
     >>> table.loss.shape  # doctest: +SKIP
@@ -213,6 +220,7 @@ def measure_memory_table(
             f"positions but the model has {limit}; ask for a shorter context_tokens."
         )
     profile.validate_for(model.config)
+    passes_dtype = table_dtype(model, dtype)
     windows = _windows(token_lists, contexts, need, np.random.default_rng(seed))
     device = next(model.parameters()).device
     excess = np.zeros((len(bits), len(ratio_list), contexts), dtype=np.float64)
@@ -230,7 +238,7 @@ def measure_memory_table(
 
     scorer = quantized(ratio_list[0], bits[0]).policy.scorer
     share = share_prefill and shareable(model) and scorer.reconstruction is None
-    was_training = model.training
+    users_model, was_training = model, model.training
     model.eval()
     bar = tqdm(
         total=contexts * (1 + len(bits) * len(ratio_list) + (num_layers + 1 if num_layers else 0)),
@@ -245,10 +253,15 @@ def measure_memory_table(
             f"{1 + len(bits) * len(ratio_list) + (num_layers + 1 if num_layers else 0)} runs each ({len(bits)} "
             f"precisions x {len(ratio_list)} ratios"
             + (f", {num_layers + 1} for the layers' losses" if num_layers else "")
-            + ")"
+            + f"), in {_name(passes_dtype)}"
+            + (" (a copy of the model)" if passes_dtype != next(model.parameters()).dtype else "")
         )
     try:
-        with bar, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with (
+            bar,
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            model_in(model, passes_dtype) as model,
+        ):
             for w, window in enumerate(windows):
                 started = time.perf_counter()
                 ids = torch.tensor([window], dtype=torch.long, device=device)
@@ -305,17 +318,22 @@ def measure_memory_table(
                         )
                     )
     finally:
-        model.train(was_training)
+        users_model.train(was_training)
     return MemoryTable(
         bits=bits,
         ratios=np.asarray(ratio_list, dtype=np.float32),
         loss=excess.mean(axis=-1).astype(np.float32),
         measure=(
             f"continuation excess NLL (nats/token) vs the full cache, {contexts} contexts of {context_tokens} "
-            f"tokens x {continuation_tokens} continuation tokens, allocator {allocator_name}, seed {seed}"
+            f"tokens x {continuation_tokens} continuation tokens, allocator {allocator_name}, seed {seed}, "
+            f"{_name(passes_dtype)} passes"
         ),
         layer_loss=layer_excess.mean(axis=-1).astype(np.float32) if num_layers else None,
     )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class _LayerOutputs:

@@ -1,7 +1,10 @@
 """Measuring a profile's memory table on a tiny random model: the numbers, the build's setting, adding one to
-an existing profile file (API and ``lukv memory-table``)."""
+an existing profile file (API and ``lukv memory-table``), the precision of its passes (a cast copy of the model,
+never the model itself; what ``"auto"`` picks)."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -13,6 +16,8 @@ from lukv_cache.cli import main
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import Profile
 from lukv_cache.profiling import cli as profiling_cli
+from lukv_cache.profiling import table_dtype as dtypes
+from lukv_cache.profiling.build import BuildSettings
 from lukv_cache.profiling.continuation import continuation_nll, prefill
 from lukv_cache.profiling.memory_table import DEFAULT_RATIOS, add_memory_table, measure_memory_table
 
@@ -293,3 +298,109 @@ def test_layer_losses_reuse_the_8_bit_outputs_below_their_layer_and_equal_full_p
     # per window: the recorded prefill, the full cache, 3 cells, the 8-bit pass and layers 0-3's passes run
     # layer 3; layer 4's pass reuses its output
     assert len(calls) == 2 * (1 + 1 + 3 + 1 + 4)
+
+
+# ------------------------------------------------------------------------------------------ the passes' dtype
+
+DTYPE_TEXT = testing.prose(700, seed=5)
+GRID = dict(contexts=2, continuation_tokens=32, ratios=(0.5, 0.8))
+
+
+def test_a_bfloat16_table_is_the_table_of_a_bfloat16_copy_and_leaves_the_model_alone(
+    tiny_model, byte_tokenizer
+):
+    profile = _profile(tiny_model)
+    tiny_model.train()
+    before = {name: p.clone() for name, p in tiny_model.state_dict().items()}
+    table = measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, dtype="bfloat16", **GRID)
+    # the model is untouched: float32, the same weights, its training flag back
+    assert tiny_model.training
+    assert all(torch.equal(before[name], p) for name, p in tiny_model.state_dict().items())
+    assert {p.dtype for p in tiny_model.parameters()} == {torch.float32}
+    # a copy cast by hand (parameters only) gives the same table
+    by_hand = copy.deepcopy(tiny_model).eval()
+    for p in by_hand.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    assert measure_memory_table(by_hand, byte_tokenizer, profile, DTYPE_TEXT, **GRID) == table
+    assert table.measure.endswith("bfloat16 passes")
+    own = measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, **GRID)
+    assert own.measure.endswith("float32 passes") and not np.array_equal(own.loss, table.loss)
+    assert (
+        measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, dtype=torch.float32, **GRID)
+        == own
+    )
+
+
+def test_auto_is_bfloat16_for_a_float32_model_on_a_cpu_that_multiplies_it(tiny_model, monkeypatch):
+    monkeypatch.setattr(dtypes, "available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(dtypes, "native_bf16", lambda: True)
+    assert dtypes.table_dtype(tiny_model, "auto") == torch.bfloat16
+    assert dtypes.table_dtype(copy.deepcopy(tiny_model).half(), "auto") == torch.float16  # not float32
+    monkeypatch.setattr(dtypes, "available_bytes", lambda: 100)  # no room for the copy
+    assert dtypes.table_dtype(tiny_model, "auto") == torch.float32
+    monkeypatch.setattr(dtypes, "available_bytes", lambda: None)  # unknown: no copy
+    assert dtypes.table_dtype(tiny_model, "auto") == torch.float32
+    monkeypatch.setattr(dtypes, "available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(dtypes, "native_bf16", lambda: False)
+    assert dtypes.table_dtype(tiny_model, "auto") == torch.float32
+    assert dtypes.table_dtype(tiny_model, None) == dtypes.table_dtype(tiny_model, "model") == torch.float32
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8", torch.int8, 3])
+def test_a_dtype_that_is_not_a_float_is_refused(tiny_model, dtype):
+    with pytest.raises(ConfigurationError, match="dtype"):
+        dtypes.table_dtype(tiny_model, dtype)
+
+
+def test_a_build_refuses_a_bad_table_dtype_before_it_starts_and_passes_a_good_one_on(
+    tiny_model, byte_tokenizer, tiny_calibration, tmp_path
+):
+    with pytest.raises(ConfigurationError, match="table_dtype"):
+        BuildSettings(table_dtype="int8")
+    profile = build_profile(
+        tiny_model,
+        byte_tokenizer,
+        "keydiff",
+        tiny_calibration,
+        k_max=2,
+        model_id="org/tiny",
+        cache_dir=tmp_path / "cache",
+        show_progress=False,
+        table_dtype="bfloat16",
+    )
+    assert profile.memory_table is not None and profile.memory_table.measure.endswith("bfloat16 passes")
+
+
+def test_lukv_build_table_dtype(tiny_model, byte_tokenizer, tiny_calibration, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(profiling_cli, "_load_model", lambda name: (tiny_model, byte_tokenizer, {}))
+    args = ["build", "tiny", "--k-max", "2", "--calibration", str(tiny_calibration), "--model-id", "org/t"]
+    args += ["--cache-dir", str(tmp_path / "c"), "--quiet", "--out", str(tmp_path / "a.safetensors")]
+    assert main([*args, "--table-dtype", "float16"]) == 0
+    assert Profile.load(tmp_path / "a.safetensors").memory_table.measure.endswith("float16 passes")
+    with pytest.raises(SystemExit):
+        main([*args, "--table-dtype", "int8"])
+    assert "--table-dtype: invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scorer", ["kvzap", "kvzip", "snapkv"])
+def test_every_kind_of_scorer_measures_in_bfloat16(tiny_model, byte_tokenizer, scorer):
+    """A surrogate's float32 weights, KVzip's repeat passes, a scorer reading queries: each on bfloat16 keys."""
+    config = tiny_model.config
+    fields = {}
+    if scorer == "kvzap":
+        fields["surrogate"] = testing.random_surrogate(
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        )
+    profile = _profile(tiny_model, scorer=scorer, **fields)
+    table = measure_memory_table(
+        tiny_model,
+        byte_tokenizer,
+        profile,
+        TEXT,
+        dtype="bfloat16",
+        bits=(None, 4),
+        ratios=(0.5, 0.9),
+        contexts=1,
+        continuation_tokens=16,
+    )
+    assert np.isfinite(table.loss).all() and table.measure.endswith("bfloat16 passes")
