@@ -1,10 +1,12 @@
 """Issue 58, item 1, a probe: the attention scores of one decode step over 8-bit codes (per-token groups of 32
 channels, bf16 scale and zero, as the quantized store keeps them), four ways, on one CPU thread, SmolLM2-shaped
 (2 KV heads x 3 queries each, 4096 kept rows, head_dim 64). Prints microseconds per call; the results and what
-they say are in fused_scores.md. Run alone on the machine: `python benchmarks/results/quantized/fused_scores.py [LAYERS]` (default 24:
-cold caches, as a decode step; 1: one layer's keys, hot).
+they say are in fused_scores.md. Run alone on the machine:
+`python benchmarks/results/quantized/fused_scores.py [LAYERS]` (default 24: cold caches, as a decode step reads
+them; 1: one layer's keys, hot).
 """
 
+import sys
 import time
 
 import torch
