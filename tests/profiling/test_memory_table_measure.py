@@ -404,3 +404,16 @@ def test_every_kind_of_scorer_measures_in_bfloat16(tiny_model, byte_tokenizer, s
         continuation_tokens=16,
     )
     assert np.isfinite(table.loss).all() and table.measure.endswith("bfloat16 passes")
+
+
+def test_the_copys_output_head_reads_a_fresh_copy_of_a_strided_input(tiny_model):
+    """transformers slices the last position for ``logits_to_keep=1``; torch's CPU bfloat16 matmul copies the
+    whole transposed weight for such a view, so the cast copy's head gets a fresh, plainly laid out input."""
+    seen = []
+    with dtypes.model_in(tiny_model, torch.bfloat16) as copy_:
+        head = copy_.get_output_embeddings()
+        head.register_forward_hook(lambda module, args, output: seen.append(args[0].stride()))
+        hidden = torch.randn(1, 5, head.in_features, dtype=torch.bfloat16)
+        head(hidden[:, -1:, :])  # strides (5 d, d, 1)
+    assert seen == [(head.in_features, head.in_features, 1)]
+    assert tiny_model.get_output_embeddings()._forward_pre_hooks == {}  # the user's model has no hook
