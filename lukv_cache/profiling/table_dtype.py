@@ -8,8 +8,8 @@ available). It is not the default: on Qwen2.5-0.5B the bfloat16 table kept 10-12
 ``memory=0.075`` and ``0.15`` where the float32 one kept 6-7, and held-apart multikey retrieval fell from
 100.0 to 92.5 +- 3.8 at ``memory=0.15`` (docs/profiles.md, "Cost"): a layer's loss at 4 bits is a small
 difference of two passes, and bfloat16's rounding makes it noisy (float32 tables on two sets of windows agree;
-bfloat16 ones do not). A model that already runs in bfloat16 (a GPU) measures
-its table in bfloat16 anyway.
+bfloat16 ones do not). A model that already runs in bfloat16 (a GPU) measures its table in bfloat16
+anyway.
 """
 
 from __future__ import annotations
