@@ -35,7 +35,7 @@ from .oracle import AGGREGATES, ContextState, oracle_importances, prefill_contex
 from .result_store import ResultStore, default_cache_dir, model_fingerprint, short_sha
 from .scores import replayed_scores
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
-from .table_dtype import TABLE_DTYPES
+from .table_dtype import check_table_dtype
 
 # Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
@@ -354,10 +354,8 @@ class BuildSettings:
             )
         if self.scope not in ("all", "layer"):
             raise ConfigurationError(f"scope must be 'all' or 'layer', got {self.scope!r}.")
-        if self.table_dtype is not None and self.table_dtype not in TABLE_DTYPES:
-            raise ConfigurationError(
-                f"table_dtype must be one of {', '.join(TABLE_DTYPES)} (or None), got {self.table_dtype!r}."
-            )
+        if self.table_dtype is not None:
+            check_table_dtype(self.table_dtype)
         if self.sink < 0 or (self.window is not None and self.window < 0):
             raise ConfigurationError(
                 f"sink and window must be >= 0, got sink={self.sink}, window={self.window}."

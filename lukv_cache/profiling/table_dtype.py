@@ -50,6 +50,21 @@ def available_bytes() -> int | None:
     return None
 
 
+def check_table_dtype(name: str) -> str:
+    """``name`` if it is one of :data:`TABLE_DTYPES`; else a :class:`~lukv_cache.errors.ConfigurationError`
+    (raised by ``BuildSettings(table_dtype=...)`` before a build starts, and by :func:`table_dtype`).
+
+    >>> check_table_dtype("auto")
+    'auto'
+    """
+    if name not in TABLE_DTYPES:
+        raise ConfigurationError(
+            f"The memory table's dtype (table_dtype) must be one of {', '.join(TABLE_DTYPES)} (or, to "
+            f"measure_memory_table, a torch floating dtype), got {name!r}."
+        )
+    return name
+
+
 def table_dtype(model: Any, dtype: str | torch.dtype | None) -> torch.dtype:
     """The dtype a memory table of ``model`` runs in for ``dtype``: a torch floating dtype or its name;
     ``None`` or ``"model"``: the model's own; ``"auto"``: ``bfloat16`` for a float32 model on a CPU that
@@ -73,13 +88,7 @@ def table_dtype(model: Any, dtype: str | torch.dtype | None) -> torch.dtype:
         copy_bytes = 2 * sum(p.numel() for p in parameters)
         return torch.bfloat16 if available is not None and copy_bytes <= available // 2 else own
     if isinstance(dtype, str):
-        named = getattr(torch, dtype, None) if dtype in TABLE_DTYPES else None
-        if named is None:
-            raise ConfigurationError(
-                f"The memory table's dtype must be one of {', '.join(TABLE_DTYPES)} (or a torch floating "
-                f"dtype), got {dtype!r}."
-            )
-        dtype = named
+        dtype = getattr(torch, check_table_dtype(dtype))
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigurationError(f"The memory table's dtype must be a floating torch dtype, got {dtype!r}.")
     return dtype
