@@ -252,9 +252,14 @@ def interleave_child(
     return result
 
 
-def interleaved_steps(model, caches: dict, batch: int, steps: int) -> dict[str, list[float]]:
+def interleaved_steps(
+    model, caches: dict, batch: int, steps: int, around: dict | None = None
+) -> dict[str, list[float]]:
     """Seconds of each cache's ``steps`` decode steps, one step of each cache in turn, each step starting at
-    the next cache (no cache always goes first), after 3 warm-up steps of each (``quantized_cost.py`` too)."""
+    the next cache (no cache always goes first), after 3 warm-up steps of each (``quantized_cost.py`` too).
+    ``around``: per cache name, a context manager factory its steps run in (e.g. a setting turned off)."""
+    import contextlib
+
     import torch
 
     token = torch.zeros((batch, 1), dtype=torch.long)
@@ -263,9 +268,10 @@ def interleaved_steps(model, caches: dict, batch: int, steps: int) -> dict[str, 
         order = list(caches.items())
         for step in range(steps + 3):
             for name, cache in order[step % len(order) :] + order[: step % len(order)]:
-                t0 = time.perf_counter()
-                model(input_ids=token, past_key_values=cache, use_cache=True)
-                times[name].append(time.perf_counter() - t0)
+                with (around or {}).get(name, contextlib.nullcontext)():
+                    t0 = time.perf_counter()
+                    model(input_ids=token, past_key_values=cache, use_cache=True)
+                    times[name].append(time.perf_counter() - t0)
     return {name: series[3:] for name, series in times.items()}
 
 

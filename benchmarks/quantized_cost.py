@@ -8,6 +8,9 @@ process, a decode step of each in turn (each step starting at the next cache, as
 
 * ``fp32``, ``int8``, ``int4``: ``LUKVCache(ratio, keydiff, uniform, kv_bits=...)``;
 * ``ragged fp32``, ``ragged int4``: the shipped SmolLM2 keydiff profile's per-head budgets at the ratio;
+* with ``--blocks``: each quantized cache again with the CPU kernel on the codes turned off
+  (``LUKV_CPU_KERNEL=0`` around its steps: every step dequantizes the store in blocks, as before the kernel),
+  named ``... blocks``;
 * with ``--memory M``: ``LUKVCache(memory=M)`` (the bits it chooses), the same bytes at full precision (its
   base: eviction alone), and full precision holding the tokens the choice holds (``max_tokens``, folding as
   often): how much of the budget's decode cost is its token count rather than its codes.
@@ -31,6 +34,8 @@ a temporary folder (``benchmarks/smoke.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -96,6 +101,22 @@ def transformers_cache_bytes(cache) -> int:
     )
 
 
+@contextlib.contextmanager
+def _without_kernel():
+    """The CPU kernel on the codes turned off for a while (``LUKV_CPU_KERNEL=0``): the blocks serve."""
+    from lukv_cache.attention import cpu_codes
+
+    before = os.environ.get(cpu_codes.ENV)
+    os.environ[cpu_codes.ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[cpu_codes.ENV]
+        else:
+            os.environ[cpu_codes.ENV] = before
+
+
 def run(
     tokens: int,
     batch: int,
@@ -105,6 +126,7 @@ def run(
     small: bool = False,
     memory: float | None = None,
     against_transformers: bool = False,
+    blocks: bool = False,
 ) -> dict:
     from lukv_cache import LUKVCache
 
@@ -121,6 +143,9 @@ def run(
     if memory is not None:  # the budget's own choice, and the same bytes at full precision (eviction alone)
         specs["memory"] = dict(memory=memory, scorer="keydiff", allocator="uniform", config=model.config)
         specs["memory fp32"] = dict(specs["memory"])
+    if blocks:  # the quantized caches again, decoded without the CPU kernel (dequantized blocks)
+        for name in [n for n, kw in specs.items() if kw.get("kv_bits") or n == "memory"]:
+            specs[f"{name} blocks"] = dict(specs[name])
     if against_transformers:  # every token held: our codes against transformers' caches
         for bits in (8, 4):
             specs[f"all int{bits}"] = dict(
@@ -175,7 +200,8 @@ def run(
             "kept_per_head": float(cache.stored_tokens().double().mean()),
             "bits": cache.kv_bits,
         }
-    for name, series in cache_bench.interleaved_steps(model, caches, batch, steps).items():
+    around = {name: _without_kernel for name in caches if name.endswith(" blocks")}
+    for name, series in cache_bench.interleaved_steps(model, caches, batch, steps, around).items():
         row[name]["median_ms"] = 1000 * statistics.median(series)
     return row
 
@@ -196,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         "--transformers",
         action="store_true",
         help="also every token held: DynamicCache, LUKVCache(0, kv_bits=8/4), QuantizedCache(quanto, 4 bits)",
+    )
+    parser.add_argument(
+        "--blocks",
+        action="store_true",
+        help="also each quantized cache without the CPU kernel (as before it)",
     )
     parser.add_argument("--block-rows", type=int, help="AttentionLimits.block_rows (default: the library's)")
     parser.add_argument("--out", help="write the table here too")
@@ -223,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.decode_steps}"
         + (f" --block-rows {args.block_rows}" if args.block_rows else "")
         + (f" --memory {args.memory:g}" if args.memory is not None else "")
-        + (" --transformers" if args.transformers else ""),
+        + (" --transformers" if args.transformers else "")
+        + (" --blocks" if args.blocks else ""),
         "",
         *(
             ["hqq is not installed here: no QuantizedCache(hqq) rows (pip install hqq termcolor).", ""]
@@ -244,9 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.smoke,
                 args.memory,
                 args.transformers,
+                args.blocks,
             )
             names = ["fp32", "int8", "int4", "ragged fp32", "ragged int4"]
             names += [] if args.memory is None else ["memory fp32", "memory", "memory tokens fp32"]
+            names += [n for n in row if isinstance(row[n], dict) and n.endswith(" blocks")]
             names += ["all fp32", "all int8", "all int4", "all quanto int4"] if args.transformers else []
             names += ["all hqq int8", "all hqq int4"] if args.transformers and HQQ else []
             for name in names:
@@ -258,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not name.startswith("memory")
                     else f"{name.replace('memory', f'memory={args.memory:g}')}"
                 )
-                if name == "memory":
+                if name in ("memory", "memory blocks"):
                     label += f" (int{r['bits']})" if r["bits"] else " (fp32)"
                 if name == "memory tokens fp32":
                     label = "fp32, the same tokens (max_tokens, fold_interval=8)"

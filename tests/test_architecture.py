@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "_compat": set(),  # what differs between the supported transformers releases
     "scorers": {"_registry", "_ops", "errors"},
     "allocation": {"_registry", "errors"},
-    "attention": {"_ops", "errors"},
+    "attention": {"_ops", "errors", "_paths"},  # _paths: where the CPU kernel on codes is built
     # every change lukv makes in the process (transformers' registries, the import hook, the handoff's
     # thread-local slot) and its undo; cheap to import, attention imported when used
     "integration": {"_lazy", "attention", "errors"},
@@ -312,6 +312,7 @@ ATTENTION_LEAVES: dict[str, set[str]] = {
     "partial": set(),
     "tiles": {"limits"},
     "masked": {"calls", "limits"},  # calls: the StoreView protocol
+    "cpu_codes": {"calls"},
     "_triton_ragged": {"limits"},
     "kernels": {
         "partial",

@@ -75,6 +75,7 @@ def test_the_wheel_contains_the_shipped_profiles_and_their_index(wheel):
     )
     assert not any(n.startswith("profiles_hub/") for n in names)  # not a top-level package of its own
     assert "lukv_cache/profiling/calibration/default.jsonl" in names
+    assert "lukv_cache/attention/cpu_codes.c" in names  # the CPU kernel's source, compiled on first use
 
 
 def test_a_fresh_environment_builds_a_smollm2_cache_offline_from_the_wheel(wheel, tmp_path):

@@ -10,7 +10,9 @@ hides nothing (decode), the masked product of :mod:`.masked` for a small fp32 la
 log-sum-exp merge. This module computes what the plan says.
 
 A quantized store (``LUKVCache(kv_bits=...)``) on CUDA goes to the Triton kernel on its codes (each block
-dequantized in registers, :mod:`._triton_quantized`); elsewhere it is read in blocks of at most
+dequantized in registers, :mod:`._triton_quantized`); on CPU, when the mask hides nothing (decode), to the C
+kernel on its codes (:mod:`.cpu_codes`, built on first use; a block of 16 rows dequantized on the stack);
+elsewhere (a mask that hides something, no C compiler) it is read in blocks of at most
 ``AttentionLimits.block_rows`` rows (:mod:`.limits`): each block is dequantized to the model's dtype and
 attended like a full-precision store (every path above), the blocks' log-sum-exps merged; a layer never
 holds more than one block at full precision.
@@ -33,7 +35,7 @@ from typing import cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import masked, tiles
+from . import cpu_codes, masked, tiles
 from .calls import StoreView, WholeStoreView
 from .dispatch import Impl, plan_attention, ragged_attention, run_store
 from .limits import AttentionLimits, resolve_limits
@@ -172,7 +174,11 @@ def compressed_attention(
         )
         return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     lse: torch.Tensor | None  # None only from the tiles, when no sink reads it
-    if plan.fused_kernel is not None:  # store + suffix in one kernel pass (Triton), no host sync
+    if plan.store is Impl.CODES:  # CPU: store (its codes) + suffix in one kernel call
+        out, lse = cpu_codes.codes_attention(
+            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap
+        )
+    elif plan.fused_kernel is not None:  # store + suffix in one kernel pass (Triton), no host sync
         out, lse = plan.fused_kernel(
             grouped,
             store.keys,

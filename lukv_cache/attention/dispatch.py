@@ -10,7 +10,8 @@ CUDA kernels, and the choice among them). The plans, in the order they are tried
 
 0. a quantized store on CUDA (or Triton's interpreter when forced): store and suffix in one Triton call
    that reads the codes and dequantizes each block in registers (:func:`~.kernels.get_quantized_suffix_kernel`,
-   :attr:`AttentionPlan.codes`);
+   :attr:`AttentionPlan.codes`); on CPU, with a mask that hides nothing (decode), the C kernel of
+   :mod:`.cpu_codes` does the same (:attr:`Impl.CODES`, fused), when it could be built;
 1. a quantized store of several blocks (``AttentionLimits.block_rows``): the store by blocks
    (:attr:`Impl.BLOCKS`, each block's path chosen by :func:`store_path` when it is dequantized, with its
    rows of the key bias), the suffix by the torch math, their log-sum-exps merged;
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels, masked, tiles
+from . import cpu_codes, kernels, masked, tiles
 from .calls import StoreView
 from .kernels import RaggedKernel, RaggedSuffixKernel
 from .limits import AttentionLimits
@@ -50,6 +51,7 @@ class Impl(enum.StrEnum):
     TILES = "tiles"  # fixed-size tiles of the flat store, fused CPU calls (:mod:`.tiles`)
     TORCH = "torch"  # the torch math: the per-segment reference, partial_attention for the suffix
     BLOCKS = "blocks"  # a quantized store a block of rows at a time, each block by its own store path
+    CODES = "codes"  # the CPU kernel over a quantized store's codes and the suffix (:mod:`.cpu_codes`)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ def plan_attention(
                 fused_kernel=on_codes,
                 codes=True,
             )
+        if hides_nothing(key_bias) and hides_nothing(suffix_bias) and cpu_codes.serves(query, store):
+            return AttentionPlan(Impl.CODES, Impl.CODES, fused=True, codes=True)  # CPU decode on the codes
     if blocks > 1:
         return AttentionPlan(
             Impl.BLOCKS,

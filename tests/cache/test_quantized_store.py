@@ -23,7 +23,7 @@ import torch
 from helpers import greedy_with_logits, scorer_for, tiny_model
 
 from lukv_cache import LUKVCache
-from lukv_cache.attention import compressed, limits, masked, tiles
+from lukv_cache.attention import compressed, cpu_codes, limits, masked, tiles
 from lukv_cache.cache.storage.quant import PackedRows, check_kv_bits, group_size
 from lukv_cache.cache.storage.ragged import RaggedStore
 from lukv_cache.errors import ConfigurationError
@@ -111,10 +111,16 @@ def _attend(store, query, suffix, mask, softcap=None):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize(
     "case",
-    ["masked", "tiles", "hiding_mask", "softcap", "blocks", "blocks_hiding_mask"],
+    ["codes", "codes_softcap", "masked", "tiles", "hiding_mask", "softcap", "blocks", "blocks_hiding_mask"],
 )
 def test_attention_equals_attention_over_the_dequantized_copy(bits, case, monkeypatch):
     counts = [30, 50, 0, 41]
+    if case.startswith("codes"):  # the CPU kernel on the codes: it must build wherever a compiler is
+        if not cpu_codes.compilers():
+            pytest.skip("no C compiler on this machine: the CPU kernel cannot be built")
+        assert cpu_codes.kernel() is not None
+    else:  # the dequantized blocks' paths, as on a machine without a C compiler
+        monkeypatch.setenv(cpu_codes.ENV, "0")
     if case.startswith("blocks"):
         # several blocks, cut inside segments
         monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, block_rows=37))
@@ -122,7 +128,12 @@ def test_attention_equals_attention_over_the_dequantized_copy(bits, case, monkey
         # a layer too large for the masked product
         monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, masked_limit=0))
     calls = {}
-    for module, name in ((masked, "masked_ragged_attention"), (tiles, "tiled_ragged_attention")):
+    spied = (
+        (masked, "masked_ragged_attention"),
+        (tiles, "tiled_ragged_attention"),
+        (cpu_codes, "codes_attention"),
+    )
+    for module, name in spied:
         real = getattr(module, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -141,11 +152,14 @@ def test_attention_equals_attention_over_the_dequantized_copy(bits, case, monkey
         mask = torch.ones(2, 1, q_len, length, dtype=torch.bool)
         mask[0, :, :, :7] = False  # row 0's first positions are padding
     calls.clear()
-    got = _attend(quantized, query, suffix, mask, softcap=30.0 if case == "softcap" else None)
+    softcap = 30.0 if case.endswith("softcap") else None
+    got = _attend(quantized, query, suffix, mask, softcap=softcap)
     path = dict(calls)
-    want = _attend(dense, query, suffix, mask, softcap=30.0 if case == "softcap" else None)
+    want = _attend(dense, query, suffix, mask, softcap=softcap)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     expected = {
+        "codes": "codes_attention",
+        "codes_softcap": "codes_attention",
         "masked": "masked_ragged_attention",
         "tiles": "tiled_ragged_attention",
         "blocks": "tiled_ragged_attention",
@@ -153,7 +167,7 @@ def test_attention_equals_attention_over_the_dequantized_copy(bits, case, monkey
     if case in expected:  # the path this case is for served it
         assert path.get(expected[case], 0) >= (2 if case == "blocks" else 1), path
     elif case.endswith("hiding_mask"):  # the parts and their merge
-        assert "masked_ragged_attention" not in path, path
+        assert "masked_ragged_attention" not in path and "codes_attention" not in path, path
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,251 @@
+/* The CPU decode step over a quantized ragged store: attention that reads the codes (8 or 4 bits per entry,
+ * per-row groups of channels with a bf16 scale and zero, lukv_cache/cache/storage/quant.py) and never writes a
+ * dequantized block. lukv_cache/attention/cpu_codes.py builds this file once per machine with the system's C
+ * compiler and calls it through ctypes; it says what every argument is.
+ *
+ * Work items are (segment, chunk of at most CHUNK rows); each one streams its rows once: a row's key is
+ * dequantized into a D-float buffer on the stack, its M logits computed, the online softmax's running max and
+ * sum updated, and its value row, dequantized the same way, accumulated into M x D sums (flash-decoding). The
+ * dense suffix is one more work item per segment. A segment's items are then merged by log-sum-exp into its
+ * output rows. Everything in fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_D 256
+#define MAX_M 64
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* row n's D channels in fp32, from its codes (D * bits / 8 bytes), scales and zeros (D / group each) */
+static inline __attribute__((always_inline)) void dequantize_row(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int d,
+                                  int bits, int group, float *out) {
+    int groups = d / group;
+    for (int g = 0; g < groups; g++) {
+        float s = bf16_to_float(scale[g]), z = bf16_to_float(zero[g]);
+        float *o = out + g * group;
+        if (bits == 8) {
+            const uint8_t *c = codes + g * group;
+#pragma omp simd
+            for (int j = 0; j < group; j++) o[j] = (float)c[j] * s + z;
+        } else {
+            const uint8_t *c = codes + g * group / 2;
+#pragma omp simd
+            for (int j = 0; j < group / 2; j++) {
+                o[2 * j] = (float)(c[j] & 0x0F) * s + z;
+                o[2 * j + 1] = (float)(c[j] >> 4) * s + z;
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int d) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int j = 0; j < d; j++) acc += a[j] * b[j];
+    return acc;
+}
+
+/* exp(x) in fp32 without libm (so that the loops over a block vectorize): 2^n exp(r), r in [-ln2/2, ln2/2],
+ * Cephes' expf polynomial (about 1 ulp); 0 below -87.3 (exp(-inf) = 0) */
+static inline __attribute__((always_inline)) float exp_approx(float x) {
+    float low = x < -87.3f ? 0.0f : 1.0f;
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale * low;
+}
+
+static inline float capped(float x, float softcap) { return softcap > 0.0f ? tanhf(x / softcap) * softcap : x; }
+
+/* One work item: rows [lo, hi) of a store (codes) or of a dense suffix (keys/values given as floats),
+ * attended by the M queries q [M, D]; writes the item's max, sum and unnormalised sums acc [M, D]. Rows go
+ * BLOCK at a time: the block's keys dequantized, its M x BLOCK logits, one rescale per query and block, the
+ * weights' exponentials, then the values dequantized and accumulated. */
+#define BLOCK 16
+static inline __attribute__((always_inline)) void attend_rows(const float *q, int m_rows, int d, int lo, int hi, const uint8_t *kc, const uint16_t *ks,
+                        const uint16_t *kz, const uint8_t *vc, const uint16_t *vs, const uint16_t *vz, int bits,
+                        int group, const float *dense_k, const float *dense_v, float softcap, float *item_max,
+                        float *item_sum, float *acc) {
+    float keys[BLOCK * MAX_D], values[BLOCK * MAX_D], weight[MAX_M * BLOCK];
+    int row_bytes = d * bits / 8, groups = d / group;
+    for (int m = 0; m < m_rows; m++) {
+        item_max[m] = -INFINITY;
+        item_sum[m] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)m_rows * d);
+    for (int start = lo; start < hi; start += BLOCK) {
+        int rows = hi - start < BLOCK ? hi - start : BLOCK;
+        const float *k = keys, *v = values;
+        if (dense_k) {
+            k = dense_k + (size_t)start * d;
+            v = dense_v + (size_t)start * d;
+        } else {
+            for (int r = 0; r < rows; r++) {
+                size_t n = (size_t)(start + r);
+                dequantize_row(kc + n * row_bytes, ks + n * groups, kz + n * groups, d, bits, group, keys + r * d);
+            }
+        }
+        for (int m = 0; m < m_rows; m++) {
+            float *w = weight + m * BLOCK, top = item_max[m];
+            for (int r = 0; r < rows; r++) {
+                w[r] = capped(dot(q + (size_t)m * d, k + (size_t)r * d, d), softcap);
+                if (w[r] > top) top = w[r];
+            }
+            if (top > item_max[m]) { /* a new max: rescale what is summed so far */
+                float scale = expf(item_max[m] - top);
+                float *a = acc + (size_t)m * d;
+                item_sum[m] *= scale;
+#pragma omp simd
+                for (int j = 0; j < d; j++) a[j] *= scale;
+                item_max[m] = top;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int r = 0; r < rows; r++) {
+                w[r] = exp_approx(w[r] - top);
+                sum += w[r];
+            }
+            item_sum[m] += sum;
+        }
+        if (!dense_k) {
+            for (int r = 0; r < rows; r++) {
+                size_t n = (size_t)(start + r);
+                dequantize_row(vc + n * row_bytes, vs + n * groups, vz + n * groups, d, bits, group, values + r * d);
+            }
+        }
+        for (int m = 0; m < m_rows; m++) {  /* each channel's sum in a register across the block's rows */
+            float *a = acc + (size_t)m * d;
+            const float *w = weight + m * BLOCK;
+#pragma omp simd
+            for (int j = 0; j < d; j++) {
+                float sum = a[j];
+                for (int r = 0; r < rows; r++) sum += w[r] * v[(size_t)r * d + j];
+                a[j] = sum;
+            }
+        }
+    }
+}
+
+/* attend_rows with the common shapes' D, bits and group as constants (the compiler unrolls them) */
+#define ATTEND_ARGS                                                                                                \
+    const float *q, int m_rows, int d, int lo, int hi, const uint8_t *kc, const uint16_t *ks, const uint16_t *kz, \
+        const uint8_t *vc, const uint16_t *vs, const uint16_t *vz, int bits, int group, const float *dense_k,    \
+        const float *dense_v, float softcap, float *item_max, float *item_sum, float *acc
+#define SPECIALISE(NAME, D, BITS, GROUP)                                                                            \
+    static void NAME(ATTEND_ARGS) {                                                                                \
+        (void)d, (void)bits, (void)group;                                                                          \
+        attend_rows(q, m_rows, D, lo, hi, kc, ks, kz, vc, vs, vz, BITS, GROUP, dense_k, dense_v, softcap, item_max, \
+                    item_sum, acc);                                                                                \
+    }
+SPECIALISE(attend_64_8, 64, 8, 32)
+SPECIALISE(attend_64_4, 64, 4, 32)
+SPECIALISE(attend_128_8, 128, 8, 32)
+SPECIALISE(attend_128_4, 128, 4, 32)
+static void attend_any(ATTEND_ARGS) {
+    attend_rows(q, m_rows, d, lo, hi, kc, ks, kz, vc, vs, vz, bits, group, dense_k, dense_v, softcap, item_max,
+                item_sum, acc);
+}
+
+/* q [S, M, D] fp32, scaled; store rows by segment (offsets [S + 1], int64); suffix_k / suffix_v [S, L, D] fp32
+ * contiguous (L may be 0); out [S, M, D], lse [S, M] (fp32; a segment with nothing to attend: out 0, lse -inf).
+ * chunk: rows per work item; items: the caller's count of work items (sum over segments of ceil(rows / chunk),
+ * plus S when L > 0); scratch: items * M * (D + 2) floats. Returns 0, or -1 when D or M exceed the buffers. */
+int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, const float *q, const uint8_t *kc,
+                      const uint16_t *ks, const uint16_t *kz, const uint8_t *vc, const uint16_t *vs,
+                      const uint16_t *vz, const int64_t *offsets, int suffix_len, const float *suffix_k,
+                      const float *suffix_v, float softcap, int chunk, int threads, int items, float *scratch,
+                      float *out, float *lse) {
+    if (d > MAX_D || m_rows > MAX_M || chunk < 1) return -1;
+    int per_item = m_rows * (d + 2);
+    /* item i -> (segment, lo, hi, dense?) */
+    int *item_seg = (int *)malloc(sizeof(int) * 3 * (size_t)(items > 0 ? items : 1));
+    if (!item_seg) return -1;
+    int *item_lo = item_seg + items, *item_hi = item_lo + items;
+    int count = 0;
+    for (int s = 0; s < segments; s++) {
+        for (int64_t lo = offsets[s]; lo < offsets[s + 1]; lo += chunk) {
+            if (count >= items) break;
+            int64_t hi = lo + chunk < offsets[s + 1] ? lo + chunk : offsets[s + 1];
+            item_seg[count] = s;
+            item_lo[count] = (int)lo;
+            item_hi[count] = (int)hi;
+            count++;
+        }
+        if (suffix_len > 0 && count < items) {
+            item_seg[count] = s;
+            item_lo[count] = -1; /* the suffix of segment s */
+            item_hi[count] = suffix_len;
+            count++;
+        }
+    }
+    void (*attend)(ATTEND_ARGS) = attend_any;
+    if (group == 32 && d == 64) attend = bits == 8 ? attend_64_8 : attend_64_4;
+    if (group == 32 && d == 128) attend = bits == 8 ? attend_128_8 : attend_128_4;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
+    for (int i = 0; i < count; i++) {
+        int s = item_seg[i];
+        float *mx = scratch + (size_t)i * per_item, *sum = mx + m_rows, *acc = sum + m_rows;
+        const float *qs = q + (size_t)s * m_rows * d;
+        if (item_lo[i] < 0) {
+            const float *k = suffix_k + (size_t)s * suffix_len * d, *v = suffix_v + (size_t)s * suffix_len * d;
+            attend(qs, m_rows, d, 0, item_hi[i], 0, 0, 0, 0, 0, 0, bits, group, k, v, softcap, mx, sum, acc);
+        } else {
+            attend(qs, m_rows, d, item_lo[i], item_hi[i], kc, ks, kz, vc, vs, vz, bits, group, 0, 0, softcap,
+                        mx, sum, acc);
+        }
+    }
+    /* merge each segment's items (they are consecutive) */
+    int i = 0;
+    for (int s = 0; s < segments; s++) {
+        int first = i;
+        while (i < count && item_seg[i] == s) i++;
+        for (int m = 0; m < m_rows; m++) {
+            float top = -INFINITY;
+            for (int j = first; j < i; j++) {
+                float v = scratch[(size_t)j * per_item + m];
+                if (v > top) top = v;
+            }
+            float *o = out + ((size_t)s * m_rows + m) * d;
+            memset(o, 0, sizeof(float) * d);
+            if (top == -INFINITY) {
+                lse[(size_t)s * m_rows + m] = -INFINITY;
+                continue;
+            }
+            float total = 0.0f;
+            for (int j = first; j < i; j++) {
+                const float *item = scratch + (size_t)j * per_item;
+                float w = expf(item[m] - top);
+                if (w == 0.0f) continue;
+                total += w * item[m_rows + m];
+                const float *a = item + 2 * m_rows + (size_t)m * d;
+#pragma omp simd
+                for (int c = 0; c < d; c++) o[c] += w * a[c];
+            }
+            float inv = 1.0f / total;
+#pragma omp simd
+            for (int c = 0; c < d; c++) o[c] *= inv;
+            lse[(size_t)s * m_rows + m] = top + logf(total);
+        }
+    }
+    free(item_seg);
+    return 0;
+}

@@ -1,0 +1,217 @@
+"""The CPU decode step over a quantized store's codes: one C kernel, built on first use with the system's C
+compiler, that reads 8- or 4-bit rows and never writes a dequantized block.
+
+Without it a quantized store on CPU is read in blocks (:mod:`.compressed`): each decode step dequantizes
+every stored row to the model's dtype, then attends, so 8 and 4 bits decoded slower than the fp32 store they
+replace. The kernel (``cpu_codes.c``, beside this file) streams each segment's rows once, dequantizes a
+block of 16 rows into a stack buffer, and keeps the online softmax (running max, sum and weighted value sums,
+fp32) per query row; the segment's rows are cut into work items of :data:`CHUNK` rows spread over
+``torch.get_num_threads()`` OpenMP threads, the dense suffix is one more item, and the items merge by
+log-sum-exp (flash-decoding). Exact up to fp32 rounding against dequantize-then-attend
+(``tests/test_cpu_codes.py``).
+
+The kernel is compiled once per machine into ``<cache_root()>/kernels`` (``$LUKV_CACHE_DIR``, else
+``~/.cache/lukv_cache``): ``$CC``, else ``cc``, ``gcc`` or ``clang``, with ``-O3 -march=native -fopenmp``
+(without OpenMP, then without ``-march=native``, when the compiler refuses them); the library's name carries a
+hash of the source, the flags, the compiler and the CPU, and is written by rename (never half a file). When no
+compiler builds it, :func:`kernel` is ``None``, one warning says so, and the blocks serve (slower, same
+results). ``LUKV_CPU_KERNEL=0`` turns it off.
+
+It serves (:func:`serves`): a CPU query, an 8- or 4-bit store with bf16 scales (fp32 and bf16 models; an fp16
+model's fp16 scales take the blocks), a head_dim of at most 256, at most 64 query rows per KV head, and a
+mask that hides nothing (decode); softcaps and sinks included (the log-sum-exp comes back).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .._paths import cache_root
+from .calls import StoreView
+
+logger = logging.getLogger("lukv_cache")
+
+SOURCE = Path(__file__).with_name("cpu_codes.c")
+CHUNK = 256  # rows per work item: a few items per segment at 4k, enough to spread over the threads
+MAX_DIM = 256  # the kernel's buffers (MAX_D, MAX_M in cpu_codes.c)
+MAX_ROWS = 64
+ENV = "LUKV_CPU_KERNEL"
+_FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp", "-fno-math-errno"),
+    ("-O3", "-march=native", "-fno-math-errno"),
+    ("-O3", "-fno-math-errno"),
+)
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded library or None once tried
+
+
+def compilers() -> list[str]:
+    """The C compilers to try, in order: ``$CC``, then those of ``cc``, ``gcc``, ``clang`` on the PATH."""
+    named = os.environ.get("CC")
+    found = [named] if named else []
+    found += [c for c in ("cc", "gcc", "clang") if shutil.which(c)]
+    return list(dict.fromkeys(found))
+
+
+def _cpu_tag() -> str:
+    """What ``-march=native`` depends on: the machine and, on Linux, the CPU's flags."""
+    tag = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            tag += next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return tag
+
+
+def _build(directory: Path) -> Path | None:
+    """The library for this source, compiler and CPU in ``directory``, compiled if it is not there yet."""
+    source = SOURCE.read_bytes()
+    for compiler in compilers():
+        for flags in _FLAG_SETS:
+            key = hashlib.sha256(
+                b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_tag().encode()])
+            ).hexdigest()[:16]
+            target = directory / f"lukv_cpu_codes_{key}.so"
+            if target.exists():
+                return target
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=directory) as work:
+                built = Path(work) / target.name
+                command = [compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(SOURCE), "-lm"]
+                try:
+                    done = subprocess.run(command, capture_output=True, timeout=300, check=False)
+                except (OSError, subprocess.SubprocessError):
+                    break  # this compiler does not run: the next one
+                if done.returncode == 0 and built.exists():
+                    os.replace(built, target)  # whole or not at all
+                    return target
+    return None
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        path = _build(cache_root() / "kernels")
+    except OSError:  # the cache is not writable: build in a temporary folder for this process
+        path = _build(Path(tempfile.mkdtemp(prefix="lukv_kernels_")))
+    if path is None:
+        logger.warning(
+            "lukv_cache: no C compiler built the CPU kernel for quantized caches (tried %s): kv_bits and "
+            "memory= decode by dequantizing blocks, slower than the fp32 store. Install gcc or clang, or set "
+            "CC.",
+            ", ".join(compilers()) or "cc, gcc, clang: none found",
+        )
+        return None
+    lib = ctypes.CDLL(str(path))
+    fn = lib.lukv_codes_decode
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [i32] * 5 + [ptr] * 8 + [i32, ptr, ptr, ctypes.c_float, i32, i32, i32, ptr, ptr, ptr]
+    fn.restype = i32
+    return lib
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on the first call; ``None`` when it cannot be (or is turned off)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"] = _load()
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def reset() -> None:
+    """Forget the loaded library: the next :func:`kernel` looks for it (or builds it) again, e.g. after
+    ``CC`` or ``LUKV_CACHE_DIR`` changed."""
+    with _lock:
+        _state.clear()
+
+
+def serves(query: torch.Tensor, store: StoreView) -> bool:
+    """Whether :func:`codes_attention` takes grouped ``query [B, H_kv, M, D]`` over ``store`` (the
+    caller has checked that the mask hides nothing)."""
+    keys = store.keys
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and getattr(store, "kv_bits", None) in (8, 4)
+        and getattr(keys, "scale", None) is not None
+        and keys.scale.dtype == torch.bfloat16  # type: ignore[attr-defined]
+        and query.shape[-1] <= MAX_DIM
+        and query.shape[-2] <= MAX_ROWS
+        and kernel() is not None
+    )
+
+
+def _items(offsets_list: tuple[int, ...], with_suffix: bool) -> int:
+    lengths = (hi - lo for lo, hi in zip(offsets_list, offsets_list[1:]))
+    return sum(-(-n // CHUNK) for n in lengths) + (len(offsets_list) - 1 if with_suffix else 0)
+
+
+def codes_attention(
+    query: torch.Tensor,
+    store: StoreView,
+    suffix_keys: torch.Tensor,
+    suffix_values: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``out [B, H_kv, M, D]`` and ``lse [B, H_kv, M]``: grouped ``query [B, H_kv, M, D]`` over each
+    segment of the quantized ``store`` and its rows of the dense suffix ``[B, H_kv, S, D]`` (everything
+    attended: no mask), the logits soft-capped if asked. A segment with nothing to attend gives ``out = 0``,
+    ``lse = -inf``. Only where :func:`serves` says so.
+    """
+    lib = kernel()
+    assert lib is not None  # serves() checked
+    b, h, m, d = query.shape
+    segments = b * h
+    keys, values = store.keys, store.values
+    q = (query.reshape(segments, m, d).float() * scaling).contiguous()
+    length = suffix_keys.shape[-2]
+    sk = suffix_keys.reshape(segments, length, d).float().contiguous()
+    sv = suffix_values.reshape(segments, length, d).float().contiguous()
+    items = _items(store.offsets_list, length > 0)
+    scratch = torch.empty(max(items, 1) * m * (d + 2))
+    out = torch.empty(segments, m, d)
+    lse = torch.empty(segments, m)
+    offsets = store.offsets if store.offsets.dtype == torch.int64 else store.offsets.long()
+    parts = [keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero]  # type: ignore[attr-defined]
+    status = lib.lukv_codes_decode(
+        segments,
+        m,
+        d,
+        store.kv_bits,  # type: ignore[attr-defined]
+        d // keys.scale.shape[-1],  # type: ignore[attr-defined]
+        q.data_ptr(),
+        *(t.data_ptr() for t in parts),
+        offsets.contiguous().data_ptr(),
+        length,
+        sk.data_ptr(),
+        sv.data_ptr(),
+        0.0 if softcap is None else float(softcap),
+        CHUNK,
+        torch.get_num_threads(),
+        items,
+        scratch.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+    )
+    if status != 0:
+        raise RuntimeError(
+            f"lukv_cache's CPU kernel refused a call (status {status}): head_dim {d}, rows {m}"
+        )
+    return out.view(b, h, m, d), lse.view(b, h, m)
