@@ -114,7 +114,22 @@ def _load() -> ctypes.CDLL | None:
             ", ".join(compilers()) or "cc, gcc, clang: none found",
         )
         return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:  # not a library this process can load (damaged, another machine's): rebuilt once
+        path.unlink(missing_ok=True)
+        rebuilt = _build(path.parent)
+        try:
+            lib = ctypes.CDLL(str(rebuilt)) if rebuilt is not None else None
+        except OSError:
+            lib = None
+        if lib is None:
+            logger.warning(
+                "lukv_cache: the CPU kernel for quantized caches does not load (%s): kv_bits and memory= "
+                "decode by dequantizing blocks.",
+                error,
+            )
+            return None
     fn = lib.lukv_codes_decode
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [i32] * 5 + [ptr] * 8 + [i32, ptr, ptr, ctypes.c_float, i32, i32, i32, ptr, ptr, ptr]

@@ -115,6 +115,20 @@ def test_the_library_is_built_once_then_reused(fresh_kernel):
     assert not [p for p in (fresh_kernel / "kernels").iterdir() if p.is_dir()]  # no build folder left behind
 
 
+@needs_compiler
+def test_a_damaged_library_in_the_cache_is_built_again(fresh_kernel, monkeypatch):
+    assert cpu_codes.kernel() is not None
+    (built,) = (fresh_kernel / "kernels").glob("*.so")
+    other = fresh_kernel / "other"  # a cache this process never loaded from, holding a damaged library
+    (other / "kernels").mkdir(parents=True)
+    damaged = other / "kernels" / built.name
+    damaged.write_bytes(b"not a shared library")
+    monkeypatch.setenv("LUKV_CACHE_DIR", str(other))
+    cpu_codes.reset()
+    assert cpu_codes.kernel() is not None  # loaded from a fresh build in its place
+    assert damaged.read_bytes() != b"not a shared library"
+
+
 def test_without_a_compiler_one_warning_and_the_blocks_serve(fresh_kernel, monkeypatch, caplog):
     monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
     monkeypatch.setenv("PATH", str(fresh_kernel))  # no cc, gcc or clang either
