@@ -114,6 +114,7 @@ def _load() -> ctypes.CDLL | None:
             ", ".join(compilers()) or "cc, gcc, clang: none found",
         )
         return None
+    lib: ctypes.CDLL | None
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as error:  # not a library this process can load (damaged, another machine's): rebuilt once
