@@ -67,6 +67,28 @@ def test_kernel_equals_attention_over_the_dequantized_copy(bits, dim, rows, coun
 
 
 @needs_compiler
+def test_a_bfloat16_model_is_served_in_fp32():
+    gen = torch.Generator().manual_seed(2)
+    counts = [300, 41]
+    keys, values = torch.randn(341, 64, generator=gen), torch.randn(341, 64, generator=gen)
+    positions = torch.cat([torch.arange(c) for c in counts])
+    store = RaggedStore.build(
+        keys.bfloat16(), values.bfloat16(), positions, torch.tensor(counts), num_heads=2, kv_bits=8
+    )
+    query = torch.randn(1, 2, 3, 64, generator=gen).bfloat16()
+    suffix = torch.randn(1, 2, 4, 64, generator=gen).bfloat16()
+    assert cpu_codes.serves(query, store)
+    out, lse = cpu_codes.codes_attention(query, store, suffix, suffix, scaling=0.125)
+    dense_k, dense_v = store.dense()  # the rows in bf16, as the blocks path attends them
+    want, want_lse = ragged_with_suffix_reference(
+        query.float(), dense_k.float(), dense_v.float(), list(store.offsets_list), suffix.float(),
+        suffix.float(), scaling=0.125,
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)  # the dequantized rows' bf16 rounding
+    torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=2e-2)
+
+
+@needs_compiler
 def test_a_segment_with_nothing_to_attend_gives_zero_and_minus_infinity():
     store = _store(8, [0, 12], 64, 2)
     query = torch.randn(1, 2, 3, 64)
