@@ -8,7 +8,7 @@ block of 16 rows into a stack buffer, and keeps the online softmax (running max,
 fp32) per query row; the segment's rows are cut into work items of :data:`CHUNK` rows spread over
 ``torch.get_num_threads()`` OpenMP threads, the dense suffix is one more item, and the items merge by
 log-sum-exp (flash-decoding). Exact up to fp32 rounding against dequantize-then-attend
-(``tests/test_cpu_codes.py``).
+(``tests/attention/test_cpu_codes.py``).
 
 The kernel is compiled once per machine into ``<cache_root()>/kernels`` (``$LUKV_CACHE_DIR``, else
 ``~/.cache/lukv_cache``): ``$CC``, else ``cc``, ``gcc`` or ``clang``, with ``-O3 -march=native -fopenmp``
