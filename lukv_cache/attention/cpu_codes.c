@@ -24,7 +24,9 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-/* row n's D channels in fp32, from its codes (D * bits / 8 bytes), scales and zeros (D / group each) */
+/* row n's D channels in fp32, from its codes (D * bits / 8 bytes), scales and zeros (D / group each). At 4 bits
+ * in the "nibble order" of each group (its even channels, then its odd ones: the low nibbles, then the high
+ * ones), so that the loops stay contiguous; attend_rows permutes the queries and its sums to match. */
 static inline __attribute__((always_inline)) void dequantize_row(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int d,
                                   int bits, int group, float *out) {
     int groups = d / group;
@@ -38,10 +40,9 @@ static inline __attribute__((always_inline)) void dequantize_row(const uint8_t *
         } else {
             const uint8_t *c = codes + g * group / 2;
 #pragma omp simd
-            for (int j = 0; j < group / 2; j++) {
-                o[2 * j] = (float)(c[j] & 0x0F) * s + z;
-                o[2 * j + 1] = (float)(c[j] >> 4) * s + z;
-            }
+            for (int j = 0; j < group / 2; j++) o[j] = (float)(c[j] & 0x0F) * s + z;
+#pragma omp simd
+            for (int j = 0; j < group / 2; j++) o[group / 2 + j] = (float)(c[j] >> 4) * s + z;
         }
     }
 }
@@ -86,7 +87,20 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
                         int group, const float *dense_k, const float *dense_v, float softcap, float *item_max,
                         float *item_sum, float *acc) {
     float keys[BLOCK * MAX_D], values[BLOCK * MAX_D], weight[MAX_M * BLOCK];
+    float nibble_q[MAX_M * MAX_D];
     int row_bytes = d * bits / 8, groups = d / group;
+    int nibbles = bits == 4 && !dense_k; /* codes in nibble order: the queries permuted alike */
+    if (nibbles) {
+        for (int m = 0; m < m_rows; m++)
+            for (int g = 0; g < groups; g++)
+                for (int j = 0; j < group / 2; j++) {
+                    const float *from = q + (size_t)m * d + g * group;
+                    float *to = nibble_q + (size_t)m * d + g * group;
+                    to[j] = from[2 * j];
+                    to[group / 2 + j] = from[2 * j + 1];
+                }
+        q = nibble_q;
+    }
     for (int m = 0; m < m_rows; m++) {
         item_max[m] = -INFINITY;
         item_sum[m] = 0.0f;
@@ -141,6 +155,18 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
                 for (int r = 0; r < rows; r++) sum += w[r] * v[(size_t)r * d + j];
                 a[j] = sum;
             }
+        }
+    }
+    if (nibbles) { /* the sums back in channel order */
+        float row[MAX_D];
+        for (int m = 0; m < m_rows; m++) {
+            float *a = acc + (size_t)m * d;
+            memcpy(row, a, sizeof(float) * d);
+            for (int g = 0; g < groups; g++)
+                for (int j = 0; j < group / 2; j++) {
+                    a[g * group + 2 * j] = row[g * group + j];
+                    a[g * group + 2 * j + 1] = row[g * group + group / 2 + j];
+                }
         }
     }
 }
