@@ -121,7 +121,7 @@ def plan_attention(
                 fused_kernel=on_codes,
                 codes=True,
             )
-        if hides_nothing(key_bias) and hides_nothing(suffix_bias) and cpu_codes.serves(query, store):
+        if cpu_codes.serves(query, store) and hides_nothing(key_bias) and hides_nothing(suffix_bias):
             return AttentionPlan(Impl.CODES, Impl.CODES, fused=True, codes=True)  # CPU decode on the codes
     if blocks > 1:
         return AttentionPlan(
