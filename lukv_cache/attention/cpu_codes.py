@@ -205,7 +205,11 @@ def codes_attention(
     out = torch.empty(segments, m, d)
     lse = torch.empty(segments, m)
     offsets = store.offsets if store.offsets.dtype == torch.int64 else store.offsets.long()
-    parts = [keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero]  # type: ignore[attr-defined]
+    # the kernel reads every tensor as a dense row-major array (a no-op for the store's own tensors)
+    parts = [
+        t.contiguous()
+        for t in (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)  # type: ignore[attr-defined]
+    ]
     status = lib.lukv_codes_decode(
         segments,
         m,

@@ -3,6 +3,7 @@ dequantize-then-attend, built once, and a machine without a compiler falls back 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -195,3 +196,18 @@ def test_generation_on_the_kernel_equals_generation_on_the_blocks(bits, monkeypa
     assert not calls
     assert torch.equal(tokens, tokens_blocks)
     torch.testing.assert_close(logits, logits_blocks, atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+def test_codes_that_are_a_strided_view_are_read_as_their_values():
+    store = _store(8, [40, 25], 64, 2)
+    keys = store.keys
+    strided = torch.stack([keys.codes, torch.zeros_like(keys.codes)], dim=-1)[
+        ..., 0
+    ]  # the same bytes, stride 2
+    assert not strided.is_contiguous() and torch.equal(strided, keys.codes)
+    viewed = dataclasses.replace(store, keys=keys.with_tensors(strided, keys.scale, keys.zero))
+    query, suffix = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 4, 64)
+    want, _ = cpu_codes.codes_attention(query, store, suffix, suffix, scaling=0.125)
+    got, _ = cpu_codes.codes_attention(query, viewed, suffix, suffix, scaling=0.125)
+    assert torch.equal(got, want)
