@@ -171,21 +171,233 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
     }
 }
 
+
+/* The common shapes (head_dim a multiple of 32, groups of 32 channels) on AVX-512, in GCC / clang vector
+ * extensions (16 floats per vector: one register): a block's 16 key rows are dequantized (one vpmovzxbd per 16
+ * codes), each query's 16 dots taken as 16 vectors of partial products and reduced together by a tree of
+ * shuffles (lane r of the result is row r's logit: no horizontal sum per row), the block's softmax done on the
+ * 16 lanes, and the values accumulated a tile of query rows at a time with the tile's sums in registers: about
+ * half the scalar loop's time per row at 3 query rows. Without AVX-512 the compilers split these vectors
+ * through memory (several times slower than the scalar loop, measured with GCC 12 and -mavx2): the scalar
+ * attend_rows above serves there, and everywhere for the dense suffix and other shapes. */
+#if defined(__AVX512F__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+#define LUKV_VECTOR 1
+#include <immintrin.h>
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) vf16 vload(const float *p) {
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline __attribute__((always_inline)) void vstore(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
+/* 16 bytes at p, each widened to an int32 lane */
+static inline __attribute__((always_inline)) vi16 widen(const uint8_t *p) {
+    return (vi16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline __attribute__((always_inline)) vf16 vcodes(vi16 c, float s, float z) {
+    return __builtin_convertvector(c, vf16) * s + z;
+}
+/* the even lanes of a:b plus the odd ones: a's 16 lanes summed in pairs into lanes 0-7, b's into 8-15 */
+static inline __attribute__((always_inline)) vf16 pair_sum(vf16 a, vf16 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+/* lane r = the sum of p[r]'s 16 lanes */
+static inline __attribute__((always_inline)) vf16 lane_sums(const vf16 *p) {
+    vf16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = pair_sum(p[2 * i], p[2 * i + 1]);
+    for (int i = 0; i < 4; i++) b[i] = pair_sum(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 2; i++) c[i] = pair_sum(b[2 * i], b[2 * i + 1]);
+    return pair_sum(c[0], c[1]);
+}
+/* lane-wise max / min and a mask's select, in the vector extensions' words (C has no ?: on vectors) */
+static inline __attribute__((always_inline)) vf16 vselect(vi16 mask, vf16 a, vf16 b) {
+    return (vf16)(((vi16)a & mask) | ((vi16)b & ~mask));
+}
+static inline __attribute__((always_inline)) vf16 vmax(vf16 a, vf16 b) { return vselect(a > b, a, b); }
+static inline __attribute__((always_inline)) vf16 vmin(vf16 a, vf16 b) { return vselect(a < b, a, b); }
+/* the max and the sum of a vector's 16 lanes (halving trees) */
+static inline __attribute__((always_inline)) float hmax(vf16 v) {
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+static inline __attribute__((always_inline)) float hsum(vf16 v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+/* exp_approx on 16 lanes (the same polynomial; n rounded to nearest by the 1.5 * 2^23 trick) */
+static inline __attribute__((always_inline)) vf16 vexp(vf16 x) {
+    vi16 below = x < -87.3f;
+    x = vmin(vmax(x, (vf16){} - 87.3f), (vf16){} + 88.7f);
+    vf16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vf16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    vf16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return vselect(~below, p * (vf16)bits, (vf16){});
+}
+/* row n of a store into C = D / 16 vectors (groups of 32: vectors 2g and 2g + 1 are group g; at 4 bits its
+ * low nibbles, then its high ones: the nibble order) */
+static inline __attribute__((always_inline)) void vrow(const uint8_t *codes, const uint16_t *scale,
+                                                       const uint16_t *zero, int d, int bits, float *out) {
+    for (int g = 0; g < d / 32; g++) {
+        float s = bf16_to_float(scale[g]), z = bf16_to_float(zero[g]);
+        vi16 lo, hi;
+        if (bits == 8) {
+            lo = widen(codes + 32 * g);
+            hi = widen(codes + 32 * g + 16);
+        } else {
+            vi16 b = widen(codes + 16 * g);
+            lo = b & 0x0F;
+            hi = b >> 4;
+        }
+        vstore(out + 32 * g, vcodes(lo, s, z));
+        vstore(out + 32 * g + 16, vcodes(hi, s, z));
+    }
+}
+/* acc[m0 .. m0 + T) += the block's weights x values, the T x C sums in registers across its rows */
+static inline __attribute__((always_inline)) void vaccumulate(float *acc, const float *weight, const float *v,
+                                                              int m0, int T, int d, int rows) {
+    int C = d / 16;
+    vf16 a[4 * MAX_D / 16]; /* T x C of them used (at most 16 by the caller's choice of T) */
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < C; c++) a[t * C + c] = vload(acc + (size_t)(m0 + t) * d + 16 * c);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < C; c++) {
+            vf16 x = vload(v + (size_t)r * d + 16 * c);
+            for (int t = 0; t < T; t++) a[t * C + c] += weight[(m0 + t) * BLOCK + r] * x;
+        }
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < C; c++) vstore(acc + (size_t)(m0 + t) * d + 16 * c, a[t * C + c]);
+}
+
+static inline __attribute__((always_inline)) void attend_rows_vector(
+    const float *q, int m_rows, int d, int lo, int hi, const uint8_t *kc, const uint16_t *ks, const uint16_t *kz,
+    const uint8_t *vc, const uint16_t *vs, const uint16_t *vz, int bits, float softcap, float *item_max,
+    float *item_sum, float *acc) {
+    float keys[BLOCK * MAX_D] __attribute__((aligned(64))), values[BLOCK * MAX_D] __attribute__((aligned(64)));
+    float weight[MAX_M * BLOCK] __attribute__((aligned(64))), nibble_q[MAX_M * MAX_D];
+    int row_bytes = d * bits / 8, groups = d / 32, C = d / 16;
+    const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    if (bits == 4) { /* the queries in the codes' nibble order */
+        for (int m = 0; m < m_rows; m++)
+            for (int g = 0; g < groups; g++)
+                for (int j = 0; j < 16; j++) {
+                    nibble_q[(size_t)m * d + 32 * g + j] = q[(size_t)m * d + 32 * g + 2 * j];
+                    nibble_q[(size_t)m * d + 32 * g + 16 + j] = q[(size_t)m * d + 32 * g + 2 * j + 1];
+                }
+        q = nibble_q;
+    }
+    for (int m = 0; m < m_rows; m++) {
+        item_max[m] = -INFINITY;
+        item_sum[m] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)m_rows * d);
+    for (int start = lo; start < hi; start += BLOCK) {
+        int rows = hi - start < BLOCK ? hi - start : BLOCK;
+        for (int r = 0; r < rows; r++) {
+            size_t n = (size_t)(start + r);
+            vrow(kc + n * row_bytes, ks + n * groups, kz + n * groups, d, bits, keys + r * d);
+        }
+        if (rows < BLOCK) memset(keys + rows * d, 0, sizeof(float) * (size_t)(BLOCK - rows) * d);
+        for (int m = 0; m < m_rows; m++) {
+            vf16 p[BLOCK];
+            for (int r = 0; r < BLOCK; r++) {
+                vf16 sum = vload(q + (size_t)m * d) * vload(keys + r * d);
+                for (int c = 1; c < C; c++) sum += vload(q + (size_t)m * d + 16 * c) * vload(keys + r * d + 16 * c);
+                p[r] = sum;
+            }
+            vf16 logits = lane_sums(p);
+            if (softcap > 0.0f) {
+                for (int r = 0; r < BLOCK; r++) logits[r] = capped(logits[r], softcap);
+            }
+            logits = vselect(iota < rows, logits, (vf16){} - INFINITY);
+            float top = hmax(logits);
+            if (top > item_max[m]) { /* a new max: rescale what is summed so far */
+                float scale = expf(item_max[m] - top);
+                float *a = acc + (size_t)m * d;
+                item_sum[m] *= scale;
+                for (int c = 0; c < C; c++) vstore(a + 16 * c, vload(a + 16 * c) * scale);
+                item_max[m] = top;
+            }
+            vf16 w = vexp(logits - item_max[m]);
+            item_sum[m] += hsum(w);
+            vstore(weight + m * BLOCK, w);
+        }
+        for (int r = 0; r < rows; r++) {
+            size_t n = (size_t)(start + r);
+            vrow(vc + n * row_bytes, vs + n * groups, vz + n * groups, d, bits, values + r * d);
+        }
+        int tile = 16 / C < 1 ? 1 : (16 / C > 4 ? 4 : 16 / C); /* query rows whose sums fit 16 registers */
+        for (int m = 0; m < m_rows;) {
+            int t = m_rows - m < tile ? m_rows - m : tile;
+            switch (t) { /* T a constant in each: the sums stay in registers */
+            case 4: vaccumulate(acc, weight, values, m, 4, d, rows); break;
+            case 3: vaccumulate(acc, weight, values, m, 3, d, rows); break;
+            case 2: vaccumulate(acc, weight, values, m, 2, d, rows); break;
+            default: vaccumulate(acc, weight, values, m, 1, d, rows);
+            }
+            m += t;
+        }
+    }
+    if (bits == 4) { /* the sums back in channel order */
+        float row[MAX_D];
+        for (int m = 0; m < m_rows; m++) {
+            float *a = acc + (size_t)m * d;
+            memcpy(row, a, sizeof(float) * d);
+            for (int g = 0; g < groups; g++)
+                for (int j = 0; j < 16; j++) {
+                    a[32 * g + 2 * j] = row[32 * g + j];
+                    a[32 * g + 2 * j + 1] = row[32 * g + 16 + j];
+                }
+        }
+    }
+}
+#endif
+
 /* attend_rows with the common shapes' D, bits and group as constants (the compiler unrolls them) */
 #define ATTEND_ARGS                                                                                                \
     const float *q, int m_rows, int d, int lo, int hi, const uint8_t *kc, const uint16_t *ks, const uint16_t *kz, \
         const uint8_t *vc, const uint16_t *vs, const uint16_t *vz, int bits, int group, const float *dense_k,    \
         const float *dense_v, float softcap, float *item_max, float *item_sum, float *acc
+#ifdef LUKV_VECTOR
+#define SPECIALISE(NAME, D, BITS, GROUP)                                                                            \
+    static void NAME(ATTEND_ARGS) {                                                                                \
+        (void)d, (void)bits, (void)group;                                                                          \
+        if (dense_k)                                                                                               \
+            attend_rows(q, m_rows, D, lo, hi, kc, ks, kz, vc, vs, vz, BITS, GROUP, dense_k, dense_v, softcap,     \
+                        item_max, item_sum, acc);                                                                  \
+        else                                                                                                       \
+            attend_rows_vector(q, m_rows, D, lo, hi, kc, ks, kz, vc, vs, vz, BITS, softcap, item_max, item_sum,  \
+                               acc);                                                                               \
+    }
+#else
 #define SPECIALISE(NAME, D, BITS, GROUP)                                                                            \
     static void NAME(ATTEND_ARGS) {                                                                                \
         (void)d, (void)bits, (void)group;                                                                          \
         attend_rows(q, m_rows, D, lo, hi, kc, ks, kz, vc, vs, vz, BITS, GROUP, dense_k, dense_v, softcap, item_max, \
                     item_sum, acc);                                                                                \
     }
+#endif
 SPECIALISE(attend_64_8, 64, 8, 32)
 SPECIALISE(attend_64_4, 64, 4, 32)
 SPECIALISE(attend_128_8, 128, 8, 32)
 SPECIALISE(attend_128_4, 128, 4, 32)
+SPECIALISE(attend_256_8, 256, 8, 32)
+SPECIALISE(attend_256_4, 256, 4, 32)
 static void attend_any(ATTEND_ARGS) {
     attend_rows(q, m_rows, d, lo, hi, kc, ks, kz, vc, vs, vz, bits, group, dense_k, dense_v, softcap, item_max,
                 item_sum, acc);
@@ -226,6 +438,7 @@ int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, cons
     void (*attend)(ATTEND_ARGS) = attend_any;
     if (group == 32 && d == 64) attend = bits == 8 ? attend_64_8 : attend_64_4;
     if (group == 32 && d == 128) attend = bits == 8 ? attend_128_8 : attend_128_4;
+    if (group == 32 && d == 256) attend = bits == 8 ? attend_256_8 : attend_256_4;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
     for (int i = 0; i < count; i++) {
         int s = item_seg[i];

@@ -7,8 +7,11 @@ replace. The kernel (``cpu_codes.c``, beside this file) streams each segment's r
 block of 16 rows into a stack buffer, and keeps the online softmax (running max, sum and weighted value sums,
 fp32) per query row; the segment's rows are cut into work items of :data:`CHUNK` rows spread over
 ``torch.get_num_threads()`` OpenMP threads, the dense suffix is one more item, and the items merge by
-log-sum-exp (flash-decoding). Exact up to fp32 rounding against dequantize-then-attend
-(``tests/attention/test_cpu_codes.py``).
+log-sum-exp (flash-decoding). Where the compiler targets AVX-512 (``-march=native`` on such a CPU) the
+common head sizes (64, 128, 256) take a vectorised block: the 16 rows' logits come out of one tree of
+shuffles, the block's softmax runs on the 16 lanes, the value sums of a tile of query rows stay in registers
+(about 1.7x the scalar loop's speed at 3 query rows per KV head, 2x at 7). Exact up to fp32 rounding against
+dequantize-then-attend (``tests/attention/test_cpu_codes.py``).
 
 The kernel is compiled once per machine into ``<cache_root()>/kernels`` (``$LUKV_CACHE_DIR``, else
 ``~/.cache/lukv_cache``): ``$CC``, else ``cc``, ``gcc`` or ``clang``, with ``-O3 -march=native -fopenmp``

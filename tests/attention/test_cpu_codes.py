@@ -39,6 +39,11 @@ def _store(bits, counts, dim, heads, seed=0, scale=1.0):
         (64, 3, [823, 0, 300, 17], 5, None, 1),  # SmolLM2's shape (a specialised path), an empty segment
         (64, 7, [600, 1000, 33, 256], 1, None, 2),  # Qwen's 7 query rows per KV head, two threads
         (128, 4, [513, 2], 0, None, 2),  # no suffix: the store alone
+        # AVX-512's vector path (64, 128, 256): partial blocks, tiles of 4 / 2 / 1 query rows and their
+        # remainders, a softcap
+        (64, 13, [100, 31], 2, 20.0, 1),
+        (128, 5, [513, 2, 17, 40], 0, 50.0, 1),
+        (256, 3, [300, 9], 2, None, 1),  # Gemma-3's head_dim
         (16, 64, [40, 0, 0, 9], 3, 30.0, 1),  # groups of 16 (the generic path), 64 rows, a softcap
         (24, 2, [70, 5], 2, None, 1),  # groups of 8
     ],
