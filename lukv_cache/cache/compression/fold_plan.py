@@ -90,15 +90,17 @@ def gather_held(held: Held, stored: torch.Tensor | PackedRows | None, suffix: to
     end hold an arbitrary row."""
     source = held.source.flatten()
     from_store = source < held.n_store
+    # indices, not bool masks (each use of a mask is a nonzero)
+    store_at, suffix_at = from_store.nonzero().squeeze(-1), (~from_store).nonzero().squeeze(-1)
     out = suffix.new_empty((source.shape[0], *suffix.shape[3:]))
-    out[~from_store] = gather_ragged(suffix, source[~from_store] - held.n_store)
+    out.index_copy_(0, suffix_at, gather_ragged(suffix, source.index_select(0, suffix_at) - held.n_store))
     if held.n_store:  # a store without this tensor (scores never kept): NaN, ranked lowest
         if stored is None:
-            out[from_store] = float("nan")
+            out.index_fill_(0, store_at, float("nan"))
         else:  # a quantized store's rows come back dequantized (PackedRows.rows)
-            index = source[from_store]
-            rows = stored.rows(index) if isinstance(stored, PackedRows) else stored[index]
-            out[from_store] = rows.to(out.dtype)
+            index = source.index_select(0, store_at)
+            rows = stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)
+            out.index_copy_(0, store_at, rows.to(out.dtype))
     return out.view(*held.source.shape, *suffix.shape[3:])
 
 

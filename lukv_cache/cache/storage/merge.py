@@ -66,15 +66,18 @@ def rebuild(
     n = 0 if store is None else store.num_tokens
     s = suffix_keys.shape[-2]
     from_store = source < n
-    in_suffix = source[~from_store] - n
+    # the slots' indices once (a bool mask costs a nonzero per use: the fold's main cost when it was)
+    store_at, suffix_at = from_store.nonzero().squeeze(-1), (~from_store).nonzero().squeeze(-1)
+    store_rows = source.index_select(0, store_at)
+    in_suffix = source.index_select(0, suffix_at) - n
     last = start + max(s, 1) - 1  # no kept position is above it
     suffix_pos = (in_suffix % max(s, 1) + start).to(position_dtype(last))
 
     def pick(stored: torch.Tensor | None, from_suffix: torch.Tensor) -> torch.Tensor:
         out = from_suffix.new_empty((source.shape[0], *from_suffix.shape[1:]))
-        out[~from_store] = from_suffix
+        out.index_copy_(0, suffix_at, from_suffix)
         if stored is not None:
-            out[from_store] = stored[source[from_store]].to(out.dtype)
+            out.index_copy_(0, store_at, stored.index_select(0, store_rows).to(out.dtype))
         return out
 
     held = store if n else None

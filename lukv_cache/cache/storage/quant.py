@@ -188,6 +188,8 @@ class PackedRows:
 
     def take(self, index: torch.Tensor) -> PackedRows:
         """Rows ``index`` (an int64 index or a bool mask over the rows), still quantized."""
+        if index.dtype != torch.bool:  # index_select: a plain gather of rows
+            return self.with_tensors(*(t.index_select(0, index) for t in self.tensors()))
         return PackedRows(
             self.codes[index], self.scale[index], self.zero[index], self.bits, self.dim, self.dtype
         )
