@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from lukv_cache import LUKVCache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.allocation import ALLOCATORS
+from lukv_cache.cache.compression import fold
 from lukv_cache.cache.compression.fold import keeps_scores
 from lukv_cache.cache.options.memory import MemoryChoice, Shapes, kept_queries, layer_shapes
 from lukv_cache.errors import ConfigurationError
@@ -303,3 +304,24 @@ def test_the_one_line_on_a_model_without_a_profile_uses_the_rule():
     cache.prefill(model, ids)
     assert cache.memory_choice.by == "rule"
     _check_bound(cache, int(0.1 * _full_bytes(model, ids)), batch=1)
+
+
+@pytest.mark.parametrize("deeper", [fold.DEEPER_FOLDS, 0])
+def test_an_evicting_fold_makes_room_for_the_next_folds(monkeypatch, deeper):
+    # under a budget every fold would evict (every held token scored again, the allocator, a rebuilt store);
+    # evicting `DEEPER_FOLDS` folds' tokens deeper lets that many next folds only append, within the bound
+    monkeypatch.setattr(fold, "DEEPER_SHARE", 1)  # its cap (small budgets evict at most 1/32 deeper) out of the way
+    monkeypatch.setattr(fold, "DEEPER_FOLDS", deeper)
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(1, 300, seed=6)
+    cache = LUKVCache(max_bytes=24_000, scorer="keydiff")
+    held = []
+    with torch.no_grad():
+        token = model(ids, use_cache=True, **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
+        for _ in range(160):
+            token = model(token, use_cache=True, **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
+            _check_bound(cache, 24_000, batch=1)
+            held.append(sum(int(layer.stored_counts().sum()) for layer in cache.layers))
+    evicting = sum(after < before for before, after in zip(held, held[1:]))
+    folds = 160 // cache.policy.fold_interval
+    assert abs(evicting - folds / (deeper + 1)) <= 1, (evicting, folds)

@@ -154,7 +154,8 @@ class CompressionPolicy:
         f"The dense suffix of decoded tokens is folded into the ragged store every this many tokens (None: "
         f"{FOLD_AT}, {BUDGET_FOLD_AT} under `memory`/`max_bytes`).",
         "With ``decode_max_tokens`` it is evicted there. Under a memory budget the dense suffix is decode room "
-        "that counts in the budget, so it folds sooner.",
+        "that counts in the budget, so it folds sooner; a fold that must evict there evicts three folds' tokens "
+        "deeper (at most 1/32 of what the bytes hold), so that the next three only append.",
         check=count(positive=True),
         kinds=(int,),
         low=1,
