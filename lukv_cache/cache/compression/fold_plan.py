@@ -90,18 +90,23 @@ def gather_held(held: Held, stored: torch.Tensor | PackedRows | None, suffix: to
     end hold an arbitrary row."""
     source = held.source.flatten()
     from_store = source < held.n_store
-    # indices, not bool masks (each use of a mask is a nonzero)
-    store_at, suffix_at = from_store.nonzero().squeeze(-1), (~from_store).nonzero().squeeze(-1)
-    out = suffix.new_empty((source.shape[0], *suffix.shape[3:]))
-    out.index_copy_(0, suffix_at, gather_ragged(suffix, source.index_select(0, suffix_at) - held.n_store))
+    rows = gather_ragged(suffix, source[~from_store] - held.n_store)
     if held.n_store:  # a store without this tensor (scores never kept): NaN, ranked lowest
+        index = source[from_store]
         if stored is None:
-            out.index_fill_(0, store_at, float("nan"))
+            first = rows.new_full((index.shape[0], *rows.shape[1:]), float("nan"))
         else:  # a quantized store's rows come back dequantized (PackedRows.rows)
-            index = source.index_select(0, store_at)
-            rows = stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)
-            out.index_copy_(0, store_at, rows.to(out.dtype))
-    return out.view(*held.source.shape, *suffix.shape[3:])
+            first = stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)
+        # each slot's row in [the store's picked rows; the suffix's]: one gather (index_copy_ into the
+        # slots costs several times more on CPU)
+        taken = torch.cumsum(from_store, 0) - 1
+        rank = torch.where(
+            from_store,
+            taken,
+            index.shape[0] + torch.arange(source.shape[0], device=source.device) - taken - 1,
+        )
+        rows = torch.cat([first.to(rows.dtype), rows]).index_select(0, rank)
+    return rows.view(*held.source.shape, *suffix.shape[3:])
 
 
 def masked_held(scores: torch.Tensor, held: Held) -> torch.Tensor:

@@ -66,19 +66,17 @@ def rebuild(
     n = 0 if store is None else store.num_tokens
     s = suffix_keys.shape[-2]
     from_store = source < n
-    # the slots' indices once (a bool mask costs a nonzero per use: the fold's main cost when it was)
-    store_at, suffix_at = from_store.nonzero().squeeze(-1), (~from_store).nonzero().squeeze(-1)
-    store_rows = source.index_select(0, store_at)
-    in_suffix = source.index_select(0, suffix_at) - n
+    in_suffix = source[~from_store] - n
     last = start + max(s, 1) - 1  # no kept position is above it
     suffix_pos = (in_suffix % max(s, 1) + start).to(position_dtype(last))
+    # each slot's row in [the store's rows; the picked suffix rows]: one gather per tensor (index_copy_
+    # into the slots, or a bool mask per use, cost several times more on CPU)
+    rank = torch.where(from_store, source, n + torch.cumsum(~from_store, 0) - 1)
 
     def pick(stored: torch.Tensor | None, from_suffix: torch.Tensor) -> torch.Tensor:
-        out = from_suffix.new_empty((source.shape[0], *from_suffix.shape[1:]))
-        out.index_copy_(0, suffix_at, from_suffix)
-        if stored is not None:
-            out.index_copy_(0, store_at, stored.index_select(0, store_rows).to(out.dtype))
-        return out
+        if stored is None:
+            return from_suffix
+        return torch.cat([stored.to(from_suffix.dtype), from_suffix]).index_select(0, rank)
 
     held = store if n else None
     new_k, new_v = gather_ragged(suffix_keys, in_suffix), gather_ragged(suffix_values, in_suffix)
