@@ -77,22 +77,14 @@ static inline __attribute__((always_inline)) float exp_approx(float x) {
 
 static inline float capped(float x, float softcap) { return softcap > 0.0f ? tanhf(x / softcap) * softcap : x; }
 
-/* One work item: rows [lo, hi) of a store (codes) or of a dense suffix (keys/values given as floats),
- * attended by the M queries q [M, D]; writes the item's max, sum and unnormalised sums acc [M, D]. Rows go
- * BLOCK at a time: the block's keys dequantized, its M x BLOCK logits, one rescale per query and block, the
- * weights' exponentials, then the values dequantized and accumulated. */
-#define BLOCK 16
-static inline __attribute__((always_inline)) void attend_rows(const float *q, int m_rows, int d, int lo, int hi, const uint8_t *kc, const uint16_t *ks,
-                        const uint16_t *kz, const uint8_t *vc, const uint16_t *vs, const uint16_t *vz, int bits,
-                        int group, const float *dense_k, const float *dense_v, float softcap, float *item_max,
-                        float *item_sum, float *acc) {
-    float keys[BLOCK * MAX_D], values[BLOCK * MAX_D], weight[MAX_M * BLOCK];
-    float nibble_q[MAX_M * MAX_D];
-    int row_bytes = d * bits / 8, groups = d / group;
-    int nibbles = bits == 4 && !dense_k; /* codes in nibble order: the queries permuted alike */
+/* An item's start: the queries in the codes' nibble order at 4 bits (each group's even channels, then its odd
+ * ones, as the codes' low then high nibbles), the running max, sum and sums emptied. Returns the queries to use. */
+static inline __attribute__((always_inline)) const float *start_item(const float *q, int m_rows, int d, int group,
+                                                                     int nibbles, float *nibble_q, float *item_max,
+                                                                     float *item_sum, float *acc) {
     if (nibbles) {
         for (int m = 0; m < m_rows; m++)
-            for (int g = 0; g < groups; g++)
+            for (int g = 0; g < d / group; g++)
                 for (int j = 0; j < group / 2; j++) {
                     const float *from = q + (size_t)m * d + g * group;
                     float *to = nibble_q + (size_t)m * d + g * group;
@@ -106,6 +98,37 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
         item_sum[m] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)m_rows * d);
+    return q;
+}
+
+/* An item's end at 4 bits: its sums back in channel order */
+static inline __attribute__((always_inline)) void sums_in_channel_order(float *acc, int m_rows, int d, int group) {
+    float row[MAX_D];
+    for (int m = 0; m < m_rows; m++) {
+        float *a = acc + (size_t)m * d;
+        memcpy(row, a, sizeof(float) * d);
+        for (int g = 0; g < d / group; g++)
+            for (int j = 0; j < group / 2; j++) {
+                a[g * group + 2 * j] = row[g * group + j];
+                a[g * group + 2 * j + 1] = row[g * group + group / 2 + j];
+            }
+    }
+}
+
+/* One work item: rows [lo, hi) of a store (codes) or of a dense suffix (keys/values given as floats),
+ * attended by the M queries q [M, D]; writes the item's max, sum and unnormalised sums acc [M, D]. Rows go
+ * BLOCK at a time: the block's keys dequantized, its M x BLOCK logits, one rescale per query and block, the
+ * weights' exponentials, then the values dequantized and accumulated. */
+#define BLOCK 16
+static inline __attribute__((always_inline)) void attend_rows(const float *q, int m_rows, int d, int lo, int hi, const uint8_t *kc, const uint16_t *ks,
+                        const uint16_t *kz, const uint8_t *vc, const uint16_t *vs, const uint16_t *vz, int bits,
+                        int group, const float *dense_k, const float *dense_v, float softcap, float *item_max,
+                        float *item_sum, float *acc) {
+    float keys[BLOCK * MAX_D], values[BLOCK * MAX_D], weight[MAX_M * BLOCK];
+    float nibble_q[MAX_M * MAX_D];
+    int row_bytes = d * bits / 8, groups = d / group;
+    int nibbles = bits == 4 && !dense_k; /* codes in nibble order: the queries permuted alike */
+    q = start_item(q, m_rows, d, group, nibbles, nibble_q, item_max, item_sum, acc);
     for (int start = lo; start < hi; start += BLOCK) {
         int rows = hi - start < BLOCK ? hi - start : BLOCK;
         const float *k = keys, *v = values;
@@ -157,18 +180,7 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
             }
         }
     }
-    if (nibbles) { /* the sums back in channel order */
-        float row[MAX_D];
-        for (int m = 0; m < m_rows; m++) {
-            float *a = acc + (size_t)m * d;
-            memcpy(row, a, sizeof(float) * d);
-            for (int g = 0; g < groups; g++)
-                for (int j = 0; j < group / 2; j++) {
-                    a[g * group + 2 * j] = row[g * group + j];
-                    a[g * group + 2 * j + 1] = row[g * group + group / 2 + j];
-                }
-        }
-    }
+    if (nibbles) sums_in_channel_order(acc, m_rows, d, group);
 }
 
 
@@ -292,20 +304,7 @@ static inline __attribute__((always_inline)) void attend_rows_vector(
     float weight[MAX_M * BLOCK] __attribute__((aligned(64))), nibble_q[MAX_M * MAX_D];
     int row_bytes = d * bits / 8, groups = d / 32, C = d / 16;
     const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    if (bits == 4) { /* the queries in the codes' nibble order */
-        for (int m = 0; m < m_rows; m++)
-            for (int g = 0; g < groups; g++)
-                for (int j = 0; j < 16; j++) {
-                    nibble_q[(size_t)m * d + 32 * g + j] = q[(size_t)m * d + 32 * g + 2 * j];
-                    nibble_q[(size_t)m * d + 32 * g + 16 + j] = q[(size_t)m * d + 32 * g + 2 * j + 1];
-                }
-        q = nibble_q;
-    }
-    for (int m = 0; m < m_rows; m++) {
-        item_max[m] = -INFINITY;
-        item_sum[m] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)m_rows * d);
+    q = start_item(q, m_rows, d, 32, bits == 4, nibble_q, item_max, item_sum, acc);
     for (int start = lo; start < hi; start += BLOCK) {
         int rows = hi - start < BLOCK ? hi - start : BLOCK;
         for (int r = 0; r < rows; r++) {
@@ -353,18 +352,7 @@ static inline __attribute__((always_inline)) void attend_rows_vector(
             m += t;
         }
     }
-    if (bits == 4) { /* the sums back in channel order */
-        float row[MAX_D];
-        for (int m = 0; m < m_rows; m++) {
-            float *a = acc + (size_t)m * d;
-            memcpy(row, a, sizeof(float) * d);
-            for (int g = 0; g < groups; g++)
-                for (int j = 0; j < 16; j++) {
-                    a[32 * g + 2 * j] = row[32 * g + j];
-                    a[32 * g + 2 * j + 1] = row[32 * g + 16 + j];
-                }
-        }
-    }
+    if (bits == 4) sums_in_channel_order(acc, m_rows, d, 32);
 }
 #endif
 
