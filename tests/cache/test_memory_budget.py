@@ -310,7 +310,9 @@ def test_the_one_line_on_a_model_without_a_profile_uses_the_rule():
 def test_an_evicting_fold_makes_room_for_the_next_folds(monkeypatch, deeper):
     # under a budget every fold would evict (every held token scored again, the allocator, a rebuilt store);
     # evicting `DEEPER_FOLDS` folds' tokens deeper lets that many next folds only append, within the bound
-    monkeypatch.setattr(fold, "DEEPER_SHARE", 1)  # its cap (small budgets evict at most 1/32 deeper) out of the way
+    monkeypatch.setattr(
+        fold, "DEEPER_SHARE", 1
+    )  # its cap (small budgets evict at most 1/32 deeper) out of the way
     monkeypatch.setattr(fold, "DEEPER_FOLDS", deeper)
     model = tiny_model("llama", "sdpa")
     ids = prompt(1, 300, seed=6)
