@@ -229,6 +229,11 @@ def precheck_memory_table(args: argparse.Namespace) -> None:
         )
     if args.context_tokens is not None and args.context_tokens < 1:
         raise ConfigurationError(f"--context-tokens must be >= 1, got {args.context_tokens}.")
+    layer_contexts = getattr(args, "layer_contexts", None)
+    if layer_contexts is not None and not 1 <= layer_contexts <= args.contexts:
+        raise ConfigurationError(
+            f"--layer-contexts must be between 1 and --contexts ({args.contexts}), got {layer_contexts}."
+        )
     if args.calibration is not None:
         from ..profiling.calibration import calibration_path  # light: json and paths
 

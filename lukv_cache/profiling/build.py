@@ -317,8 +317,8 @@ class BuildSettings:
     (:func:`~lukv_cache.profiling.memory_table.measure_memory_table`, what a memory budget picks its
     precision by; 4 windows of about a quarter of the context, each prefilled once and replayed into every
     cell's cache). ``table_dtype``: the precision of the table's passes (``None``: the model's; ``"auto"``,
-    ``lukv build --table-dtype auto``: bfloat16 on a CPU that multiplies it natively, faster but with noisier
-    layer losses; :func:`~lukv_cache.profiling.table_dtype.table_dtype`).
+    ``lukv build --table-dtype auto``: the cells in bfloat16 on a CPU that multiplies it natively, the layers'
+    losses at the model's precision; :func:`~lukv_cache.profiling.table_dtype.table_dtype`).
     ``sliding``: on a model with sliding-window layers, ``"keep"`` optimises the full-attention layers only
     (the sliding rows are the global ratio); ``"compress"`` also scores each sliding layer over the window
     it holds at the end of the context (the oracle reads the decode's attention over it) and hands out one

@@ -177,6 +177,7 @@ def _memory_table(args: argparse.Namespace) -> int:
         out=args.out,
         replace=args.replace,
         contexts=args.contexts,
+        layer_contexts=args.layer_contexts,
         continuation_tokens=args.continuation_tokens,
         context_tokens=args.context_tokens,
         seed=args.seed,

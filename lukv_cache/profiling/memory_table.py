@@ -150,6 +150,7 @@ def measure_memory_table(
     show_progress: bool = False,
     share_prefill: bool = True,
     dtype: str | torch.dtype | None = None,
+    layer_contexts: int | None = None,
 ) -> MemoryTable:
     """The loss of ``profile``'s cache on ``model`` at every (``bits``, ``ratios``): the mean over
     ``contexts`` windows of ``texts`` of the continuation's excess NLL (nats per token) against the full
@@ -178,9 +179,12 @@ def measure_memory_table(
     (``kvzip``, whose repeat passes read the context): those prefill each cell and run every layer.
 
     ``dtype``: the precision of the passes (:func:`~lukv_cache.profiling.table_dtype.table_dtype`): ``None``
-    (the model's own), a floating dtype or its name (the passes run on a copy of the model in it; the model is
-    not changed), or ``"auto"`` (bfloat16 for a float32 model on a CPU that multiplies bfloat16 natively,
-    ``--table-dtype auto``: about twice as fast there, its layers' losses noisier); ``measure`` names it.
+    (the model's own), a floating dtype or its name (every pass runs on a copy of the model in it; the model is
+    not changed), or ``"auto"``: the cells in bfloat16 for a float32 model on a CPU that multiplies bfloat16
+    natively (about 3x faster there, the cells as the float32 ones within their noise) and the layers' losses
+    in the model's own precision (a small difference of two passes: bfloat16's rounding makes it noisy);
+    ``measure`` names them. ``layer_contexts``: the layers' losses on the first this many windows only
+    (``None``: all of them).
 
     >>> table = measure_memory_table(model, tokenizer, profile, calibration_texts("planted"))  # doctest: +SKIP
     >>> table.loss.shape  # doctest: +SKIP
@@ -219,14 +223,21 @@ def measure_memory_table(
             f"A window of {context_tokens} context + {continuation_tokens} continuation tokens needs {need} "
             f"positions but the model has {limit}; ask for a shorter context_tokens."
         )
+    if layer_contexts is not None and not 1 <= layer_contexts <= contexts:
+        raise ConfigurationError(
+            f"layer_contexts must be between 1 and contexts ({contexts}), or None, got {layer_contexts}."
+        )
     profile.validate_for(model.config)
     passes_dtype = table_dtype(model, dtype)
+    # "auto": only the cells in the fast dtype; the layers' losses keep the model's precision
+    layer_dtype = next(model.parameters()).dtype if dtype == "auto" else passes_dtype
     windows = _windows(token_lists, contexts, need, np.random.default_rng(seed))
     device = next(model.parameters()).device
     excess = np.zeros((len(bits), len(ratio_list), contexts), dtype=np.float64)
     allocator_name = allocator
     num_layers = int(config.num_hidden_layers) if layers and 8 in bits and 4 in bits else 0
-    layer_excess = np.zeros((num_layers, contexts), dtype=np.float64)
+    layer_windows = contexts if layer_contexts is None else layer_contexts
+    layer_excess = np.zeros((num_layers, layer_windows), dtype=np.float64)
 
     def quantized(ratio: float, bits: int | None, at_4_bits: int | None = None) -> Any:
         cache = LUKVCache.from_pretrained(
@@ -240,8 +251,9 @@ def measure_memory_table(
     share = share_prefill and shareable(model) and scorer.reconstruction is None
     users_model, was_training = model, model.training
     model.eval()
+    cell_runs = 1 + len(bits) * len(ratio_list)
     bar = tqdm(
-        total=contexts * (1 + len(bits) * len(ratio_list) + (num_layers + 1 if num_layers else 0)),
+        total=contexts * cell_runs + (layer_windows * (num_layers + 1) if num_layers else 0),
         desc="memory table",
         unit="run",
         disable=not show_progress,
@@ -250,73 +262,84 @@ def measure_memory_table(
     if say is not None:
         say(
             f"memory table: {count(contexts, 'window')} of {context_tokens:,} + {continuation_tokens} tokens, "
-            f"{1 + len(bits) * len(ratio_list) + (num_layers + 1 if num_layers else 0)} runs each ({len(bits)} "
-            f"precisions x {len(ratio_list)} ratios"
-            + (f", {num_layers + 1} for the layers' losses" if num_layers else "")
-            + f"), in {_name(passes_dtype)}"
-            + (" (a copy of the model)" if passes_dtype != next(model.parameters()).dtype else "")
+            f"{cell_runs} runs each ({len(bits)} precisions x {len(ratio_list)} ratios) in {_name(passes_dtype)}"
+            + (
+                f", {num_layers + 1} more on {count(layer_windows, 'window')} for the layers' losses in "
+                f"{_name(layer_dtype)}"
+                if num_layers
+                else ""
+            )
+            + (" (on a copy of the model)" if passes_dtype != next(model.parameters()).dtype else "")
         )
+
+    def split(window: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor([window], dtype=torch.long, device=device)
+        return ids[:, :context_tokens], ids[:, context_tokens:]
+
+    def nll(model: Any, cache: Any, context: torch.Tensor, target: torch.Tensor, recorded: Any) -> float:
+        torch.manual_seed(seed)  # a scorer that draws random numbers draws the same ones
+        if recorded is not None:  # the window's one prefill, replayed
+            if isinstance(cache, LUKVCache):
+                recorded.replay_into(cache)
+            else:
+                cache = recorded.full_cache(model.config)
+            last_logits = cast(torch.Tensor, recorded.last_logits)
+        elif isinstance(cache, LUKVCache):  # as a user fills one: reconstruction scorers too
+            out = cache.prefill(model, context, tokenizer=tokenizer, logits_to_keep=1)
+            last_logits = out.logits[:, -1, :]
+        else:
+            last_logits = prefill(model, context, cache)
+        return continuation_nll(model, cache, last_logits, target)
+
+    def estimate(started: float, left: int, what: str) -> None:
+        if say is not None and left:
+            seconds = time.perf_counter() - started
+            say(estimate_line(what, "window", seconds, seconds * left, f"{count(left, 'window')} left"))
+
     try:
-        with (
-            bar,
-            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-            model_in(model, passes_dtype) as model,
-        ):
-            for w, window in enumerate(windows):
-                started = time.perf_counter()
-                ids = torch.tensor([window], dtype=torch.long, device=device)
-                context, target = ids[:, :context_tokens], ids[:, context_tokens:]
-                recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
-
-                def nll(
-                    cache: Any,
-                    context: torch.Tensor = context,
-                    target: torch.Tensor = target,
-                    recorded: RecordedPrefill | None = recorded,
-                ) -> float:
-                    torch.manual_seed(seed)  # a scorer that draws random numbers draws the same ones
-                    if recorded is not None:  # the window's one prefill, replayed
-                        if isinstance(cache, LUKVCache):
-                            recorded.replay_into(cache)
-                        else:
-                            cache = recorded.full_cache(model.config)
-                        last_logits = cast(torch.Tensor, recorded.last_logits)
-                    elif isinstance(cache, LUKVCache):  # as a user fills one: reconstruction scorers too
-                        out = cache.prefill(model, context, tokenizer=tokenizer, logits_to_keep=1)
-                        last_logits = out.logits[:, -1, :]
-                    else:
-                        last_logits = prefill(model, context, cache)
-                    return continuation_nll(model, cache, last_logits, target)
-
-                full = nll(DynamicCache(config=model.config))
-                bar.update(1)
-                for i, b in enumerate(bits):
-                    for j, ratio in enumerate(ratio_list):
-                        cache = quantized(ratio, b)
-                        allocator_name = cache.allocator_name
-                        excess[i, j, w] = nll(cache) - full
-                        bar.update(1)
-                if num_layers:
-                    below = _LayerOutputs(model if recorded is not None else None)
-                    with below.record():
-                        at_8_bits = nll(quantized(0.0, 8))
+        with bar, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            recordings: dict[
+                int, Any
+            ] = {}  # each window's prefill, kept for the layers' losses if same dtype
+            with model_in(model, passes_dtype) as model:
+                for w, window in enumerate(windows):
+                    started = time.perf_counter()
+                    context, target = split(window)
+                    recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
+                    if layer_dtype == passes_dtype and w < layer_windows:
+                        recordings[w] = recorded
+                    full = nll(model, DynamicCache(config=model.config), context, target, recorded)
                     bar.update(1)
-                    for layer in range(num_layers):
-                        # the layers below `layer` see what they saw at 8 bits: their outputs are reused
-                        with below.reused_below(layer):
-                            layer_excess[layer, w] = nll(quantized(0.0, 8, layer)) - at_8_bits
+                    for i, b in enumerate(bits):
+                        for j, ratio in enumerate(ratio_list):
+                            cache = quantized(ratio, b)
+                            allocator_name = cache.allocator_name
+                            excess[i, j, w] = nll(model, cache, context, target, recorded) - full
+                            bar.update(1)
+                    if w == 0:
+                        estimate(started, contexts - 1, "memory table")
+            if num_layers:
+                with model_in(users_model, layer_dtype) as model:
+                    for w, window in enumerate(windows[:layer_windows]):
+                        started = time.perf_counter()
+                        context, target = split(window)
+                        recorded = recordings.pop(w, None)
+                        if recorded is None and share:
+                            recorded = RecordedPrefill.record(model, context, scorer.n_queries)
+                        below = _LayerOutputs(model if recorded is not None else None)
+                        with below.record():
+                            at_8_bits = nll(model, quantized(0.0, 8), context, target, recorded)
                         bar.update(1)
-                if say is not None and w == 0 and contexts > 1:
-                    seconds = time.perf_counter() - started
-                    say(
-                        estimate_line(
-                            "memory table",
-                            "window",
-                            seconds,
-                            seconds * (contexts - 1),
-                            f"{count(contexts - 1, 'window')} left",
-                        )
-                    )
+                        for layer in range(num_layers):
+                            # the layers below `layer` see what they saw at 8 bits: their outputs are reused
+                            with below.reused_below(layer):
+                                layer_excess[layer, w] = (
+                                    nll(model, quantized(0.0, 8, layer), context, target, recorded)
+                                    - at_8_bits
+                                )
+                            bar.update(1)
+                        if w == 0:
+                            estimate(started, layer_windows - 1, "layers' losses")
     finally:
         users_model.train(was_training)
     return MemoryTable(
@@ -327,6 +350,11 @@ def measure_memory_table(
             f"continuation excess NLL (nats/token) vs the full cache, {contexts} contexts of {context_tokens} "
             f"tokens x {continuation_tokens} continuation tokens, allocator {allocator_name}, seed {seed}, "
             f"{_name(passes_dtype)} passes"
+            + (
+                f" (layers' losses: {_name(layer_dtype)}, {count(layer_windows, 'context')})"
+                if num_layers and (layer_dtype != passes_dtype or layer_windows != contexts)
+                else ""
+            )
         ),
         layer_loss=layer_excess.mean(axis=-1).astype(np.float32) if num_layers else None,
     )

@@ -2,14 +2,14 @@
 
 A memory table is a few hundred teacher-forced passes (:mod:`~lukv_cache.profiling.memory_table`), all
 matrix products. A CPU with native bfloat16 matrix units (Intel AMX, AVX512-BF16) runs them 2-3x faster in
-bfloat16 than in float32, so ``"auto"`` runs a float32 model's table on a bfloat16 copy of it there (half the
-model's bytes more while the table runs; skipped when that copy would take more than half the memory
-available). It is not the default: on Qwen2.5-0.5B the bfloat16 table kept 10-12 layers at 8 bits under
-``memory=0.075`` and ``0.15`` where the float32 one kept 6-7, and held-apart multikey retrieval fell from
-100.0 to 92.5 +- 3.8 at ``memory=0.15`` (docs/profiles.md, "Cost"): a layer's loss at 4 bits is a small
-difference of two passes, and bfloat16's rounding makes it noisy (float32 tables on two sets of windows agree;
-bfloat16 ones do not). A model that already runs in bfloat16 (a GPU) measures its table in bfloat16
-anyway.
+bfloat16 than in float32, so ``"auto"`` runs a float32 model's table cells on a bfloat16 copy of it there (half
+the model's bytes more while they run; skipped when that copy would take more than half the memory
+available) and its layers' losses at the model's own precision: a layer's loss at 4 bits is a small difference
+of two passes, and bfloat16's rounding makes it noisy (measured with every pass in bfloat16, the earlier
+``auto``: on Qwen2.5-0.5B that table kept 10-12 layers at 8 bits under ``memory=0.075`` and ``0.15`` where the
+float32 one kept 6-7, and held-apart multikey retrieval fell from 100.0 to 92.5 +- 3.8 at ``memory=0.15``,
+docs/profiles.md, "Cost"). An explicit dtype runs every pass in it. A model that already runs in bfloat16 (a
+GPU) measures its table in bfloat16 anyway.
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ def check_table_dtype(name: str) -> str:
 
 
 def table_dtype(model: Any, dtype: str | torch.dtype | None) -> torch.dtype:
-    """The dtype a memory table of ``model`` runs in for ``dtype``: a torch floating dtype or its name;
+    """The dtype a memory table of ``model`` runs its cells in for ``dtype``: a torch floating dtype or its name;
     ``None`` or ``"model"``: the model's own; ``"auto"``: ``bfloat16`` for a float32 model on a CPU that
     multiplies bfloat16 natively (:func:`native_bf16`) when a bfloat16 copy of its weights fits in half the
-    available memory, else the model's own.
+    available memory, else the model's own (its layers' losses then stay in the model's own precision:
+    :func:`~lukv_cache.profiling.memory_table.measure_memory_table`).
 
     >>> import torch
     >>> table_dtype(torch.nn.Linear(2, 2), "model"), table_dtype(torch.nn.Linear(2, 2), "bfloat16")

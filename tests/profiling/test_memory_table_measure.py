@@ -264,6 +264,13 @@ def test_lukv_memory_table(tiny_model, byte_tokenizer, calibration_writer, tmp_p
     assert main(args) == 2  # already there
     assert "--replace" in capsys.readouterr().err
     assert main([*args, "--replace", "--contexts", "0"]) == 2
+    assert main([*args, "--replace", "--contexts", "2", "--layer-contexts", "3"]) == 2
+    assert "--layer-contexts must be between 1 and --contexts (2)" in capsys.readouterr().err
+    assert (
+        main([*args, "--replace", "--contexts", "2", "--continuation-tokens", "32", "--layer-contexts", "1"])
+        == 0
+    )
+    assert Profile.load(path).memory_table.measure.endswith("(layers' losses: float32, 1 context)")
     assert main(["memory-table", "tiny", str(tmp_path / "none.safetensors")]) == 2
 
 
@@ -329,6 +336,40 @@ def test_a_bfloat16_table_is_the_table_of_a_bfloat16_copy_and_leaves_the_model_a
         measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, dtype=torch.float32, **GRID)
         == own
     )
+
+
+def test_auto_measures_the_cells_in_bfloat16_and_the_layers_losses_at_the_models_precision(
+    tiny_model, byte_tokenizer, monkeypatch
+):
+    # a layer's loss is a small difference of two passes: bfloat16's rounding would make it noisy
+    monkeypatch.setattr(dtypes, "available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(dtypes, "native_bf16", lambda: True)
+    profile = _profile(tiny_model)
+    auto = measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, dtype="auto", **GRID)
+    bf16 = measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, dtype="bfloat16", **GRID)
+    own = measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, **GRID)
+    assert np.array_equal(auto.loss, bf16.loss) and not np.array_equal(auto.loss, own.loss)
+    assert auto.layer_loss is not None and own.layer_loss is not None and bf16.layer_loss is not None
+    assert np.array_equal(auto.layer_loss, own.layer_loss)
+    assert not np.array_equal(auto.layer_loss, bf16.layer_loss)
+    assert auto.measure.endswith("bfloat16 passes (layers' losses: float32, 2 contexts)")
+
+
+def test_the_layers_losses_on_fewer_windows(tiny_model, byte_tokenizer):
+    profile = _profile(tiny_model)
+    own = measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, **GRID)
+    assert (
+        measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, layer_contexts=2, **GRID) == own
+    )
+    one = measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, layer_contexts=1, **GRID)
+    assert np.array_equal(one.loss, own.loss)  # the cells on every window
+    assert one.layer_loss is not None and not np.array_equal(one.layer_loss, own.layer_loss)
+    assert one.measure.endswith("(layers' losses: float32, 1 context)")
+    for wrong in (0, 3):
+        with pytest.raises(ConfigurationError, match="layer_contexts must be between 1 and contexts"):
+            measure_memory_table(
+                tiny_model, byte_tokenizer, profile, DTYPE_TEXT, layer_contexts=wrong, **GRID
+            )
 
 
 def test_auto_is_bfloat16_for_a_float32_model_on_a_cpu_that_multiplies_it(tiny_model, monkeypatch):
