@@ -316,9 +316,10 @@ class BuildSettings:
     eviction ratio) on windows of the calibration context and store it in the profile
     (:func:`~lukv_cache.profiling.memory_table.measure_memory_table`, what a memory budget picks its
     precision by; 4 windows of about a quarter of the context, each prefilled once and replayed into every
-    cell's cache). ``table_dtype``: the precision of the table's passes (``None``: the model's; ``"auto"``,
-    ``lukv build --table-dtype auto``: the cells in bfloat16 on a CPU that multiplies it natively, the layers'
-    losses at the model's precision; :func:`~lukv_cache.profiling.table_dtype.table_dtype`).
+    cell's cache). ``table_dtype``: the precision of the table's passes (``"auto"``, the default: the cells in
+    bfloat16 on a CPU that multiplies it natively, the layers' losses at the model's precision, elsewhere the
+    model's own; ``None`` or ``"model"``: the model's own;
+    :func:`~lukv_cache.profiling.table_dtype.table_dtype`).
     ``sliding``: on a model with sliding-window layers, ``"keep"`` optimises the full-attention layers only
     (the sliding rows are the global ratio); ``"compress"`` also scores each sliding layer over the window
     it holds at the end of the context (the oracle reads the decode's attention over it) and hands out one
@@ -344,7 +345,7 @@ class BuildSettings:
     extra: dict | None = None
     kvzap: KVzapTraining | None = None
     memory_table: bool = True
-    table_dtype: str | None = None
+    table_dtype: str | None = "auto"
     sliding: str = "keep"
 
     def __post_init__(self) -> None:

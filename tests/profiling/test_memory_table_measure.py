@@ -192,8 +192,10 @@ def test_a_build_measures_the_table_on_its_calibration_context(
     assert table.ratios.tolist() == list(np.float32(DEFAULT_RATIOS))
     # 4 windows of 110 tokens: too short for 128 continuation tokens, so half of each window
     assert "4 contexts of 55 tokens x 55 continuation tokens" in table.measure
-    expected = measure_memory_table(tiny_model, byte_tokenizer, profile, text, continuation_tokens=55)
-    assert table == expected  # the calibration's context, the build's seed
+    expected = measure_memory_table(
+        tiny_model, byte_tokenizer, profile, text, continuation_tokens=55, dtype="auto"
+    )
+    assert table == expected  # the calibration's context, the build's seed and table_dtype ("auto")
     assert Profile.load(profile.save(tmp_path / "p.safetensors")).memory_table == table
 
 
