@@ -27,7 +27,8 @@ _UNBOUNDED = 1 << 40  # tokens per (layer, KV head) when only a memory budget's 
 # Under a memory budget an evicting fold evicts this many folds' tokens deeper (at most 1/DEEPER_SHARE of what the
 # bytes hold), so that the next folds fit and only append: evicting folds (rescoring every held token, the
 # allocator, a rebuilt store) come every (DEEPER_FOLDS + 1)-th fold instead of every fold, for about 1% fewer
-# tokens held on average (SmolLM2-shaped, 4k, batch 4: a mean decode step 1.31x -> see docs/benchmarks.md).
+# tokens held on average (memory=0.1, SmolLM2-shaped, 4k, batch 4: a mean decode step 1.31x -> 1.09x the one
+# line's with the index gathers, docs/benchmarks.md).
 DEEPER_FOLDS = 3
 DEEPER_SHARE = 32
 
