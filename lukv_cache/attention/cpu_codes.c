@@ -55,20 +55,23 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 }
 
 /* exp(x) in fp32 without libm (so that the loops over a block vectorize): 2^n exp(r), r in [-ln2/2, ln2/2],
- * Cephes' expf polynomial (about 1 ulp); 0 below -87.3 (exp(-inf) = 0) */
+ * Cephes' expf polynomial (about 1 ulp); 0 below EXP_LOW (exp(-inf) = 0). The range and the polynomial are
+ * macros so that the vector version (vexp) shares them: the arithmetic reads the same on floats and vectors. */
+#define EXP_LOW -87.3f
+#define EXP_HIGH 88.7f
+#define EXP_LOG2E 1.44269504088896341f
+/* r = x - n ln2, ln2 in two parts (Cephes' C1, C2) */
+#define EXP_REDUCE(x, n) ((x) - (n) * 0.693359375f + (n) * 2.12194440e-4f)
+/* exp(r) for |r| <= ln2 / 2 */
+#define EXP_POLY(r)                                                                                                \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) + 4.1665795894e-2f) * (r) + \
+       1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) + (r) + 1.0f)
 static inline __attribute__((always_inline)) float exp_approx(float x) {
-    float low = x < -87.3f ? 0.0f : 1.0f;
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float low = x < EXP_LOW ? 0.0f : 1.0f;
+    x = x < EXP_LOW ? EXP_LOW : (x > EXP_HIGH ? EXP_HIGH : x);
+    float n = floorf(x * EXP_LOG2E + 0.5f);
+    float r = EXP_REDUCE(x, n);
+    float p = EXP_POLY(r);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -247,17 +250,11 @@ static inline __attribute__((always_inline)) float hsum(vf16 v) {
 }
 /* exp_approx on 16 lanes (the same polynomial; n rounded to nearest by the 1.5 * 2^23 trick) */
 static inline __attribute__((always_inline)) vf16 vexp(vf16 x) {
-    vi16 below = x < -87.3f;
-    x = vmin(vmax(x, (vf16){} - 87.3f), (vf16){} + 88.7f);
-    vf16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    vf16 r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    vf16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    vi16 below = x < EXP_LOW;
+    x = vmin(vmax(x, (vf16){} + EXP_LOW), (vf16){} + EXP_HIGH);
+    vf16 n = (x * EXP_LOG2E + 12582912.0f) - 12582912.0f;
+    vf16 r = EXP_REDUCE(x, n);
+    vf16 p = EXP_POLY(r);
     vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
     return vselect(~below, p * (vf16)bits, (vf16){});
 }
