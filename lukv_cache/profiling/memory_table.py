@@ -297,49 +297,46 @@ def measure_memory_table(
             say(estimate_line(what, "window", seconds, seconds * left, f"{count(left, 'window')} left"))
 
     try:
-        with bar, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            recordings: dict[
-                int, Any
-            ] = {}  # each window's prefill, kept for the layers' losses if same dtype
-            with model_in(model, passes_dtype) as model:
-                for w, window in enumerate(windows):
-                    started = time.perf_counter()
-                    context, target = split(window)
-                    recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
-                    if layer_dtype == passes_dtype and w < layer_windows:
-                        recordings[w] = recorded
-                    full = nll(model, DynamicCache(config=model.config), context, target, recorded)
-                    bar.update(1)
-                    for i, b in enumerate(bits):
-                        for j, ratio in enumerate(ratio_list):
-                            cache = quantized(ratio, b)
-                            allocator_name = cache.allocator_name
-                            excess[i, j, w] = nll(model, cache, context, target, recorded) - full
-                            bar.update(1)
-                    if w == 0:
-                        estimate(started, contexts - 1, "memory table")
-            if num_layers:
-                with model_in(users_model, layer_dtype) as model:
-                    for w, window in enumerate(windows[:layer_windows]):
-                        started = time.perf_counter()
-                        context, target = split(window)
-                        recorded = recordings.pop(w, None)
-                        if recorded is None and share:
-                            recorded = RecordedPrefill.record(model, context, scorer.n_queries)
-                        below = _LayerOutputs(model if recorded is not None else None)
-                        with below.record():
-                            at_8_bits = nll(model, quantized(0.0, 8), context, target, recorded)
+        with (
+            bar,
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            model_in(model, passes_dtype) as cells_model,  # "auto": a bfloat16 copy for the cells
+            model_in(users_model, layer_dtype) as layers_model,  # the same model when the dtypes agree
+        ):
+            for w, window in enumerate(windows):
+                started = time.perf_counter()
+                context, target = split(window)
+                model = cells_model
+                recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
+                full = nll(model, DynamicCache(config=model.config), context, target, recorded)
+                bar.update(1)
+                for i, b in enumerate(bits):
+                    for j, ratio in enumerate(ratio_list):
+                        cache = quantized(ratio, b)
+                        allocator_name = cache.allocator_name
+                        excess[i, j, w] = nll(model, cache, context, target, recorded) - full
                         bar.update(1)
-                        for layer in range(num_layers):
-                            # the layers below `layer` see what they saw at 8 bits: their outputs are reused
-                            with below.reused_below(layer):
-                                layer_excess[layer, w] = (
-                                    nll(model, quantized(0.0, 8, layer), context, target, recorded)
-                                    - at_8_bits
-                                )
-                            bar.update(1)
-                        if w == 0:
-                            estimate(started, layer_windows - 1, "layers' losses")
+                if w == 0:
+                    estimate(started, contexts - 1, "memory table")
+                if not num_layers or w >= layer_windows:
+                    continue
+                started = time.perf_counter()
+                if layers_model is not cells_model:  # the window's prefill in the layers' precision
+                    model = layers_model
+                    recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
+                below = _LayerOutputs(model if recorded is not None else None)
+                with below.record():
+                    at_8_bits = nll(model, quantized(0.0, 8), context, target, recorded)
+                bar.update(1)
+                for layer in range(num_layers):
+                    # the layers below `layer` see what they saw at 8 bits: their outputs are reused
+                    with below.reused_below(layer):
+                        layer_excess[layer, w] = (
+                            nll(model, quantized(0.0, 8, layer), context, target, recorded) - at_8_bits
+                        )
+                    bar.update(1)
+                if w == 0:
+                    estimate(started, layer_windows - 1, "layers' losses")
     finally:
         users_model.train(was_training)
     return MemoryTable(
