@@ -42,6 +42,8 @@ class Scorer:
     ``from_surrogate``: set on a learned scorer (``kvzap``), whose model-specific part is a surrogate that the
     model's profile (or a saved cache) stores: ``from_surrogate(surrogate, window=...)`` is the scorer
     scoring with it, and ``params["surrogate"]`` holds it (:meth:`from_profile` binds a profile's).
+    ``reads_values``: whether ``fn`` reads ``values`` (``False``: it is called with ``values=None`` where the
+    values would cost a copy to gather, e.g. a quantized store's at a fold: keys alone are dequantized).
     ``default_allocator``: the allocator ``LUKVCache.from_pretrained`` uses with a profile of this scorer
     when none is given (``None``: ``"profile"``, the profile's budgets).
     """
@@ -56,6 +58,7 @@ class Scorer:
     missing: str | None = None
     decodes: bool = True
     rescores: bool | None = None
+    reads_values: bool = True
     from_surrogate: Callable[..., Scorer] | None = field(default=None, repr=False)
     default_allocator: str | None = field(default=None, repr=False)
 
@@ -87,7 +90,11 @@ class Scorer:
         return self.from_surrogate(profile.surrogate)
 
     def __call__(
-        self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None, **params: Any
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor | None,
+        queries: torch.Tensor | None = None,
+        **params: Any,
     ) -> torch.Tensor:
         if self.fn is None:
             raise ConfigurationError(
@@ -109,10 +116,12 @@ def register_scorer(
     overwrite: bool = False,
     decodes: bool = True,
     rescores: bool | None = None,
+    reads_values: bool = True,
     **params: Any,
 ):
     """Register ``fn`` as scorer ``name``; usable as a decorator. ``decodes`` and ``rescores``: how it
-    ranks tokens generated while decoding (see :class:`Scorer`).
+    ranks tokens generated while decoding; ``reads_values=False``: it never reads ``values`` (checked now: it
+    must give the same scores with ``values=None``), so folds skip gathering them (see :class:`Scorer`).
 
     >>> @register_scorer("vnorm")
     ... def vnorm(keys, values, queries):
@@ -120,7 +129,16 @@ def register_scorer(
     """
 
     def add(f: ScoreFn) -> ScoreFn:
-        scorer = Scorer(name, f, n_queries, window, dict(params), decodes=decodes, rescores=rescores)
+        scorer = Scorer(
+            name,
+            f,
+            n_queries,
+            window,
+            dict(params),
+            decodes=decodes,
+            rescores=rescores,
+            reads_values=reads_values,
+        )
         _probe(scorer)
         SCORERS.add(name, scorer, overwrite=overwrite)
         return f
@@ -153,6 +171,19 @@ def _probe(scorer: Scorer) -> None:
             f"{type(err).__name__}: {err}"
         ) from err
     check_scores(scorer, scores, (b, h, t))
+    if not scorer.reads_values:
+        try:
+            without = scorer(keys, None, queries)
+        except Exception as err:
+            raise ConfigurationError(
+                f"Scorer {scorer.name!r} is registered with reads_values=False but failed without values "
+                f"(values=None): {type(err).__name__}: {err}. Register it without reads_values=False."
+            ) from err
+        if not isinstance(without, torch.Tensor) or not torch.equal(without, scores):
+            raise ConfigurationError(
+                f"Scorer {scorer.name!r} is registered with reads_values=False but scores differently without "
+                "values (values=None): register it without reads_values=False."
+            )
 
 
 def _is_count(value: object, low: int = 0) -> bool:

@@ -8,28 +8,29 @@ import torch.nn.functional as F
 from .base import group_queries, register_scorer
 
 
-@register_scorer("streaming")
+@register_scorer("streaming", reads_values=False)
 def streaming(keys, values, queries):
     """StreamingLLM (arXiv 2309.17453): keep the most recent tokens (sinks are kept by the cache)."""
     b, h, t, _ = keys.shape
     return torch.arange(t, device=keys.device, dtype=torch.float32).expand(b, h, t)
 
 
-@register_scorer("knorm")
+@register_scorer("knorm", reads_values=False)
 def knorm(keys, values, queries):
     """KNorm (arXiv 2406.11430): keys with a *small* L2 norm draw the most attention, keep those."""
     return -keys.float().norm(dim=-1)
 
 
-@register_scorer("keydiff")
+@register_scorer("keydiff", reads_values=False)
 def keydiff(keys, values, queries):
     """KeyDiff (arXiv 2504.15364): keep keys least similar to the head's mean key direction."""
-    keys = keys.float()
-    anchor = F.normalize(keys, dim=-1).mean(dim=2, keepdim=True)
-    return -F.cosine_similarity(keys, anchor, dim=-1)
+    unit = F.normalize(keys.float(), dim=-1)
+    anchor = unit.mean(dim=2, keepdim=True)
+    # the cosine with the anchor as one matmul over the unit keys (F.cosine_similarity: 5-10x slower on CPU)
+    return -(unit @ anchor.transpose(-1, -2)).squeeze(-1) / anchor.norm(dim=-1).clamp_min(1e-8)
 
 
-@register_scorer("snapkv", n_queries=32, window=32, kernel_size=5)
+@register_scorer("snapkv", n_queries=32, window=32, kernel_size=5, reads_values=False)
 def snapkv(keys, values, queries, kernel_size=5):
     """SnapKV (arXiv 2404.14469): attention from the last prompt queries (the observation window),
     averaged over that window and the GQA group, smoothed by pooling so kept tokens come in clusters."""
@@ -44,7 +45,7 @@ def snapkv(keys, values, queries, kernel_size=5):
     return F.avg_pool1d(scores, kernel_size, stride=1, padding=kernel_size // 2, count_include_pad=False)
 
 
-@register_scorer("tova", n_queries=1)
+@register_scorer("tova", n_queries=1, reads_values=False)
 def tova(keys, values, queries):
     """TOVA (arXiv 2401.06104): keep what the last token attends to, averaged over the GQA group."""
     b, h, t, d = keys.shape
@@ -68,7 +69,7 @@ def expected_attention(keys, values, queries, epsilon=0.0):
     return (logits.softmax(dim=-1) + epsilon) * values.float().norm(dim=-1)
 
 
-@register_scorer("random", seed=0)
+@register_scorer("random", seed=0, reads_values=False)
 def random(keys, values, queries, seed=0):
     """Random eviction: the floor every scorer must beat. Deterministic for a given seed, and the same
     for every batch row (a row draws what it would draw alone)."""

@@ -192,6 +192,24 @@ def test_register_scorer_makes_a_name_usable_by_the_cache(monkeypatch):
     assert get_scorer("test_vnorm").window == 3
 
 
+def test_a_scorer_declared_not_to_read_values_is_checked_at_registration(monkeypatch):
+    monkeypatch.setattr(SCORERS, "_items", dict(SCORERS._items))  # undo the registrations afterwards
+    register_scorer("test_knorm", lambda k, v, q: -k.float().norm(dim=-1), reads_values=False)
+    assert not get_scorer("test_knorm").reads_values
+    with pytest.raises(ConfigurationError, match="reads_values=False"):  # it reads them: crashes on None
+        register_scorer("test_vnorm_crash", lambda k, v, q: v.float().norm(dim=-1), reads_values=False)
+    with pytest.raises(ConfigurationError, match="reads_values=False"):  # reads them when given only
+        register_scorer(
+            "test_vnorm_quiet",
+            lambda k, v, q: k.float().sum(-1) if v is None else v.float().sum(-1),
+            reads_values=False,
+        )
+    assert "test_vnorm_crash" not in SCORERS and "test_vnorm_quiet" not in SCORERS
+    for name in ("keydiff", "snapkv", "tova", "knorm", "streaming", "random"):  # and declared right
+        assert not get_scorer(name).reads_values, name
+    assert get_scorer("expected_attention").reads_values
+
+
 def test_unknown_scorer_error_lists_the_known_names():
     with pytest.raises(UnknownNameError) as info:
         get_scorer("snapkvv")
