@@ -14,6 +14,8 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from lukv_cache import LUKVCache
 from lukv_cache.allocation import largest_remainder
 from lukv_cache.allocation.budget import fit_counts
+from lukv_cache.cache.compression import fold
+from lukv_cache.cache.compression.fold_plan import held_tokens
 from lukv_cache.cache.storage.report import kv_cache_bytes
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import Profile
@@ -449,3 +451,63 @@ def test_fit_counts_trims_and_hands_unused_budget_to_heads_that_hold_more():
     assert fitted[0, 0, 0] == 2 and fitted[1, 0, 2] == 0
     assert int(fit_counts(counts, held, torch.tensor([20]), fill=True).sum()) == 20
     assert torch.equal(fit_counts(counts, held, torch.tensor([60]), fill=False), torch.minimum(counts, held))
+
+
+# ------------------------------------------------------------------ what a fold reads and writes
+def _store_tensors(layer) -> list[torch.Tensor]:
+    """Every tensor of a layer's store (a quantized store's codes, scales and zeros), positions, offsets."""
+    store = layer.store
+    rows = [
+        t
+        for part in (store.keys, store.values)
+        for t in (part.tensors() if hasattr(part, "tensors") else [part])
+    ]
+    return [*rows, store.positions, store.offsets]
+
+
+def test_a_fold_gathers_no_values_for_a_scorer_that_does_not_read_them(monkeypatch):
+    # keydiff is registered reads_values=False: its folds dequantize and gather the held keys alone, and keep
+    # what the same scores keep with the values gathered
+    monkeypatch.setattr(SCORERS, "_items", dict(SCORERS._items))  # undo the registration afterwards
+    register_scorer("test_keydiff_reading_values", get_scorer("keydiff").fn)
+    gathered = []
+    original = fold.gather_held
+    monkeypatch.setattr(fold, "gather_held", lambda *a: gathered.append(1) or original(*a))
+    model = _model()
+    ids, mask = left_padded((60, 41), seed=5)
+    runs = []
+    for name in ("keydiff", "test_keydiff_reading_values"):
+        gathered.clear()
+        cache = LUKVCache(scorer=name, decode_max_tokens=48, fold_interval=8, kv_bits=8)
+        tokens, logits = greedy_with_logits(model, ids, cache, 40, attention_mask=mask)
+        runs.append((tokens, logits, [_store_tensors(layer) for layer in cache.layers], len(gathered)))
+    (tokens, logits, stores, keys_only), (want_tokens, want_logits, want_stores, both) = runs
+    assert keys_only > 0 and both == 2 * keys_only  # every evicting fold: keys alone, then keys and values
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+    for got, want in zip(stores, want_stores):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_fold_that_evicts_nothing_appends_what_a_rebuild_would_hold(kv_bits, padded):
+    # a fold whose held tokens all fit joins each suffix to its store (Layer.fold, one merge) instead of
+    # rebuilding the store from the held frame: the same store, bit for bit, padding dropped alike
+    model = _model()
+    ids, mask = left_padded((30, 17), seed=4)
+    cache = LUKVCache(ratio=0.5, scorer="keydiff", decode_max_tokens=1000, fold_interval=8, kv_bits=kv_bits)
+    greedy_with_logits(model, ids, cache, 5, attention_mask=mask)
+    for layer in cache.layers:
+        valid = torch.ones(layer.batch_size, layer.suffix_length, dtype=torch.bool)
+        if padded:  # as if row 1's first suffix token were padding
+            valid[1, 0] = False
+        appended, rebuilt = copy.deepcopy(layer), copy.deepcopy(layer)
+        appended.fold(room=8, valid=valid)
+        frame = held_tokens(rebuilt, valid, cache.sink, cache.window)
+        rebuilt.refold(frame.source[frame.slots], frame.slots.sum(-1), None, capacity=8)
+        assert appended.suffix_length == rebuilt.suffix_length == 0
+        got, want = _store_tensors(appended), _store_tensors(rebuilt)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+        assert (
+            int(appended.store.num_tokens) == int(layer.store.num_tokens) + int(valid.sum()) * layer.num_heads
+        )

@@ -80,6 +80,24 @@ def test_entries_beyond_fp16s_range_come_back_finite(bits, dtype, magnitude):
     assert bool((error <= 0.51 * step + groups.abs().amax(-1) * 8e-3).all())
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_keys_and_values_quantized_together_get_the_codes_each_gets_alone(bits):
+    # a fold quantizes the keys and values it adds in one call: rows are quantized one by one, so the same codes
+    gen = torch.Generator().manual_seed(3)
+    store = RaggedStore.build(
+        torch.randn(6, 64, generator=gen),
+        torch.randn(6, 64, generator=gen),
+        torch.arange(6),
+        torch.tensor([3, 3]),
+        num_heads=2,
+        kv_bits=bits,
+    )
+    keys, values = torch.randn(5, 64, generator=gen) * 3, torch.randn(5, 64, generator=gen)
+    together = store.quantize_like(keys, values)
+    for rows, alone in zip(together, (PackedRows.quantize(keys, bits), PackedRows.quantize(values, bits))):
+        assert all(torch.equal(a, b) for a, b in zip(rows.tensors(), alone.tensors()))
+
+
 @pytest.mark.parametrize("value", [3, 16, 0, "4", True, 4.0])
 def test_kv_bits_refused_with_a_typed_error(value):
     with pytest.raises(ConfigurationError, match="kv_bits"):

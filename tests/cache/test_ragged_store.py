@@ -11,6 +11,7 @@ from lukv_cache.cache.storage.ragged import (
     RaggedStore,
     flat_index_from_mask,
     gather_ragged,
+    keep_mask_evicting_few,
     keep_mask_from_counts,
     offsets_from_counts,
     segment_ids_from_offsets,
@@ -149,3 +150,18 @@ def test_ragged_merge_matches_per_segment_concatenation(first_counts, second_cou
         offsets.tolist()
         == offsets_from_counts(torch.tensor(first_counts) + torch.tensor(second_counts)).tolist()
     )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_folds_partial_selection_keeps_what_the_stable_sort_keeps(seed):
+    # few distinct scores (many ties), -inf slots (protected), counts from 0 to every finite slot
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        t = int(torch.randint(1, 40, (1,), generator=gen))
+        scores = torch.randint(0, 6, (3, 2, t), generator=gen).float()
+        scores[torch.rand(3, 2, t, generator=gen) < 0.3] = float("-inf")
+        finite = scores > float("-inf")
+        n = finite.sum(-1)
+        counts = (torch.rand(3, 2, generator=gen) * (n + 1)).long().clamp_max(n)
+        want = keep_mask_from_counts(scores, counts) & finite
+        assert torch.equal(keep_mask_evicting_few(scores, counts), want)

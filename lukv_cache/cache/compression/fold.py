@@ -18,7 +18,7 @@ from ..layers.parallel import HeadShard
 from ..options.memory import budget_shapes
 from ..options.policy import CompressionPolicy
 from ..storage.layer import LUKVLayer
-from ..storage.ragged import keep_mask_from_counts
+from ..storage.ragged import keep_mask_evicting_few
 from .fold_plan import Held, gather_held, held_tokens, masked_held, rescore
 from .kinds import layer_kinds
 from .region import score_suffix, suffix_positions, valid_from_mask
@@ -78,6 +78,13 @@ def suffix_valid(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch
     return valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.suffix_keys.device)
 
 
+def held_counts(layer: LUKVLayer, valid: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B * H]``: the tokens ``layer`` holds per segment (its store's and the suffix's real ones,
+    ``valid [B, S]``), as :func:`~.fold_plan.held_tokens` counts them."""
+    real = valid.sum(-1).repeat_interleave(layer.num_heads)
+    return real if layer.store is None else real + layer.store.counts().to(real.device)
+
+
 def fold_evict(
     layers: list[Any],
     folding: dict[int, tuple[Any, torch.Tensor | None]],
@@ -112,15 +119,17 @@ def fold_evict(
         valid_from_mask(folding[counted][1], b, all_layers[counted].cumulative_length, device).sum(-1).cpu()
     )
     recent = policy.window if policy.decode_max_tokens is None else policy.decode_window
-    frames = [
-        held_tokens(layer, suffix_valid(folding[i][1], layer), policy.sink, recent)
-        for i, layer in zip(idxs, layers)
-    ]
+    valids = [suffix_valid(folding[i][1], layer) for i, layer in zip(idxs, layers)]
     heads = h * (1 if shard is None else shard.size)
     # [L, B, H] protected (sinks, recent window) and evictable tokens: layers that hold different
     # amounts protect different counts, and the bound counts every layer's and head's own
-    protected = torch.stack([f.protected.sum(-1).view(b, h) for f in frames]).cpu()
-    evictable = torch.stack([f.evictable.sum(-1).view(b, h) for f in frames]).cpu()
+    held = (
+        torch.stack([held_counts(layer, valid) for layer, valid in zip(layers, valids)]).view(-1, b, h).cpu()
+    )
+    protected = held.clamp_max(
+        policy.sink + recent
+    )  # as held_tokens protects: the first sink, the last recent
+    evictable = held - protected
     if shard is not None:
         protected, evictable = shard.gather(protected, dim=2), shard.gather(evictable, dim=2)
     # [B] evictable tokens the folding layers may keep in all, so that each row holds at most
@@ -169,6 +178,12 @@ def fold_evict(
         if room is not None:
             assert weights is not None  # set with room
             room = room - torch.minimum(torch.tensor(deeper * sum(weights)), room // DEEPER_SHARE)
+    if fits and not kept_scores:  # every held token stays: each suffix joins its store (no rescoring)
+        for layer, valid in zip(layers, valids):
+            layer.fold(room=policy.fold_interval, valid=valid)
+            layer.eviction.settle(layer.cumulative_length)
+        return
+    frames = [held_tokens(layer, valid, policy.sink, recent) for layer, valid in zip(layers, valids)]
     raw = None
     if not fits or kept_scores:
         raw = [
@@ -209,7 +224,7 @@ def fold_evict(
             counts, scores = (t[:, :, shard.heads(request.num_heads)] for t in (counts, scores))
         keeps = [
             f.protected
-            | (keep_mask_from_counts(scores[i], counts[i]).flatten(0, 1)[:, : f.width] & f.evictable)
+            | (keep_mask_evicting_few(scores[i], counts[i]).flatten(0, 1)[:, : f.width] & f.evictable)
             for i, f in enumerate(frames)
         ]
     for i, (layer, frame, keep) in enumerate(zip(layers, frames, keeps)):
@@ -238,5 +253,7 @@ def held_scores(
         return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
     assert layer.suffix_keys is not None and layer.suffix_values is not None  # it holds what it folds
     keys = gather_held(held, None if store is None else store.keys, layer.suffix_keys)
-    values = gather_held(held, None if store is None else store.values, layer.suffix_values)
+    values = None  # a scorer that never reads them: no values dequantized and gathered
+    if policy.scorer.reads_values:
+        values = gather_held(held, None if store is None else store.values, layer.suffix_values)
     return rescore(policy.scorer, held, keys, values, layer.eviction.queries, layer.num_heads)

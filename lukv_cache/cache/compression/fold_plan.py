@@ -95,6 +95,8 @@ def gather_held(held: Held, stored: torch.Tensor | PackedRows | None, suffix: to
         index = source[from_store]
         if stored is None:
             first = rows.new_full((index.shape[0], *rows.shape[1:]), float("nan"))
+        elif index.shape[0] == held.n_store:  # every row, in order (a fold holds its whole store): no gather
+            first = stored.dequantize() if isinstance(stored, PackedRows) else stored
         else:  # a quantized store's rows come back dequantized (PackedRows.rows)
             first = stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)
         # each slot's row in [the store's picked rows; the suffix's]: one gather (index_copy_ into the
@@ -121,17 +123,26 @@ def rescore(
     scorer: Scorer,
     held: Held,
     keys: torch.Tensor,
-    values: torch.Tensor,
+    values: torch.Tensor | None,
     queries: torch.Tensor | None,
     num_heads: int,
 ) -> torch.Tensor:
     """fp32 ``[G, M]``: each segment's held tokens scored on their own (``keys``/``values [G, M, D]`` from
-    :func:`gather_held`; ``queries [B, H_q, W, D]``, the last decoding steps', or ``None``), ``-inf`` past
-    a segment's end. Segments holding as many tokens are scored in one call, each as a batch row."""
-    scores = torch.full(held.source.shape, float("-inf"), dtype=torch.float32, device=keys.device)
+    :func:`gather_held`, ``values`` None for a scorer that does not read them; ``queries [B, H_q, W, D]``, the
+    last decoding steps', or ``None``), ``-inf`` past a segment's end. Segments holding as many tokens are
+    scored in one call, each as a batch row."""
+    g, width = held.source.shape
     if queries is not None and scorer.n_queries:
         queries = queries[:, :, -scorer.n_queries :]
-    for n in held.counts.unique().tolist():
+    counts = held.counts.unique().tolist()
+    if counts == [width] and width:  # every segment holds as many tokens: one call on views, no copies
+        q = None
+        if queries is not None and scorer.n_queries:
+            q = queries.reshape(g, queries.shape[1] // num_heads, *queries.shape[2:])
+        v = None if values is None else values.unsqueeze(1)
+        return check_scores(scorer, scorer(keys.unsqueeze(1), v, q), (g, 1, width))[:, 0]
+    scores = torch.full(held.source.shape, float("-inf"), dtype=torch.float32, device=keys.device)
+    for n in counts:
         if n == 0:
             continue
         segs = (held.counts == n).nonzero().flatten()
@@ -140,7 +151,8 @@ def rescore(
             group = queries.shape[1] // num_heads
             q = queries.view(queries.shape[0], num_heads, group, *queries.shape[2:])
             q = q[segs // num_heads, segs % num_heads]  # [K, group, W, D]: each segment's query heads
-        k, v = keys[segs, :n].unsqueeze(1), values[segs, :n].unsqueeze(1)
+        k = keys[segs, :n].unsqueeze(1)
+        v = None if values is None else values[segs, :n].unsqueeze(1)
         part = check_scores(scorer, scorer(k, v, q), (segs.numel(), 1, n))
         scores[segs, :n] = part[:, 0]
     return scores

@@ -37,7 +37,7 @@ from transformers.cache_utils import DynamicLayer
 from ...errors import BatchIndexError, BatchMismatchError, UnsupportedOperationError
 from .layer_state import LayerState
 from .logical import head_tokens, logical_content
-from .merge import absorb, rebuild
+from .merge import absorb, append, rebuild
 from .ragged import RaggedStore
 from .record import EvictionRecord
 from .rows import BatchRows
@@ -304,21 +304,25 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         self.compressed = True  # compression settles the layer's eviction record
         self.drop_out_of_window()
 
-    def fold(self, room: int | None = None) -> None:
+    def fold(self, room: int | None = None, valid: torch.Tensor | None = None) -> None:
         """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one of
-        ``room`` tokens (``None``: ``fold_at + 1``, what decoding fills before the next fold)."""
+        ``room`` tokens (``None``: ``fold_at + 1``, what decoding fills before the next fold). ``valid``: bool
+        ``[B, S]``, the suffix's real tokens (padding is dropped); ``None``: all of them."""
         suffix = self.suffix
         if suffix is None or not suffix.length:
             return
         s = suffix.length
-        keep = torch.ones(suffix.batch_size, suffix.num_heads, s, dtype=torch.bool, device=suffix.keys.device)
         start = self.cumulative_length - s
-        self.store = absorb(self.store, suffix.keys, suffix.values, keep, start, kv_bits=self.kv_bits)
-        self.suffix = DenseSuffix.of(
-            suffix.keys[:, :, :0],
-            suffix.values[:, :, :0],
-            capacity=self.fold_at + 1 if room is None else room,
-        )
+        if valid is None or bool(valid.all()):
+            self.store = append(self.store, suffix.keys, suffix.values, start, self.kv_bits)
+        else:
+            keep = valid.to(suffix.keys.device).unsqueeze(1).expand(-1, suffix.num_heads, -1)
+            self.store = absorb(self.store, suffix.keys, suffix.values, keep, start, kv_bits=self.kv_bits)
+        capacity = self.fold_at + 1 if room is None else room
+        if suffix.capacity == capacity:  # its own buffers again (a fold every few steps: no new ones)
+            suffix.truncate(0)
+        else:
+            self.suffix = DenseSuffix.of(suffix.keys[:, :, :0], suffix.values[:, :, :0], capacity=capacity)
         self.slide()
 
     def refold(

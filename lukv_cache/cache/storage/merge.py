@@ -2,7 +2,7 @@
 ``[B, H, R, D]`` tokens and returns the new :class:`~lukv_cache.cache.storage.ragged.RaggedStore`.
 
 * :func:`absorb`: eviction and plain folds merge the kept tokens of a dense block into the store, segment
-  by segment after what it holds;
+  by segment after what it holds (:func:`append`: all of them);
 * :func:`rebuild`: eviction at fold time builds a new store from a selection of the old store's rows and
   the suffix's tokens (a quantized store's rows are moved as codes, never quantized again).
 """
@@ -49,6 +49,33 @@ def absorb(
     return store.extend(new_k, new_v, new_pos, counts, new_s, last=last)
 
 
+def append(
+    store: RaggedStore | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    kv_bits: int | None = None,
+) -> RaggedStore:
+    """``store`` with every token of ``keys`` / ``values`` ``[B, H, S, D]`` (a dense block starting at logical
+    position ``start``) after each segment's rows: :func:`absorb` with nothing left out, without its masks and
+    gathers (a fold that evicts nothing, every few decoding steps of every layer).
+
+    >>> block = torch.arange(8.).view(1, 2, 2, 2)
+    >>> store = append(None, block, block, start=5)
+    >>> store.positions.tolist(), store.counts().tolist()
+    ([5, 6, 5, 6], [2, 2])
+    """
+    b, h, s = keys.shape[:3]
+    segments = b * h
+    last = start + s - 1
+    new_k, new_v = keys.reshape(segments * s, -1), values.reshape(segments * s, -1)
+    positions = torch.arange(start, start + s, device=new_k.device).to(position_dtype(last)).repeat(segments)
+    counts = torch.full((segments,), s, dtype=torch.long, device=new_k.device)
+    if store is None:
+        return RaggedStore.build(new_k, new_v, positions, counts, num_heads=h, kv_bits=kv_bits, last=last)
+    return store.extend(new_k, new_v, positions, counts, last=last)
+
+
 def rebuild(
     store: RaggedStore | None,
     suffix_keys: torch.Tensor,
@@ -84,6 +111,10 @@ def rebuild(
         # the suffix's kept tokens quantized as the store's (each row on its own): the stored rows'
         # codes are moved, never quantized again
         new_k, new_v = store.quantize_like(new_k, new_v)
+        if held is None:  # kept as they are: their own tensors, not views of one block
+            new_k, new_v = (
+                rows.with_tensors(*(t.clone() for t in rows.tensors())) for rows in (new_k, new_v)
+            )
         stored_k = None if held is None else held.keys
         stored_v = None if held is None else held.values
         keys = new_k.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_k), new_k.tensors())))

@@ -17,7 +17,10 @@ build and edit stores on any device with one gather and no host sync (sizes come
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -91,11 +94,19 @@ class RaggedStore:
         return self.keys.dequantize(start, stop), cast(PackedRows, self.values).dequantize(start, stop)
 
     def quantize_like(self, keys: torch.Tensor, values: torch.Tensor):
-        """New full-precision rows in this store's format."""
+        """New full-precision rows in this store's format. Keys and values of one width and dtype are
+        quantized in one call (each row on its own, so the codes are the same), their rows then views of one
+        block: the callers copy them into a merged store."""
         if not isinstance(self.keys, PackedRows):
             return keys, values
         bits = self.keys.bits
-        return PackedRows.quantize(keys, bits), PackedRows.quantize(values, bits)
+        if keys.shape[1:] != values.shape[1:] or keys.dtype != values.dtype:
+            return PackedRows.quantize(keys, bits), PackedRows.quantize(values, bits)
+        both, n = PackedRows.quantize(torch.cat([keys, values]), bits), keys.shape[0]
+        return (
+            both.with_tensors(*(t[:n] for t in both.tensors())),
+            both.with_tensors(*(t[n:] for t in both.tensors())),
+        )
 
     @property
     def num_segments(self) -> int:
@@ -156,29 +167,27 @@ class RaggedStore:
         """Segment-wise append of new rows (segment-major, ``counts [S]``) after each segment's rows.
         ``scores``: the new rows' scores (NaN for rows without one, when only one side has scores);
         ``last``: no new position is above it (the store's positions widen to int32 when it passes int16's)."""
-        new_offsets = offsets_from_counts(counts.to(self.offsets.device))
+        added = [0, *itertools.accumulate(counts.tolist())]  # host offsets of the new rows
         keys, values = self.quantize_like(keys, values)
-        merge = RaggedMerge.of(self.offsets, self.num_tokens, new_offsets, keys.shape[0])
-        merged_k, merged_v = _merge(merge, self.keys, keys), _merge(merge, self.values, values)
+        bounds = tuple(a + b for a, b in zip(self.offsets_list, added))
+        offsets = torch.tensor(bounds, dtype=torch.long, device=self.offsets.device)
+        join: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        if self.num_segments <= SLICED_SEGMENTS:  # few segments: one cat of each segment's two slices
+            join = partial(_join_slices, self.offsets_list, added)
+        else:
+            new_offsets = torch.tensor(added, dtype=torch.long, device=self.offsets.device)
+            join = RaggedMerge.of(self.offsets, self.num_tokens, new_offsets, keys.shape[0]).apply
+        merged_k, merged_v = _merge(join, self.keys, keys), _merge(join, self.values, values)
         kind = torch.int32 if last is None else wider(self.positions.dtype, position_dtype(last))
-        merged_p = merge.apply(self.positions.to(kind), positions.to(kind))
+        merged_p = join(self.positions.to(kind), positions)
         merged_s = None
         if self.scores is not None or scores is not None:
             old, new = (
                 torch.full((n,), float("nan"), device=keys.device) if t is None else t.float()
                 for t, n in ((self.scores, self.num_tokens), (scores, keys.shape[0]))
             )
-            merged_s = merge.apply(old, new)
-        offsets = merge.offsets
-        return RaggedStore(
-            merged_k,
-            merged_v,
-            merged_p,
-            offsets,
-            tuple(offsets.tolist()),
-            self.num_heads,
-            merged_s,
-        )
+            merged_s = join(old, new)
+        return RaggedStore(merged_k, merged_v, merged_p, offsets, bounds, self.num_heads, merged_s)
 
     def to(self, device) -> RaggedStore:
         """The same store on ``device`` (offloading); ``offsets_list`` is already on the host."""
@@ -314,11 +323,31 @@ def _take(rows, index: torch.Tensor):
     return rows.take(index) if isinstance(rows, PackedRows) else rows[index]
 
 
-def _merge(merge: RaggedMerge, first, second):
-    """:meth:`RaggedMerge.apply` to keys or values, full precision or quantized (each tensor alike)."""
+def _merge(join, first, second):
+    """``join`` (:meth:`RaggedMerge.apply` or :func:`_join_slices`) applied to keys or values, full precision
+    or quantized (each tensor alike)."""
     if not isinstance(first, PackedRows):
-        return merge.apply(first, second)
-    return first.with_tensors(*(merge.apply(a, b) for a, b in zip(first.tensors(), second.tensors())))
+        return join(first, second)
+    return first.with_tensors(*(join(a, b) for a, b in zip(first.tensors(), second.tensors())))
+
+
+SLICED_SEGMENTS = 64  # up to this many segments, a merge is one cat of views (no index to build)
+
+
+def _join_slices(
+    first_offsets: Sequence[int], second_offsets: Sequence[int], first: torch.Tensor, second: torch.Tensor
+) -> torch.Tensor:
+    """What :meth:`RaggedMerge.apply` gives, from host offsets: each segment's rows of ``first`` then of
+    ``second`` (in ``first``'s dtype), one ``torch.cat`` of each side's ``split`` (no index; on CPU a fold of a
+    few segments is bound by the number of calls, not by the bytes).
+
+    >>> _join_slices([0, 2, 3], [0, 1, 3], torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]))
+    tensor([1, 2, 7, 3, 8, 9])
+    """
+    sizes = [b - a for a, b in itertools.pairwise(first_offsets)]
+    added = [b - a for a, b in itertools.pairwise(second_offsets)]
+    old, new = first.split(sizes), second.to(first.dtype).split(added)
+    return torch.cat([part for pair in zip(old, new) for part in pair])
 
 
 POSITION_LIMIT = 2**15  # positions below it are stored as int16
@@ -382,6 +411,32 @@ def keep_mask_from_counts(scores: torch.Tensor, keep_counts: torch.Tensor) -> to
     )
 
 
+def keep_mask_evicting_few(scores: torch.Tensor, keep_counts: torch.Tensor) -> torch.Tensor:
+    """bool ``[..., T]``: what ``keep_mask_from_counts(scores, keep_counts) & finite`` keeps, where
+    ``keep_counts`` are at most each row's finite scores (``-inf``: a slot never kept, e.g. protected): found
+    from the few it evicts (a fold evicts a few dozen tokens of thousands), by a partial selection of the lowest
+    instead of a sort of the row; ties at the threshold evict the later positions, as the stable sort keeps
+    the earlier ones.
+
+    >>> keep_mask_evicting_few(torch.tensor([[0.5, 0.1, 0.1, float("-inf"), 0.9]]), torch.tensor([3]))
+    tensor([[ True,  True, False, False,  True]])
+    """
+    finite = scores > float("-inf")
+    drop = (finite.sum(-1) - keep_counts.to(scores.device)).clamp_min(0)  # [...]: evicted per row
+    most = int(drop.max()) if drop.numel() else 0
+    if most == 0:
+        return finite
+    ranked = scores.masked_fill(~finite, float("inf"))
+    lowest = ranked.topk(most, dim=-1, largest=False).values  # ascending
+    threshold = lowest.gather(-1, (drop - 1).clamp_min(0).unsqueeze(-1))  # each row's drop-th lowest
+    below = ranked < threshold
+    ties = ranked == threshold
+    need = drop.unsqueeze(-1) - below.sum(-1, keepdim=True)  # ties to evict, the last ones
+    from_end = ties.flip(-1).cumsum(-1).flip(-1)  # ties at or after each slot
+    evicted = (below | (ties & (from_end <= need))) & (drop.unsqueeze(-1) > 0)
+    return finite & ~evicted
+
+
 def flat_index_from_mask(keep: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """int64 ``[N]``: the flat indices (into ``keep.numel()``) of the True entries, ascending.
 
@@ -420,8 +475,9 @@ def gather_ragged(dense: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor
 class RaggedMerge:
     """Where each row of two ragged stores with the same segments lands in their segment-wise
     concatenation (``first``'s segment ``s``, then ``second``'s): computed once per fold and applied to
-    each of the store's tensors (keys, values, their scales and zeros, positions, scores), each copied once
-    into place. No sort and no device sync (sizes come from shapes): a fold costs one pass over the store.
+    each of the store's tensors (keys, values, their scales and zeros, positions, scores) as one gather over
+    the two stacked (``rank``: the stacked row each output row takes; ``index_copy_`` into place costs up to 10x
+    more on CPU, for uint8 codes). No sort and no device sync (sizes come from shapes).
 
     A row ``i`` of ``first``'s segment ``s`` lands at ``i + second_offsets[s]`` (the rows of ``second``'s
     earlier segments come before it); a row ``j`` of ``second``'s at ``j + first_offsets[s + 1]``.
@@ -437,6 +493,7 @@ class RaggedMerge:
     into_second: torch.Tensor
     offsets: torch.Tensor
     total: int
+    rank: torch.Tensor
 
     @classmethod
     def of(
@@ -447,12 +504,13 @@ class RaggedMerge:
         into_first += second_offsets[segment_ids_from_offsets(first_offsets, n_first)]
         into_second = torch.arange(n_second, device=device)
         into_second += first_offsets[1:][segment_ids_from_offsets(second_offsets, n_second)]
-        return cls(into_first, into_second, first_offsets + second_offsets, n_first + n_second)
+        total = n_first + n_second
+        rank = torch.empty(total, dtype=torch.long, device=device)
+        rank[into_first] = torch.arange(n_first, device=device)
+        rank[into_second] = torch.arange(n_first, total, device=device)
+        return cls(into_first, into_second, first_offsets + second_offsets, total, rank)
 
     def apply(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
         """``[total, ...]``: ``first``'s and ``second``'s rows (any trailing shape) in place, in
         ``first``'s dtype."""
-        out = first.new_empty((self.total, *first.shape[1:]))
-        out.index_copy_(0, self.into_first, first)
-        out.index_copy_(0, self.into_second, second.to(first.dtype))
-        return out
+        return torch.cat([first, second.to(first.dtype)]).index_select(0, self.rank)
