@@ -105,6 +105,14 @@ def _as_bias(mask: torch.Tensor) -> torch.Tensor:
     return mask.float().clamp_min(torch.finfo(torch.float32).min)
 
 
+def _attends_everything(mask: torch.Tensor) -> bool:
+    """Whether a CPU mask neither hides nor weights anything (bool: all True; additive: all 0), so that no
+    bias needs gathering for the stored tokens (read on the host: CPU only, where that costs no sync)."""
+    if mask.device.type != "cpu":
+        return False
+    return bool(mask.all()) if mask.dtype == torch.bool else not bool(mask.any())
+
+
 def _sink_rows(s_aux: torch.Tensor, h: int, q_len: int) -> torch.Tensor:
     """fp32 ``[H_kv, M]``: the sink of each grouped query row (row ``m = g * Q + i`` of KV head ``k`` is
     query head ``k * G + g``)."""
@@ -146,6 +154,8 @@ def compressed_attention(
 
     key_bias = None
     suffix_bias = None
+    if attention_mask is not None and _attends_everything(attention_mask):
+        attention_mask = None  # the usual decode step: no bias to gather for every stored token
     if attention_mask is not None:
         bias = _as_bias(attention_mask[:, 0])  # [B or 1, Q, L]
         bias = bias.expand(b, q_len, bias.shape[-1])
