@@ -87,6 +87,7 @@ def resolve_profile(
             f"Expected a profile file, a model id or a loaded model, got {type(model).__name__}."
         )
     path, scorer = _preferred_profile(model_id, scorer, hub, local_dir)
+    _warn_if_folder_passed_over(model_id, scorer, path, local_dir or os.environ.get(LOCAL_DIR_ENV))
     profile = Profile.load(path)
     logger.info("lukv_cache: the %s profile of %s comes from %s", profile.scorer, model_id, path)
     if profile.scorer != scorer:
@@ -110,6 +111,37 @@ def _is_file(path: Path) -> bool:
         return path.is_file()
     except OSError:
         return False
+
+
+def _warn_if_folder_passed_over(
+    model_id: str, scorer: str, path: Path, folder: str | os.PathLike | None
+) -> None:
+    """A UserWarning when a profile folder was given but ``path`` comes from elsewhere while the folder holds
+    what looks meant for it: other scorers' profiles of this model (the preferred scorer was found first in
+    the Hub or the shipped copies), or profiles at its top, where nothing is looked up."""
+    if folder is None or not Path(folder).is_dir() or Path(folder).resolve() in path.resolve().parents:
+        return
+    mine = sorted(p.name for p in (Path(folder) / model_id).glob("*.safetensors"))
+    flat = sorted(p.name for p in Path(folder).glob("*.safetensors"))
+    if not (mine or flat):
+        return
+    said = []
+    if mine:
+        said.append(
+            f"it holds {', '.join(mine)} for this model: pass scorer={Path(mine[0]).stem!r} to use "
+            + ("it" if len(mine) == 1 else "one")
+        )
+    if flat:
+        said.append(
+            f"{', '.join(flat)} at its top {'is' if len(flat) == 1 else 'are'} not looked at: a folder holds "
+            f"<model id>/<scorer>.safetensors ({model_id}/{scorer}.safetensors here)"
+        )
+    warnings.warn(
+        f"The {scorer} profile of {model_id} comes from {path}, not from the folder {str(folder)!r}: "
+        + "; ".join(said)
+        + ".",
+        stacklevel=3,
+    )
 
 
 def _preferred_profile(

@@ -304,3 +304,43 @@ def test_the_fallback_remembers_a_bounded_number_of_model_ids(hf_cache, caplog):
         LUKVCache.from_pretrained("org/m0", ratio=0.5, cache_dir=hf_cache, local_files_only=True)
     said = [r.levelno for r in caplog.records if "no profile for" in r.getMessage()]
     assert said == [logging.INFO, logging.INFO, logging.WARNING]  # org/m0 was forgotten: said again
+
+
+SHIPPED = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its keydiff and kvzap profiles ship with the package
+
+
+def test_a_profile_folder_passed_over_for_a_shipped_profile_says_why(tmp_path, hf_cache, make_profile):
+    # a flat <scorer>.safetensors at the folder's top is not looked up: the shipped profile serves, and a
+    # warning says where the folder's profiles must sit
+    make_profile(model_id=SHIPPED).save(tmp_path / "keydiff.safetensors")
+    with pytest.warns(UserWarning, match=r"keydiff\.safetensors at its top is not looked at") as said:
+        cache = LUKVCache.from_pretrained(
+            SHIPPED,
+            ratio=0.8,
+            scorer="keydiff",
+            local_dir=tmp_path,
+            cache_dir=hf_cache,
+            local_files_only=True,
+        )
+    assert f"{SHIPPED}/keydiff.safetensors here" in str(said[0].message)
+    assert cache.profile is not None and tmp_path not in Path(cache.profile.source).parents
+    # another scorer's profile of the model in the folder: the preferred kvzap is the shipped one, said so
+    (tmp_path / "keydiff.safetensors").unlink()
+    save_to_local_dir(make_profile(model_id=SHIPPED, scorer="snapkv"), tmp_path)
+    with pytest.warns(UserWarning, match=r"holds snapkv\.safetensors for this model: pass scorer='snapkv'"):
+        LUKVCache.from_pretrained(
+            SHIPPED, ratio=0.8, local_dir=tmp_path, cache_dir=hf_cache, local_files_only=True
+        )
+    # the folder's own profile, or a folder with nothing for the model: no warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LUKVCache.from_pretrained(
+            SHIPPED, ratio=0.8, scorer="snapkv", local_dir=tmp_path, cache_dir=hf_cache, local_files_only=True
+        )
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        LUKVCache.from_pretrained(
+            SHIPPED, ratio=0.8, local_dir=empty, cache_dir=hf_cache, local_files_only=True
+        )
