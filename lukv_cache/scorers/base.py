@@ -163,27 +163,27 @@ def _probe(scorer: Scorer) -> None:
     b, h, t, d = 1, 2, max(16, scorer.n_queries + 8), 8
     keys, values = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
     queries = torch.randn(b, 2 * h, scorer.n_queries, d, generator=gen) if scorer.n_queries else None
-    try:
-        scores = scorer(keys, values, queries)
-    except Exception as err:
-        raise ConfigurationError(
-            f"Scorer {scorer.name!r} failed on keys/values [B, H_kv, T, D] = {[b, h, t, d]}: "
-            f"{type(err).__name__}: {err}"
-        ) from err
+    failed = f"Scorer {scorer.name!r} failed on keys/values [B, H_kv, T, D] = {[b, h, t, d]}"
+    scores = _probe_call(scorer, (keys, values, queries), failed)
     check_scores(scorer, scores, (b, h, t))
     if not scorer.reads_values:
-        try:
-            without = scorer(keys, None, queries)
-        except Exception as err:
-            raise ConfigurationError(
-                f"Scorer {scorer.name!r} is registered with reads_values=False but failed without values "
-                f"(values=None): {type(err).__name__}: {err}. Register it without reads_values=False."
-            ) from err
+        failed = f"Scorer {scorer.name!r} is registered with reads_values=False but failed without values (values=None)"
+        without = _probe_call(
+            scorer, (keys, None, queries), failed, " Register it without reads_values=False."
+        )
         if not isinstance(without, torch.Tensor) or not torch.equal(without, scores):
             raise ConfigurationError(
                 f"Scorer {scorer.name!r} is registered with reads_values=False but scores differently without "
                 "values (values=None): register it without reads_values=False."
             )
+
+
+def _probe_call(scorer: Scorer, inputs: tuple, failed: str, after: str = "") -> Any:
+    """``scorer(*inputs)``; a crash is a ConfigurationError saying ``failed``, the error, then ``after``."""
+    try:
+        return scorer(*inputs)
+    except Exception as err:
+        raise ConfigurationError(f"{failed}: {type(err).__name__}: {err}.{after}") from err
 
 
 def _is_count(value: object, low: int = 0) -> bool:
