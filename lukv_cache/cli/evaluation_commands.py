@@ -180,6 +180,12 @@ def evaluation_commands(subparsers: Any) -> None:
         help="other results files of the same model, seed and samples (e.g. benchmarks/kvpress_ruler.py's) "
         "whose methods join the tables and the picture (default: none)",
     )
+    ruler.add_argument(
+        "--report-name",
+        metavar="STEM",
+        help="with --report: stem of the tables and the picture written (default: --name's), e.g. a comparison "
+        "beside the results' own report",
+    )
     ruler.set_defaults(
         func=lazy_command("lukv_cache.evaluation.ruler.command", "run_command", precheck_ruler)
     )

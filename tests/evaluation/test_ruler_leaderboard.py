@@ -75,6 +75,11 @@ def test_report_writes_the_tables_from_the_file_alone_with_the_compared_runs(tmp
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
     assert {task["n"] for row in rows for task in row["tasks"].values()} == {1}
     assert rows[1]["method"] == "global/kvzap@0.5" and rows[2]["average"] == 0.0  # kvzap@0.8 scored 0 on #0
+    # --report-name: a comparison written beside the results' own report, which stays as it was
+    own = (tmp_path / "run.md").read_text()
+    assert main([*argv, "--compare", str(tmp_path / "kvpress.jsonl"), "--report-name", "run_vs"]) == 0
+    assert (tmp_path / "run.md").read_text() == own
+    assert "| kvpress:snapkv@0.8 |" in (tmp_path / "run_vs.md").read_text()
 
 
 def test_report_refuses_a_compared_run_of_another_model_or_no_results(tmp_path, capsys):

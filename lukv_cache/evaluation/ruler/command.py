@@ -74,7 +74,7 @@ def report_command(args: argparse.Namespace, argv: list[str] | None = None) -> i
     head, records = read_results(out / f"{stem}.jsonl")
     first = [r for r in records + _compared(head, args.compare) if int(r["index"]) < args.samples]
     meta = {"model": head.get("model"), "seed": head.get("seed"), "command": command_line(argv)}
-    _report(first, [], out, stem, meta)
+    _report(first, [], out, args.report_name or stem, meta)
     return 0
 
 
