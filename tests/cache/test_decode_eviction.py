@@ -505,7 +505,11 @@ def test_a_fold_that_evicts_nothing_appends_what_a_rebuild_would_hold(kv_bits, p
         appended.fold(room=8, valid=valid)
         frame = held_tokens(rebuilt, valid, cache.sink, cache.window)
         rebuilt.refold(frame.source[frame.slots], frame.slots.sum(-1), None, capacity=8)
-        assert appended.suffix_length == rebuilt.suffix_length == 0
+        assert (
+            appended.suffix_length == rebuilt.suffix_length == 0
+            and appended.compressed
+            and rebuilt.compressed
+        )
         got, want = _store_tensors(appended), _store_tensors(rebuilt)
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
         assert (

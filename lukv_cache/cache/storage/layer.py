@@ -318,6 +318,7 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         else:
             keep = valid.to(suffix.keys.device).unsqueeze(1).expand(-1, suffix.num_heads, -1)
             self.store = absorb(self.store, suffix.keys, suffix.values, keep, start, kv_bits=self.kv_bits)
+        self.compressed = True  # it holds a store (a saved layer's state says so)
         capacity = self.fold_at + 1 if room is None else room
         if suffix.capacity == capacity:  # its own buffers again (a fold every few steps: no new ones)
             suffix.truncate(0)
