@@ -128,3 +128,26 @@ def test_passed_limits_and_a_patched_default_pick_the_same_path(monkeypatch):
     assert calls == [1]
     assert torch.equal(patched, passed)
     torch.testing.assert_close(passed, default, atol=2e-5, rtol=1e-4)
+
+
+def test_a_cpu_mask_that_hides_nothing_is_dropped_before_any_bias_is_gathered(monkeypatch):
+    # the usual decode step: an all-True bool mask (or an all-zero additive one) gives what no mask gives,
+    # without gathering a bias row per stored token; a mask that hides one stored token still gathers it
+    store, grouped, suffix = _case()
+    b, h, m, d = grouped.shape
+    query = grouped.reshape(b, h * m, 1, d)  # [B, H_q, Q = 1, D]
+    length = int(store.positions.max()) + 1 + suffix.shape[-2]  # the mask's columns: every position
+    gathered = []
+    original = compressed._as_bias
+    monkeypatch.setattr(compressed, "_as_bias", lambda mask: gathered.append(1) or original(mask))
+
+    def attend(mask):
+        return compressed.compressed_attention(store, query, suffix, suffix, mask, scaling=0.25)
+
+    plain = attend(None)
+    for mask in (torch.ones(b, 1, 1, length, dtype=torch.bool), torch.zeros(b, 1, 1, length)):
+        torch.testing.assert_close(attend(mask), plain, rtol=0, atol=0)
+    assert not gathered
+    hiding = torch.ones(b, 1, 1, length, dtype=torch.bool)
+    hiding[..., 3] = False  # position 3: a stored token (of the first segment)
+    assert not torch.equal(attend(hiding), plain) and gathered
