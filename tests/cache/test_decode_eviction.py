@@ -515,3 +515,17 @@ def test_a_fold_that_evicts_nothing_appends_what_a_rebuild_would_hold(kv_bits, p
         assert (
             int(appended.store.num_tokens) == int(layer.store.num_tokens) + int(valid.sum()) * layer.num_heads
         )
+
+
+def test_a_fold_into_an_empty_store_keeps_its_own_rows_when_the_suffix_buffer_is_reused():
+    # a full suffix buffer reshapes into a view of itself; the fold reuses that buffer for what comes next
+    from lukv_cache.cache.storage.layer import LUKVLayer
+
+    layer = LUKVLayer(fold_at=3)
+    keys, values = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    layer.update(keys, values)
+    assert layer.store is None and layer.suffix.capacity == layer.suffix_length == 4
+    layer.fold(room=4)
+    held = layer.store.keys.clone()
+    layer.update(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))  # written into the reused buffer
+    assert torch.equal(layer.store.keys, held) and torch.equal(held, keys.reshape(8, 8))

@@ -126,9 +126,8 @@ def fold_evict(
     held = (
         torch.stack([held_counts(layer, valid) for layer, valid in zip(layers, valids)]).view(-1, b, h).cpu()
     )
-    protected = held.clamp_max(
-        policy.sink + recent
-    )  # as held_tokens protects: the first sink, the last recent
+    # as held_tokens protects them: a segment's first `sink` and last `recent` tokens
+    protected = held.clamp_max(policy.sink + recent)
     evictable = held - protected
     if shard is not None:
         protected, evictable = shard.gather(protected, dim=2), shard.gather(evictable, dim=2)

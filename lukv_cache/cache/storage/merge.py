@@ -71,9 +71,11 @@ def append(
     new_k, new_v = keys.reshape(segments * s, -1), values.reshape(segments * s, -1)
     positions = torch.arange(start, start + s, device=new_k.device).to(position_dtype(last)).repeat(segments)
     counts = torch.full((segments,), s, dtype=torch.long, device=new_k.device)
-    if store is None:
+    if store is None:  # its own rows: a reshape of a whole buffer is a view of it (the suffix reuses it)
+        if kv_bits is None:
+            new_k, new_v = new_k.clone(), new_v.clone()
         return RaggedStore.build(new_k, new_v, positions, counts, num_heads=h, kv_bits=kv_bits, last=last)
-    return store.extend(new_k, new_v, positions, counts, last=last)
+    return store.extend(new_k, new_v, positions, counts, last=last)  # a merge: new tensors
 
 
 def rebuild(
