@@ -98,7 +98,11 @@ def _store(counts, seed=3, heads=3):
     )  # fmt: skip
 
 
-def test_extend_appends_each_segments_rows_after_its_own():
+@pytest.mark.parametrize("sliced", [64, 0])  # one cat of views (few segments), or the merge's index
+def test_extend_appends_each_segments_rows_after_its_own(sliced, monkeypatch):
+    import lukv_cache.cache.storage.ragged as ragged
+
+    monkeypatch.setattr(ragged, "SLICED_SEGMENTS", sliced)
     store = _store([2, 0, 4, 1, 0, 3])  # B = 2, H = 3
     gen = torch.Generator().manual_seed(4)
     new = torch.randn(2 * 6, 4, generator=gen)  # two rows per segment
