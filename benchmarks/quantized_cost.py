@@ -135,6 +135,7 @@ def run(
     against_transformers: bool = False,
     blocks: bool = False,
     fold_interval: int | None = None,
+    fold_times: bool = False,
 ) -> dict:
     from lukv_cache import LUKVCache
 
@@ -210,11 +211,32 @@ def run(
             "kept_per_head": float(cache.stored_tokens().double().mean()),
             "bits": cache.kv_bits,
         }
+    folds: dict[str, list[tuple[float, int]]] = {}
+    if fold_times:  # each budget's folds: seconds, and the tokens held after (an evicting fold holds fewer)
+        for name in [n for n in ("memory", "memory folds") if n in caches]:
+            cache, seen = caches[name], folds.setdefault(name, [])
+            cache.compressor.observe(
+                lambda step, cache=cache, seen=seen: (
+                    step.kind == "fold" and seen.append((step.seconds, int(cache.stored_tokens().sum())))
+                )
+            )
     around = {name: _without_kernel for name in caches if name.endswith(" blocks")}
     for name, series in cache_bench.interleaved_steps(model, caches, batch, steps, around).items():
         row[name]["median_ms"] = 1000 * statistics.median(series)
         row[name]["mean_ms"] = 1000 * statistics.mean(series)
+    for name, seen in folds.items():
+        # an appending fold keeps every token (the total held is unchanged: the suffix joins the store)
+        kinds: dict[str, list[float]] = {"appending": [], "evicting": []}
+        for (seconds, held), (_, before) in zip(seen[1:], seen[:-1]):
+            kinds["evicting" if held < before + fold_steps(caches[name]) else "appending"].append(seconds)
+        row[name]["folds"] = kinds
     return row
+
+
+def fold_steps(cache) -> int:
+    """Tokens a fold interval adds over every (layer, row, KV head) of ``cache``."""
+    held = cache.stored_tokens()
+    return cache.policy.fold_interval * held.shape[0] * held.shape[1] * held.shape[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="with --memory: also the same budget with LUKVCache(fold_interval=N) (fewer folds, a larger dense room)",
     )
+    parser.add_argument(
+        "--fold-times",
+        action="store_true",
+        help="with --memory: also time each budget's folds, appending and evicting (the footer; the count of "
+        "tokens held after each fold is read inside the timed steps)",
+    )
     parser.add_argument("--out", help="write the table here too")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args(argv)
@@ -272,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f" --memory {args.memory:g}" if args.memory is not None else "")
         + (" --transformers" if args.transformers else "")
         + (" --blocks" if args.blocks else "")
-        + (f" --fold-interval {args.fold_interval}" if args.fold_interval else ""),
+        + (f" --fold-interval {args.fold_interval}" if args.fold_interval else "")
+        + (" --fold-times" if args.fold_times else ""),
         "",
         *(
             ["hqq is not installed here: no QuantizedCache(hqq) rows (pip install hqq termcolor).", ""]
@@ -297,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.transformers,
                 args.blocks,
                 args.fold_interval,
+                args.fold_times,
             )
             names = ["fp32", "int8", "int4", "ragged fp32", "ragged int4"]
             names += [] if args.memory is None else ["memory fp32", "memory", "memory tokens fp32"]
@@ -341,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"fp32 one line ({args.ratio:g}): median {row[name]['median_ms'] / one_line['median_ms']:.3f}, "
                     f"mean {row[name]['mean_ms'] / one_line['mean_ms']:.3f}"
                 )
+                for kind, seconds in row[name].get("folds", {}).items():
+                    if seconds:
+                        footer.append(
+                            f"  its {kind} folds (every layer's): {len(seconds)}, median "
+                            f"{1000 * statistics.median(seconds):.1f} ms"
+                        )
     text = "\n".join(lines + ([""] + footer if footer else []))
     print("\n" + text)
     if args.out:
