@@ -227,8 +227,9 @@ def run(
     for name, seen in folds.items():
         # an appending fold keeps every token (the total held is unchanged: the suffix joins the store)
         kinds: dict[str, list[float]] = {"appending": [], "evicting": []}
+        added = fold_steps(caches[name])
         for (seconds, held), (_, before) in zip(seen[1:], seen[:-1]):
-            kinds["evicting" if held < before + fold_steps(caches[name]) else "appending"].append(seconds)
+            kinds["evicting" if held < before + added else "appending"].append(seconds)
         row[name]["folds"] = kinds
     return row
 

@@ -19,7 +19,7 @@ from ..options.memory import budget_shapes
 from ..options.policy import CompressionPolicy
 from ..storage.layer import LUKVLayer
 from ..storage.ragged import keep_mask_evicting_few
-from .fold_plan import Held, gather_held, held_tokens, masked_held, rescore
+from .fold_plan import Held, gather_held, held_counts, held_tokens, masked_held, rescore
 from .kinds import layer_kinds
 from .region import score_suffix, suffix_positions, valid_from_mask
 
@@ -76,13 +76,6 @@ def suffix_valid(attention_mask: torch.Tensor | None, layer: LUKVLayer) -> torch
     """bool ``[B, S]``: which tokens of ``layer``'s dense suffix are real (not padding)."""
     assert layer.suffix_keys is not None  # the layer holds a forward
     return valid_from_mask(attention_mask, layer.batch_size, layer.suffix_length, layer.suffix_keys.device)
-
-
-def held_counts(layer: LUKVLayer, valid: torch.Tensor) -> torch.Tensor:
-    """int64 ``[B * H]``: the tokens ``layer`` holds per segment (its store's and the suffix's real ones,
-    ``valid [B, S]``), as :func:`~.fold_plan.held_tokens` counts them."""
-    real = valid.sum(-1).repeat_interleave(layer.num_heads)
-    return real if layer.store is None else real + layer.store.counts().to(real.device)
 
 
 def fold_evict(

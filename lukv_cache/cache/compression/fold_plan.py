@@ -55,6 +55,13 @@ class Held:
         return self.protected | self.evictable
 
 
+def held_counts(layer: LUKVLayer, valid: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B * H]``: the tokens ``layer`` holds per segment, its store's and the suffix's real ones
+    (``valid [B, S]``); :func:`held_tokens` protects ``min(count, sink + window)`` of them."""
+    real = valid.sum(-1).repeat_interleave(layer.num_heads)
+    return real if layer.store is None else real + layer.store.counts().to(real.device)
+
+
 def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -> Held:
     """The :class:`Held` frame of ``layer`` (``valid``: bool ``[B, S]``, the suffix's real tokens).
 
@@ -67,8 +74,7 @@ def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -
     n_store = 0 if store is None else store.num_tokens
     in_store = torch.zeros(b * h, dtype=torch.long, device=device) if store is None else store.counts()
     starts = torch.zeros_like(in_store) if store is None else store.offsets[:-1]
-    real = valid.sum(-1).repeat_interleave(h)  # [G]
-    counts = in_store + real
+    counts = held_counts(layer, valid)  # [G]
     width = int(counts.max()) if counts.numel() else 0
     slot = torch.arange(width, device=device).unsqueeze(0)
     # the suffix's real tokens of each row in order (padding, at the row's start, sorted after them)

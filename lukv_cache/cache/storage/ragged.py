@@ -422,9 +422,8 @@ def keep_mask_evicting_few(scores: torch.Tensor, keep_counts: torch.Tensor) -> t
     tensor([[ True,  True, False, False,  True]])
     """
     finite = scores > float("-inf")
-    drop = (finite.sum(-1) - keep_counts.to(scores.device).clamp_min(0)).clamp_min(
-        0
-    )  # [...]: evicted per row
+    kept = keep_counts.to(scores.device).clamp_min(0)
+    drop = (finite.sum(-1) - kept).clamp_min(0)  # [...]: evicted per row
     most = int(drop.max()) if drop.numel() else 0
     if most == 0:
         return finite
