@@ -15,7 +15,7 @@ from lukv_cache import LUKVCache
 from lukv_cache.allocation import largest_remainder
 from lukv_cache.allocation.budget import fit_counts
 from lukv_cache.cache.compression import fold
-from lukv_cache.cache.compression.fold_plan import held_tokens
+from lukv_cache.cache.compression.fold_plan import gather_held, held_tokens
 from lukv_cache.cache.storage.report import kv_cache_bytes
 from lukv_cache.errors import ConfigurationError
 from lukv_cache.profiles import Profile
@@ -515,6 +515,59 @@ def test_a_fold_that_evicts_nothing_appends_what_a_rebuild_would_hold(kv_bits, p
         assert (
             int(appended.store.num_tokens) == int(layer.store.num_tokens) + int(valid.sum()) * layer.num_heads
         )
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_fold_that_evicts_nothing_appends_the_scores_a_rebuild_would_keep(kv_bits, padded, monkeypatch):
+    # a store that keeps each token's first score (a scorer registered rescores=False, as kvzap): the
+    # appending fold stores the suffix's scores after each segment's, as the rebuild from the held frame did
+    monkeypatch.setattr(SCORERS, "_items", dict(SCORERS._items))  # undo the registration afterwards
+    register_scorer("test_keydiff_keeping", get_scorer("keydiff").fn, rescores=False, reads_values=False)
+    model = _model()
+    ids, mask = left_padded((30, 17), seed=4)
+    cache = LUKVCache(
+        ratio=0.5, scorer="test_keydiff_keeping", decode_max_tokens=1000, fold_interval=8, kv_bits=kv_bits
+    )
+    greedy_with_logits(model, ids, cache, 5, attention_mask=mask)
+    for i, layer in enumerate(cache.layers):
+        assert layer.store.scores is not None  # the prefill's eviction kept them
+        valid = torch.ones(layer.batch_size, layer.suffix_length, dtype=torch.bool)
+        if padded:  # as if row 1's first suffix token were padding
+            valid[1, 0] = False
+        suffix = torch.randn(
+            layer.batch_size, layer.num_heads, layer.suffix_length, generator=torch.Generator().manual_seed(i)
+        )
+        appended, rebuilt = copy.deepcopy(layer), copy.deepcopy(layer)
+        appended.fold(room=8, valid=valid, scores=suffix)
+        frame = held_tokens(rebuilt, valid, cache.sink, cache.window)
+        held = gather_held(frame, rebuilt.store.scores.unsqueeze(-1), suffix.unsqueeze(-1)).squeeze(-1)
+        rebuilt.refold(frame.source[frame.slots], frame.slots.sum(-1), held[frame.slots], capacity=8)
+        got, want = _store_tensors(appended), _store_tensors(rebuilt)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(appended.store.scores, rebuilt.store.scores)
+        assert appended.store.scores.shape[0] == appended.store.num_tokens
+
+
+def test_a_fold_that_evicts_nothing_keeps_scores_without_building_the_held_frame(monkeypatch):
+    # decoding under decode_max_tokens with a scorer that keeps scores, every fold fitting: each scores its
+    # suffix alone and appends (no held frame, no store rescored); every stored token keeps a real score
+    monkeypatch.setattr(SCORERS, "_items", dict(SCORERS._items))  # undo the registration afterwards
+    register_scorer("test_keydiff_keeping", get_scorer("keydiff").fn, rescores=False, reads_values=False)
+    frames, folds = [], []
+    original = fold.held_tokens
+    monkeypatch.setattr(fold, "held_tokens", lambda *a: frames.append(1) or original(*a))
+    model = _model()
+    ids, mask = left_padded((60, 41), seed=5)
+    cache = LUKVCache(
+        ratio=0.5, scorer="test_keydiff_keeping", decode_max_tokens=1000, fold_interval=8, kv_bits=8
+    )
+    cache.compressor.observe(lambda step: step.kind == "fold" and folds.append(1))
+    greedy_with_logits(model, ids, cache, 24, attention_mask=mask)
+    assert len(folds) >= 2 and not frames
+    for layer in cache.layers:
+        scores = layer.store.scores
+        assert scores.shape[0] == layer.store.num_tokens and not scores.isnan().any()
 
 
 def test_a_fold_into_an_empty_store_keeps_its_own_rows_when_the_suffix_buffer_is_reused():

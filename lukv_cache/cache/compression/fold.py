@@ -170,57 +170,50 @@ def fold_evict(
         if room is not None:
             assert weights is not None  # set with room
             room = room - torch.minimum(torch.tensor(deeper * sum(weights)), room // DEEPER_SHARE)
-    if fits and not kept_scores:  # every held token stays: each suffix joins its store (no rescoring)
-        for layer, valid in zip(layers, valids):
-            layer.fold(room=policy.fold_interval, valid=valid)
+    # every held token stays: each suffix joins its store (a store that keeps scores gets the suffix's)
+    if fits:
+        for i, layer, valid in zip(idxs, layers, valids):
+            scores = suffix_scores(policy, shard, i, layer, *folding[i]) if kept_scores else None
+            layer.fold(room=policy.fold_interval, valid=valid, scores=scores)
             layer.eviction.settle(layer.cumulative_length)
         return
     frames = [held_tokens(layer, valid, policy.sink, recent) for layer, valid in zip(layers, valids)]
-    raw = None
-    if not fits or kept_scores:
-        raw = [
-            held_scores(policy, shard, i, layer, f, *folding[i]) for i, layer, f in zip(idxs, layers, frames)
+    raw = [held_scores(policy, shard, i, layer, f, *folding[i]) for i, layer, f in zip(idxs, layers, frames)]
+    width = max(f.width for f in frames)
+    if shard is not None:  # every rank's request has the same width
+        width = int(shard.gather(torch.tensor([[width]], device=device), dim=1).max())
+    scores = torch.stack(
+        [
+            torch.nn.functional.pad(masked_held(r, f), (0, width - f.width), value=float("-inf"))
+            for r, f in zip(raw, frames)
         ]
-    if fits:
-        keeps = [f.slots for f in frames]
-    else:
-        assert raw is not None  # scored above: not fits
-        width = max(f.width for f in frames)
-        if shard is not None:  # every rank's request has the same width
-            width = int(shard.gather(torch.tensor([[width]], device=device), dim=1).max())
-        scores = torch.stack(
-            [
-                torch.nn.functional.pad(masked_held(r, f), (0, width - f.width), value=float("-inf"))
-                for r, f in zip(raw, frames)
-            ]
-        ).view(len(idxs), b, h, width)
-        if shard is not None:
-            scores = shard.gather(scores, dim=2)
-        n = (real - protected.round().long()).clamp_min(0)
-        ratio = fill_ratio(n, allowed, len(idxs) * heads)
-        if room is not None:  # and the ratio that fills the bytes, whichever is higher
-            ratio = torch.maximum(ratio, fill_ratio(n, room, heads * sum(cast("list[int]", weights))))
-        request = AllocationRequest(
-            scores=scores,
-            n_evictable=n,
-            ratio=ratio.clamp(0.0, MAX_RATIO),
-            layers=tuple(idxs),
-            num_layers=num_layers or max(idxs) + 1,
-            min_keep=policy.min_keep,
-        )
-        counts = fit_counts(policy.allocator(request), evictable, allowed, not policy.allocator.adaptive)
-        if room is not None:
-            counts = trim_weighted(counts, room, weights)
-        counts[:, row_fits] = evictable[:, row_fits]
-        if shard is not None:
-            counts, scores = (t[:, :, shard.heads(request.num_heads)] for t in (counts, scores))
-        keeps = [
-            f.protected
-            | (keep_mask_evicting_few(scores[i], counts[i]).flatten(0, 1)[:, : f.width] & f.evictable)
-            for i, f in enumerate(frames)
-        ]
+    ).view(len(idxs), b, h, width)
+    if shard is not None:
+        scores = shard.gather(scores, dim=2)
+    n = (real - protected.round().long()).clamp_min(0)
+    ratio = fill_ratio(n, allowed, len(idxs) * heads)
+    if room is not None:  # and the ratio that fills the bytes, whichever is higher
+        ratio = torch.maximum(ratio, fill_ratio(n, room, heads * sum(cast("list[int]", weights))))
+    request = AllocationRequest(
+        scores=scores,
+        n_evictable=n,
+        ratio=ratio.clamp(0.0, MAX_RATIO),
+        layers=tuple(idxs),
+        num_layers=num_layers or max(idxs) + 1,
+        min_keep=policy.min_keep,
+    )
+    counts = fit_counts(policy.allocator(request), evictable, allowed, not policy.allocator.adaptive)
+    if room is not None:
+        counts = trim_weighted(counts, room, weights)
+    counts[:, row_fits] = evictable[:, row_fits]
+    if shard is not None:
+        counts, scores = (t[:, :, shard.heads(request.num_heads)] for t in (counts, scores))
+    keeps = [
+        f.protected | (keep_mask_evicting_few(scores[i], counts[i]).flatten(0, 1)[:, : f.width] & f.evictable)
+        for i, f in enumerate(frames)
+    ]
     for i, (layer, frame, keep) in enumerate(zip(layers, frames, keeps)):
-        kept = None if not kept_scores else cast("list[torch.Tensor]", raw)[i][keep]  # scored above
+        kept = raw[i][keep] if kept_scores else None
         layer.refold(frame.source[keep], keep.sum(-1), kept, capacity=policy.fold_interval)
         layer.eviction.settle(layer.cumulative_length)
 
@@ -238,9 +231,7 @@ def held_scores(
     the store plus the suffix scored now, or every segment's tokens scored again."""
     store = layer.store
     if keeps_scores(policy):
-        context = scorer_context(policy, shard, idx, module, layer, attention_mask)
-        valid = suffix_valid(attention_mask, layer)
-        suffix = score_suffix(policy.scorer, layer, layer.eviction.queries, valid, context)
+        suffix = suffix_scores(policy, shard, idx, layer, module, attention_mask)
         stored = None if store is None or store.scores is None else store.scores.unsqueeze(-1)
         return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
     assert layer.suffix_keys is not None and layer.suffix_values is not None  # it holds what it folds
@@ -249,3 +240,18 @@ def held_scores(
     if policy.scorer.reads_values:
         values = gather_held(held, None if store is None else store.values, layer.suffix_values)
     return rescore(policy.scorer, held, keys, values, layer.eviction.queries, layer.num_heads)
+
+
+def suffix_scores(
+    policy: CompressionPolicy,
+    shard: HeadShard | None,
+    idx: int,
+    layer: LUKVLayer,
+    module: Any,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp32 ``[B, H, S]``: the scores of ``layer``'s dense suffix (padding ``-inf``), from the queries kept for
+    the fold: what a store that keeps scores stores with the suffix's tokens."""
+    context = scorer_context(policy, shard, idx, module, layer, attention_mask)
+    valid = suffix_valid(attention_mask, layer)
+    return score_suffix(policy.scorer, layer, layer.eviction.queries, valid, context)

@@ -304,20 +304,26 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         self.compressed = True  # compression settles the layer's eviction record
         self.drop_out_of_window()
 
-    def fold(self, room: int | None = None, valid: torch.Tensor | None = None) -> None:
+    def fold(
+        self, room: int | None = None, valid: torch.Tensor | None = None, scores: torch.Tensor | None = None
+    ) -> None:
         """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one of
         ``room`` tokens (``None``: ``fold_at + 1``, what decoding fills before the next fold). ``valid``: bool
-        ``[B, S]``, the suffix's real tokens (padding is dropped); ``None``: all of them."""
+        ``[B, S]``, the suffix's real tokens (padding is dropped); ``None``: all of them. ``scores [B, H, >= S]``:
+        stored with them (a store that keeps each token's score for eviction at fold time), the last ``S``
+        when longer (scored before a sliding layer dropped its oldest)."""
         suffix = self.suffix
         if suffix is None or not suffix.length:
             return
         s = suffix.length
         start = self.cumulative_length - s
+        if scores is not None:  # a sliding layer may have dropped its oldest tokens since they were scored
+            scores = scores[..., scores.shape[-1] - s :]
         if valid is None or bool(valid.all()):
-            self.store = append(self.store, suffix.keys, suffix.values, start, self.kv_bits)
+            self.store = append(self.store, suffix.keys, suffix.values, start, self.kv_bits, scores)
         else:
             keep = valid.to(suffix.keys.device).unsqueeze(1).expand(-1, suffix.num_heads, -1)
-            self.store = absorb(self.store, suffix.keys, suffix.values, keep, start, kv_bits=self.kv_bits)
+            self.store = absorb(self.store, suffix.keys, suffix.values, keep, start, scores, self.kv_bits)
         self.compressed = True  # it holds a store (a saved layer's state says so)
         capacity = self.fold_at + 1 if room is None else room
         if suffix.capacity == capacity:  # its own buffers again (a fold every few steps: no new ones)

@@ -55,10 +55,12 @@ def append(
     values: torch.Tensor,
     start: int,
     kv_bits: int | None = None,
+    scores: torch.Tensor | None = None,
 ) -> RaggedStore:
     """``store`` with every token of ``keys`` / ``values`` ``[B, H, S, D]`` (a dense block starting at logical
     position ``start``) after each segment's rows: :func:`absorb` with nothing left out, without its masks and
-    gathers (a fold that evicts nothing, every few decoding steps of every layer).
+    gathers (a fold that evicts nothing, every few decoding steps of every layer). ``scores [B, H, S]``: stored
+    with them (or ``None``).
 
     >>> block = torch.arange(8.).view(1, 2, 2, 2)
     >>> store = append(None, block, block, start=5)
@@ -71,11 +73,14 @@ def append(
     new_k, new_v = keys.reshape(segments * s, -1), values.reshape(segments * s, -1)
     positions = torch.arange(start, start + s, device=new_k.device).to(position_dtype(last)).repeat(segments)
     counts = torch.full((segments,), s, dtype=torch.long, device=new_k.device)
+    new_s = None if scores is None else scores.reshape(-1).to(new_k.device)
     if store is None:  # its own rows: a reshape of a whole buffer is a view of it (the suffix reuses it)
         if kv_bits is None:
             new_k, new_v = new_k.clone(), new_v.clone()
-        return RaggedStore.build(new_k, new_v, positions, counts, num_heads=h, kv_bits=kv_bits, last=last)
-    return store.extend(new_k, new_v, positions, counts, last=last)  # a merge: new tensors
+        return RaggedStore.build(
+            new_k, new_v, positions, counts, num_heads=h, scores=new_s, kv_bits=kv_bits, last=last
+        )
+    return store.extend(new_k, new_v, positions, counts, new_s, last=last)  # a merge: new tensors
 
 
 def rebuild(
