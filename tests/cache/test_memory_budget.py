@@ -327,3 +327,31 @@ def test_an_evicting_fold_makes_room_for_the_next_folds(monkeypatch, deeper):
     evicting = sum(after < before for before, after in zip(held, held[1:]))
     folds = 160 // cache.policy.fold_interval
     assert abs(evicting - folds / (deeper + 1)) <= 1, (evicting, folds)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(memory=0.2), dict(kv_bits=4, ratio=0.5, decode_max_tokens=400)],
+    ids=["memory", "kv_bits"],
+)
+def test_the_prompts_window_joins_the_store_with_its_scores(options):
+    # a scorer that keeps each token's first score (kvzap): where the prompt's protected window joins the
+    # store right after its eviction (a budget, kv_bits), its tokens keep the scores the prefill gave them;
+    # unscored (NaN) they would rank below every other token at the next evicting fold
+    model = tiny_model("llama", "sdpa")
+    ids, mask = left_padded((300, 211), seed=3)
+    cache = LUKVCache(scorer=scorer_for("kvzap", model), keep_scores=True, **options)
+    assert keeps_scores(cache.policy)
+    cache.prefill(model, ids, mask)
+    for idx, layer in enumerate(cache.layers):
+        store = layer.store
+        assert layer.suffix_length == 0 and not store.scores.isnan().any()
+        raw = cache.prefill_scores[idx]  # [B, H, T]: the prefill's own scores of every token
+        window = cache.window
+        for segment in range(store.offsets.numel() - 1):
+            lo, hi = int(store.offsets[segment]), int(store.offsets[segment + 1])
+            row, head = divmod(segment, layer.num_heads)
+            # the segment's last `window` tokens are the window's (positions index the padded prompt)
+            want = raw[row, head, store.positions[hi - window : hi].long()]
+            assert torch.equal(store.scores[hi - window : hi], want), (idx, segment)
+            assert lo < hi - window

@@ -44,7 +44,7 @@ from .evict import evict, held_steps, score_step, wants_compression
 from .fold import fold_due, fold_evict, keeps_scores
 from .forward_state import ForwardState, Phase
 from .kinds import cache_kinds
-from .region import Region, plan_region
+from .region import Region, Step, plan_region
 from .settle import check_batch, check_routed, check_scorer, check_servable
 
 
@@ -245,7 +245,7 @@ class Compressor:
             self.fold()
 
     # ------------------------------------------------------------------ the steps
-    def evict(self, steps: dict[int, tuple[Region, torch.Tensor | None]]) -> None:
+    def evict(self, steps: dict[int, Step]) -> None:
         """Evict the regions of ``steps`` (layer -> region, masked scores or None; see
         :func:`~lukv_cache.cache.compression.evict.evict`)."""
         started = time.perf_counter()
@@ -255,14 +255,14 @@ class Compressor:
         # a step of several layers (deferred or held) is every layer this forward compresses
         self.state.cap_ratio = evict(self.cache, steps, self.state.cap_ratio, whole=len(steps) > 1)
         if budgeted:  # every kept token costs the same: the window joins the store, in its bits
-            for idx in steps:
-                cast(LUKVLayer, self.cache.layers[idx]).fold()
+            for idx, step in steps.items():
+                cast(LUKVLayer, self.cache.layers[idx]).fold(scores=step.window)
         elif self.policy.kv_bits is not None and self.policy.max_tokens is None:
             # so with kv_bits: no kept token stays at full precision (the buffer grows from the first decoded
             # token, as after any eviction). Not under a token bound, whose cap counts every layer's window
             # as dense (cap.token_cap)
-            for idx in steps:
-                cast(LUKVLayer, self.cache.layers[idx]).fold(room=0)
+            for idx, step in steps.items():
+                cast(LUKVLayer, self.cache.layers[idx]).fold(room=0, scores=step.window)
         self._report("evict", steps, started)
 
     def choose_bits(self, idx: int) -> MemoryChoice:

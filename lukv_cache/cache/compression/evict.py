@@ -24,6 +24,7 @@ from .kinds import cache_kinds
 from .region import (
     CompressionPolicy,
     Region,
+    Step,
     keep_mask,
     masked_scores,
     score_suffix,
@@ -74,7 +75,7 @@ def score_step(
     module: Any,
     query: torch.Tensor,
     attention_mask: torch.Tensor | None,
-) -> tuple[Region, torch.Tensor | None]:
+) -> Step:
     """Full-attention layer ``idx`` attended (``query``: this forward's) and wants compression: score
     ``region``, the region in play (:func:`~.region.plan_region`, after a sliding layer dropped what it
     holds beyond its window), kept in the cache's ``prefill_scores`` if asked; the region and its masked
@@ -82,7 +83,7 @@ def score_step(
     policy = cache.policy
     # the queries before what is left attend none of it (causal): a scorer reads the window's own
     query = query[:, :, -layer.suffix_length :] if layer.suffix_length else query[:, :, :0]
-    scores = None
+    scores = window = None
     evictable = region.length and bool(region.n_evictable.any())
     # ratio 0 keeps every token: no scoring needed (a reconstruction scorer could not score here anyway)
     wanted = (evictable and cache.evicts) or cache.prefill_scores is not None
@@ -92,12 +93,13 @@ def score_step(
         if cache.prefill_scores is not None:
             cache.prefill_scores[idx] = raw
         scores = masked_scores(raw, region) if evictable and cache.evicts else None
-    return region, scores
+        window = raw[..., region.length :] if keeps_scores(policy) else None
+    return Step(region, scores, window)
 
 
 def evict(
     cache: CompressedCache,
-    steps: dict[int, tuple[Region, torch.Tensor | None]],
+    steps: dict[int, Step],
     cap_ratio: torch.Tensor | None = None,
     whole: bool = False,
 ) -> torch.Tensor | None:
@@ -110,20 +112,20 @@ def evict(
     counts those of the groups still to come, and no others; under a budget with ``split="global_first"``
     the sliding groups are evicted first, each group at the ratio its room leaves it, the full-attention
     layers' tokens all held back for them (:func:`~.cap.token_cap`)."""
-    groups: dict[tuple[int, ...], dict[int, tuple[Region, torch.Tensor | None]]] = {}
+    groups: dict[tuple[int, ...], dict[int, Step]] = {}
     for idx, step in steps.items():
         heads = cast(LUKVLayer, cache.layers[idx]).num_heads
-        groups.setdefault((heads, *step[0].n_evictable.tolist()), {})[idx] = step
+        groups.setdefault((heads, *step.region.n_evictable.tolist()), {})[idx] = step
     order = list(groups.values())
     first = whole and cache.policy.in_bytes and cache.policy.split == "global_first"
     if first:  # the sliding layers give their tokens first: evicted first, the full-attention ones' kept
         order.sort(key=lambda group: cache.layers[next(iter(group))].sliding_window is None)
     # each row's real tokens, from a full-attention layer's region where the step has one (a sliding
     # layer's mask hides what left its window, as it hides padding)
-    full = [step[0].seen for idx, step in steps.items() if cache.layers[idx].sliding_window is None]
+    full = [step.region.seen for idx, step in steps.items() if cache.layers[idx].sliding_window is None]
     for n, group in enumerate(order):
         # a cap counts the layers of the groups still to come (their protected tokens, their share)
-        later = {idx: step[0] for rest in order[n + 1 :] for idx, step in rest.items()} if whole else None
+        later = {idx: step.region for rest in order[n + 1 :] for idx, step in rest.items()} if whole else None
         # and those of the groups evicted before (their windows join their stores after the step)
         earlier = [idx for done in order[:n] for idx in done]
         if first:  # each group its own ratio: what the room leaves it
@@ -134,19 +136,19 @@ def evict(
 
 def _evict_group(
     cache: CompressedCache,
-    steps: dict[int, tuple[Region, torch.Tensor | None]],
+    steps: dict[int, Step],
     cap_ratio: torch.Tensor | None,
     later: dict[int, Region] | None = None,
     seen: torch.Tensor | None = None,
     earlier: list[int] | None = None,
 ) -> torch.Tensor | None:
     scores: torch.Tensor | None
-    scored = [idx for idx, (_, scores) in steps.items() if scores is not None]
+    scored = [idx for idx, step in steps.items() if step.scores is not None]
     counts = {}
     policy = cache.policy
     if scored:
-        region = steps[scored[0]][0]
-        scores = torch.stack([cast(torch.Tensor, steps[idx][1]) for idx in scored])
+        region = steps[scored[0]].region
+        scores = torch.stack([cast(torch.Tensor, steps[idx].scores) for idx in scored])
         shard = cache.layout.head_shard
         if shard is not None:  # allocate over every head of the model, keep this rank's block
             scores = shard.gather(scores, dim=2)
@@ -191,7 +193,7 @@ def _evict_group(
         if shard is not None:
             allocated = allocated[:, :, shard.heads(request.num_heads)]
         counts = dict(zip(scored, allocated))
-    for idx, (region, scores) in steps.items():
+    for idx, (region, scores, _) in steps.items():
         layer = cast(LUKVLayer, cache.layers[idx])  # steps come from full-attention layers
         if scores is None:  # nothing to rank: keep every real token (none evictable, or ratio 0)
             b, h = layer.batch_size, layer.num_heads
@@ -205,7 +207,7 @@ def _evict_group(
 
 def held_steps(
     cache: CompressedCache, held: Mapping[int, Region], scores: Mapping[int, torch.Tensor]
-) -> dict[int, tuple[Region, torch.Tensor | None]]:
+) -> dict[int, Step]:
     """The eviction steps of what ``cache.holding()`` kept (``held``: layer -> its region, taken from the
     forward's state by the compressor), each layer ranked by ``scores[layer]`` (checked), for :func:`evict`."""
     steps = {}
@@ -221,5 +223,6 @@ def held_steps(
         if cache.prefill_scores is not None:
             cache.prefill_scores[idx] = raw
         evictable = region.length and bool(region.n_evictable.any())
-        steps[idx] = (region, masked_scores(raw, region) if evictable else None)
+        window = raw[..., region.length :] if keeps_scores(cache.policy) else None
+        steps[idx] = Step(region, masked_scores(raw, region) if evictable else None, window)
     return steps

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...scorers.kvzip import ReconstructionRound
-from .region import Region
+from .region import Region, Step
 
 
 class Phase(enum.Enum):
@@ -62,7 +62,7 @@ class ForwardState:
     awaiting: int | None = None
     readers: dict[int, weakref.ref] = field(default_factory=dict)
     unrouted: bool = False
-    deferred: dict[int, tuple[Region, torch.Tensor | None]] = field(default_factory=dict)
+    deferred: dict[int, Step] = field(default_factory=dict)
     folding: dict[int, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
     phase: Phase | None = None
     held: dict[int, Region] = field(default_factory=dict)

@@ -9,6 +9,7 @@ every real token whatever a scorer returns.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +37,18 @@ class Region:
     @property
     def n_evictable(self) -> torch.Tensor:
         return self.evictable.sum(-1)
+
+
+class Step(NamedTuple):
+    """One layer's eviction step: its ``region``, the region's masked scores ``[B, H, length]`` (``None``:
+    nothing to rank) and, for a store that keeps each token's score (:func:`~.fold.keeps_scores`), the raw
+    scores ``[B, H, S - length]`` of the protected window after the region: stored with the window when it
+    joins the store right after the step (under a memory budget or ``kv_bits``), where an unscored token would
+    rank below every other at the next evicting fold."""
+
+    region: Region
+    scores: torch.Tensor | None
+    window: torch.Tensor | None = None
 
 
 def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
