@@ -363,16 +363,36 @@ class Surrogate:
         the first weights: one ``[B, T, F] x [F, H]`` matmul (linear), or ``[F, M]`` then ``[M, H]`` (MLP),
         nothing of size ``H x T x F``."""
         x = surrogate_inputs(features, lengths, self.features)
-        device = features.device
-        mean, std = self.mean[layer].to(device), self.std[layer].to(device)
-        weight, bias = self.weight[layer, heads].to(device), self.bias[layer, heads].to(device)
+        first, first_bias, weight, bias = self._folded(layer, heads, features.device)
         if self.hidden_weight is None:
-            scale = weight / std  # [H, F]
-            return (x @ scale.T + (bias - scale @ mean)).transpose(1, 2)
-        first = self.hidden_weight[layer].to(device) / std  # [M, F]
-        hidden_bias = cast(torch.Tensor, self.hidden_bias)  # an MLP surrogate has both
-        hidden = x @ first.T + (hidden_bias[layer].to(device) - first @ mean)
+            return (x @ first.T + first_bias).transpose(1, 2)
+        hidden = x @ first.T + first_bias
         return (torch.nn.functional.gelu(hidden) @ weight.T + bias).transpose(1, 2)
+
+    def _folded(self, layer: int, heads: slice, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(first, first_bias, weight, bias)`` of ``layer`` on ``device``: the first map's weights divided by
+        ``std`` and its bias less their product with ``mean`` (standardisation folded in), then, for an MLP,
+        the output map's; computed once per (layer, heads, device) and kept while no tensor of the surrogate
+        changes in place (their version counters are in the key), as a cache's folds score a few tokens of every
+        layer every few decoding steps."""
+        versions = tuple(
+            t._version
+            for t in (self.weight, self.bias, self.mean, self.std, self.hidden_weight, self.hidden_bias)
+            if t is not None
+        )
+        key = (layer, heads.start, heads.stop, heads.step, str(device), versions)
+        cache = self.__dict__.setdefault("_folded_maps", {})
+        if key not in cache:
+            mean, std = self.mean[layer].to(device), self.std[layer].to(device)
+            weight, bias = self.weight[layer, heads].to(device), self.bias[layer, heads].to(device)
+            if self.hidden_weight is None:
+                scale = weight / std  # [H, F]
+                cache[key] = (scale, bias - scale @ mean, weight, bias)
+            else:
+                first = self.hidden_weight[layer].to(device) / std  # [M, F]
+                hidden_bias = cast(torch.Tensor, self.hidden_bias)  # an MLP surrogate has both
+                cache[key] = (first, hidden_bias[layer].to(device) - first @ mean, weight, bias)
+        return cache[key]
 
 
 # ---------------------------------------------------------------------------------------------- the scorer

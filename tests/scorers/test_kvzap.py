@@ -118,6 +118,24 @@ def test_mlp_surrogate_predictions_equal_a_computation_by_hand():
     torch.testing.assert_close(s.predict(1, x, heads=slice(2, 3)), got[:, 2:])
 
 
+@pytest.mark.parametrize("hidden", [None, 5])
+def test_a_surrogate_changed_in_place_after_predicting_predicts_with_its_new_weights(hidden):
+    # predict keeps each layer's maps with the standardisation folded in; a tensor changed in place (as a
+    # build fills a surrogate layer by layer) must not leave a stale copy behind
+    gen = torch.Generator().manual_seed(2)
+    s = Surrogate.zeros(num_layers=2, heads=2, features=6, hidden=hidden)
+    x = torch.randn(1, 3, 6, generator=gen)
+    assert not s.predict(0, x).any()  # all zeros, and kept
+    tensors = (s.weight, s.bias, s.mean, s.std, s.hidden_weight, s.hidden_bias)
+    for t in (t for t in tensors if t is not None):
+        t.add_(torch.rand(t.shape, generator=gen))
+    fresh = Surrogate(
+        **{f: getattr(s, f) for f in ("weight", "bias", "mean", "std", "hidden_weight", "hidden_bias")}
+    )
+    torch.testing.assert_close(s.predict(0, x), fresh.predict(0, x))
+    assert s.predict(0, x).abs().sum() > 0
+
+
 def test_ridge_without_penalty_is_least_squares_and_the_penalty_shrinks():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(300, 5, generator=gen, dtype=torch.float64) * torch.tensor([1, 10, 0.1, 3, 1.0])
