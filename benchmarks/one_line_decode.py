@@ -67,7 +67,9 @@ def run(name: str, tokens: int, batch: int, threads: int, steps: int, memory: fl
         for label, cache in caches.items():
             model(input_ids=ids, past_key_values=cache, use_cache=True)
             seen = folds.setdefault(label, [])
-            cache.compressor.observe(lambda step, seen=seen: step.kind == "fold" and seen.append(step.seconds))
+            cache.compressor.observe(
+                lambda step, seen=seen: step.kind == "fold" and seen.append(step.seconds)
+            )
     times = cache_bench.interleaved_steps(model, caches, batch, steps)
     row = {}
     for label, cache in caches.items():
@@ -113,14 +115,25 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in args.tokens:
         for batch in args.batch:
             row = run(
-                args.model, tokens, batch, args.threads, args.decode_steps, args.memory, args.ratio, args.scorer
+                args.model,
+                tokens,
+                batch,
+                args.threads,
+                args.decode_steps,
+                args.memory,
+                args.ratio,
+                args.scorer,
             )
             base = row["one line"]
             for label, r in row.items():
-                name = f"from_pretrained(ratio={args.ratio:g})" if label == "one line" else (
-                    f"from_pretrained(memory={args.memory:g})"
+                name = (
+                    f"from_pretrained(ratio={args.ratio:g})"
+                    if label == "one line"
+                    else (f"from_pretrained(memory={args.memory:g})")
                 )
-                fold = f"{len(r['folds'])} ({1000 * statistics.median(r['folds']):.1f})" if r["folds"] else "0"
+                fold = (
+                    f"{len(r['folds'])} ({1000 * statistics.median(r['folds']):.1f})" if r["folds"] else "0"
+                )
                 lines.append(
                     f"| {tokens} | {batch} | {name} | {r['scorer']} | {r['bits']} | {r['kept']:.1f} | "
                     f"{r['mib']:.2f} | {fold} | {r['median']:.2f} | {r['median'] / base['median']:.3f} | "
