@@ -396,3 +396,40 @@ def test_threshold_below_its_first_grid_point_evicts_a_proportional_share_as_a_p
     counts = get_allocator("threshold", profile=profile)(req)[0, :, 0]  # [B]
     at_first = int((torch.linspace(-1, 1, 100) >= 0.0).sum())  # 50 kept at ratio 0.5
     assert counts.tolist() == [100, 100 - round((100 - at_first) / 2), at_first]
+
+
+def _competing_counts_by_sorting(scores, total, guaranteed, n):
+    """The reference: each head's guaranteed best out by a sort, then a stable sort of every remaining
+    score, its first ``extra`` counted per head (what ``_competing_counts`` computed before its threshold)."""
+    b, k, r = scores.shape
+    guaranteed = torch.minimum(guaranteed.view(b, -1).expand(b, k), n.view(b, 1))
+    ranked = scores.sort(dim=-1, descending=True).values
+    open_ = ranked.masked_fill(torch.arange(r) < guaranteed.unsqueeze(-1), float("-inf"))
+    counts = guaranteed.clone()
+    for row in range(b):
+        extra = int((total[row] - guaranteed[row].sum()).clamp_min(0))
+        flat = open_[row].flatten()
+        extra = min(extra, int(torch.isfinite(flat).sum()))
+        if extra:
+            winners = flat.argsort(descending=True, stable=True)[:extra] // r
+            counts[row] += torch.bincount(winners, minlength=k)
+    return torch.minimum(counts, n.view(b, 1))
+
+
+def test_competing_counts_by_threshold_equal_a_stable_sort_of_every_score():
+    # ties (scores on a coarse grid), -inf (tokens never evictable), per-head and per-row guarantees, totals
+    # below and above what the guarantees take
+    from lukv_cache.allocation.builtin import _competing_counts
+
+    gen = torch.Generator().manual_seed(0)
+    for case in range(400):
+        b, k, r = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (4, 9, 40))
+        scores = torch.randint(0, 1 + case % 7, (b, k, r), generator=gen).float()
+        scores[torch.rand(b, k, r, generator=gen) < 0.2] = float("-inf")
+        n = torch.randint(0, r + 1, (b,), generator=gen)
+        shape = (b, k) if case % 2 else (b,)
+        guaranteed = torch.randint(0, r + 1, shape, generator=gen)
+        total = torch.randint(0, k * r + 5, (b,), generator=gen)
+        got = _competing_counts(scores, total, guaranteed, n)
+        want = _competing_counts_by_sorting(scores, total, guaranteed, n)
+        assert torch.equal(got, want), (case, got, want)
