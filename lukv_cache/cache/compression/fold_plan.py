@@ -105,15 +105,11 @@ def gather_held(held: Held, stored: torch.Tensor | PackedRows | None, suffix: to
             first = stored.dequantize() if isinstance(stored, PackedRows) else stored
         else:  # a quantized store's rows come back dequantized (PackedRows.rows)
             first = stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)
-        # each slot's row in [the store's picked rows; the suffix's]: one gather (index_copy_ into the
-        # slots costs several times more on CPU)
-        taken = torch.cumsum(from_store, 0) - 1
-        rank = torch.where(
-            from_store,
-            taken,
-            index.shape[0] + torch.arange(source.shape[0], device=source.device) - taken - 1,
-        )
-        rows = torch.cat([first.to(rows.dtype), rows]).index_select(0, rank)
+        # the store's picked rows gathered into every slot (a suffix slot reads any), then the suffix's rows
+        # copied into their slots: no copy of the whole store beside it
+        taken = (torch.cumsum(from_store, 0) - 1).clamp(0, max(index.shape[0] - 1, 0))
+        slots = (~from_store).nonzero().flatten()
+        rows = first.index_select(0, taken).to(rows.dtype).index_copy_(0, slots, rows)
     return rows.view(*held.source.shape, *suffix.shape[3:])
 
 

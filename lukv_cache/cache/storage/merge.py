@@ -103,14 +103,17 @@ def rebuild(
     in_suffix = source[~from_store] - n
     last = start + max(s, 1) - 1  # no kept position is above it
     suffix_pos = (in_suffix % max(s, 1) + start).to(position_dtype(last))
-    # each slot's row in [the store's rows; the picked suffix rows]: one gather per tensor (index_copy_
-    # into the slots, or a bool mask per use, cost several times more on CPU)
-    rank = torch.where(from_store, source, n + torch.cumsum(~from_store, 0) - 1)
+    # per tensor: one gather of the store's kept rows into every slot (a suffix slot reads any row), then
+    # the few suffix rows copied into their slots; no copy of the whole store beside it (a bool mask per
+    # use, or index_copy_ of every row, cost several times more on CPU)
+    store_rows = source.clamp_max(max(n - 1, 0))
+    suffix_slots = (~from_store).nonzero().flatten()
 
     def pick(stored: torch.Tensor | None, from_suffix: torch.Tensor) -> torch.Tensor:
         if stored is None:
             return from_suffix
-        return torch.cat([stored.to(from_suffix.dtype), from_suffix]).index_select(0, rank)
+        out = stored.index_select(0, store_rows).to(from_suffix.dtype)
+        return out.index_copy_(0, suffix_slots, from_suffix)
 
     held = store if n else None
     new_k, new_v = gather_ragged(suffix_keys, in_suffix), gather_ragged(suffix_values, in_suffix)
