@@ -246,8 +246,9 @@ class Compressor:
 
     # ------------------------------------------------------------------ the steps
     def evict(self, steps: dict[int, Step]) -> None:
-        """Evict the regions of ``steps`` (layer -> region, masked scores or None; see
-        :func:`~lukv_cache.cache.compression.evict.evict`)."""
+        """Evict the regions of ``steps`` (layer -> its :class:`~.region.Step`; see
+        :func:`~lukv_cache.cache.compression.evict.evict`); under a budget or ``kv_bits`` each window then joins
+        its store, with its scores where the store keeps them."""
         started = time.perf_counter()
         budgeted = self.policy.in_bytes and bool(steps)
         if budgeted and self.memory_choice is None:

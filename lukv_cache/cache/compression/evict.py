@@ -103,7 +103,7 @@ def evict(
     cap_ratio: torch.Tensor | None = None,
     whole: bool = False,
 ) -> torch.Tensor | None:
-    """Evict the regions of ``steps`` (layer -> region, masked scores or None); one allocator call for
+    """Evict the regions of ``steps`` (layer -> its :class:`~.region.Step`); one allocator call for
     the layers whose rows have the same evictable tokens and KV heads, each at the ratio (a sliding layer
     compressed under ``sliding="compress"`` has fewer tokens than a full-attention one, and MiMo-V2-Flash's
     more heads: their own call). ``cap_ratio``: with ``max_tokens``, each row's ratio in this forward so

@@ -39,7 +39,7 @@ class ForwardState:
     ``awaiting``: the layer whose announced attention has not run yet; ``readers``: layer -> the attention
     module that read it (weak; a call announced for the layer names its reader); ``unrouted``: the model
     attends in its own code, never through the attention interface; ``deferred``: layers waiting for the
-    end of the prefill to be evicted (a whole-model allocator) -> (region, masked scores or None);
+    end of the prefill to be evicted (a whole-model allocator) -> its ``Step`` (region, masked scores, window scores);
     ``folding``: with ``decode_max_tokens``, layers whose fold is due in this forward -> (attention module,
     mask); ``phase``: a :class:`Phase` (``HOLD``: multi-token forwards plan their regions into ``held`` and
     keep everything until ``evict_held()``; ``RECONSTRUCT``: a reconstruction scorer's pass, scored into
