@@ -167,6 +167,10 @@ class RopeInverse:
     def __init__(self, rotary: torch.nn.Module, layer_type: str | None = None):
         self.rotary = rotary
         self.layer_type = layer_type
+        self._device: torch.device | None = None  # where the rotary module's buffers are
+        # the last call's positions and (cos, sin): a fold scores every layer at the same positions, and
+        # the layers of one model share one RopeInverse (rope_inverse)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def for_module(cls, module: Any) -> RopeInverse:
@@ -193,11 +197,21 @@ class RopeInverse:
 
     def cos_sin(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin ``[B, T, R]`` (``R`` rotary dims) at ``positions [B, T]``."""
-        self.rotary.to(like.device)
+        positions = positions.to(like.device).long()
+        last = self._last
+        if last is not None and last[0].shape == positions.shape and last[0].device == positions.device:
+            if torch.equal(last[0], positions):
+                return last[1], last[2]
+        if self._device != like.device:
+            self.rotary.to(like.device)
+            self._device = like.device
         x = like.new_empty(0, dtype=torch.float32)
         args = (self.layer_type,) if self.layer_type is not None else ()
-        cos, sin = self.rotary(x, positions.to(like.device).long(), *args)
-        return cos.float(), sin.float()
+        cos, sin = self.rotary(x, positions, *args)
+        cos, sin = cos.float(), sin.float()
+        # kept for a fold's few positions only: a prompt's would pin [B, T, R] floats after the prefill
+        self._last = (positions.clone(), cos, sin) if positions.numel() <= _KEPT_POSITIONS else None
+        return cos, sin
 
     def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys before RoPE, fp32 ``[B, H, T, D]``, from cached keys ``[B, H, T, D]`` at ``positions``."""
@@ -263,10 +277,26 @@ def module_window_attention(module: Any, keys: torch.Tensor, queries: torch.Tens
 _INVERSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_SHARED: dict[tuple[int, type, str | None], tuple[weakref.ref, RopeInverse]] = {}
+_KEPT_POSITIONS = 1024  # RopeInverse keeps its last cos and sin for at most this many positions
+
+
 def rope_inverse(module: Any) -> RopeInverse:
-    """The :class:`RopeInverse` of an attention module (built once per module)."""
+    """The :class:`RopeInverse` of an attention module (built once per module), shared by the modules of one
+    model that rotate alike (the same config object, rotary class and layer type), so that the layers scored
+    at the same positions (a fold, a prefill) compute cos and sin once."""
     if module not in _INVERSES:
-        _INVERSES[module] = RopeInverse.for_module(module)
+        inverse = RopeInverse.for_module(module)
+        config = getattr(module, "config", None)
+        key = (id(config), type(inverse.rotary), inverse.layer_type)
+        shared = _SHARED.get(key)
+        if shared is not None and shared[0]() is config:
+            inverse = shared[1]
+        else:
+            for dead in [k for k, (ref, _) in _SHARED.items() if ref() is None]:
+                del _SHARED[dead]  # models gone since
+            _SHARED[key] = (weakref.ref(config), inverse)
+        _INVERSES[module] = inverse
     return _INVERSES[module]
 
 

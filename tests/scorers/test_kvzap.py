@@ -84,6 +84,31 @@ def test_rope_is_undone_exactly_with_the_models_own_rotary_embedding(arch, attn)
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_one_models_layers_share_a_rope_inverse_that_recomputes_at_new_positions(family):
+    # the layers of one model rotate alike (per layer type): one RopeInverse, its last cos/sin kept for a
+    # fold's few positions and recomputed whenever they change; another model of its own
+    from lukv_cache.scorers.kvzap import rope_inverse
+
+    model, other = tiny_model(family, "sdpa"), tiny_model(family, "sdpa", seed=1)  # two models
+    modules = [layer.self_attn for layer in model.model.layers]
+    inverses = [rope_inverse(m) for m in modules]
+    types = getattr(model.config, "layer_types", None) or [None] * len(modules)
+    for inverse, module, kind in zip(inverses, modules, types):
+        same = [other_inv for other_inv, t in zip(inverses, types) if t == kind]
+        assert all(i is inverse for i in same)
+        assert rope_inverse(other.model.layers[modules.index(module)].self_attn) is not inverse
+    keys = torch.randn(2, 2, 6, modules[0].head_dim)
+    for positions in (
+        torch.arange(6).repeat(2, 1),
+        torch.arange(3, 9).repeat(2, 1),
+        torch.arange(6).repeat(2, 1),
+    ):
+        for module, inverse in zip(modules, inverses):
+            fresh = RopeInverse.for_module(module)
+            torch.testing.assert_close(inverse(keys, positions), fresh(keys, positions), rtol=0, atol=0)
+
+
 def test_surrogate_predictions_equal_a_computation_by_hand():
     gen = torch.Generator().manual_seed(0)
     s = Surrogate.zeros(num_layers=2, heads=2, features=6)
