@@ -336,6 +336,8 @@ class Surrogate:
     meta: dict = field(default_factory=dict)
     hidden_weight: torch.Tensor | None = None
     hidden_bias: torch.Tensor | None = None
+    # (layer, heads, device) -> the tensors' versions and the folded maps (_folded); not saved, not compared
+    _folded_maps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def zeros(cls, num_layers: int, heads: int, features: int, hidden: int | None = None) -> Surrogate:
@@ -394,35 +396,37 @@ class Surrogate:
         nothing of size ``H x T x F``."""
         x = surrogate_inputs(features, lengths, self.features)
         first, first_bias, weight, bias = self._folded(layer, heads, features.device)
+        out = x @ first.T + first_bias  # linear: the scores; MLP: the hidden layer
         if self.hidden_weight is None:
-            return (x @ first.T + first_bias).transpose(1, 2)
-        hidden = x @ first.T + first_bias
-        return (torch.nn.functional.gelu(hidden) @ weight.T + bias).transpose(1, 2)
+            return out.transpose(1, 2)
+        return (torch.nn.functional.gelu(out) @ weight.T + bias).transpose(1, 2)
 
     def _folded(self, layer: int, heads: slice, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(first, first_bias, weight, bias)`` of ``layer`` on ``device``: the first map's weights divided by
         ``std`` and its bias less their product with ``mean`` (standardisation folded in), then, for an MLP,
         the output map's; computed once per (layer, heads, device) and kept while no tensor of the surrogate
-        changes in place (their version counters are in the key), as a cache's folds score a few tokens of every
-        layer every few decoding steps."""
+        changes in place (their version counters are checked: a change replaces the entry, so the cache holds at
+        most one per key), as a cache's folds score a few tokens of every layer every few decoding steps."""
         versions = tuple(
             t._version
             for t in (self.weight, self.bias, self.mean, self.std, self.hidden_weight, self.hidden_bias)
             if t is not None
         )
-        key = (layer, heads.start, heads.stop, heads.step, str(device), versions)
-        cache = self.__dict__.setdefault("_folded_maps", {})
-        if key not in cache:
-            mean, std = self.mean[layer].to(device), self.std[layer].to(device)
-            weight, bias = self.weight[layer, heads].to(device), self.bias[layer, heads].to(device)
-            if self.hidden_weight is None:
-                scale = weight / std  # [H, F]
-                cache[key] = (scale, bias - scale @ mean, weight, bias)
-            else:
-                first = self.hidden_weight[layer].to(device) / std  # [M, F]
-                hidden_bias = cast(torch.Tensor, self.hidden_bias)  # an MLP surrogate has both
-                cache[key] = (first, hidden_bias[layer].to(device) - first @ mean, weight, bias)
-        return cache[key]
+        key = (layer, heads.start, heads.stop, heads.step, str(device))
+        kept = self._folded_maps.get(key)
+        if kept is not None and kept[0] == versions:
+            return kept[1]
+        mean, std = self.mean[layer].to(device), self.std[layer].to(device)
+        weight, bias = self.weight[layer, heads].to(device), self.bias[layer, heads].to(device)
+        if self.hidden_weight is None:
+            scale = weight / std  # [H, F]
+            maps = (scale, bias - scale @ mean, weight, bias)
+        else:
+            first = self.hidden_weight[layer].to(device) / std  # [M, F]
+            hidden_bias = cast(torch.Tensor, self.hidden_bias)  # an MLP surrogate has both
+            maps = (first, hidden_bias[layer].to(device) - first @ mean, weight, bias)
+        self._folded_maps[key] = (versions, maps)
+        return maps
 
 
 # ---------------------------------------------------------------------------------------------- the scorer
