@@ -25,7 +25,7 @@ import torch
 from ...scorers import Scorer, check_scores
 from ..storage.layer import LUKVLayer
 from ..storage.quant import PackedRows
-from ..storage.ragged import gather_ragged
+from ..storage.ragged import gather_into_slots, gather_ragged
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,11 +105,9 @@ def gather_held(held: Held, stored: torch.Tensor | PackedRows | None, suffix: to
             first = stored.dequantize() if isinstance(stored, PackedRows) else stored
         else:  # a quantized store's rows come back dequantized (PackedRows.rows)
             first = stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)
-        # the store's picked rows gathered into every slot (a suffix slot reads any), then the suffix's rows
-        # copied into their slots: no copy of the whole store beside it
+        # each slot's row of the store's picked ones (a suffix slot's placeholder: any), the suffix's copied in
         taken = (torch.cumsum(from_store, 0) - 1).clamp(0, max(index.shape[0] - 1, 0))
-        slots = (~from_store).nonzero().flatten()
-        rows = first.index_select(0, taken).to(rows.dtype).index_copy_(0, slots, rows)
+        rows = gather_into_slots(first, taken, rows, (~from_store).nonzero().flatten())
     return rows.view(*held.source.shape, *suffix.shape[3:])
 
 

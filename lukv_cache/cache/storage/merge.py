@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 
-from .ragged import RaggedStore, flat_index_from_mask, gather_ragged, position_dtype
+from .ragged import RaggedStore, flat_index_from_mask, gather_into_slots, gather_ragged, position_dtype
 
 
 def absorb(
@@ -103,17 +103,15 @@ def rebuild(
     in_suffix = source[~from_store] - n
     last = start + max(s, 1) - 1  # no kept position is above it
     suffix_pos = (in_suffix % max(s, 1) + start).to(position_dtype(last))
-    # per tensor: one gather of the store's kept rows into every slot (a suffix slot reads any row), then
-    # the few suffix rows copied into their slots; no copy of the whole store beside it (a bool mask per
-    # use, or index_copy_ of every row, cost several times more on CPU)
-    store_rows = source.clamp_max(max(n - 1, 0))
+    store_rows = source.clamp_max(max(n - 1, 0))  # a suffix slot's placeholder: any row
     suffix_slots = (~from_store).nonzero().flatten()
 
     def pick(stored: torch.Tensor | None, from_suffix: torch.Tensor) -> torch.Tensor:
-        if stored is None:
-            return from_suffix
-        out = stored.index_select(0, store_rows).to(from_suffix.dtype)
-        return out.index_copy_(0, suffix_slots, from_suffix)
+        return (
+            from_suffix
+            if stored is None
+            else gather_into_slots(stored, store_rows, from_suffix, suffix_slots)
+        )
 
     held = store if n else None
     new_k, new_v = gather_ragged(suffix_keys, in_suffix), gather_ragged(suffix_values, in_suffix)

@@ -458,6 +458,20 @@ def flat_index_from_mask(keep: torch.Tensor, total: int | None = None) -> torch.
     return index[:total]
 
 
+def gather_into_slots(
+    rows: torch.Tensor, index: torch.Tensor, new: torch.Tensor, new_slots: torch.Tensor
+) -> torch.Tensor:
+    """``[len(index), ...]`` in ``new``'s dtype: ``rows[index]`` in every slot, then ``new``'s rows copied into
+    ``new_slots`` (the slots whose index is a placeholder). How a fold merges a store's kept rows with a few
+    suffix rows without copying the whole store beside them (a cat then a gather did; a bool mask per use, or
+    ``index_copy_`` of every row, cost several times more on CPU).
+
+    >>> gather_into_slots(torch.tensor([10, 11, 12]), torch.tensor([0, 0, 2]), torch.tensor([7]), torch.tensor([1]))
+    tensor([10,  7, 12])
+    """
+    return rows.index_select(0, index).to(new.dtype).index_copy_(0, new_slots, new)
+
+
 def gather_ragged(dense: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
     """``[N, ...]``: rows of ``dense [B, H, T, ...]`` at ``flat_index`` (indices into ``B * H * T``).
 
