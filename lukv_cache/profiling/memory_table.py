@@ -77,9 +77,16 @@ def windows_fit(lengths: Sequence[int], contexts: int, continuation_tokens: int,
     return sum(length // need for length in lengths)
 
 
-def _context_length(lengths: list[int], contexts: int, continuation_tokens: int, limit: int | None) -> int:
-    """The longest context that still leaves ``contexts`` non-overlapping windows (within ``limit``
-    positions); 0 when even one token does not fit."""
+def window_context_tokens(
+    lengths: list[int], contexts: int, continuation_tokens: int, limit: int | None
+) -> int:
+    """The context a table's windows get when ``context_tokens=None``: the longest that still leaves
+    ``contexts`` non-overlapping windows of it + ``continuation_tokens`` in texts of ``lengths`` tokens
+    (within ``limit`` positions); 0 when even one token does not fit.
+
+    >>> window_context_tokens([1000, 300], 4, 128, None)  # 3 windows of 300 in the first text, 1 in the second
+    172
+    """
     longest = max(lengths) - continuation_tokens
     if limit is not None:
         longest = min(longest, limit - continuation_tokens)
@@ -210,7 +217,7 @@ def measure_memory_table(
     limit = getattr(config, "max_position_embeddings", None)
     limit = limit if isinstance(limit, int) else None
     if context_tokens is None:
-        context_tokens = _context_length(lengths, contexts, continuation_tokens, limit)
+        context_tokens = window_context_tokens(lengths, contexts, continuation_tokens, limit)
     need = context_tokens + continuation_tokens
     if context_tokens < 1 or windows_fit(lengths, contexts, continuation_tokens, context_tokens) < contexts:
         raise ConfigurationError(
