@@ -187,120 +187,154 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
 }
 
 
-/* The common shapes (head_dim a multiple of 32, groups of 32 channels) on AVX-512, in GCC / clang vector
- * extensions (16 floats per vector: one register): a block's 16 key rows are dequantized (one vpmovzxbd per 16
- * codes), each query's 16 dots taken as 16 vectors of partial products and reduced together by a tree of
- * shuffles (lane r of the result is row r's logit: no horizontal sum per row), the block's softmax done on the
- * 16 lanes, and the values accumulated a tile of query rows at a time with the tile's sums in registers: about
- * half the scalar loop's time per row at 3 query rows. Without AVX-512 the compilers split these vectors
- * through memory (several times slower than the scalar loop, measured with GCC 12 and -mavx2): the scalar
- * attend_rows above serves there, and everywhere for the dense suffix and other shapes. */
-#if defined(__AVX512F__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+/* The common shapes (head_dim a multiple of 32, groups of 32 channels) in GCC / clang vector extensions, one
+ * register per vector: 16 floats on AVX-512, 8 on AVX2 with FMA (LUKV_LANES). A block's 16 key rows are dequantized
+ * (one vpmovzxbd per LUKV_LANES codes), each query's dots taken as LUKV_LANES vectors of partial products at a time
+ * and reduced together by a tree of shuffles (lane r of the result is row r's logit: no horizontal sum per row),
+ * the block's softmax done on the lanes, and the values accumulated a tile of query rows at a time with the tile's
+ * sums in registers: about half the scalar loop's time per row at 3 query rows. The vectors are sized to the
+ * registers: 16-float vectors on AVX2 are split through memory by the compilers (several times slower than the
+ * scalar loop, measured with GCC 12 and -mavx2). Elsewhere (other CPUs, old compilers) the scalar attend_rows
+ * above serves, and everywhere for the dense suffix and other shapes. */
+#if !defined(LUKV_SCALAR) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)) /* -DLUKV_SCALAR: none */
+#if defined(__AVX512F__)
+#define LUKV_LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LUKV_LANES 8
+#endif
+#endif
+#ifdef LUKV_LANES
 #define LUKV_VECTOR 1
 #include <immintrin.h>
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+/* the registers a tile of query rows keeps its sums in: half of them (32 zmm on AVX-512, 16 ymm on AVX2: a tile
+ * that fills all 16 spilled, 12% slower at head_dim 64) */
+#define SUM_REGISTERS (LUKV_LANES == 16 ? 16 : 8)
+typedef float vf __attribute__((vector_size(4 * LUKV_LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LUKV_LANES)));
 
-static inline __attribute__((always_inline)) vf16 vload(const float *p) {
-    vf16 v;
+static inline __attribute__((always_inline)) vf vload(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
-static inline __attribute__((always_inline)) void vstore(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
-/* 16 bytes at p, each widened to an int32 lane */
-static inline __attribute__((always_inline)) vi16 widen(const uint8_t *p) {
-    return (vi16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+static inline __attribute__((always_inline)) void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline __attribute__((always_inline)) vf vcodes(vi c, float s, float z) {
+    return __builtin_convertvector(c, vf) * s + z;
 }
-static inline __attribute__((always_inline)) vf16 vcodes(vi16 c, float s, float z) {
-    return __builtin_convertvector(c, vf16) * s + z;
+#if LUKV_LANES == 16
+static const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+/* 16 bytes at p, each widened to an int32 lane */
+static inline __attribute__((always_inline)) vi widen(const uint8_t *p) {
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 /* the even lanes of a:b plus the odd ones: a's 16 lanes summed in pairs into lanes 0-7, b's into 8-15 */
-static inline __attribute__((always_inline)) vf16 pair_sum(vf16 a, vf16 b) {
+static inline __attribute__((always_inline)) vf pair_sum(vf a, vf b) {
     return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
-/* lane r = the sum of p[r]'s 16 lanes */
-static inline __attribute__((always_inline)) vf16 lane_sums(const vf16 *p) {
-    vf16 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) a[i] = pair_sum(p[2 * i], p[2 * i + 1]);
-    for (int i = 0; i < 4; i++) b[i] = pair_sum(a[2 * i], a[2 * i + 1]);
-    for (int i = 0; i < 2; i++) c[i] = pair_sum(b[2 * i], b[2 * i + 1]);
-    return pair_sum(c[0], c[1]);
+/* v's lanes combined by op with their partners at distance 8, 4, 2, 1: every lane holds the op of all */
+#define HALVINGS(v, op)                                                                                             \
+    do {                                                                                                           \
+        v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));            \
+        v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));            \
+        v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));            \
+        v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));            \
+    } while (0)
+#else
+static const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7};
+/* 8 bytes at p, each widened to an int32 lane */
+static inline __attribute__((always_inline)) vi widen(const uint8_t *p) {
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+/* a's 8 lanes summed in pairs into lanes 0-3, b's into 4-7 */
+static inline __attribute__((always_inline)) vf pair_sum(vf a, vf b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#define HALVINGS(v, op)                                                                                             \
+    do {                                                                                                           \
+        v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));                                          \
+        v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));                                          \
+        v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));                                          \
+    } while (0)
+#endif
+/* lane r = the sum of p[r]'s lanes (pairs summed, then pairs of pairs: a tree of LUKV_LANES - 1 pair_sums) */
+static inline __attribute__((always_inline)) vf lane_sums(const vf *p) {
+    vf a[LUKV_LANES];
+    for (int i = 0; i < LUKV_LANES; i++) a[i] = p[i];
+    for (int n = LUKV_LANES; n > 1; n /= 2)
+        for (int i = 0; i < n / 2; i++) a[i] = pair_sum(a[2 * i], a[2 * i + 1]);
+    return a[0];
 }
 /* lane-wise max / min and a mask's select, in the vector extensions' words (C has no ?: on vectors) */
-static inline __attribute__((always_inline)) vf16 vselect(vi16 mask, vf16 a, vf16 b) {
-    return (vf16)(((vi16)a & mask) | ((vi16)b & ~mask));
+static inline __attribute__((always_inline)) vf vselect(vi mask, vf a, vf b) {
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
 }
-static inline __attribute__((always_inline)) vf16 vmax(vf16 a, vf16 b) { return vselect(a > b, a, b); }
-static inline __attribute__((always_inline)) vf16 vmin(vf16 a, vf16 b) { return vselect(a < b, a, b); }
-/* the max and the sum of a vector's 16 lanes (halving trees) */
-static inline __attribute__((always_inline)) float hmax(vf16 v) {
-    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+static inline __attribute__((always_inline)) vf vmin(vf a, vf b) { return vselect(a < b, a, b); }
+static inline __attribute__((always_inline)) vf vadd(vf a, vf b) { return a + b; }
+/* the max and the sum of a vector's lanes (halving trees) */
+static inline __attribute__((always_inline)) float hmax(vf v) {
+    HALVINGS(v, vmax);
     return v[0];
 }
-static inline __attribute__((always_inline)) float hsum(vf16 v) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+static inline __attribute__((always_inline)) float hsum(vf v) {
+    HALVINGS(v, vadd);
     return v[0];
 }
-/* exp_approx on 16 lanes (the same polynomial; n rounded to nearest by the 1.5 * 2^23 trick) */
-static inline __attribute__((always_inline)) vf16 vexp(vf16 x) {
-    vi16 below = x < EXP_LOW;
-    x = vmin(vmax(x, (vf16){} + EXP_LOW), (vf16){} + EXP_HIGH);
-    vf16 n = (x * EXP_LOG2E + 12582912.0f) - 12582912.0f;
-    vf16 r = EXP_REDUCE(x, n);
-    vf16 p = EXP_POLY(r);
-    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return vselect(~below, p * (vf16)bits, (vf16){});
+/* exp_approx on the lanes (the same polynomial; n rounded to nearest by the 1.5 * 2^23 trick) */
+static inline __attribute__((always_inline)) vf vexp(vf x) {
+    vi below = x < EXP_LOW;
+    x = vmin(vmax(x, (vf){} + EXP_LOW), (vf){} + EXP_HIGH);
+    vf n = (x * EXP_LOG2E + 12582912.0f) - 12582912.0f;
+    vf r = EXP_REDUCE(x, n);
+    vf p = EXP_POLY(r);
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return vselect(~below, p * (vf)bits, (vf){});
 }
-/* row n of a store into C = D / 16 vectors (groups of 32: vectors 2g and 2g + 1 are group g; at 4 bits its
- * low nibbles, then its high ones: the nibble order) */
+/* row n of a store into d / LUKV_LANES vectors (groups of 32 channels; at 4 bits each group's low nibbles, then
+ * its high ones: the nibble order) */
 static inline __attribute__((always_inline)) void vrow(const uint8_t *codes, const uint16_t *scale,
                                                        const uint16_t *zero, int d, int bits, float *out) {
     for (int g = 0; g < d / 32; g++) {
         float s = bf16_to_float(scale[g]), z = bf16_to_float(zero[g]);
-        vi16 lo, hi;
+        float *o = out + 32 * g;
         if (bits == 8) {
-            lo = widen(codes + 32 * g);
-            hi = widen(codes + 32 * g + 16);
+            for (int i = 0; i < 32 / LUKV_LANES; i++)
+                vstore(o + LUKV_LANES * i, vcodes(widen(codes + 32 * g + LUKV_LANES * i), s, z));
         } else {
-            vi16 b = widen(codes + 16 * g);
-            lo = b & 0x0F;
-            hi = b >> 4;
+            for (int i = 0; i < 16 / LUKV_LANES; i++) {
+                vi b = widen(codes + 16 * g + LUKV_LANES * i);
+                vstore(o + LUKV_LANES * i, vcodes(b & 0x0F, s, z));
+                vstore(o + 16 + LUKV_LANES * i, vcodes(b >> 4, s, z));
+            }
         }
-        vstore(out + 32 * g, vcodes(lo, s, z));
-        vstore(out + 32 * g + 16, vcodes(hi, s, z));
     }
 }
 /* acc[m0 .. m0 + T) += the block's weights x values, the T x C sums in registers across its rows */
 static inline __attribute__((always_inline)) void vaccumulate(float *acc, const float *weight, const float *v,
                                                               int m0, int T, int d, int rows) {
-    int C = d / 16;
-    vf16 a[4 * MAX_D / 16]; /* T x C of them used (at most 16 by the caller's choice of T) */
+    int C = d / LUKV_LANES;
+    vf a[4 * MAX_D / LUKV_LANES]; /* T x C of them used */
     for (int t = 0; t < T; t++)
-        for (int c = 0; c < C; c++) a[t * C + c] = vload(acc + (size_t)(m0 + t) * d + 16 * c);
+        for (int c = 0; c < C; c++) a[t * C + c] = vload(acc + (size_t)(m0 + t) * d + LUKV_LANES * c);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < C; c++) {
-            vf16 x = vload(v + (size_t)r * d + 16 * c);
+            vf x = vload(v + (size_t)r * d + LUKV_LANES * c);
             for (int t = 0; t < T; t++) a[t * C + c] += weight[(m0 + t) * BLOCK + r] * x;
         }
     for (int t = 0; t < T; t++)
-        for (int c = 0; c < C; c++) vstore(acc + (size_t)(m0 + t) * d + 16 * c, a[t * C + c]);
+        for (int c = 0; c < C; c++) vstore(acc + (size_t)(m0 + t) * d + LUKV_LANES * c, a[t * C + c]);
 }
 
 static inline __attribute__((always_inline)) void attend_rows_vector(
     const float *q, int m_rows, int d, int lo, int hi, const uint8_t *kc, const uint16_t *ks, const uint16_t *kz,
     const uint8_t *vc, const uint16_t *vs, const uint16_t *vz, int bits, float softcap, float *item_max,
     float *item_sum, float *acc) {
+    enum { PARTS = BLOCK / LUKV_LANES }; /* the block's logits: PARTS vectors of LUKV_LANES rows */
     float keys[BLOCK * MAX_D] __attribute__((aligned(64))), values[BLOCK * MAX_D] __attribute__((aligned(64)));
     float weight[MAX_M * BLOCK] __attribute__((aligned(64))), nibble_q[MAX_M * MAX_D];
-    int row_bytes = d * bits / 8, groups = d / 32, C = d / 16;
-    const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    int row_bytes = d * bits / 8, groups = d / 32, C = d / LUKV_LANES;
     q = start_item(q, m_rows, d, 32, bits == 4, nibble_q, item_max, item_sum, acc);
     for (int start = lo; start < hi; start += BLOCK) {
         int rows = hi - start < BLOCK ? hi - start : BLOCK;
@@ -310,34 +344,45 @@ static inline __attribute__((always_inline)) void attend_rows_vector(
         }
         if (rows < BLOCK) memset(keys + rows * d, 0, sizeof(float) * (size_t)(BLOCK - rows) * d);
         for (int m = 0; m < m_rows; m++) {
-            vf16 p[BLOCK];
-            for (int r = 0; r < BLOCK; r++) {
-                vf16 sum = vload(q + (size_t)m * d) * vload(keys + r * d);
-                for (int c = 1; c < C; c++) sum += vload(q + (size_t)m * d + 16 * c) * vload(keys + r * d + 16 * c);
-                p[r] = sum;
+            vf logits[PARTS];
+            float top = -INFINITY;
+            for (int part = 0; part < PARTS; part++) {
+                vf p[LUKV_LANES];
+                for (int r = 0; r < LUKV_LANES; r++) {
+                    const float *k = keys + (part * LUKV_LANES + r) * d;
+                    vf sum = vload(q + (size_t)m * d) * vload(k);
+                    for (int c = 1; c < C; c++) sum += vload(q + (size_t)m * d + LUKV_LANES * c) * vload(k + LUKV_LANES * c);
+                    p[r] = sum;
+                }
+                vf l = lane_sums(p);
+                if (softcap > 0.0f) {
+                    for (int r = 0; r < LUKV_LANES; r++) l[r] = capped(l[r], softcap);
+                }
+                l = vselect(IOTA + part * LUKV_LANES < rows, l, (vf){} - INFINITY);
+                float part_top = hmax(l);
+                if (part_top > top) top = part_top;
+                logits[part] = l;
             }
-            vf16 logits = lane_sums(p);
-            if (softcap > 0.0f) {
-                for (int r = 0; r < BLOCK; r++) logits[r] = capped(logits[r], softcap);
-            }
-            logits = vselect(iota < rows, logits, (vf16){} - INFINITY);
-            float top = hmax(logits);
             if (top > item_max[m]) { /* a new max: rescale what is summed so far */
                 float scale = expf(item_max[m] - top);
                 float *a = acc + (size_t)m * d;
                 item_sum[m] *= scale;
-                for (int c = 0; c < C; c++) vstore(a + 16 * c, vload(a + 16 * c) * scale);
+                for (int c = 0; c < C; c++) vstore(a + LUKV_LANES * c, vload(a + LUKV_LANES * c) * scale);
                 item_max[m] = top;
             }
-            vf16 w = vexp(logits - item_max[m]);
-            item_sum[m] += hsum(w);
-            vstore(weight + m * BLOCK, w);
+            for (int part = 0; part < PARTS; part++) {
+                vf w = vexp(logits[part] - item_max[m]);
+                item_sum[m] += hsum(w);
+                vstore(weight + m * BLOCK + part * LUKV_LANES, w);
+            }
         }
         for (int r = 0; r < rows; r++) {
             size_t n = (size_t)(start + r);
             vrow(vc + n * row_bytes, vs + n * groups, vz + n * groups, d, bits, values + r * d);
         }
-        int tile = 16 / C < 1 ? 1 : (16 / C > 4 ? 4 : 16 / C); /* query rows whose sums fit 16 registers */
+        /* query rows whose sums fit SUM_REGISTERS registers (at head_dim 128 and 256 on AVX2 a row's alone do
+         * not: they spill, and cutting the channels into chunks that fit was 2-7% slower) */
+        int tile = SUM_REGISTERS / C < 1 ? 1 : (SUM_REGISTERS / C > 4 ? 4 : SUM_REGISTERS / C);
         for (int m = 0; m < m_rows;) {
             int t = m_rows - m < tile ? m_rows - m : tile;
             switch (t) { /* T a constant in each: the sums stay in registers */
@@ -472,4 +517,13 @@ int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, cons
     }
     free(item_seg);
     return 0;
+}
+
+/* The vector width the common shapes run at: LUKV_LANES floats, or 0 where the scalar loop serves them. */
+int lukv_codes_lanes(void) {
+#ifdef LUKV_LANES
+    return LUKV_LANES;
+#else
+    return 0;
+#endif
 }

@@ -7,18 +7,22 @@ replace. The kernel (``cpu_codes.c``, beside this file) streams each segment's r
 block of 16 rows into a stack buffer, and keeps the online softmax (running max, sum and weighted value sums,
 fp32) per query row; the segment's rows are cut into work items of :data:`CHUNK` rows spread over
 ``torch.get_num_threads()`` OpenMP threads, the dense suffix is one more item, and the items merge by
-log-sum-exp (flash-decoding). Where the compiler targets AVX-512 (``-march=native`` on such a CPU) the
-common head sizes (64, 128, 256) take a vectorised block: the 16 rows' logits come out of one tree of
-shuffles, the block's softmax runs on the 16 lanes, the value sums of a tile of query rows stay in registers
-(about 1.7x the scalar loop's speed at 3 query rows per KV head, 2x at 7). Exact up to fp32 rounding against
-dequantize-then-attend (``tests/attention/test_cpu_codes.py``).
+log-sum-exp (flash-decoding). Where the compiler targets AVX-512 or AVX2 with FMA (``-march=native`` on such
+a CPU) the common head sizes (64, 128, 256) take a vectorised block (16-float vectors on AVX-512, 8-float ones on
+AVX2: :func:`vector_lanes`): a block's 16 logits come out of trees of shuffles, its softmax runs on the lanes,
+the value sums of a tile of query rows stay in registers (at head_dim 64 about 1.7x the scalar loop's speed on
+AVX-512 and 1.4-1.7x on AVX2; 1.1-1.6x on AVX2 at 128 and 256, where a row's sums outgrow its 16 registers:
+``benchmarks/cpu_kernel_builds.py``). Exact up to fp32 rounding against dequantize-then-attend, each build
+(``tests/attention/test_cpu_codes.py``).
 
 The kernel is compiled once per machine into ``<cache_root()>/kernels`` (``$LUKV_CACHE_DIR``, else
 ``~/.cache/lukv_cache``): ``$CC``, else ``cc``, ``gcc`` or ``clang``, with ``-O3 -march=native -fopenmp``
 (without OpenMP, then without ``-march=native``, when the compiler refuses them); the library's name carries a
 hash of the source, the flags, the compiler and the CPU, and is written by rename (never half a file). When no
 compiler builds it, :func:`kernel` is ``None``, one warning says so, and the blocks serve (slower, same
-results). ``LUKV_CPU_KERNEL=0`` turns it off.
+results). ``LUKV_CPU_KERNEL=0`` turns it off; ``LUKV_CPU_KERNEL_FLAGS`` replaces the flags (one set, no
+fallback: e.g. ``-O3 -march=haswell -fopenmp -fno-math-errno``, the code an AVX2 CPU builds, to time it on a
+newer one).
 
 It serves (:func:`serves`): a CPU query, an 8- or 4-bit store with bf16 scales (fp32 and bf16 models; an fp16
 model's fp16 scales take the blocks), a head_dim of at most 256, at most 64 query rows per KV head, and a
@@ -50,6 +54,7 @@ CHUNK = 256  # rows per work item: a few items per segment at 4k, enough to spre
 MAX_DIM = 256  # the kernel's buffers (MAX_D, MAX_M in cpu_codes.c)
 MAX_ROWS = 64
 ENV = "LUKV_CPU_KERNEL"
+FLAGS_ENV = "LUKV_CPU_KERNEL_FLAGS"
 _FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp", "-fno-math-errno"),
     ("-O3", "-march=native", "-fno-math-errno"),
@@ -68,22 +73,36 @@ def compilers() -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _cpu_tag() -> str:
-    """What ``-march=native`` depends on: the machine and, on Linux, the CPU's flags."""
-    tag = platform.machine()
+def _cpu_line() -> str:
+    """The CPU's flags line of ``/proc/cpuinfo`` (``Features`` on ARM), or ``""`` (another OS)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            tag += next((line for line in info if line.startswith(("flags", "Features"))), "")
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:
-        pass
-    return tag
+        return ""
 
 
-def _build(directory: Path) -> Path | None:
-    """The library for this source, compiler and CPU in ``directory``, compiled if it is not there yet."""
+def _cpu_tag() -> str:
+    """What ``-march=native`` depends on: the machine and, on Linux, the CPU's flags."""
+    return platform.machine() + _cpu_line()
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags Linux reports for this CPU (``avx2``, ``fma``, ``avx512f``, ...; empty
+    elsewhere): which of :func:`load`'s targets this machine can run.
+
+    >>> {"avx2", "fma"} <= cpu_codes.cpu_flags()  # doctest: +SKIP
+    True
+    """
+    return set(_cpu_line().partition(":")[2].split())
+
+
+def _build(directory: Path, flag_sets: tuple[tuple[str, ...], ...] = _FLAG_SETS) -> Path | None:
+    """The library for this source, compiler and CPU in ``directory``, compiled with the first of ``flag_sets``
+    the compiler accepts if it is not there yet."""
     source = SOURCE.read_bytes()
     for compiler in compilers():
-        for flags in _FLAG_SETS:
+        for flags in flag_sets:
             key = hashlib.sha256(
                 b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_tag().encode()])
             ).hexdigest()[:16]
@@ -104,17 +123,20 @@ def _build(directory: Path) -> Path | None:
     return None
 
 
-def _load() -> ctypes.CDLL | None:
+def _load(flag_sets: tuple[tuple[str, ...], ...] = _FLAG_SETS) -> ctypes.CDLL | None:
     try:
-        path = _build(cache_root() / "kernels")
+        path = _build(cache_root() / "kernels", flag_sets)
     except OSError:  # the cache is not writable: build in a temporary folder for this process
-        path = _build(Path(tempfile.mkdtemp(prefix="lukv_kernels_")))
+        path = _build(Path(tempfile.mkdtemp(prefix="lukv_kernels_")), flag_sets)
     if path is None:
+        named = "" if flag_sets == _FLAG_SETS else f" with the flags {' '.join(flag_sets[0])!r}"
         logger.warning(
-            "lukv_cache: no C compiler built the CPU kernel for quantized caches (tried %s): kv_bits and "
+            "lukv_cache: no C compiler built the CPU kernel for quantized caches%s (tried %s): kv_bits and "
             "memory= decode by dequantizing blocks, slower than the fp32 store. Install gcc or clang, or set "
-            "CC.",
+            "CC%s.",
+            named,
             ", ".join(compilers()) or "cc, gcc, clang: none found",
+            f", or unset {FLAGS_ENV}" if named else "",
         )
         return None
     lib: ctypes.CDLL | None
@@ -122,7 +144,7 @@ def _load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
     except OSError as error:  # not a library this process can load (damaged, another machine's): rebuilt once
         path.unlink(missing_ok=True)
-        rebuilt = _build(path.parent)
+        rebuilt = _build(path.parent, flag_sets)
         try:
             lib = ctypes.CDLL(str(rebuilt)) if rebuilt is not None else None
         except OSError:
@@ -134,22 +156,62 @@ def _load() -> ctypes.CDLL | None:
                 error,
             )
             return None
-    fn = lib.lukv_codes_decode
+    return _bind(lib)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with its functions' signatures declared (ctypes passes nothing right without them)."""
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [i32] * 5 + [ptr] * 8 + [i32, ptr, ptr, ctypes.c_float, i32, i32, i32, ptr, ptr, ptr]
-    fn.restype = i32
+    decode = lib.lukv_codes_decode
+    decode.argtypes = [i32] * 5 + [ptr] * 8 + [i32, ptr, ptr, ctypes.c_float, i32, i32, i32, ptr, ptr, ptr]
+    decode.restype = i32
+    lib.lukv_codes_lanes.argtypes = []
+    lib.lukv_codes_lanes.restype = i32
     return lib
 
 
 def kernel() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on the first call; ``None`` when it cannot be (or is turned off)."""
+    """The loaded kernel library, built on the first call; ``None`` when it cannot be (or is turned off).
+    ``$LUKV_CPU_KERNEL_FLAGS`` (compiler flags, split at spaces) builds it with those instead of the defaults."""
     if os.environ.get(ENV, "1") == "0":
         return None
+    named = os.environ.get(FLAGS_ENV, "").split()
+    if named:
+        return load(tuple(named))
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
                 _state["lib"] = _load()
     return _state["lib"]  # type: ignore[return-value]
+
+
+def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernel compiled with these compiler ``flags`` instead of the defaults (e.g. ``("-O3",
+    "-march=haswell", "-fopenmp", "-fno-math-errno")``: the code an AVX2 CPU gets, run on a newer one), built
+    once per process like :func:`kernel` and cached beside it; ``None`` when no compiler builds it. For tests and
+    benchmarks: pass it to :func:`codes_attention` as ``lib``.
+
+    >>> cpu_codes.vector_lanes(cpu_codes.load(("-O3", "-march=haswell", "-fno-math-errno")))  # doctest: +SKIP
+    8
+    """
+    key = "flags " + " ".join(flags)
+    if key not in _state:
+        with _lock:
+            if key not in _state:
+                _state[key] = _load((tuple(flags),))
+    return _state[key]  # type: ignore[return-value]
+
+
+def vector_lanes(lib: ctypes.CDLL | None = None) -> int:
+    """The floats per vector ``lib`` (default: :func:`kernel`) runs the common head sizes (64, 128, 256) at: 16
+    where the compiler targeted AVX-512, 8 for AVX2 with FMA, 0 where the scalar loop serves them (other CPUs,
+    older compilers) or when there is no kernel.
+
+    >>> cpu_codes.vector_lanes()  # doctest: +SKIP
+    16
+    """
+    lib = kernel() if lib is None else lib
+    return 0 if lib is None else int(lib.lukv_codes_lanes())
 
 
 def reset() -> None:
@@ -188,13 +250,15 @@ def codes_attention(
     *,
     scaling: float,
     softcap: float | None = None,
+    lib: ctypes.CDLL | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``out [B, H_kv, M, D]`` and ``lse [B, H_kv, M]``: grouped ``query [B, H_kv, M, D]`` over each
     segment of the quantized ``store`` and its rows of the dense suffix ``[B, H_kv, S, D]`` (everything
     attended: no mask), the logits soft-capped if asked. A segment with nothing to attend gives ``out = 0``,
-    ``lse = -inf``. Only where :func:`serves` says so.
+    ``lse = -inf``. Only where :func:`serves` says so. ``lib``: the kernel to run (default :func:`kernel`;
+    another build from :func:`load`).
     """
-    lib = kernel()
+    lib = kernel() if lib is None else lib
     assert lib is not None  # serves() checked
     b, h, m, d = query.shape
     segments = b * h

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 
 import pytest
 import torch
@@ -31,7 +32,38 @@ def _store(bits, counts, dim, heads, seed=0, scale=1.0):
     return RaggedStore.build(keys, values, positions, torch.tensor(counts), num_heads=heads, kv_bits=bits)
 
 
+# The kernel as other CPUs get it, built here with their targets: the AVX2 vectors (8 lanes) and the scalar
+# loop (no vectors: x86-64's baseline), each where this CPU runs its code. "default": this machine's own.
+BUILDS = {
+    "default": None,
+    "avx2": ("-O3", "-march=haswell", "-fopenmp", "-fno-math-errno"),
+    "scalar": ("-O3", "-march=x86-64", "-fopenmp", "-fno-math-errno"),
+}
+LANES = {"avx2": 8, "scalar": 0}
+
+
+def _built(name):
+    """The kernel library of BUILDS[name] (skips where this CPU cannot run it or no compiler builds it)."""
+    if name == "default":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64") or (
+        name == "avx2" and not {"avx2", "fma"} <= cpu_codes.cpu_flags()
+    ):
+        pytest.skip(f"this CPU does not run the {name} build's code")
+    lib = cpu_codes.load(BUILDS[name])
+    if lib is None:
+        pytest.skip(f"no compiler here builds the {name} target")
+    return lib
+
+
 @needs_compiler
+@pytest.mark.parametrize("build", ["avx2", "scalar"])
+def test_each_build_runs_the_width_it_was_built_for(build):
+    assert cpu_codes.vector_lanes(_built(build)) == LANES[build]
+
+
+@needs_compiler
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(
     ("dim", "rows", "counts", "suffix", "softcap", "threads"),
@@ -39,8 +71,8 @@ def _store(bits, counts, dim, heads, seed=0, scale=1.0):
         (64, 3, [823, 0, 300, 17], 5, None, 1),  # SmolLM2's shape (a specialised path), an empty segment
         (64, 7, [600, 1000, 33, 256], 1, None, 2),  # Qwen's 7 query rows per KV head, two threads
         (128, 4, [513, 2], 0, None, 2),  # no suffix: the store alone
-        # AVX-512's vector path (64, 128, 256): partial blocks, tiles of 4 / 2 / 1 query rows and their
-        # remainders, a softcap
+        # the vector paths (64, 128, 256): partial blocks and blocks of two vectors (AVX2), tiles of 4 / 2 / 1
+        # query rows and their remainders, a softcap
         (64, 13, [100, 31], 2, 20.0, 1),
         (128, 5, [513, 2, 17, 40], 0, 50.0, 1),
         (256, 3, [300, 9], 2, None, 1),  # Gemma-3's head_dim
@@ -48,7 +80,10 @@ def _store(bits, counts, dim, heads, seed=0, scale=1.0):
         (24, 2, [70, 5], 2, None, 1),  # groups of 8
     ],
 )
-def test_kernel_equals_attention_over_the_dequantized_copy(bits, dim, rows, counts, suffix, softcap, threads):
+def test_kernel_equals_attention_over_the_dequantized_copy(
+    build, bits, dim, rows, counts, suffix, softcap, threads
+):
+    lib = _built(build)
     heads = 2
     store = _store(bits, counts, dim, heads)
     keys, values = store.dense()
@@ -62,7 +97,9 @@ def test_kernel_equals_attention_over_the_dequantized_copy(bits, dim, rows, coun
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse = cpu_codes.codes_attention(query, store, sk, sv, scaling=dim**-0.5, softcap=softcap)
+        out, lse = cpu_codes.codes_attention(
+            query, store, sk, sv, scaling=dim**-0.5, softcap=softcap, lib=lib
+        )
     finally:
         torch.set_num_threads(before)
     want, want_lse = ragged_with_suffix_reference(
@@ -216,3 +253,31 @@ def test_codes_that_are_a_strided_view_are_read_as_their_values():
     want, _ = cpu_codes.codes_attention(query, store, suffix, suffix, scaling=0.125)
     got, _ = cpu_codes.codes_attention(query, viewed, suffix, suffix, scaling=0.125)
     assert torch.equal(got, want)
+
+
+@needs_compiler
+def test_the_environment_names_the_flags_the_kernel_is_built_with(fresh_kernel, monkeypatch):
+    _built("avx2")  # skips where this CPU does not run AVX2 code
+    monkeypatch.setenv(cpu_codes.FLAGS_ENV, " ".join(BUILDS["avx2"]))
+    assert cpu_codes.vector_lanes() == 8
+    store = _store(8, [40, 9], 64, 2)
+    query, suffix = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 2, 64)
+    assert cpu_codes.serves(query, store)
+    keys, values = store.dense()
+    out, _ = cpu_codes.codes_attention(query, store, suffix, suffix, scaling=0.125)
+    want, _ = ragged_with_suffix_reference(
+        query, keys, values, list(store.offsets_list), suffix, suffix, scaling=0.125
+    )
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+
+
+@needs_compiler
+def test_flags_no_compiler_accepts_give_one_warning_and_the_blocks(fresh_kernel, monkeypatch, caplog):
+    monkeypatch.setenv(cpu_codes.FLAGS_ENV, "-O3 --no-such-flag-lukv")
+    with caplog.at_level(logging.WARNING, logger="lukv_cache"):
+        assert cpu_codes.kernel() is None
+        assert cpu_codes.kernel() is None
+    (warning,) = [r.getMessage() for r in caplog.records if "CPU kernel" in r.getMessage()]
+    assert "--no-such-flag-lukv" in warning and cpu_codes.FLAGS_ENV in warning
+    assert not cpu_codes.serves(torch.randn(1, 2, 3, 64), _store(8, [4, 4], 64, 2))
+    assert not list(fresh_kernel.glob("kernels/*.so"))
