@@ -175,9 +175,9 @@ def kernel() -> ctypes.CDLL | None:
     ``$LUKV_CPU_KERNEL_FLAGS`` (compiler flags, split at spaces) builds it with those instead of the defaults."""
     if os.environ.get(ENV, "1") == "0":
         return None
-    named = os.environ.get(FLAGS_ENV, "").split()
-    if named:
-        return load(tuple(named))
+    named = os.environ.get(FLAGS_ENV)
+    if named and named.split():
+        return load(tuple(named.split()))
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
