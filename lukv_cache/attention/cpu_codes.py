@@ -22,7 +22,8 @@ hash of the source, the flags, the compiler and the CPU, and is written by renam
 compiler builds it, :func:`kernel` is ``None``, one warning says so, and the blocks serve (slower, same
 results). ``LUKV_CPU_KERNEL=0`` turns it off; ``LUKV_CPU_KERNEL_FLAGS`` replaces the flags (one set, no
 fallback: e.g. ``-O3 -march=haswell -fopenmp -fno-math-errno``, the code an AVX2 CPU builds, to time it on a
-newer one).
+newer one; a target this CPU lacks, e.g. a newer ``-march``, builds but stops the process at the first decode
+step with an illegal instruction).
 
 It serves (:func:`serves`): a CPU query, an 8- or 4-bit store with bf16 scales (fp32 and bf16 models; an fp16
 model's fp16 scales take the blocks), a head_dim of at most 256, at most 64 query rows per KV head, and a
