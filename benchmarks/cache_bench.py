@@ -53,6 +53,7 @@ import sys
 import time
 
 import _smoke
+from _calls import cache_kw
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's lukv_cache
 
@@ -102,7 +103,7 @@ def _decode_ms(model, cache, first_token, steps: int) -> float:
     with torch.no_grad():
         for _ in range(steps + 2):
             t0 = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, **{cache_kw(model): cache}, use_cache=True)
             times.append(time.perf_counter() - t0)
             token = out.logits[:, -1:].argmax(-1)
     times = sorted(times[2:])  # drop warm-up
@@ -270,7 +271,7 @@ def interleaved_steps(
             for name, cache in order[step % len(order) :] + order[: step % len(order)]:
                 with (around or {}).get(name, contextlib.nullcontext)():
                     t0 = time.perf_counter()
-                    model(input_ids=token, past_key_values=cache, use_cache=True)
+                    model(input_ids=token, **{cache_kw(model): cache}, use_cache=True)
                     times[name].append(time.perf_counter() - t0)
     return {name: series[3:] for name, series in times.items()}
 
@@ -332,7 +333,7 @@ def prefill_child(method: str, tokens: int, ratio: float, small: bool) -> dict:
     with torch.no_grad():
         t0 = time.perf_counter()
         # logits_to_keep=1 as generate() does: the full [T, vocab] logits would dominate the peak
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - t0
     return {
         "method": method,

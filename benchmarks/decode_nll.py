@@ -40,6 +40,7 @@ from pathlib import Path
 import _smoke
 import torch
 import torch.nn.functional as F
+from _calls import cache_kw
 from _out import default_out
 from transformers import DynamicCache
 
@@ -96,11 +97,11 @@ def full_nll(model, ids: torch.Tensor, prompt: int, step: int) -> tuple[torch.Te
     """Per-token NLL of the continuation with the full cache (fed as the others are, ``step`` tokens per
     forward), and the full cache's bytes."""
     cache = DynamicCache()
-    last = model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[0, -1:]
+    last = model(input_ids=ids[:, :prompt], **{cache_kw(model): cache}, use_cache=True).logits[0, -1:]
     nll = []
     for start in range(prompt, ids.shape[1], step):
         chunk = ids[:, start : start + step]
-        logits = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0]
+        logits = model(input_ids=chunk, **{cache_kw(model): cache}, use_cache=True).logits[0]
         nll.append(_nll(torch.cat([last, logits[:-1]]), chunk[0]))
         last = logits[-1:]
     return torch.cat(nll), kv_cache_bytes(cache)
@@ -121,7 +122,7 @@ def cached_nll(model, ids: torch.Tensor, prompt: int, cache: LUKVCache) -> dict:
     nll, memory = [], [cache.memory_bytes()]
     for start in range(prompt, ids.shape[1], cache.fold_interval):
         chunk = ids[:, start : start + cache.fold_interval]
-        logits = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0]
+        logits = model(input_ids=chunk, **{cache_kw(model): cache}, use_cache=True).logits[0]
         nll.append(_nll(torch.cat([last, logits[:-1]]), chunk[0]))
         last = logits[-1:]
         memory.append(cache.memory_bytes())

@@ -23,6 +23,7 @@ from typing import Any
 
 import _smoke
 import torch
+from _calls import cache_kw
 from _out import default_out
 from kvpress_efficiency import decode_ms  # the scripts next to this one: kvpress' rows time decode alike
 from prefill_cost import text_ids  # consecutive Wikipedia articles, long ones first
@@ -61,7 +62,7 @@ def dense_uniform_cache(
 @torch.no_grad()
 def timed_prefill(model: Any, ids: torch.Tensor, cache: Any) -> tuple[float, torch.Tensor]:
     started = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
     return time.perf_counter() - started, out.logits[:, -1]
 
 

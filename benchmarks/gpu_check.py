@@ -34,6 +34,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _calls import cache_kw
 from _out import default_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -321,11 +322,11 @@ def _masked_bias(shape, gen) -> torch.Tensor:
 
 @torch.no_grad()
 def _greedy_logits(model, ids, cache, steps: int) -> torch.Tensor:
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
     logits = [out.logits[:, -1].float()]
     for _ in range(steps):
         tok = logits[-1].argmax(-1, keepdim=True)
-        out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=tok, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
         logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)  # [B, steps + 1, V]
 
@@ -388,20 +389,20 @@ def measure(model, make_cache, context: int, decode_steps: int, device: torch.de
     with KernelCalls() as counter:
         _sync(device)
         start = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         _sync(device)
         row["ttft_s"] = time.perf_counter() - start
         row["tokens_per_head_after_prefill"] = _tokens_per_head(cache)
         timed = decode_steps
         if decode_steps > 1:  # one untimed step: a first-call kernel compile is not decode time
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=tok, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             timed = decode_steps - 1
         _sync(device)
         start = time.perf_counter()
         for _ in range(timed):
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=tok, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
         _sync(device)
         row["decode_ms_per_token"] = (time.perf_counter() - start) / max(timed, 1) * 1000

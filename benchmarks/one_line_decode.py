@@ -33,6 +33,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import _smoke  # noqa: E402
 import cache_bench  # noqa: E402  (interleaved_steps)
+from _calls import cache_kw  # noqa: E402
 
 
 def prompt_ids(tokenizer, batch: int, tokens: int) -> torch.Tensor:
@@ -65,7 +66,7 @@ def run(name: str, tokens: int, batch: int, threads: int, steps: int, memory: fl
     folds: dict[str, list[float]] = {}
     with torch.no_grad():
         for label, cache in caches.items():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **{cache_kw(model): cache}, use_cache=True)
             seen = folds.setdefault(label, [])
             cache.compressor.observe(
                 lambda step, seen=seen: step.kind == "fold" and seen.append(step.seconds)

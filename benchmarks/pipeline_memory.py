@@ -16,6 +16,7 @@ import copy
 
 import _smoke
 import torch
+from _calls import cache_kw
 
 from lukv_cache import LUKVCache
 from lukv_cache.cache.storage.layer import LUKVLayer
@@ -85,7 +86,7 @@ def main() -> None:
                 out = model.generate(
                     full,
                     attention_mask=torch.ones_like(full),
-                    past_key_values=mine,
+                    **{cache_kw(model): mine},
                     max_new_tokens=args.new_tokens,
                     do_sample=False,
                 )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import _smoke
 import matplotlib
+from _calls import cache_kw
 from _out import default_out
 
 matplotlib.use("Agg")
@@ -48,7 +49,7 @@ def main() -> None:
     ids = tokenizer(paragraph, return_tensors="pt").input_ids[:, : args.tokens]
     cache = LUKVCache.from_pretrained(model, ratio=args.ratio)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, **{cache_kw(model): cache})
     fig, text = plot_kept(cache, input_ids=ids, tokenizer=tokenizer)
     fig.axes[0].set_title(
         f"SmolLM2-135M, {cache.scorer.name} at ratio {args.ratio}: {article.title}", fontsize=9

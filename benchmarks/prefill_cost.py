@@ -22,6 +22,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _calls import cache_kw
 from _out import default_out
 from transformers import DynamicCache
 
@@ -51,7 +52,7 @@ def text_ids(tokenizer, n_tokens: int) -> torch.Tensor:
 def prefill_seconds(model, tokenizer, ids: torch.Tensor, method) -> float:
     started = time.perf_counter()
     if method is None:
-        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **{cache_kw(model): DynamicCache()}, use_cache=True, logits_to_keep=1)
     elif method[0] == "kvzap":  # the shipped profile (or the given file) holds the surrogate
         source = method[2] if len(method) > 2 else model
         cache = LUKVCache.from_pretrained(source, 0.8, "kvzap", local_files_only=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _calls import cache_kw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -83,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, quantizers in MODES.items():
             cache = DynamicCache()
             with torch.no_grad():
-                model(context, past_key_values=cache)
+                model(context, **{cache_kw(model): cache})
                 if quantizers is not None:
                     for layer in cache.layers:
                         layer.keys.copy_(quantizers[0](layer.keys))
                         layer.values.copy_(quantizers[1](layer.values))
-                logits = model(target, past_key_values=cache).logits[0, :-1].float()
+                logits = model(target, **{cache_kw(model): cache}).logits[0, :-1].float()
             nll[name].append(float(torch.nn.functional.cross_entropy(logits, target[0, 1:])))
     exact = sum(nll["exact"]) / len(nll["exact"])
     print("PYTHONPATH=. python benchmarks/quant_granularity.py --threads", args.threads)

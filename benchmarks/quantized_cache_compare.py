@@ -35,6 +35,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _calls import cache_kw
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                     if isinstance(cache, LUKVCache):
                         out = cache.prefill(model, ids, tokenizer=tokenizer, logits_to_keep=1)
                     else:
-                        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        out = model(
+                            input_ids=ids, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1
+                        )
                     held.append(cache_bytes(cache))
                     last = out.logits[:, -1, :]
                     if isinstance(sample, RetrievalSample) and isinstance(cache, QuantizedCache):
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                         parts = []
                         for question in sample.questions:
                             fresh = make()
-                            last = model(input_ids=ids, past_key_values=fresh, logits_to_keep=1).logits[
+                            last = model(input_ids=ids, **{cache_kw(model): fresh}, logits_to_keep=1).logits[
                                 :, -1, :
                             ]
                             one = replace(sample, questions=(question,))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import _smoke
 import torch
+from _calls import cache_kw
 
 from lukv_cache import LUKVCache, load_cache, save_cache
 from lukv_cache.models import load_model
@@ -55,7 +56,7 @@ def answer(model, prompt: torch.Tensor, cache, new_tokens: int):
         out = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            past_key_values=cache,
+            **{cache_kw(model): cache},
             max_new_tokens=new_tokens,
             do_sample=False,
             output_logits=True,

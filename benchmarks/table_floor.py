@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import _smoke  # noqa: E402
+from _calls import cache_kw  # noqa: E402
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -58,7 +59,7 @@ def pass_seconds(
 
     def prefill() -> DynamicCache:
         cache = DynamicCache(config=model.config)
-        model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=context, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
         return cache
 
     with torch.no_grad():
@@ -66,7 +67,7 @@ def pass_seconds(
         cache = prefill()
 
         def continue_() -> None:
-            model(input_ids=continuation, past_key_values=cache, use_cache=True)
+            model(input_ids=continuation, **{cache_kw(model): cache}, use_cache=True)
             cache.crop(-continuation.shape[1])  # back to the context alone
 
         return prefill_s, _seconds(continue_, repeats)
