@@ -192,10 +192,11 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
  * (one vpmovzxbd per LUKV_LANES codes), each query's dots taken as LUKV_LANES vectors of partial products at a time
  * and reduced together by a tree of shuffles (lane r of the result is row r's logit: no horizontal sum per row),
  * the block's softmax done on the lanes, and the values accumulated a tile of query rows at a time with the tile's
- * sums in registers: about half the scalar loop's time per row at 3 query rows. The vectors are sized to the
- * registers: 16-float vectors on AVX2 are split through memory by the compilers (several times slower than the
- * scalar loop, measured with GCC 12 and -mavx2). Elsewhere (other CPUs, old compilers) the scalar attend_rows
- * above serves, and everywhere for the dense suffix and other shapes. */
+ * sums in registers: 0.6-0.7 of the scalar loop's time per row at head_dim 64 on either
+ * (benchmarks/cpu_kernel_builds.py). The vectors are sized to the registers: 16-float vectors on AVX2 are split
+ * through memory by the compilers (several times slower than the scalar loop, measured with GCC 12 and -mavx2).
+ * Elsewhere (other CPUs, old compilers) the scalar attend_rows above serves, and everywhere for the dense suffix
+ * and other shapes. */
 #if !defined(LUKV_SCALAR) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)) /* -DLUKV_SCALAR: none */
 #if defined(__AVX512F__)
 #define LUKV_LANES 16
@@ -207,7 +208,7 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
 #define LUKV_VECTOR 1
 #include <immintrin.h>
 /* the registers a tile of query rows keeps its sums in: half of them (32 zmm on AVX-512, 16 ymm on AVX2: a tile
- * that fills all 16 spilled, 12% slower at head_dim 64) */
+ * that fills all 16 spilled, 14-18% slower at head_dim 64) */
 #define SUM_REGISTERS (LUKV_LANES == 16 ? 16 : 8)
 typedef float vf __attribute__((vector_size(4 * LUKV_LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LUKV_LANES)));
