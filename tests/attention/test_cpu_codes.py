@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import platform
+import subprocess
 
 import pytest
 import torch
@@ -56,10 +57,23 @@ def _built(name):
     return lib
 
 
+def _vectorising_compiler() -> bool:
+    """Whether the compiler the kernel is built with takes the vector block (clang, or GCC 12 and later)."""
+    compiler = cpu_codes.compilers()[0]
+    said = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    if "clang" in said:
+        return True
+    version = subprocess.run([compiler, "-dumpversion"], capture_output=True, text=True, check=False).stdout
+    return version.split(".")[0].strip().isdigit() and int(version.split(".")[0]) >= 12
+
+
 @needs_compiler
 @pytest.mark.parametrize("build", ["avx2", "scalar"])
 def test_each_build_runs_the_width_it_was_built_for(build):
-    assert cpu_codes.vector_lanes(_built(build)) == LANES[build]
+    lib = _built(build)
+    if LANES[build] and not _vectorising_compiler():
+        pytest.skip("this compiler (GCC before 12) builds the scalar loop for every target")
+    assert cpu_codes.vector_lanes(lib) == LANES[build]
 
 
 @needs_compiler
