@@ -3,7 +3,7 @@ per build of ``lukv_cache/attention/cpu_codes.c``, against the fp32 store's own 
 
 The kernel is compiled on first use with ``-march=native``, so what a CPU runs depends on its vector units:
 16-float vectors where the compiler targets AVX-512, 8-float ones with AVX2 and FMA (most laptops and desktops,
-AMD before Zen 4), the scalar loop elsewhere. This script builds each of them here (``cpu_codes.load``):
+AMD before Zen 4), the scalar loop elsewhere. This script builds each of them here (``cpu_codes.TARGETS``, ``load_target``):
 
 * ``native``: this machine's own build (what ``kernel()`` serves);
 * ``avx2``: ``-march=haswell`` (the AVX2 vectors), and ``avx2 scalar``: the same target with ``-DLUKV_SCALAR``,
@@ -25,7 +25,6 @@ target this CPU cannot run is left out.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -38,13 +37,6 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import _smoke  # noqa: E402
 
-COMMON = ("-O3", "-fopenmp", "-fno-math-errno")
-BUILDS = {
-    "native": None,
-    "avx2": ("-march=haswell", *COMMON),
-    "avx2 scalar": ("-march=haswell", "-DLUKV_SCALAR", *COMMON),
-    "x86-64": ("-march=x86-64", *COMMON),
-}
 # name: (KV heads, query rows per KV head, head_dim)
 SHAPES = {
     "smollm2": (3, 3, 64),
@@ -56,19 +48,11 @@ SUFFIX = 8
 
 
 def builds() -> dict:
-    """name -> the kernel library of each build this CPU runs (``None`` values left out)."""
+    """name -> the kernel library of this machine's build and of each of ``cpu_codes.TARGETS`` this CPU runs."""
     from lukv_cache.attention import cpu_codes
 
-    flags = cpu_codes.cpu_flags()
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    libs = {}
-    for name, build in BUILDS.items():
-        if build is not None and (not x86 or ("avx2" in name and not {"avx2", "fma"} <= flags)):
-            continue
-        lib = cpu_codes.kernel() if build is None else cpu_codes.load(build)
-        if lib is not None:
-            libs[name] = lib
-    return libs
+    libs = {"native": cpu_codes.kernel(), **{name: cpu_codes.load_target(name) for name in cpu_codes.TARGETS}}
+    return {name: lib for name, lib in libs.items() if lib is not None}
 
 
 def run(shape: str, batch: int, rows: int, repeats: int, libs: dict) -> dict:

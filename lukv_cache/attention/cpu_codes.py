@@ -203,6 +203,31 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     return _state[key]  # type: ignore[return-value]
 
 
+# The kernel as other x86-64 CPUs build it, to test and time their code on a newer one: name -> (compiler flags,
+# the CPU flags that code needs). "avx2 scalar" is the scalar loop an AVX2 CPU ran before its vectors.
+TARGETS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx2": (("-O3", "-march=haswell", "-fopenmp", "-fno-math-errno"), frozenset({"avx2", "fma"})),
+    "avx2 scalar": (
+        ("-O3", "-march=haswell", "-DLUKV_SCALAR", "-fopenmp", "-fno-math-errno"),
+        frozenset({"avx2", "fma"}),
+    ),
+    "x86-64": (("-O3", "-march=x86-64", "-fopenmp", "-fno-math-errno"), frozenset()),
+}
+
+
+def load_target(name: str) -> ctypes.CDLL | None:
+    """:func:`load` of ``TARGETS[name]``'s flags; ``None`` where this CPU cannot run that code (not x86-64,
+    or without the flags it needs) or no compiler builds it.
+
+    >>> cpu_codes.vector_lanes(cpu_codes.load_target("avx2"))  # doctest: +SKIP
+    8
+    """
+    flags, needs = TARGETS[name]
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
+        return None
+    return load(flags)
+
+
 def vector_lanes(lib: ctypes.CDLL | None = None) -> int:
     """The floats per vector ``lib`` (default: :func:`kernel`) runs the common head sizes (64, 128, 256) at: 16
     where the compiler targeted AVX-512, 8 for AVX2 with FMA, 0 where the scalar loop serves them (other CPUs,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import platform
 import subprocess
 
 import pytest
@@ -33,27 +32,19 @@ def _store(bits, counts, dim, heads, seed=0, scale=1.0):
     return RaggedStore.build(keys, values, positions, torch.tensor(counts), num_heads=heads, kv_bits=bits)
 
 
-# The kernel as other CPUs get it, built here with their targets: the AVX2 vectors (8 lanes) and the scalar
-# loop (no vectors: x86-64's baseline), each where this CPU runs its code. "default": this machine's own.
-BUILDS = {
-    "default": None,
-    "avx2": ("-O3", "-march=haswell", "-fopenmp", "-fno-math-errno"),
-    "scalar": ("-O3", "-march=x86-64", "-fopenmp", "-fno-math-errno"),
-}
-LANES = {"avx2": 8, "scalar": 0}
+# The kernel as other CPUs get it (cpu_codes.TARGETS), built here: the AVX2 vectors (8 lanes) and the scalar
+# loop (x86-64's baseline: no vectors), where this CPU runs their code. "default": this machine's own build.
+BUILDS = ["default", "avx2", "x86-64"]
+LANES = {"avx2": 8, "x86-64": 0}
 
 
 def _built(name):
-    """The kernel library of BUILDS[name] (skips where this CPU cannot run it or no compiler builds it)."""
+    """The kernel library of the build ``name`` (skips where this CPU cannot run it or no compiler builds it)."""
     if name == "default":
         return None
-    if platform.machine() not in ("x86_64", "AMD64") or (
-        name == "avx2" and not {"avx2", "fma"} <= cpu_codes.cpu_flags()
-    ):
-        pytest.skip(f"this CPU does not run the {name} build's code")
-    lib = cpu_codes.load(BUILDS[name])
+    lib = cpu_codes.load_target(name)
     if lib is None:
-        pytest.skip(f"no compiler here builds the {name} target")
+        pytest.skip(f"this CPU does not run the {name} target's code, or no compiler here builds it")
     return lib
 
 
@@ -68,7 +59,7 @@ def _vectorising_compiler() -> bool:
 
 
 @needs_compiler
-@pytest.mark.parametrize("build", ["avx2", "scalar"])
+@pytest.mark.parametrize("build", list(LANES))
 def test_each_build_runs_the_width_it_was_built_for(build):
     lib = _built(build)
     if LANES[build] and not _vectorising_compiler():
@@ -77,7 +68,7 @@ def test_each_build_runs_the_width_it_was_built_for(build):
 
 
 @needs_compiler
-@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(
     ("dim", "rows", "counts", "suffix", "softcap", "threads"),
@@ -272,7 +263,7 @@ def test_codes_that_are_a_strided_view_are_read_as_their_values():
 @needs_compiler
 def test_the_environment_names_the_flags_the_kernel_is_built_with(fresh_kernel, monkeypatch):
     _built("avx2")  # skips where this CPU does not run AVX2 code
-    monkeypatch.setenv(cpu_codes.FLAGS_ENV, " ".join(BUILDS["avx2"]))
+    monkeypatch.setenv(cpu_codes.FLAGS_ENV, " ".join(cpu_codes.TARGETS["avx2"][0]))
     assert cpu_codes.vector_lanes() == 8
     store = _store(8, [40, 9], 64, 2)
     query, suffix = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 2, 64)
