@@ -62,6 +62,21 @@ class WholeStoreView(StoreView, Protocol):
     def dense(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class TailView(Protocol):
+    """The rows decoding appended to a quantized store in place since it was built
+    (``lukv_cache.cache.storage.tail.StoreTail``): ``length`` rows per segment, segment ``s``'s at rows
+    ``s * capacity`` on of ``keys`` / ``values`` (``PackedRows``, in the store's bits)."""
+
+    @property
+    def keys(self) -> Any: ...
+    @property
+    def values(self) -> Any: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
     """One layer's attention over a LUKVCache, announced by the cache in ``update()``.

@@ -96,6 +96,12 @@ def store_blocks(store: WholeStoreView, limits: AttentionLimits | None = None):
         )
 
 
+def _has_tail(store: StoreView) -> bool:
+    """Whether ``store`` is a store with rows appended in place beside it (the cache's ``TailedStore``: its
+    ``base``, its ``tail``, and ``merged()``, the two joined)."""
+    return callable(getattr(type(store), "merged", None))
+
+
 def _as_bias(mask: torch.Tensor) -> torch.Tensor:
     """Additive fp32 bias from a bool (True = attend) or float additive mask."""
     if mask.dtype == torch.bool:
@@ -156,6 +162,12 @@ def compressed_attention(
     suffix_bias = None
     if attention_mask is not None and _attends_everything(attention_mask):
         attention_mask = None  # the usual decode step: no bias to gather for every stored token
+    tail = None
+    if _has_tail(store):  # rows appended in place beside the store: the CPU kernel reads both, else joined
+        if attention_mask is None and cpu_codes.serves(grouped, store.base):  # type: ignore[attr-defined]
+            tail, store = store.tail, store.base  # type: ignore[attr-defined]
+        else:
+            store = store.merged()  # type: ignore[attr-defined]
     if attention_mask is not None:
         bias = _as_bias(attention_mask[:, 0])  # [B or 1, Q, L]
         bias = bias.expand(b, q_len, bias.shape[-1])
@@ -184,9 +196,10 @@ def compressed_attention(
         )
         return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     lse: torch.Tensor | None  # None only from the tiles, when no sink reads it
-    if plan.store is Impl.CODES:  # CPU: store (its codes) + suffix in one kernel call
+    assert tail is None or plan.store is Impl.CODES  # the kernel served when the tail was kept apart
+    if plan.store is Impl.CODES:  # CPU: store (its codes), its tail + suffix in one kernel call
         out, lse = cpu_codes.codes_attention(
-            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap
+            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, tail=tail
         )
     elif plan.fused_kernel is not None:  # store + suffix in one kernel pass (Triton), no host sync
         out, lse = plan.fused_kernel(
@@ -274,6 +287,8 @@ def attention_weights(
 
     >>> w = attention_weights(call.store, query, key, mask, scaling=0.125)  # doctest: +SKIP
     """
+    if _has_tail(store):  # rows appended in place beside the store: joined to it
+        store = store.merged()  # type: ignore[attr-defined]
     b, hq, q_len, d = query.shape
     h, s = suffix_keys.shape[1], suffix_keys.shape[-2]
     g = hq // h

@@ -434,21 +434,25 @@ static void attend_any(ATTEND_ARGS) {
                 item_sum, acc);
 }
 
-/* q [S, M, D] fp32, scaled; store rows by segment (offsets [S + 1], int64); suffix_k / suffix_v [S, L, D] fp32
- * contiguous (L may be 0); out [S, M, D], lse [S, M] (fp32; a segment with nothing to attend: out 0, lse -inf).
- * chunk: rows per work item; items: the caller's count of work items (sum over segments of ceil(rows / chunk),
- * plus S when L > 0); scratch: items * M * (D + 2) floats. Returns 0, or -1 when D or M exceed the buffers. */
+/* q [S, M, D] fp32, scaled; store rows by segment (offsets [S + 1], int64); a tail of tail_len rows per segment
+ * (segment s: rows s * tail_cap + 0 .. tail_len - 1 of tkc .. tvz, quantized like the store; tail_len 0: none),
+ * the rows decoding appended since the store was built; suffix_k / suffix_v [S, L, D] fp32 contiguous (L may be
+ * 0); out [S, M, D], lse [S, M] (fp32; a segment with nothing to attend: out 0, lse -inf). chunk: rows per work
+ * item; items: the caller's count of work items (sum over segments of ceil(rows / chunk) and of
+ * ceil(tail_len / chunk), plus S when L > 0); scratch: items * M * (D + 2) floats. Returns 0, or -1 when D or M
+ * exceed the buffers. */
 int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, const float *q, const uint8_t *kc,
                       const uint16_t *ks, const uint16_t *kz, const uint8_t *vc, const uint16_t *vs,
-                      const uint16_t *vz, const int64_t *offsets, int suffix_len, const float *suffix_k,
-                      const float *suffix_v, float softcap, int chunk, int threads, int items, float *scratch,
-                      float *out, float *lse) {
-    if (d > MAX_D || m_rows > MAX_M || chunk < 1) return -1;
+                      const uint16_t *vz, const int64_t *offsets, int tail_len, int tail_cap, const uint8_t *tkc,
+                      const uint16_t *tks, const uint16_t *tkz, const uint8_t *tvc, const uint16_t *tvs,
+                      const uint16_t *tvz, int suffix_len, const float *suffix_k, const float *suffix_v,
+                      float softcap, int chunk, int threads, int items, float *scratch, float *out, float *lse) {
+    if (d > MAX_D || m_rows > MAX_M || chunk < 1 || tail_len > tail_cap) return -1;
     int per_item = m_rows * (d + 2);
-    /* item i -> (segment, lo, hi, dense?) */
-    int *item_seg = (int *)malloc(sizeof(int) * 3 * (size_t)(items > 0 ? items : 1));
+    /* item i -> (segment, lo, hi, source: 0 the store, 1 the tail, 2 the suffix) */
+    int *item_seg = (int *)malloc(sizeof(int) * 4 * (size_t)(items > 0 ? items : 1));
     if (!item_seg) return -1;
-    int *item_lo = item_seg + items, *item_hi = item_lo + items;
+    int *item_lo = item_seg + items, *item_hi = item_lo + items, *item_src = item_hi + items;
     int count = 0;
     for (int s = 0; s < segments; s++) {
         for (int64_t lo = offsets[s]; lo < offsets[s + 1]; lo += chunk) {
@@ -457,12 +461,23 @@ int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, cons
             item_seg[count] = s;
             item_lo[count] = (int)lo;
             item_hi[count] = (int)hi;
+            item_src[count] = 0;
+            count++;
+        }
+        int64_t tail_end = (int64_t)s * tail_cap + tail_len;
+        for (int64_t lo = (int64_t)s * tail_cap; lo < tail_end; lo += chunk) {
+            if (count >= items) break;
+            item_seg[count] = s;
+            item_lo[count] = (int)lo;
+            item_hi[count] = (int)(lo + chunk < tail_end ? lo + chunk : tail_end);
+            item_src[count] = 1;
             count++;
         }
         if (suffix_len > 0 && count < items) {
             item_seg[count] = s;
-            item_lo[count] = -1; /* the suffix of segment s */
+            item_lo[count] = 0; /* the suffix of segment s */
             item_hi[count] = suffix_len;
+            item_src[count] = 2;
             count++;
         }
     }
@@ -475,9 +490,12 @@ int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, cons
         int s = item_seg[i];
         float *mx = scratch + (size_t)i * per_item, *sum = mx + m_rows, *acc = sum + m_rows;
         const float *qs = q + (size_t)s * m_rows * d;
-        if (item_lo[i] < 0) {
+        if (item_src[i] == 2) {
             const float *k = suffix_k + (size_t)s * suffix_len * d, *v = suffix_v + (size_t)s * suffix_len * d;
             attend(qs, m_rows, d, 0, item_hi[i], 0, 0, 0, 0, 0, 0, bits, group, k, v, softcap, mx, sum, acc);
+        } else if (item_src[i] == 1) {
+            attend(qs, m_rows, d, item_lo[i], item_hi[i], tkc, tks, tkz, tvc, tvs, tvz, bits, group, 0, 0, softcap,
+                   mx, sum, acc);
         } else {
             attend(qs, m_rows, d, item_lo[i], item_hi[i], kc, ks, kz, vc, vs, vz, bits, group, 0, 0, softcap,
                         mx, sum, acc);

@@ -6,7 +6,8 @@ every stored row to the model's dtype, then attends, so 8 and 4 bits decoded slo
 replace. The kernel (``cpu_codes.c``, beside this file) streams each segment's rows once, dequantizes a
 block of 16 rows into a stack buffer, and keeps the online softmax (running max, sum and weighted value sums,
 fp32) per query row; the segment's rows are cut into work items of :data:`CHUNK` rows spread over
-``torch.get_num_threads()`` OpenMP threads, the dense suffix is one more item, and the items merge by
+``torch.get_num_threads()`` OpenMP threads, the rows appended in place beside the store (its tail, when there is
+one) and the dense suffix are more items, and the items merge by
 log-sum-exp (flash-decoding). Where the compiler targets AVX-512 or AVX2 with FMA (``-march=native`` on such
 a CPU) the common head sizes (64, 128, 256) take a vectorised block (16-float vectors on AVX-512, 8-float ones on
 AVX2: :func:`vector_lanes`): a block's 16 logits come out of trees of shuffles, its softmax runs on the lanes,
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 
 from .._paths import cache_root
-from .calls import StoreView
+from .calls import StoreView, TailView
 
 logger = logging.getLogger("lukv_cache")
 
@@ -164,7 +165,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with its functions' signatures declared (ctypes passes nothing right without them)."""
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     decode = lib.lukv_codes_decode
-    decode.argtypes = [i32] * 5 + [ptr] * 8 + [i32, ptr, ptr, ctypes.c_float, i32, i32, i32, ptr, ptr, ptr]
+    decode.argtypes = (
+        [i32] * 5
+        + [ptr] * 8
+        + [i32, i32]
+        + [ptr] * 6
+        + [i32, ptr, ptr, ctypes.c_float, i32, i32, i32, ptr, ptr, ptr]
+    )
     decode.restype = i32
     lib.lukv_codes_lanes.argtypes = []
     lib.lukv_codes_lanes.restype = i32
@@ -263,9 +270,12 @@ def serves(query: torch.Tensor, store: StoreView) -> bool:
     )
 
 
-def _items(offsets_list: tuple[int, ...], with_suffix: bool) -> int:
+def _items(offsets_list: tuple[int, ...], with_suffix: bool, tail: int = 0) -> int:
     lengths = (hi - lo for lo, hi in zip(offsets_list, offsets_list[1:]))
-    return sum(-(-n // CHUNK) for n in lengths) + (len(offsets_list) - 1 if with_suffix else 0)
+    segments = len(offsets_list) - 1
+    return (
+        sum(-(-n // CHUNK) for n in lengths) + segments * -(-tail // CHUNK) + (segments if with_suffix else 0)
+    )
 
 
 def codes_attention(
@@ -277,12 +287,14 @@ def codes_attention(
     scaling: float,
     softcap: float | None = None,
     lib: ctypes.CDLL | None = None,
+    tail: TailView | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``out [B, H_kv, M, D]`` and ``lse [B, H_kv, M]``: grouped ``query [B, H_kv, M, D]`` over each
-    segment of the quantized ``store`` and its rows of the dense suffix ``[B, H_kv, S, D]`` (everything
-    attended: no mask), the logits soft-capped if asked. A segment with nothing to attend gives ``out = 0``,
-    ``lse = -inf``. Only where :func:`serves` says so. ``lib``: the kernel to run (default :func:`kernel`;
-    another build from :func:`load`).
+    segment of the quantized ``store``, its rows of ``tail`` (the rows decoding appended since the store was
+    built, a :class:`~.calls.TailView`, in the store's bits) and of the dense suffix
+    ``[B, H_kv, S, D]`` (everything attended: no mask), the logits soft-capped if asked. A segment with nothing
+    to attend gives ``out = 0``, ``lse = -inf``. Only where :func:`serves` says so. ``lib``: the kernel to run
+    (default :func:`kernel`; another build from :func:`load`).
     """
     lib = kernel() if lib is None else lib
     assert lib is not None  # serves() checked
@@ -293,7 +305,8 @@ def codes_attention(
     length = suffix_keys.shape[-2]
     sk = suffix_keys.reshape(segments, length, d).float().contiguous()
     sv = suffix_values.reshape(segments, length, d).float().contiguous()
-    items = _items(store.offsets_list, length > 0)
+    tail_len = 0 if tail is None else tail.length
+    items = _items(store.offsets_list, length > 0, tail_len)
     scratch = torch.empty(max(items, 1) * m * (d + 2))
     out = torch.empty(segments, m, d)
     lse = torch.empty(segments, m)
@@ -303,6 +316,13 @@ def codes_attention(
         t.contiguous()
         for t in (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)  # type: ignore[attr-defined]
     ]
+    if tail is None or not tail_len:  # no tail: its pointers are never read
+        tail_cap, tail_parts = 0, [0] * 6
+    else:
+        tail_cap = tail.capacity
+        if tail.keys.scale.dtype != keys.scale.dtype or tail.keys.bits != keys.bits:  # type: ignore[attr-defined]
+            raise RuntimeError("lukv_cache's CPU kernel: a store's tail is not in the store's format")
+        tail_parts = [t.data_ptr() for rows in (tail.keys, tail.values) for t in rows.tensors()]
     status = lib.lukv_codes_decode(
         segments,
         m,
@@ -312,6 +332,9 @@ def codes_attention(
         q.data_ptr(),
         *(t.data_ptr() for t in parts),
         offsets.contiguous().data_ptr(),
+        tail_len,
+        tail_cap,
+        *tail_parts,
         length,
         sk.data_ptr(),
         sv.data_ptr(),

@@ -175,8 +175,9 @@ class LUKVCache(HybridRouting, CacheReport):
                     layer_idx,
                     keys,
                     values,
-                    # a quantized store's PackedRows rows are read only through dense() or the codes kernel
-                    cast("WholeStoreView | None", layer.store),
+                    # a quantized store's PackedRows rows are read only through dense() or the codes kernel;
+                    # rows appended in place since it was built come as a TailedStore
+                    cast("WholeStoreView | None", layer.attended_store()),
                     self._after_attention,
                     module=reader,
                     on_other_keys=functools.partial(self._keys_changed, layer_idx),

@@ -176,8 +176,9 @@ def stored_in_stores(
     layer's counted ``weight[layer]`` times (``None``: once)."""
     per_head = torch.zeros(batch, 1, dtype=torch.long)
     for i, layer in enumerate(layers):
-        if isinstance(layer, LUKVLayer) and layer.store is not None:
-            counts = layer.store.counts().view(layer.batch_size, layer.num_heads).cpu()
+        stored = layer.store_counts() if isinstance(layer, LUKVLayer) else None
+        if stored is not None:
+            counts = stored.view(layer.batch_size, layer.num_heads).cpu()
             per_head = per_head + counts * (1 if weight is None else weight.get(i, 1))
     if shard is not None:  # every rank holds the same layers: one gather each
         per_head = shard.gather(per_head, dim=1)

@@ -172,9 +172,11 @@ def fold_evict(
             room = room - torch.minimum(torch.tensor(deeper * sum(weights)), room // DEEPER_SHARE)
     # every held token stays: each suffix joins its store (a store that keeps scores gets the suffix's)
     if fits:
+        ahead = folds_ahead(policy, evictable, allowed, room, weights, len(idxs) * heads)
         for i, layer, valid in zip(idxs, layers, valids):
             scores = suffix_scores(policy, shard, i, layer, *folding[i]) if kept_scores else None
-            layer.fold(room=policy.fold_interval, valid=valid, scores=scores)
+            tail = policy.fold_interval * (1 + ahead)  # a quantized store appends in place, room for them
+            layer.fold(room=policy.fold_interval, valid=valid, scores=scores, tail_room=tail)
             layer.eviction.settle(layer.cumulative_length)
         return
     frames = [held_tokens(layer, valid, policy.sink, recent) for layer, valid in zip(layers, valids)]
@@ -216,6 +218,29 @@ def fold_evict(
         kept = raw[i][keep] if kept_scores else None
         layer.refold(frame.source[keep], keep.sum(-1), kept, capacity=policy.fold_interval)
         layer.eviction.settle(layer.cumulative_length)
+
+
+def folds_ahead(
+    policy: CompressionPolicy,
+    evictable: torch.Tensor,
+    allowed: torch.Tensor,
+    room: torch.Tensor | None,
+    weights: list[int] | None,
+    segments: int,
+) -> int:
+    """How many more folds will only append after this one (at most ``DEEPER_FOLDS + 1``: what an evicting
+    fold's deeper eviction leaves room for, rounding included): the tokens the
+    folding layers may still keep per row (``allowed [B]`` past ``evictable [L, B, H]``, and ``room [B]``
+    bytes at the layers' ``weights`` when they differ), each fold adding ``fold_interval`` tokens to each of
+    their ``segments`` (layer, KV head) pairs. A layer's :class:`~..storage.tail.StoreTail` gets room for
+    them (and this fold's): the room is never more than the budget holds."""
+    step = policy.fold_interval * segments
+    ahead = int(((allowed - evictable.sum((0, 2))).clamp_min(0) // max(step, 1)).min())
+    if room is not None and weights is not None:
+        spent = (evictable * torch.tensor(weights).view(-1, 1, 1)).sum((0, 2))
+        per_fold = policy.fold_interval * (segments // max(len(weights), 1)) * sum(weights)
+        ahead = min(ahead, int(((room - spent).clamp_min(0) // max(per_fold, 1)).min()))
+    return max(0, min(ahead, DEEPER_FOLDS + 1))
 
 
 def held_scores(

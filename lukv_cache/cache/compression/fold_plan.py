@@ -59,7 +59,8 @@ def held_counts(layer: LUKVLayer, valid: torch.Tensor) -> torch.Tensor:
     """int64 ``[B * H]``: the tokens ``layer`` holds per segment, its store's and the suffix's real ones
     (``valid [B, S]``); :func:`held_tokens` protects ``min(count, sink + window)`` of them."""
     real = valid.sum(-1).repeat_interleave(layer.num_heads)
-    return real if layer.store is None else real + layer.store.counts().to(real.device)
+    stored = layer.store_counts()  # its tail's rows too, without joining them
+    return real if stored is None else real + stored.to(real.device)
 
 
 def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -> Held:

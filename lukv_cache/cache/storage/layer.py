@@ -5,6 +5,8 @@
   and each token's original position (for masks and ``crop``).
 * **Dense suffix**: ``[B, H, S, D]``, the protected recent window and every token that arrives after
   compression, appended in place into a buffer that grows geometrically (no per-step copy of anything).
+* **Tail** (a quantized store on CPU, :class:`~lukv_cache.cache.storage.tail.StoreTail`): the rows folds that
+  evict nothing appended in place beside the store since it was built; reading :attr:`LUKVLayer.store` joins it.
 
 The layer owns its tensors and knows nothing of eviction policy: the cache decides what to keep and calls
 :meth:`LUKVLayer.evict`. What compression keeps about the layer between its steps (the sinks each row has
@@ -22,7 +24,7 @@ tokens run unbroken up to T. Columns before a row's first held token are left pa
 read as zeros (the attention mask hides them). Otherwise reading them raises
 :class:`~lukv_cache.errors.RaggedCacheError`; :meth:`LUKVLayer.head_tokens` reads one (row, KV head).
 
-Its parts: the suffix (:mod:`.suffix`), the store's absorb and rebuild (:mod:`.merge`), the logical view
+Its parts: the suffix (:mod:`.suffix`), the store's absorb and rebuild (:mod:`.merge`), its tail (:mod:`.tail`), the logical view
 (:mod:`.logical`), the sliding window (:mod:`.window`), batch rows and offloading (:mod:`.rows`), its
 state for saved contexts (:mod:`.layer_state`) and the eviction record it carries (:mod:`.record`).
 """
@@ -42,6 +44,7 @@ from .ragged import RaggedStore
 from .record import EvictionRecord
 from .rows import BatchRows
 from .suffix import MIN_CAPACITY, DenseSuffix
+from .tail import StoreTail, TailedStore
 from .window import SlidingWindow
 
 # A decoding suffix this long is folded into the ragged store: the store is rebuilt once per this many steps
@@ -75,7 +78,9 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         # is older than the window by position, and folds drop those tokens (:meth:`slide`)
         self.set_window(sliding_window)
         self.cumulative_length = 0
-        self.store: RaggedStore | None = None
+        self._store: RaggedStore | None = None
+        # the rows decoding appended to a quantized store in place (an appending fold), not yet joined to it
+        self.tail: StoreTail | None = None
         self.compressed = False
         # compression's bookkeeping of this layer (sinks left, settled length, recorded queries): compression
         # writes it, the layer carries it through its batch operations, device moves, crop and state
@@ -84,6 +89,40 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         self.fold_at = fold_at  # fold a decoding suffix this long into the store
         self.bounded = bounded  # the suffix buffer never grows past fold_at + 1 (eviction at fold time)
         self.kv_bits = kv_bits  # the store's bits per key / value entry (None: the model's dtype)
+
+    # ------------------------------------------------------------------ the ragged store
+    @property
+    def store(self) -> RaggedStore | None:
+        """The ragged store (``None`` before compression), with any rows appended in place since it was built
+        (:attr:`tail`) joined to it first."""
+        if self.tail is not None:
+            self._join_tail()
+        return self._store
+
+    @store.setter
+    def store(self, value: RaggedStore | None) -> None:
+        self._store, self.tail = value, None
+
+    def _join_tail(self) -> RaggedStore | None:
+        if self.tail is not None:
+            assert self._store is not None  # a tail is only ever beside a store
+            self._store, self.tail = self.tail.join(self._store), None
+        return self._store
+
+    def attended_store(self) -> RaggedStore | TailedStore | None:
+        """What attention reads: the store, or a :class:`~.tail.TailedStore` over it and its pending tail (the
+        CPU kernel reads both as they are; any other read joins them once)."""
+        if self.tail is None or self._store is None:
+            return self._store
+        return TailedStore(self._store, self.tail, self._join_tail)  # type: ignore[arg-type]
+
+    def store_counts(self) -> torch.Tensor | None:
+        """int64 ``[B * H]``: tokens per segment in the store and its tail (``None`` without a store), without
+        joining them."""
+        if self._store is None:
+            return None
+        counts = self._store.counts()
+        return counts if self.tail is None else counts + self.tail.length
 
     # ------------------------------------------------------------------ the dense suffix
     @property
@@ -241,7 +280,7 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         return self.cumulative_length + query_length, 0
 
     def reset(self) -> None:
-        self.store = None
+        self.store = None  # and its tail
         self.suffix = None
         self.cumulative_length = 0
         self.compressed = False
@@ -274,7 +313,8 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         record's)."""
         total = self.eviction.memory_bytes()
         total += 0 if self.suffix is None else self.suffix.memory_bytes()
-        return total + (self.store.memory_bytes() if self.store is not None else 0)
+        total += 0 if self.tail is None else self.tail.memory_bytes()
+        return total + (self._store.memory_bytes() if self._store is not None else 0)
 
     def stored_counts(self) -> torch.Tensor:
         """int64 ``[B, H]``: tokens stored per (batch row, KV head), ragged store plus suffix."""
@@ -282,8 +322,9 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
             return torch.zeros(0, 0, dtype=torch.long)
         b, h = self.batch_size, self.num_heads
         counts = torch.full((b, h), self.suffix_length, dtype=torch.long)
-        if self.store is not None:
-            counts += self.store.counts().view(b, h).cpu()
+        stored = self.store_counts()
+        if stored is not None:
+            counts += stored.view(b, h).cpu()
         return counts
 
     # ------------------------------------------------------------------ eviction and folds
@@ -305,13 +346,19 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         self.drop_out_of_window()
 
     def fold(
-        self, room: int | None = None, valid: torch.Tensor | None = None, scores: torch.Tensor | None = None
+        self,
+        room: int | None = None,
+        valid: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
+        tail_room: int = 0,
     ) -> None:
         """Move the whole dense suffix into the ragged store (nothing evicted) and start an empty one of
         ``room`` tokens (``None``: ``fold_at + 1``, what decoding fills before the next fold). ``valid``: bool
         ``[B, S]``, the suffix's real tokens (padding is dropped); ``None``: all of them. ``scores [B, H, >= S]``:
-        stored with them (a store that keeps each token's score for eviction at fold time), the last ``S``
-        when longer (scored before a sliding layer dropped its oldest)."""
+        stored with them (a store that keeps scores for eviction at fold time), the last ``S`` when longer
+        (scored before a sliding layer dropped its oldest). ``tail_room``: a quantized store on CPU appends in
+        place, into a :class:`~.tail.StoreTail` with room for this many tokens per segment (the folds the
+        caller expects to append before the next eviction), instead of rebuilding the store; 0: rebuild."""
         suffix = self.suffix
         if suffix is None or not suffix.length:
             return
@@ -320,7 +367,11 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         if scores is not None:  # a sliding layer may have dropped its oldest tokens since they were scored
             scores = scores[..., scores.shape[-1] - s :]
         if valid is None or bool(valid.all()):
-            self.store = append(self.store, suffix.keys, suffix.values, start, self.kv_bits, scores)
+            if self._tail_for(s, tail_room, scores) is not None:
+                assert self.tail is not None and self._store is not None  # _tail_for made sure
+                self.tail.write(suffix.keys, suffix.values, start, self._store, scores)
+            else:
+                self.store = append(self.store, suffix.keys, suffix.values, start, self.kv_bits, scores)
         else:
             keep = valid.to(suffix.keys.device).unsqueeze(1).expand(-1, suffix.num_heads, -1)
             self.store = absorb(self.store, suffix.keys, suffix.values, keep, start, scores, self.kv_bits)
@@ -331,6 +382,31 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         else:
             self.suffix = DenseSuffix.of(suffix.keys[:, :, :0], suffix.values[:, :, :0], capacity=capacity)
         self.slide()
+
+    def _tail_for(self, tokens: int, room: int, scores: torch.Tensor | None) -> StoreTail | None:
+        """The tail ``tokens`` appended tokens go to in place, or ``None``: appending rebuilds the store (no
+        room asked, a store at the model's precision or off the CPU, a sliding layer, scores on one side only).
+        A new tail has room for ``max(room, tokens)``; one without room for them grows by as much (a copy of
+        the tail alone), or joins the store first once it holds ``fold_at`` tokens (a long run of folds that
+        evict nothing: the store is then rebuilt once per ``fold_at`` tokens, not at every fold)."""
+        store = self._store
+        if (
+            room <= 0
+            or store is None
+            or store.kv_bits is None
+            or store.offsets.device.type != "cpu"
+            or self.sliding_window is not None
+            or (scores is None) != (store.scores is None)
+        ):
+            return None
+        if self.tail is not None and self.tail.room < tokens:  # more folds fit than it was sized for
+            if self.tail.length >= self.fold_at:
+                self._join_tail()
+            else:
+                self.tail = self.tail.grown(self.tail.length + max(room, tokens))
+        if self.tail is None:
+            self.tail = StoreTail.beside(cast(RaggedStore, self._store), max(room, tokens))
+        return self.tail
 
     def refold(
         self, source: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor | None, capacity: int

@@ -64,10 +64,10 @@ def checked_parts(
     )
 
 
-# what state_dict gives as parts of their own, or leaves out: the dtype and device (the suffix's), the
-# sliding window's tensor (rebuilt from sliding_window, on the layer's device); the eviction record's
-# fields are given among the layer's own
-_PARTS = {"suffix", "store", "eviction", "dtype", "device", "_sliding_window_tensor"}
+# what state_dict gives as parts of their own, or leaves out: the store (``_store``, given with its tail
+# joined), the dtype and device (the suffix's), the sliding window's tensor (rebuilt from sliding_window, on the
+# layer's device); the eviction record's fields are given among the layer's own
+_PARTS = {"suffix", "store", "_store", "tail", "eviction", "dtype", "device", "_sliding_window_tensor"}
 
 
 class LayerState:

@@ -94,10 +94,11 @@ class RaggedStore:
         return self.keys.dequantize(start, stop), cast(PackedRows, self.values).dequantize(start, stop)
 
     def quantize_like(self, keys: torch.Tensor, values: torch.Tensor):
-        """New full-precision rows in this store's format. Keys and values of one width and dtype are
+        """New full-precision rows in this store's format (rows already quantized, e.g. a
+        :class:`~.tail.StoreTail`'s, as they are). Keys and values of one width and dtype are
         quantized in one call (each row on its own, so the codes are the same), their rows then views of one
         block: the callers copy them into a merged store."""
-        if not isinstance(self.keys, PackedRows):
+        if not isinstance(self.keys, PackedRows) or isinstance(keys, PackedRows):  # or rows already quantized
             return keys, values
         bits = self.keys.bits
         if keys.shape[1:] != values.shape[1:] or keys.dtype != values.dtype:
