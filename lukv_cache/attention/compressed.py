@@ -162,12 +162,26 @@ def compressed_attention(
     suffix_bias = None
     if attention_mask is not None and _attends_everything(attention_mask):
         attention_mask = None  # the usual decode step: no bias to gather for every stored token
-    tail = None
-    if _has_tail(store):  # rows appended in place beside the store: the CPU kernel reads both, else joined
-        if attention_mask is None and cpu_codes.serves(grouped, store.base):  # type: ignore[attr-defined]
-            tail, store = store.tail, store.base  # type: ignore[attr-defined]
-        else:
-            store = store.merged()  # type: ignore[attr-defined]
+    tailed = _has_tail(
+        store
+    )  # rows appended in place beside the store: the CPU kernel reads both, else joined
+    base = store.base if tailed else store  # type: ignore[attr-defined]
+    if attention_mask is None and cpu_codes.serves(grouped, base):
+        # the usual CPU decode step over a quantized store: straight to the kernel (what the plan's Impl.CODES runs)
+        out, lse = cpu_codes.codes_attention(
+            grouped,
+            base,
+            suffix_keys,
+            suffix_values,
+            scaling=scaling,
+            softcap=softcap,
+            tail=store.tail if tailed else None,  # type: ignore[attr-defined]
+        )
+        if sink is not None:
+            out = _with_sink(out, lse, sink)
+        return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+    if tailed:
+        store = store.merged()  # type: ignore[attr-defined]
     if attention_mask is not None:
         bias = _as_bias(attention_mask[:, 0])  # [B or 1, Q, L]
         bias = bias.expand(b, q_len, bias.shape[-1])
@@ -196,10 +210,11 @@ def compressed_attention(
         )
         return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     lse: torch.Tensor | None  # None only from the tiles, when no sink reads it
-    assert tail is None or plan.store is Impl.CODES  # the kernel served when the tail was kept apart
-    if plan.store is Impl.CODES:  # CPU: store (its codes), its tail + suffix in one kernel call
+    if (
+        plan.store is Impl.CODES
+    ):  # CPU: store (its codes) + suffix in one kernel call (a mask hiding no stored row)
         out, lse = cpu_codes.codes_attention(
-            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap, tail=tail
+            grouped, store, suffix_keys, suffix_values, scaling=scaling, softcap=softcap
         )
     elif plan.fused_kernel is not None:  # store + suffix in one kernel pass (Triton), no host sync
         out, lse = plan.fused_kernel(

@@ -6,8 +6,9 @@
  * Work items are (segment, chunk of at most CHUNK rows); each one streams its rows once: a row's key is
  * dequantized into a D-float buffer on the stack, its M logits computed, the online softmax's running max and
  * sum updated, and its value row, dequantized the same way, accumulated into M x D sums (flash-decoding). The
- * dense suffix is one more work item per segment. A segment's items are then merged by log-sum-exp into its
- * output rows. Everything in fp32.
+ * rows appended in place beside the store (its tail) are more work items, the dense suffix (read in its buffers,
+ * each segment's rows a stride apart) one more per segment. A segment's items are then merged by log-sum-exp into
+ * its output rows. Everything in fp32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -434,53 +435,56 @@ static void attend_any(ATTEND_ARGS) {
                 item_sum, acc);
 }
 
-/* q [S, M, D] fp32, scaled; store rows by segment (offsets [S + 1], int64); a tail of tail_len rows per segment
- * (segment s: rows s * tail_cap + 0 .. tail_len - 1 of tkc .. tvz, quantized like the store; tail_len 0: none),
- * the rows decoding appended since the store was built; suffix_k / suffix_v [S, L, D] fp32 contiguous (L may be
- * 0); out [S, M, D], lse [S, M] (fp32; a segment with nothing to attend: out 0, lse -inf). chunk: rows per work
- * item; items: the caller's count of work items (sum over segments of ceil(rows / chunk) and of
- * ceil(tail_len / chunk), plus S when L > 0); scratch: items * M * (D + 2) floats. Returns 0, or -1 when D or M
- * exceed the buffers. */
-int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, const float *q, const uint8_t *kc,
-                      const uint16_t *ks, const uint16_t *kz, const uint8_t *vc, const uint16_t *vs,
-                      const uint16_t *vz, const int64_t *offsets, int tail_len, int tail_cap, const uint8_t *tkc,
-                      const uint16_t *tks, const uint16_t *tkz, const uint8_t *tvc, const uint16_t *tvs,
-                      const uint16_t *tvz, int suffix_len, const float *suffix_k, const float *suffix_v,
-                      float softcap, int chunk, int threads, int items, float *scratch, float *out, float *lse) {
-    if (d > MAX_D || m_rows > MAX_M || chunk < 1 || tail_len > tail_cap) return -1;
-    int per_item = m_rows * (d + 2);
-    /* item i -> (segment, lo, hi, source: 0 the store, 1 the tail, 2 the suffix) */
-    int *item_seg = (int *)malloc(sizeof(int) * 4 * (size_t)(items > 0 ? items : 1));
-    if (!item_seg) return -1;
-    int *item_lo = item_seg + items, *item_hi = item_lo + items, *item_src = item_hi + items;
+/* The work items of a call: (segment, lo, hi, source: 0 the store, 1 the tail, 2 the suffix), written when item_seg
+ * is given; returns how many there are. */
+static int plan_items(int segments, const int64_t *offsets, int tail_len, int tail_cap, int suffix_len, int chunk,
+                      int *item_seg, int *item_lo, int *item_hi, int *item_src) {
     int count = 0;
     for (int s = 0; s < segments; s++) {
-        for (int64_t lo = offsets[s]; lo < offsets[s + 1]; lo += chunk) {
-            if (count >= items) break;
-            int64_t hi = lo + chunk < offsets[s + 1] ? lo + chunk : offsets[s + 1];
-            item_seg[count] = s;
-            item_lo[count] = (int)lo;
-            item_hi[count] = (int)hi;
-            item_src[count] = 0;
-            count++;
-        }
-        int64_t tail_end = (int64_t)s * tail_cap + tail_len;
-        for (int64_t lo = (int64_t)s * tail_cap; lo < tail_end; lo += chunk) {
-            if (count >= items) break;
-            item_seg[count] = s;
-            item_lo[count] = (int)lo;
-            item_hi[count] = (int)(lo + chunk < tail_end ? lo + chunk : tail_end);
-            item_src[count] = 1;
-            count++;
-        }
-        if (suffix_len > 0 && count < items) {
-            item_seg[count] = s;
-            item_lo[count] = 0; /* the suffix of segment s */
-            item_hi[count] = suffix_len;
-            item_src[count] = 2;
-            count++;
+        for (int src = 0; src < 3; src++) {
+            int64_t first = src == 0 ? offsets[s] : (src == 1 ? (int64_t)s * tail_cap : 0);
+            int64_t end = src == 0 ? offsets[s + 1] : first + (src == 1 ? tail_len : suffix_len);
+            int64_t step = src == 2 ? (end > first ? end - first : 1) : chunk; /* the suffix: one item */
+            for (int64_t lo = first; lo < end; lo += step) {
+                if (item_seg) {
+                    item_seg[count] = s;
+                    item_lo[count] = (int)lo;
+                    item_hi[count] = (int)(lo + step < end ? lo + step : end);
+                    item_src[count] = src;
+                }
+                count++;
+            }
         }
     }
+    return count;
+}
+
+/* q [S, M, D] fp32 (multiplied by scaling here); store rows by segment (offsets [S + 1], int64); a tail of tail_len
+ * rows per segment (segment s: rows s * tail_cap + 0 .. tail_len - 1 of tkc .. tvz, quantized like the store;
+ * tail_len 0: none), the rows decoding appended since the store was built; suffix_k / suffix_v: segment s's L rows
+ * of D fp32 at s * suffix_stride (L may be 0); out [S, M, D], lse [S, M] (fp32; a segment with nothing to attend:
+ * out 0, lse -inf). chunk: rows per work item. Returns 0, or -1 when D or M exceed the buffers or memory runs out. */
+int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, float scaling, const float *q,
+                      const uint8_t *kc, const uint16_t *ks, const uint16_t *kz, const uint8_t *vc,
+                      const uint16_t *vs, const uint16_t *vz, const int64_t *offsets, int tail_len, int tail_cap,
+                      const uint8_t *tkc, const uint16_t *tks, const uint16_t *tkz, const uint8_t *tvc,
+                      const uint16_t *tvs, const uint16_t *tvz, int suffix_len, int64_t suffix_stride,
+                      const float *suffix_k, const float *suffix_v, float softcap, int chunk, int threads, float *out,
+                      float *lse) {
+    if (d > MAX_D || m_rows > MAX_M || chunk < 1 || tail_len > tail_cap) return -1;
+    int per_item = m_rows * (d + 2);
+    int items = plan_items(segments, offsets, tail_len, tail_cap, suffix_len, chunk, 0, 0, 0, 0);
+    size_t queries = (size_t)segments * m_rows * d;
+    /* one block: the items' (segment, lo, hi, source), the scaled queries, each item's max, sum and sums */
+    size_t ints = 4 * (size_t)(items > 0 ? items : 1), floats = queries + (size_t)items * per_item;
+    int *item_seg = (int *)malloc(sizeof(int) * ints + sizeof(float) * (floats + 16));
+    if (!item_seg) return -1;
+    int *item_lo = item_seg + items, *item_hi = item_lo + items, *item_src = item_hi + items;
+    int count = plan_items(segments, offsets, tail_len, tail_cap, suffix_len, chunk, item_seg, item_lo, item_hi,
+                           item_src);
+    float *scaled = (float *)(((uintptr_t)(item_seg + ints) + 63) & ~(uintptr_t)63), *scratch = scaled + queries;
+    for (size_t i = 0; i < queries; i++) scaled[i] = q[i] * scaling;
+    q = scaled;
     void (*attend)(ATTEND_ARGS) = attend_any;
     if (group == 32 && d == 64) attend = bits == 8 ? attend_64_8 : attend_64_4;
     if (group == 32 && d == 128) attend = bits == 8 ? attend_128_8 : attend_128_4;
@@ -491,7 +495,7 @@ int lukv_codes_decode(int segments, int m_rows, int d, int bits, int group, cons
         float *mx = scratch + (size_t)i * per_item, *sum = mx + m_rows, *acc = sum + m_rows;
         const float *qs = q + (size_t)s * m_rows * d;
         if (item_src[i] == 2) {
-            const float *k = suffix_k + (size_t)s * suffix_len * d, *v = suffix_v + (size_t)s * suffix_len * d;
+            const float *k = suffix_k + (size_t)s * suffix_stride, *v = suffix_v + (size_t)s * suffix_stride;
             attend(qs, m_rows, d, 0, item_hi[i], 0, 0, 0, 0, 0, 0, bits, group, k, v, softcap, mx, sum, acc);
         } else if (item_src[i] == 1) {
             attend(qs, m_rows, d, item_lo[i], item_hi[i], tkc, tks, tkz, tvc, tvs, tvz, bits, group, 0, 0, softcap,

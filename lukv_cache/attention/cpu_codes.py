@@ -167,10 +167,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     decode = lib.lukv_codes_decode
     decode.argtypes = (
         [i32] * 5
+        + [ctypes.c_float]
         + [ptr] * 8
         + [i32, i32]
         + [ptr] * 6
-        + [i32, ptr, ptr, ctypes.c_float, i32, i32, i32, ptr, ptr, ptr]
+        + [i32, ctypes.c_int64, ptr, ptr, ctypes.c_float, i32, i32, ptr, ptr]
     )
     decode.restype = i32
     lib.lukv_codes_lanes.argtypes = []
@@ -270,12 +271,15 @@ def serves(query: torch.Tensor, store: StoreView) -> bool:
     )
 
 
-def _items(offsets_list: tuple[int, ...], with_suffix: bool, tail: int = 0) -> int:
-    lengths = (hi - lo for lo, hi in zip(offsets_list, offsets_list[1:]))
-    segments = len(offsets_list) - 1
-    return (
-        sum(-(-n // CHUNK) for n in lengths) + segments * -(-tail // CHUNK) + (segments if with_suffix else 0)
-    )
+def _segment_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A dense suffix ``[B, H, S, D]`` as the kernel reads it: fp32 rows of ``D`` floats, segment ``b * H + h``'s
+    ``S`` of them at ``(b * H + h) * stride``; the suffix's own buffers as they are (no copy) when they are laid
+    out so (fp32, ``[B, H, capacity, D]``), else a contiguous copy."""
+    b, h, length, d = t.shape
+    st = t.stride()
+    if t.dtype == torch.float32 and st[3] == 1 and (length <= 1 or st[2] == d) and st[0] == h * st[1]:
+        return t, st[1]
+    return t.reshape(b * h, length, d).float().contiguous(), length * d
 
 
 def codes_attention(
@@ -301,13 +305,14 @@ def codes_attention(
     b, h, m, d = query.shape
     segments = b * h
     keys, values = store.keys, store.values
-    q = (query.reshape(segments, m, d).float() * scaling).contiguous()
+    q = query.reshape(segments, m, d).float().contiguous()  # a view of a decode step's query
     length = suffix_keys.shape[-2]
-    sk = suffix_keys.reshape(segments, length, d).float().contiguous()
-    sv = suffix_values.reshape(segments, length, d).float().contiguous()
-    tail_len = 0 if tail is None else tail.length
-    items = _items(store.offsets_list, length > 0, tail_len)
-    scratch = torch.empty(max(items, 1) * m * (d + 2))
+    sk, stride = _segment_rows(suffix_keys)
+    sv, value_stride = _segment_rows(suffix_values)
+    if value_stride != stride:  # one stride for both: contiguous copies
+        sk = suffix_keys.reshape(segments, length, d).float().contiguous()
+        sv = suffix_values.reshape(segments, length, d).float().contiguous()
+        stride = length * d
     out = torch.empty(segments, m, d)
     lse = torch.empty(segments, m)
     offsets = store.offsets if store.offsets.dtype == torch.int64 else store.offsets.long()
@@ -316,6 +321,7 @@ def codes_attention(
         t.contiguous()
         for t in (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)  # type: ignore[attr-defined]
     ]
+    tail_len = 0 if tail is None else tail.length
     if tail is None or not tail_len:  # no tail: its pointers are never read
         tail_cap, tail_parts = 0, [0] * 6
     else:
@@ -329,6 +335,7 @@ def codes_attention(
         d,
         store.kv_bits,  # type: ignore[attr-defined]
         d // keys.scale.shape[-1],  # type: ignore[attr-defined]
+        float(scaling),
         q.data_ptr(),
         *(t.data_ptr() for t in parts),
         offsets.contiguous().data_ptr(),
@@ -336,13 +343,12 @@ def codes_attention(
         tail_cap,
         *tail_parts,
         length,
+        stride,
         sk.data_ptr(),
         sv.data_ptr(),
         0.0 if softcap is None else float(softcap),
         CHUNK,
         torch.get_num_threads(),
-        items,
-        scratch.data_ptr(),
         out.data_ptr(),
         lse.data_ptr(),
     )

@@ -261,6 +261,27 @@ def test_codes_that_are_a_strided_view_are_read_as_their_values():
 
 
 @needs_compiler
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_suffix_read_in_its_buffer_is_read_as_a_copy_of_it(batch):
+    # the dense suffix is a view of buffers with room to decode into ([B, H, capacity, D]): the kernel reads
+    # it there, each segment's rows a capacity apart, with no copy; a transposed view (no common stride) is
+    # copied first
+    store = _store(8, [40, 25] * batch, 64, 2)
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(batch, 2, 3, 64, generator=gen)
+    keys, values = (torch.randn(batch, 2, 9, 64, generator=gen) for _ in range(2))
+    sk, sv = keys[:, :, :5], values[:, :, :5]
+    assert not sk.is_contiguous()
+    want, want_lse = cpu_codes.codes_attention(query, store, sk.contiguous(), sv.contiguous(), scaling=0.125)
+    got, lse = cpu_codes.codes_attention(query, store, sk, sv, scaling=0.125)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    swapped = keys.transpose(0, 1).contiguous().transpose(0, 1)[:, :, :5]  # rows a batch apart: copied
+    got, _ = cpu_codes.codes_attention(query, store, swapped, sv, scaling=0.125)
+    want, _ = cpu_codes.codes_attention(query, store, swapped.contiguous(), sv.contiguous(), scaling=0.125)
+    assert torch.equal(got, want)
+
+
+@needs_compiler
 def test_the_environment_names_the_flags_the_kernel_is_built_with(fresh_kernel, monkeypatch):
     _built("avx2")  # skips where this CPU does not run AVX2 code
     monkeypatch.setenv(cpu_codes.FLAGS_ENV, " ".join(cpu_codes.TARGETS["avx2"][0]))

@@ -387,8 +387,8 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         """The tail ``tokens`` appended tokens go to in place, or ``None``: appending rebuilds the store (no
         room asked, a store at the model's precision or off the CPU, a sliding layer, scores on one side only).
         A new tail has room for ``max(room, tokens)``; one without room for them grows by as much (a copy of
-        the tail alone), or joins the store first once it holds ``fold_at`` tokens (a long run of folds that
-        evict nothing: the store is then rebuilt once per ``fold_at`` tokens, not at every fold)."""
+        the tail alone), or joins the store first once it holds :data:`FOLD_AT` tokens (a long run of folds that
+        evict nothing: the store is then rebuilt once per ``FOLD_AT`` tokens, not at every fold)."""
         store = self._store
         if (
             room <= 0
@@ -400,7 +400,7 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         ):
             return None
         if self.tail is not None and self.tail.room < tokens:  # more folds fit than it was sized for
-            if self.tail.length >= self.fold_at:
+            if self.tail.length >= FOLD_AT:
                 self._join_tail()
             else:
                 self.tail = self.tail.grown(self.tail.length + max(room, tokens))
