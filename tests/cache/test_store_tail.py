@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import scorer_for, tiny_model
 
-from lukv_cache import LUKVCache
+from lukv_cache import LUKVCache, load_cache, save_cache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.attention import cpu_codes
 from lukv_cache.cache.compression import fold
@@ -221,3 +221,22 @@ def test_crop_and_beam_reorder_over_a_pending_tail_match_the_rebuild(monkeypatch
     for (p, k, v), (p2, k2, v2) in zip(got, want):
         assert torch.equal(p, p2)
         assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_a_cache_saved_with_a_pending_tail_loads_and_continues_as_it(tmp_path):
+    model = tiny_model("llama", "sdpa")
+    cache = LUKVCache(memory=0.1, scorer="keydiff")
+    out = _decode_until_a_tail(model, cache, prompt(2, 300, seed=8))
+    reference = copy.deepcopy(cache)  # its tail still pending
+    assert _pending(reference)
+    loaded = load_cache(save_cache(cache, tmp_path / "context.safetensors"), model)
+    assert torch.equal(loaded.stored_tokens(), reference.stored_tokens())
+    token = out.logits[:, -1:].argmax(-1)
+    ids = [token, token.clone()]
+    with torch.no_grad():
+        for _ in range(20):  # appending and evicting folds after the load
+            a = model(ids[0], use_cache=True, **{cache_kwarg(model): loaded}).logits[:, -1]
+            b = model(ids[1], use_cache=True, **{cache_kwarg(model): reference}).logits[:, -1]
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # joined on one side: rounding
+            ids = [a.argmax(-1, keepdim=True), b.argmax(-1, keepdim=True)]
+            assert torch.equal(ids[0], ids[1])
