@@ -162,13 +162,12 @@ def compressed_attention(
     suffix_bias = None
     if attention_mask is not None and _attends_everything(attention_mask):
         attention_mask = None  # the usual decode step: no bias to gather for every stored token
-    tailed = _has_tail(
-        store
-    )  # rows appended in place beside the store: the CPU kernel reads both, else joined
+    # rows appended in place beside the store (a TailedStore): the CPU kernel reads both, any other path joins them
+    tailed = _has_tail(store)
     base = store.base if tailed else store  # type: ignore[attr-defined]
     if attention_mask is None and cpu_codes.serves(grouped, base):
         # the usual CPU decode step over a quantized store: straight to the kernel (what the plan's Impl.CODES runs)
-        out, lse = cpu_codes.codes_attention(
+        on_codes, codes_lse = cpu_codes.codes_attention(
             grouped,
             base,
             suffix_keys,
@@ -178,8 +177,8 @@ def compressed_attention(
             tail=store.tail if tailed else None,  # type: ignore[attr-defined]
         )
         if sink is not None:
-            out = _with_sink(out, lse, sink)
-        return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+            on_codes = _with_sink(on_codes, codes_lse, sink)
+        return on_codes.view(b, hq, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     if tailed:
         store = store.merged()  # type: ignore[attr-defined]
     if attention_mask is not None:
