@@ -41,8 +41,6 @@ a temporary folder (``benchmarks/smoke.py``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -106,22 +104,6 @@ def transformers_cache_bytes(cache) -> int:
         for layer in cache.layers
         for name in ("keys", "values", "_quantized_keys", "_quantized_values")
     )
-
-
-@contextlib.contextmanager
-def _without_kernel():
-    """The CPU kernel on the codes turned off for a while (``LUKV_CPU_KERNEL=0``): the blocks serve."""
-    from lukv_cache.attention import cpu_codes
-
-    before = os.environ.get(cpu_codes.ENV)
-    os.environ[cpu_codes.ENV] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[cpu_codes.ENV]
-        else:
-            os.environ[cpu_codes.ENV] = before
 
 
 def run(
@@ -220,7 +202,9 @@ def run(
                     step.kind == "fold" and seen.append((step.seconds, int(cache.stored_tokens().sum())))
                 )
             )
-    around = {name: _without_kernel for name in caches if name.endswith(" blocks")}
+    from lukv_cache.attention import cpu_codes
+
+    around = {name: cpu_codes.turned_off for name in caches if name.endswith(" blocks")}
     for name, series in cache_bench.interleaved_steps(model, caches, batch, steps, around).items():
         row[name]["median_ms"] = 1000 * statistics.median(series)
         row[name]["mean_ms"] = 1000 * statistics.mean(series)

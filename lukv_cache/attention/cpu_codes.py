@@ -33,6 +33,7 @@ mask that hides nothing (decode); softcaps and sinks included (the log-sum-exp c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -42,6 +43,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -248,6 +250,26 @@ def vector_lanes(lib: ctypes.CDLL | None = None) -> int:
     return 0 if lib is None else int(lib.lukv_codes_lanes())
 
 
+@contextlib.contextmanager
+def turned_off() -> Iterator[None]:
+    """The kernel turned off for a while (``LUKV_CPU_KERNEL=0``, what :func:`kernel` reads at every call): a
+    quantized store is read in dequantized blocks meanwhile (benchmarks and tests of that path).
+
+    >>> with cpu_codes.turned_off():  # doctest: +SKIP
+    ...     cpu_codes.kernel() is None
+    True
+    """
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
+
+
 def reset() -> None:
     """Forget the loaded library: the next :func:`kernel` looks for it (or builds it) again, e.g. after
     ``CC`` or ``LUKV_CACHE_DIR`` changed."""
@@ -271,13 +293,14 @@ def serves(query: torch.Tensor, store: StoreView) -> bool:
     )
 
 
-def _segment_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _segment_rows(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, int]:
     """A dense suffix ``[B, H, S, D]`` as the kernel reads it: fp32 rows of ``D`` floats, segment ``b * H + h``'s
     ``S`` of them at ``(b * H + h) * stride``; the suffix's own buffers as they are (no copy) when they are laid
-    out so (fp32, ``[B, H, capacity, D]``), else a contiguous copy."""
+    out so (fp32, ``[B, H, capacity, D]``) and ``copy`` is not asked, else a contiguous copy."""
     b, h, length, d = t.shape
     st = t.stride()
-    if t.dtype == torch.float32 and st[3] == 1 and (length <= 1 or st[2] == d) and st[0] == h * st[1]:
+    laid_out = st[3] == 1 and (length <= 1 or st[2] == d) and st[0] == h * st[1]
+    if not copy and t.dtype == torch.float32 and laid_out:
         return t, st[1]
     return t.reshape(b * h, length, d).float().contiguous(), length * d
 
@@ -310,9 +333,7 @@ def codes_attention(
     sk, stride = _segment_rows(suffix_keys)
     sv, value_stride = _segment_rows(suffix_values)
     if value_stride != stride:  # one stride for both: contiguous copies
-        sk = suffix_keys.reshape(segments, length, d).float().contiguous()
-        sv = suffix_values.reshape(segments, length, d).float().contiguous()
-        stride = length * d
+        (sk, stride), (sv, _) = _segment_rows(suffix_keys, copy=True), _segment_rows(suffix_values, copy=True)
     out = torch.empty(segments, m, d)
     lse = torch.empty(segments, m)
     offsets = store.offsets if store.offsets.dtype == torch.int64 else store.offsets.long()

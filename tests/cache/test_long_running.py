@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import warnings
 from dataclasses import replace
 
@@ -73,7 +72,7 @@ def _requests(model, bf16_model, tmp_path, seed: int, kept: list | None = None) 
     # bf16: the tiles (the masked product is fp32 only)
     _generate(bf16_model, ids, LUKVCache(0.5, kv_bits=8, fold_interval=2), kept)
     # quantized stores of several blocks, each tiled (where the CPU kernel on the codes does not serve: off)
-    with _limits(block_rows=16, masked_limit=0, masked_equal_limit=0), _without_cpu_kernel():
+    with _limits(block_rows=16, masked_limit=0, masked_equal_limit=0), cpu_codes.turned_off():
         _generate(model, ids, LUKVCache(0.5, kv_bits=8, fold_interval=2), kept)
     # a memory budget: the bits chosen per prompt, the window folded into the store, folds under a bound
     _generate(model, ids, LUKVCache(memory=0.5, decode_max_tokens=48, fold_interval=2), kept)
@@ -89,21 +88,6 @@ def _limits(**changes):
         yield
     finally:
         limits.LIMITS = saved
-
-
-@contextlib.contextmanager
-def _without_cpu_kernel():
-    """The CPU kernel on a quantized store's codes turned off for a while (``LUKV_CPU_KERNEL=0``): the
-    blocks serve."""
-    before = os.environ.get(cpu_codes.ENV)
-    os.environ[cpu_codes.ENV] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[cpu_codes.ENV]
-        else:
-            os.environ[cpu_codes.ENV] = before
 
 
 def _is_live_tensor(obj) -> bool:

@@ -172,10 +172,11 @@ def fold_evict(
             room = room - torch.minimum(torch.tensor(deeper * sum(weights)), room // DEEPER_SHARE)
     # every held token stays: each suffix joins its store (a store that keeps scores gets the suffix's)
     if fits:
+        # a quantized store appends in place, into room for this fold and the ones that will only append too
         ahead = folds_ahead(policy, evictable, allowed, room, weights, len(idxs) * heads)
+        tail = policy.fold_interval * (1 + ahead)
         for i, layer, valid in zip(idxs, layers, valids):
             scores = suffix_scores(policy, shard, i, layer, *folding[i]) if kept_scores else None
-            tail = policy.fold_interval * (1 + ahead)  # a quantized store appends in place, room for them
             layer.fold(room=policy.fold_interval, valid=valid, scores=scores, tail_room=tail)
             layer.eviction.settle(layer.cumulative_length)
         return

@@ -62,17 +62,22 @@ class StoreTail:
     def beside(cls, store: RaggedStore, capacity: int) -> StoreTail:
         """An empty tail for ``store`` (quantized), with room for ``capacity`` rows per segment."""
         assert isinstance(store.keys, PackedRows) and isinstance(store.values, PackedRows)  # quantized
-        g = store.num_segments
-        scores = None
-        if store.scores is not None:
-            scores = torch.full((g, capacity), float("nan"), device=store.scores.device)
+        return cls._empty(store.keys, store.values, store.num_segments, capacity, store.scores is not None)
+
+    @classmethod
+    def _empty(
+        cls, keys: PackedRows, values: PackedRows, segments: int, capacity: int, keeps_scores: bool
+    ) -> StoreTail:
+        """A tail of no rows in the format of ``keys`` / ``values``, room for ``capacity`` per segment."""
+        device = keys.device
+        scores = torch.full((segments, capacity), float("nan"), device=device) if keeps_scores else None
         return cls(
-            _empty_like(store.keys, g * capacity),
-            _empty_like(store.values, g * capacity),
-            torch.zeros(capacity, dtype=torch.int32, device=store.offsets.device),
+            _empty_like(keys, segments * capacity),
+            _empty_like(values, segments * capacity),
+            torch.zeros(capacity, dtype=torch.int32, device=device),
             scores,
             capacity,
-            g,
+            segments,
         )
 
     @property
@@ -107,25 +112,23 @@ class StoreTail:
         """The same rows in a tail with room for ``capacity`` per segment (a copy of the tail alone)."""
         g, n = self.segments, self.length
         assert capacity >= n
-
-        def moved(rows: PackedRows) -> PackedRows:
-            bigger = _empty_like(rows, g * capacity)
-            for dst, src in zip(bigger.tensors(), rows.tensors()):
-                dst.view(g, capacity, -1)[:, :n].copy_(src.view(g, self.capacity, -1)[:, :n])
-            return bigger
-
-        positions = self.positions.new_zeros(capacity)
-        positions[:n] = self.positions[:n]
-        scores = None
-        if self.scores is not None:
-            scores = self.scores.new_full((g, capacity), float("nan"))
-            scores[:, :n] = self.scores[:, :n]
-        return StoreTail(moved(self.keys), moved(self.values), positions, scores, capacity, g, n)
+        bigger = StoreTail._empty(self.keys, self.values, g, capacity, self.scores is not None)
+        for rows, written in (
+            (bigger.keys, self._written(self.keys)),
+            (bigger.values, self._written(self.values)),
+        ):
+            for dst, src in zip(rows.tensors(), written.tensors()):
+                dst.view(g, capacity, -1)[:, :n].copy_(src.view(g, n, -1))
+        bigger.positions[:n] = self.positions[:n]
+        if self.scores is not None and bigger.scores is not None:
+            bigger.scores[:, :n] = self.scores[:, :n]
+        bigger.length = n
+        return bigger
 
     def _written(self, rows: PackedRows) -> PackedRows:
         g, n = self.segments, self.length
         return rows.with_tensors(
-            *(t.view(g, self.capacity, -1)[:, :n].reshape(g * n, -1) for t in rows.tensors())
+            *(t.view(g, self.capacity, -1)[:, :n].reshape(g * n, t.shape[-1]) for t in rows.tensors())
         )
 
     def join(self, store: RaggedStore) -> RaggedStore:
