@@ -240,3 +240,44 @@ def test_a_cache_saved_with_a_pending_tail_loads_and_continues_as_it(tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # joined on one side: rounding
             ids = [a.argmax(-1, keepdim=True), b.argmax(-1, keepdim=True)]
             assert torch.equal(ids[0], ids[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "options",
+    [dict(memory=0.1, scorer="keydiff"), dict(memory=0.15, scorer="kvzap")],
+    ids=["keydiff", "kvzap"],
+)
+def test_an_evicting_fold_reads_a_pending_tail_where_it_is(monkeypatch, options):
+    """The fold scores and keeps the tail's rows without joining it first: the same stores, bit for bit, as the
+    fold that joined it (what it did before), and no join (the kernel reads tails where they are too)."""
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(2, 300, seed=9)
+    options = dict(options, scorer=scorer_for(options["scorer"], model))
+    with_tail, refold = [], LUKVLayer.refold
+
+    def spy(self, *args, **kwargs):
+        with_tail.append(self.tail is not None)
+        return refold(self, *args, **kwargs)
+
+    monkeypatch.setattr(LUKVLayer, "refold", spy)
+    joins, join = [], StoreTail.join
+    monkeypatch.setattr(StoreTail, "join", lambda self, store: joins.append(1) or join(self, store))
+    cache = LUKVCache(**options)
+    tokens, logits = _decode(model, cache, ids, 70)
+    assert any(with_tail) and not joins  # evicting folds found tails pending and read them as they were
+    with monkeypatch.context() as patch:  # the fold before: the tail joined, then the frame built
+        patch.setattr(LUKVLayer, "store_parts", lambda self: (self.store, None))
+        reference = LUKVCache(**options)
+        ref_tokens, ref_logits = _decode(model, reference, ids, 70)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    for layer, ref in zip(cache.layers, reference.layers):
+        a, b = layer.store, ref.store
+        assert a.offsets_list == b.offsets_list
+        assert torch.equal(a.positions.long(), b.positions.long())
+        for x, y in zip(a.keys.tensors() + a.values.tensors(), b.keys.tensors() + b.values.tensors()):
+            assert torch.equal(x, y)
+        assert (a.scores is None) == (b.scores is None)
+        if a.scores is not None:
+            assert torch.equal(a.scores.nan_to_num(-1.0), b.scores.nan_to_num(-1.0))

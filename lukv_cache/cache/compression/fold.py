@@ -255,16 +255,24 @@ def held_scores(
 ) -> torch.Tensor:
     """fp32 ``[G, M]``: the scores of the tokens ``layer`` holds, in ``held``'s slots: kept ones from
     the store plus the suffix scored now, or every segment's tokens scored again."""
-    store = layer.store
+    store, tail = layer.store_parts()  # a pending tail is read where it is, never joined first
     if keeps_scores(policy):
         suffix = suffix_scores(policy, shard, idx, layer, module, attention_mask)
         stored = None if store is None or store.scores is None else store.scores.unsqueeze(-1)
-        return gather_held(held, stored, suffix.unsqueeze(-1)).squeeze(-1)
+        in_tail = None if tail is None or tail.scores is None else tail.scores.reshape(-1, 1)
+        return gather_held(held, stored, suffix.unsqueeze(-1), in_tail).squeeze(-1)
     assert layer.suffix_keys is not None and layer.suffix_values is not None  # it holds what it folds
-    keys = gather_held(held, None if store is None else store.keys, layer.suffix_keys)
+    keys = gather_held(
+        held, None if store is None else store.keys, layer.suffix_keys, None if tail is None else tail.keys
+    )
     values = None  # a scorer that never reads them: no values dequantized and gathered
     if policy.scorer.reads_values:
-        values = gather_held(held, None if store is None else store.values, layer.suffix_values)
+        values = gather_held(
+            held,
+            None if store is None else store.values,
+            layer.suffix_values,
+            None if tail is None else tail.values,
+        )
     return rescore(policy.scorer, held, keys, values, layer.eviction.queries, layer.num_heads)
 
 

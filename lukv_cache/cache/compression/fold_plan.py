@@ -25,18 +25,19 @@ import torch
 from ...scorers import Scorer, check_scores
 from ..storage.layer import LUKVLayer
 from ..storage.quant import PackedRows
-from ..storage.ragged import gather_into_slots, gather_ragged
+from ..storage.ragged import gather_ragged
 
 
 @dataclass(frozen=True, eq=False)
 class Held:
     """What one layer holds at a fold, per segment ``g = b * H + h``, in position order: the store's
-    tokens, then the suffix's real ones (never padding), in slots ``[G, M]``.
+    tokens, then its pending tail's, then the suffix's real ones (never padding), in slots ``[G, M]``.
 
-    ``source``: int64 ``[G, M]``, each slot's token as a store row (``< n_store``) or ``n_store +`` its
-    flat index into the suffix ``[B, H, S]`` (0 past a segment's end); ``counts``: int64 ``[G]`` tokens
-    held; ``protected``: bool ``[G, M]``, the segment's first ``sink`` and last ``window`` tokens;
-    ``evictable``: the other held slots.
+    ``source``: int64 ``[G, M]``, each slot's token as a store row (``< n_base``), a slot of the store's tail
+    (``n_base +`` the slot, ``g * capacity + j``; ``< n_store``) or ``n_store +`` its flat index into the suffix
+    ``[B, H, S]`` (0 past a segment's end); ``counts``: int64 ``[G]`` tokens held; ``protected``: bool
+    ``[G, M]``, the segment's first ``sink`` and last ``window`` tokens; ``evictable``: the other held slots;
+    ``n_base``: the store's rows (``n_store`` without a tail).
     """
 
     source: torch.Tensor
@@ -44,6 +45,7 @@ class Held:
     protected: torch.Tensor
     evictable: torch.Tensor
     n_store: int
+    n_base: int
 
     @property
     def width(self) -> int:
@@ -64,17 +66,21 @@ def held_counts(layer: LUKVLayer, valid: torch.Tensor) -> torch.Tensor:
 
 
 def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -> Held:
-    """The :class:`Held` frame of ``layer`` (``valid``: bool ``[B, S]``, the suffix's real tokens).
+    """The :class:`Held` frame of ``layer`` (``valid``: bool ``[B, S]``, the suffix's real tokens), over its
+    store and pending tail as they are (:meth:`~lukv_cache.cache.storage.layer.LUKVLayer.store_parts`: a fold
+    never joins them first).
 
     The first ``sink`` held tokens of a segment are its row's first real tokens (sinks are never evicted and
     every held token is real), so a row of a padded batch protects what it protects alone.
     """
     assert layer.suffix_keys is not None  # the layer holds a forward
     b, h, s, device = layer.batch_size, layer.num_heads, layer.suffix_length, layer.suffix_keys.device
-    store = layer.store
-    n_store = 0 if store is None else store.num_tokens
-    in_store = torch.zeros(b * h, dtype=torch.long, device=device) if store is None else store.counts()
-    starts = torch.zeros_like(in_store) if store is None else store.offsets[:-1]
+    store, tail = layer.store_parts()
+    n_base = 0 if store is None else store.num_tokens
+    n_store = n_base + (0 if tail is None else tail.segments * tail.capacity)
+    in_base = torch.zeros(b * h, dtype=torch.long, device=device) if store is None else store.counts()
+    in_store = in_base + (0 if tail is None else tail.length)
+    starts = torch.zeros_like(in_base) if store is None else store.offsets[:-1]
     counts = held_counts(layer, valid)  # [G]
     width = int(counts.max()) if counts.numel() else 0
     slot = torch.arange(width, device=device).unsqueeze(0)
@@ -86,30 +92,50 @@ def held_tokens(layer: LUKVLayer, valid: torch.Tensor, sink: int, window: int) -
     source = torch.where(
         slot < in_store.unsqueeze(-1), starts.unsqueeze(-1) + slot, n_store + segment * s + suffix
     )
+    if tail is not None:  # the tail's slots of each segment, after its store rows
+        in_tail = (slot >= in_base.unsqueeze(-1)) & (slot < in_store.unsqueeze(-1))
+        source = torch.where(in_tail, n_base + segment * tail.capacity + slot - in_base.unsqueeze(-1), source)
     slots = slot < counts.unsqueeze(-1)
     protected = slots & ((slot < sink) | (slot >= counts.unsqueeze(-1) - window))
-    return Held(source.masked_fill(~slots, 0), counts, protected, slots & ~protected, n_store)
+    return Held(source.masked_fill(~slots, 0), counts, protected, slots & ~protected, n_store, n_base)
 
 
-def gather_held(held: Held, stored: torch.Tensor | PackedRows | None, suffix: torch.Tensor) -> torch.Tensor:
-    """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor, or its quantized rows) or of ``suffix
-    [B, H, S, ...]`` (the suffix's; NaN for store rows when ``stored`` is None); slots past a segment's
-    end hold an arbitrary row."""
+def gather_held(
+    held: Held,
+    stored: torch.Tensor | PackedRows | None,
+    suffix: torch.Tensor,
+    tail: torch.Tensor | PackedRows | None = None,
+) -> torch.Tensor:
+    """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor, or its quantized rows), of
+    ``tail [slots, ...]`` (the same of its pending tail, when ``held`` has one) or of ``suffix [B, H, S, ...]``
+    (the suffix's; NaN for store and tail rows when ``stored`` is None); slots past a segment's end hold an
+    arbitrary row."""
+    if held.n_store != held.n_base and stored is not None and tail is None:
+        raise RuntimeError("gather_held: the frame holds a store's tail; pass the tail's rows too.")
     source = held.source.flatten()
-    from_store = source < held.n_store
-    rows = gather_ragged(suffix, source[~from_store] - held.n_store)
-    if held.n_store:  # a store without this tensor (scores never kept): NaN, ranked lowest
-        index = source[from_store]
-        if stored is None:
-            first = rows.new_full((index.shape[0], *rows.shape[1:]), float("nan"))
-        elif index.shape[0] == held.n_store:  # every row, in order (a fold holds its whole store): no gather
-            first = stored.dequantize() if isinstance(stored, PackedRows) else stored
-        else:  # a quantized store's rows come back dequantized (PackedRows.rows)
-            first = stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)
-        # each slot's row of the store's picked ones (a suffix slot's placeholder: any), the suffix's copied in
-        taken = (torch.cumsum(from_store, 0) - 1).clamp(0, max(index.shape[0] - 1, 0))
-        rows = gather_into_slots(first, taken, rows, (~from_store).nonzero().flatten())
-    return rows.view(*held.source.shape, *suffix.shape[3:])
+    from_suffix = source >= held.n_store
+    suffix_slots = from_suffix.nonzero().flatten()
+    rows = gather_ragged(suffix, source[suffix_slots] - held.n_store)
+    if not held.n_store:
+        return rows.view(*held.source.shape, *suffix.shape[3:])
+    shape = (source.shape[0], *rows.shape[1:])
+    base_slots = (source < held.n_base).nonzero().flatten()
+    if stored is None:  # a store without this tensor (scores never kept): NaN, ranked lowest
+        out = rows.new_full(shape, float("nan"))
+    elif base_slots.shape[0] == held.n_base:  # every store row, in order (a fold holds its whole store)
+        whole = stored.dequantize() if isinstance(stored, PackedRows) else stored
+        out = rows.new_empty(shape).index_copy_(0, base_slots, whole.to(rows.dtype))
+    else:  # a quantized store's rows come back dequantized (PackedRows.rows); other slots' placeholder: any
+        index = source.clamp_max(held.n_base - 1)
+        out = (stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)).to(
+            rows.dtype
+        )
+    if stored is not None and tail is not None and held.n_store != held.n_base:
+        tail_slots = ((source >= held.n_base) & ~from_suffix).nonzero().flatten()
+        index = source[tail_slots] - held.n_base
+        picked = tail.rows(index) if isinstance(tail, PackedRows) else tail.index_select(0, index)
+        out.index_copy_(0, tail_slots, picked.to(rows.dtype))
+    return out.index_copy_(0, suffix_slots, rows).view(*held.source.shape, *suffix.shape[3:])
 
 
 def masked_held(scores: torch.Tensor, held: Held) -> torch.Tensor:

@@ -116,6 +116,11 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
             return self._store
         return TailedStore(self._store, self.tail, self._join_tail)  # type: ignore[arg-type]
 
+    def store_parts(self) -> tuple[RaggedStore | None, StoreTail | None]:
+        """The store and its pending tail as they are, without joining them (an evicting fold reads both and
+        builds the next store from their rows: :class:`~lukv_cache.cache.compression.fold_plan.Held`)."""
+        return self._store, self.tail
+
     def store_counts(self) -> torch.Tensor | None:
         """int64 ``[B * H]``: tokens per segment in the store and its tail (``None`` without a store), without
         joining them."""
@@ -414,13 +419,15 @@ class LUKVLayer(SlidingWindow, BatchRows, LayerState, DynamicLayer):
         """Rebuild the store from what the layer holds and empty the suffix (eviction at fold time).
 
         ``source``: int64 ``[K]``, the kept tokens in store layout (segment-major, positions ascending),
-        each a row of the store (``< N``) or a suffix token (``N +`` its flat index into ``[B, H, S]``);
-        ``counts [B * H]``: kept tokens per segment; ``scores [K]``: stored with them (or ``None``);
-        ``capacity``: the new suffix buffer's, in tokens."""
+        each a row of the store and its pending tail as :meth:`store_parts` gives them (``< N``: the store's
+        rows, then the tail's slots) or a suffix token (``N +`` its flat index into ``[B, H, S]``), as
+        :func:`~lukv_cache.cache.compression.fold_plan.held_tokens` numbers them; ``counts [B * H]``: kept
+        tokens per segment; ``scores [K]``: stored with them (or ``None``); ``capacity``: the new suffix
+        buffer's, in tokens. The tail is never joined first: the kept rows are gathered from both."""
         suffix = cast(DenseSuffix, self.suffix)  # initialized
         start = self.cumulative_length - suffix.length
         self.store = rebuild(
-            self.store, suffix.keys, suffix.values, start, source, counts, scores, self.kv_bits
+            self._store, suffix.keys, suffix.values, start, source, counts, scores, self.kv_bits, self.tail
         )
         self.suffix = DenseSuffix.of(suffix.keys[:, :, :0], suffix.values[:, :, :0], capacity=capacity)
         self.compressed = True  # compression settles the layer's eviction record

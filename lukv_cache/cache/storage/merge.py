@@ -14,6 +14,7 @@ from typing import cast
 import torch
 
 from .ragged import RaggedStore, flat_index_from_mask, gather_into_slots, gather_ragged, position_dtype
+from .tail import StoreTail
 
 
 def absorb(
@@ -92,28 +93,42 @@ def rebuild(
     counts: torch.Tensor,
     scores: torch.Tensor | None,
     kv_bits: int | None,
+    tail: StoreTail | None = None,
 ) -> RaggedStore:
     """A new store of the tokens ``source`` picks: int64 ``[K]`` in store layout (segment-major, positions
-    ascending), each a row of ``store`` (``< N``) or a token of the suffix ``[B, H, S, D]`` (``N +`` its flat
+    ascending), each a row of ``store`` (``< N``), a slot of its pending ``tail`` (``N +`` the slot, ``s *
+    capacity + j``; never joined first) or a token of the suffix ``[B, H, S, D]`` (``N + tail slots +`` its flat
     index into ``[B, H, S]``), whose first token is at logical position ``start``; ``counts [B * H]``: kept
     tokens per segment; ``scores [K]``: stored with them (or ``None``)."""
     n = 0 if store is None else store.num_tokens
+    slots = 0 if tail is None else tail.segments * tail.capacity
     s = suffix_keys.shape[-2]
-    from_store = source < n
-    in_suffix = source[~from_store] - n
+    from_suffix = source >= n + slots
+    in_suffix = source[from_suffix] - n - slots
     last = start + max(s, 1) - 1  # no kept position is above it
     suffix_pos = (in_suffix % max(s, 1) + start).to(position_dtype(last))
-    store_rows = source.clamp_max(max(n - 1, 0))  # a suffix slot's placeholder: any row
-    suffix_slots = (~from_store).nonzero().flatten()
+    store_rows = source.clamp_max(max(n - 1, 0))  # a tail or suffix slot's placeholder: any row
+    suffix_slots = from_suffix.nonzero().flatten()
+    tail_slots = ((source >= n) & ~from_suffix).nonzero().flatten() if slots else None
+    tail_rows = None if tail_slots is None else source[tail_slots] - n
 
-    def pick(stored: torch.Tensor | None, from_suffix: torch.Tensor) -> torch.Tensor:
-        return (
-            from_suffix
-            if stored is None
-            else gather_into_slots(stored, store_rows, from_suffix, suffix_slots)
-        )
+    def pick(
+        stored: torch.Tensor | None, from_tail: torch.Tensor | None, from_suffix: torch.Tensor
+    ) -> torch.Tensor:
+        if stored is None:
+            return from_suffix
+        if n:
+            picked = gather_into_slots(stored, store_rows, from_suffix, suffix_slots)
+        else:  # a store of no rows beside its tail: nothing to gather from it
+            shape = (source.shape[0], *from_suffix.shape[1:])
+            picked = from_suffix.new_empty(shape).index_copy_(0, suffix_slots, from_suffix)
+        if tail_slots is not None and from_tail is not None and tail_slots.numel():
+            picked.index_copy_(
+                0, tail_slots, from_tail.index_select(0, cast(torch.Tensor, tail_rows)).to(picked.dtype)
+            )
+        return picked
 
-    held = store if n else None
+    held = store if n or slots else None
     new_k, new_v = gather_ragged(suffix_keys, in_suffix), gather_ragged(suffix_values, in_suffix)
     if store is not None and store.kv_bits is not None:
         # the suffix's kept tokens quantized as the store's (each row on its own): the stored rows'
@@ -125,12 +140,19 @@ def rebuild(
             )
         stored_k = None if held is None else held.keys
         stored_v = None if held is None else held.values
-        keys = new_k.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_k), new_k.tensors())))
-        values = new_v.with_tensors(*(pick(a, b) for a, b in zip(_parts(stored_v), new_v.tensors())))
-    else:  # a full-precision store: its rows are tensors
-        keys = pick(None if held is None else cast(torch.Tensor, held.keys), new_k)
-        values = pick(None if held is None else cast(torch.Tensor, held.values), new_v)
-    positions = pick(None if held is None else held.positions, suffix_pos)
+        tail_k = _parts(None if tail is None else tail.keys)
+        tail_v = _parts(None if tail is None else tail.values)
+        keys = new_k.with_tensors(
+            *(pick(a, t, b) for a, t, b in zip(_parts(stored_k), tail_k, new_k.tensors()))
+        )
+        values = new_v.with_tensors(
+            *(pick(a, t, b) for a, t, b in zip(_parts(stored_v), tail_v, new_v.tensors()))
+        )
+    else:  # a full-precision store: its rows are tensors (it never has a tail)
+        keys = pick(None if held is None else cast(torch.Tensor, held.keys), None, new_k)
+        values = pick(None if held is None else cast(torch.Tensor, held.values), None, new_v)
+    tail_positions = None if tail is None else tail.slot_positions()
+    positions = pick(None if held is None else held.positions, tail_positions, suffix_pos)
     heads = suffix_keys.shape[1]
     return RaggedStore.build(
         keys,

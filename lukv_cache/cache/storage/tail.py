@@ -149,6 +149,10 @@ class StoreTail:
             last=last,
         )
 
+    def slot_positions(self) -> torch.Tensor:
+        """int32 ``[segments * capacity]``: each slot's logical position (its segment's rows in order)."""
+        return self.positions.repeat(self.segments)
+
     def memory_bytes(self) -> int:
         """Bytes of every tensor the tail holds (its free room included)."""
         total = self.keys.memory_bytes() + self.values.memory_bytes()
