@@ -8,7 +8,9 @@ to back, so appending to every segment rebuilds all of it: every row copied, for
 rows per segment: an appending fold quantizes the suffix and writes it into that room, nothing else moves.
 
 The CPU kernel over the codes reads a store and its tail in one call
-(:func:`~lukv_cache.attention.cpu_codes.codes_attention`). Everything else reads the layer's store after the tail
+(:func:`~lukv_cache.attention.cpu_codes.codes_attention`), and an evicting fold rescores and keeps rows of both
+where they are (:meth:`LUKVLayer.store_parts <lukv_cache.cache.storage.layer.LUKVLayer.store_parts>`, the held
+frame of :mod:`~lukv_cache.cache.compression.fold_plan`). Everything else reads the layer's store after the tail
 joined it (one merge, what each appending fold cost before): :attr:`LUKVLayer.store
 <lukv_cache.cache.storage.layer.LUKVLayer.store>` joins a pending tail when read, and attention gets a
 :class:`TailedStore`, which joins it on the first read that is not the kernel's.
