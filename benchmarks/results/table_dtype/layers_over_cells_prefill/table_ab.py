@@ -1,9 +1,10 @@
-# Scratch script, as run (issue 58 item 3): python table_ab.py <checkout with layers_over_cells_prefill.patch applied> after before
-# -> /tmp/s/table_ab_after_before.json, committed here as table_ab.json. "before" replaces RecordedPrefill.for_model
+# Scratch script, as run but for its output folder, then hard-coded (issue 58 item 3):
+#   SCRATCH=<scratch> python table_ab.py <checkout with layers_over_cells_prefill.patch applied> after before
+# -> <scratch>/table_ab_after_before.json, committed here as table_ab.json. "before" replaces RecordedPrefill.for_model
 # (the patch's) by a float32 recording of its own, as the code did before the patch.
 """The memory table's layers' losses from a float32 prefill of their own (before) and from the cells' bfloat16
 prefill cast (after), one process, alone: seconds, layer losses, and the widths memory= picks at 1k."""
-import sys, time, json
+import os, sys, time, json
 root = sys.argv[1]
 sys.path.insert(0, root)
 import numpy as np, torch
@@ -27,4 +28,4 @@ for mode in sys.argv[2:]:
     print(mode, "%.1f s" % secs, "order", table.layer_order()[:8], flush=True)
     print(" layer_loss", np.round(table.layer_loss, 4).tolist(), flush=True)
     print(" cells", np.round(table.loss, 4).tolist(), flush=True)
-json.dump(out, open("/tmp/s/table_ab_%s.json" % "_".join(sys.argv[2:]), "w"))
+json.dump(out, open(os.path.join(os.environ["SCRATCH"], "table_ab_%s.json" % "_".join(sys.argv[2:])), "w"))

@@ -1,7 +1,8 @@
-# Scratch script, as run: python widths.py table_ab.json (paths of the checkout it ran in hard-coded); prints the
+# Scratch script, as run but for the checkout's folder, then hard-coded: python widths.py table_ab.json <checkout>; prints the
 # layers memory= keeps at 8 bits on a 1,000-token prompt at 0.075 / 0.1 / 0.15 / 0.2 with each table.
 import sys, json, dataclasses
-sys.path.insert(0, "/work/main")
+ROOT = sys.argv[2]
+sys.path.insert(0, ROOT)
 import numpy as np, torch
 torch.set_num_threads(2)
 from lukv_cache.models import load_model
@@ -10,7 +11,7 @@ from lukv_cache.profiles.memory_table import MemoryTable
 from lukv_cache import LUKVCache
 from lukv_cache.profiling.memory_table import calibration_texts
 model, tok = load_model("qwen2.5-coder-0.5b", threads=2)
-base = Profile.load("/work/main/profiles_hub/Qwen/Qwen2.5-Coder-0.5B-Instruct/keydiff.safetensors")
+base = Profile.load(ROOT + "/profiles_hub/Qwen/Qwen2.5-Coder-0.5B-Instruct/keydiff.safetensors")
 data = json.load(open(sys.argv[1]))
 from lukv_cache.testing import prose
 text = calibration_texts("default")[0] if False else None
