@@ -14,11 +14,12 @@ from lukv_cache import LUKVCache, load_cache, save_cache
 from lukv_cache._compat import cache_kwarg
 from lukv_cache.attention import cpu_codes
 from lukv_cache.cache.compression import fold
+from lukv_cache.cache.compression.fold_plan import gather_held, held_tokens
 from lukv_cache.cache.storage.layer import LUKVLayer
 from lukv_cache.cache.storage.merge import append
 from lukv_cache.cache.storage.ragged import RaggedStore
 from lukv_cache.cache.storage.tail import StoreTail
-from lukv_cache.testing import prompt
+from lukv_cache.testing import left_padded, prompt
 
 needs_kernel = pytest.mark.skipif(
     cpu_codes.kernel() is None, reason="no C compiler builds the CPU kernel here"
@@ -281,3 +282,34 @@ def test_an_evicting_fold_reads_a_pending_tail_where_it_is(monkeypatch, options)
         assert (a.scores is None) == (b.scores is None)
         if a.scores is not None:
             assert torch.equal(a.scores.nan_to_num(-1.0), b.scores.nan_to_num(-1.0))
+
+
+def test_a_held_frame_takes_each_slot_from_the_store_its_tail_or_the_suffix():
+    """``gather_held`` over a store, its pending tail and the suffix, segments holding different counts (a
+    left-padded batch): every held slot's row, as the joined store and the suffix hold it."""
+    model = tiny_model("llama", "sdpa")
+    ids, mask = left_padded((300, 230), seed=2)
+    cache = LUKVCache(memory=0.1, scorer="keydiff")
+    layer = None
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+        for _ in range(
+            200
+        ):  # no mask while decoding: the kernel reads tails where they are (a mask joins them)
+            token = out.logits[:, -1:].argmax(-1)
+            out = model(token, use_cache=True, **{cache_kwarg(model): cache})
+            pending = [p for p in _pending(cache) if p.tail.length and p.suffix_length >= 3]
+            if pending:
+                layer = pending[0]
+                break
+    assert layer is not None, "no tail pending beside a suffix"
+    store, tail = layer.store_parts()
+    b, h, s = layer.batch_size, layer.num_heads, layer.suffix_length
+    frame = held_tokens(layer, torch.ones(b, s, dtype=torch.bool), sink=4, window=16)
+    assert len(set(frame.counts.tolist())) > 1  # ragged: slots past some segments' ends
+    got = gather_held(frame, store.keys, layer.suffix_keys, tail.keys)
+    joined = tail.join(store)
+    keys, bounds = joined.keys.dequantize(), joined.offsets_list
+    for g in range(b * h):
+        want = torch.cat([keys[bounds[g] : bounds[g + 1]], layer.suffix_keys[g // h, g % h, :s]])
+        assert torch.equal(got[g, : int(frame.counts[g])], want)

@@ -108,8 +108,9 @@ def gather_held(
 ) -> torch.Tensor:
     """``[G, M, ...]``: each slot's row of ``stored [N, ...]`` (the store's tensor, or its quantized rows), of
     ``tail [slots, ...]`` (the same of its pending tail, when ``held`` has one) or of ``suffix [B, H, S, ...]``
-    (the suffix's; NaN for store and tail rows when ``stored`` is None); slots past a segment's end hold an
-    arbitrary row."""
+    (the suffix's; NaN for store and tail rows when ``stored`` is None); slots past a segment's end hold
+    arbitrary values (nothing reads them: :func:`rescore` scores each segment's own tokens, :func:`masked_held`
+    masks them)."""
     if held.n_store != held.n_base and stored is not None and tail is None:
         raise RuntimeError("gather_held: the frame holds a store's tail; pass the tail's rows too.")
     source = held.source.flatten()
@@ -119,10 +120,11 @@ def gather_held(
     if not held.n_store:
         return rows.view(*held.source.shape, *suffix.shape[3:])
     shape = (source.shape[0], *rows.shape[1:])
-    base_slots = (source < held.n_base).nonzero().flatten()
+    base_slots = ((source < held.n_base) & held.slots.flatten()).nonzero().flatten()  # held store rows
     if stored is None:  # a store without this tensor (scores never kept): NaN, ranked lowest
         out = rows.new_full(shape, float("nan"))
-    elif base_slots.shape[0] == held.n_base:  # every store row, in order (a fold holds its whole store)
+    elif base_slots.shape[0] == held.n_base:  # every store row, in order (a fold holds its whole store): one
+        # dequantized block, each row copied to its slot (the slots past a segment's end are left as they are)
         whole = stored.dequantize() if isinstance(stored, PackedRows) else stored
         out = rows.new_empty(shape).index_copy_(0, base_slots, whole.to(rows.dtype))
     else:  # a quantized store's rows come back dequantized (PackedRows.rows); other slots' placeholder: any
