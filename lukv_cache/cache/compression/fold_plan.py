@@ -24,6 +24,7 @@ import torch
 
 from ...scorers import Scorer, check_scores
 from ..storage.layer import LUKVLayer
+from ..storage.merge import split_sources
 from ..storage.quant import PackedRows
 from ..storage.ragged import gather_ragged
 
@@ -114,9 +115,8 @@ def gather_held(
     if held.n_store != held.n_base and stored is not None and tail is None:
         raise RuntimeError("gather_held: the frame holds a store's tail; pass the tail's rows too.")
     source = held.source.flatten()
-    from_suffix = source >= held.n_store
-    suffix_slots = from_suffix.nonzero().flatten()
-    rows = gather_ragged(suffix, source[suffix_slots] - held.n_store)
+    suffix_slots, in_suffix, tail_slots, tail_rows = split_sources(source, held.n_base, held.n_store)
+    rows = gather_ragged(suffix, in_suffix)
     if not held.n_store:
         return rows.view(*held.source.shape, *suffix.shape[3:])
     shape = (source.shape[0], *rows.shape[1:])
@@ -132,10 +132,8 @@ def gather_held(
         out = (stored.rows(index) if isinstance(stored, PackedRows) else stored.index_select(0, index)).to(
             rows.dtype
         )
-    if stored is not None and tail is not None and held.n_store != held.n_base:
-        tail_slots = ((source >= held.n_base) & ~from_suffix).nonzero().flatten()
-        index = source[tail_slots] - held.n_base
-        picked = tail.rows(index) if isinstance(tail, PackedRows) else tail.index_select(0, index)
+    if stored is not None and tail is not None and tail_slots is not None and tail_rows is not None:
+        picked = tail.rows(tail_rows) if isinstance(tail, PackedRows) else tail.index_select(0, tail_rows)
         out.index_copy_(0, tail_slots, picked.to(rows.dtype))
     return out.index_copy_(0, suffix_slots, rows).view(*held.source.shape, *suffix.shape[3:])
 

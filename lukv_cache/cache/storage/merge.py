@@ -84,6 +84,26 @@ def append(
     return store.extend(new_k, new_v, positions, counts, new_s, last=last)  # a merge: new tensors
 
 
+def split_sources(
+    source: torch.Tensor, n_base: int, n_store: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Where the tokens of ``source`` come from, numbered as :func:`rebuild` reads them (rows ``< n_base`` of the
+    store, ``n_base +`` a slot of its tail below ``n_store``, ``n_store +`` a flat index into the suffix
+    ``[B, H, S]``): the positions in ``source`` of the suffix's tokens and their flat indices, then of the tail's
+    and their slots (``None`` without a tail, ``n_store == n_base``).
+
+    >>> split_sources(torch.tensor([0, 5, 3, 7]), n_base=3, n_store=6)
+    (tensor([3]), tensor([1]), tensor([1, 2]), tensor([2, 0]))
+    """
+    from_suffix = source >= n_store
+    suffix_slots = from_suffix.nonzero().flatten()
+    suffix_index = source[suffix_slots] - n_store
+    if n_store == n_base:
+        return suffix_slots, suffix_index, None, None
+    tail_slots = ((source >= n_base) & ~from_suffix).nonzero().flatten()
+    return suffix_slots, suffix_index, tail_slots, source[tail_slots] - n_base
+
+
 def rebuild(
     store: RaggedStore | None,
     suffix_keys: torch.Tensor,
@@ -103,14 +123,10 @@ def rebuild(
     n = 0 if store is None else store.num_tokens
     slots = 0 if tail is None else tail.segments * tail.capacity
     s = suffix_keys.shape[-2]
-    from_suffix = source >= n + slots
-    in_suffix = source[from_suffix] - n - slots
+    suffix_slots, in_suffix, tail_slots, tail_rows = split_sources(source, n, n + slots)
     last = start + max(s, 1) - 1  # no kept position is above it
     suffix_pos = (in_suffix % max(s, 1) + start).to(position_dtype(last))
     store_rows = source.clamp_max(max(n - 1, 0))  # a tail or suffix slot's placeholder: any row
-    suffix_slots = from_suffix.nonzero().flatten()
-    tail_slots = ((source >= n) & ~from_suffix).nonzero().flatten() if slots else None
-    tail_rows = None if tail_slots is None else source[tail_slots] - n
 
     def pick(
         stored: torch.Tensor | None, from_tail: torch.Tensor | None, from_suffix: torch.Tensor
@@ -122,10 +138,8 @@ def rebuild(
         else:  # a store of no rows beside its tail: nothing to gather from it
             shape = (source.shape[0], *from_suffix.shape[1:])
             picked = from_suffix.new_empty(shape).index_copy_(0, suffix_slots, from_suffix)
-        if tail_slots is not None and from_tail is not None and tail_slots.numel():
-            picked.index_copy_(
-                0, tail_slots, from_tail.index_select(0, cast(torch.Tensor, tail_rows)).to(picked.dtype)
-            )
+        if tail_slots is not None and tail_rows is not None and from_tail is not None and tail_slots.numel():
+            picked.index_copy_(0, tail_slots, from_tail.index_select(0, tail_rows).to(picked.dtype))
         return picked
 
     held = store if n or slots else None
