@@ -35,7 +35,7 @@ from .oracle import AGGREGATES, ContextState, oracle_importances, prefill_contex
 from .result_store import ResultStore, default_cache_dir, model_fingerprint, short_sha
 from .scores import replayed_scores
 from .solver import DEFAULT_GRID, check_grid, solve_evict_ratios
-from .table_dtype import check_table_dtype
+from .table_dtype import check_table_dtype, model_in, table_dtype
 
 # Plain completion, no chat template (``docs/design.md``: small models answer nothing in chat format).
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
@@ -319,7 +319,11 @@ class BuildSettings:
     cell's cache). ``table_dtype``: the precision of the table's passes (``"auto"``, the default: the cells in
     bfloat16 on a CPU that multiplies it natively, the layers' losses at the model's precision, elsewhere the
     model's own; ``None`` or ``"model"``: the model's own;
-    :func:`~lukv_cache.profiling.table_dtype.table_dtype`).
+    :func:`~lukv_cache.profiling.table_dtype.table_dtype`). ``oracle_dtype``: the precision of the oracle's
+    passes (the context's prefill and scores, the questions' decode), picked the same way (``"auto"``, the
+    default: a bfloat16 copy of a float32 model on a CPU that multiplies it natively; on Qwen2.5-0.5B its 24
+    questions in 30 s instead of 49 s, docs/profiles.md "Cost"); the table and a kvzap surrogate's training
+    run on the model itself, as their own settings say.
     ``sliding``: on a model with sliding-window layers, ``"keep"`` optimises the full-attention layers only
     (the sliding rows are the global ratio); ``"compress"`` also scores each sliding layer over the window
     it holds at the end of the context (the oracle reads the decode's attention over it) and hands out one
@@ -346,6 +350,7 @@ class BuildSettings:
     kvzap: KVzapTraining | None = None
     memory_table: bool = True
     table_dtype: str | None = "auto"
+    oracle_dtype: str | None = "auto"
     sliding: str = "keep"
 
     def __post_init__(self) -> None:
@@ -355,8 +360,9 @@ class BuildSettings:
             )
         if self.scope not in ("all", "layer"):
             raise ConfigurationError(f"scope must be 'all' or 'layer', got {self.scope!r}.")
-        if self.table_dtype is not None:
-            check_table_dtype(self.table_dtype)
+        for field in ("table_dtype", "oracle_dtype"):
+            if getattr(self, field) is not None:
+                check_table_dtype(getattr(self, field), field)
         if self.sink < 0 or (self.window is not None and self.window < 0):
             raise ConfigurationError(
                 f"sink and window must be >= 0, got sink={self.sink}, window={self.window}."
@@ -422,148 +428,156 @@ def build_profiles(
         raise ConfigurationError(
             "The model has no name_or_path; pass model_id='org/name' so the profile says which model it is for."
         )
-    run = prepare_run(
-        model,
-        tokenizer,
-        calibration,
-        k_max=settings.k_max,
-        max_questions=settings.max_questions,
-        seed=settings.seed,
-        cache_dir=settings.cache_dir,
-        aggregate=settings.aggregate,
-        sliding=settings.sliding,
-    )
-    t = run.context_len
-    windows = {s.name: s.window if settings.window is None else settings.window for s in scorer_objs}
-    for name, w in windows.items():
-        if t - settings.sink - w < 1:
-            raise ConfigurationError(
-                f"The calibration context has {t} tokens: nothing left to evict after {settings.sink} sinks and a "
-                f"window of {w} (scorer {name!r}). Use a longer context."
-            )
-    config = model.config.get_text_config()
-    torch.manual_seed(settings.seed)
-    was_training = model.training
-    model.eval()
-    try:
-        scores = {s.name: run.score_array(s) for s in scorer_objs}
-        held = {s.name: run.held(s) for s in scorer_objs}
-        shape = (len(grid_arr), config.num_hidden_layers, config.num_key_value_heads)
-        sums = {s.name: np.zeros(shape) for s in scorer_objs}
-        say = sayer(settings.show_progress)
-        solved: dict[int, dict[str, np.ndarray]] = {}
-
-        def solve(index: int, importance: np.ndarray) -> None:
-            solved[index] = {
-                s.name: solve_evict_ratios(
-                    importance,
-                    scores[s.name][0],
-                    grid=grid_arr,
-                    sink=settings.sink,
-                    window=windows[s.name],
-                    min_keep=settings.min_keep,
-                    scope=settings.scope,
-                    layers=scores[s.name][1],
-                    held=held[s.name],
-                )
-                for s in scorer_objs
-            }
-
-        pending: list[int] = []
-        for index in range(len(run.selected)):  # an earlier build's results: each read once, solved now
-            importance = run.cached_oracle(index)
-            if importance is None:
-                pending.append(index)
-            else:
-                solve(index, importance)
-        if say is not None:
-            say(
-                f"LU-KV profile: {count(len(run.selected), 'question')}, each decoding up to {settings.k_max} "
-                f"answer tokens after the {t:,}-token context, decoded together in batches of up to "
-                f"{len(run.batches(range(len(run.selected)))[0])}; {len(run.selected) - len(pending)} kept from an "
-                "earlier build"
-            )
-        progress = tqdm(
-            total=len(run.selected),
-            initial=len(run.selected) - len(pending),
-            desc="LU-KV profile",
-            unit="question",
-            disable=not settings.show_progress,
-        )
-        with progress:
-            batches = run.batches(pending)
-            for number, batch in enumerate(batches):
-                started, prefill = time.perf_counter(), run.prefill_seconds
-                # decoded together, each saved: a stopped build resumes after the last whole batch
-                for index, importance in zip(batch, run.decode(batch), strict=True):
-                    solve(index, importance)
-                progress.update(len(batch))
-                if say is not None and number == 0 and len(batches) > 1:  # the first batch: the rest's time
-                    seconds = time.perf_counter() - started - (run.prefill_seconds - prefill)
-                    rest = len(pending) - len(batch)
-                    how = f"; the context's prefill took {run.prefill_seconds:.0f} s more, once"
-                    say(
-                        estimate_line(
-                            f"LU-KV profile (a batch of {count(len(batch), 'question')} at a time)",
-                            "batch",
-                            seconds,
-                            seconds * rest / len(batch),
-                            f"{count(rest, 'question')} left",
-                            how,
-                        )
-                    )
-        for index in range(len(run.selected)):  # summed in one order, whichever were kept
-            for name, ratios in solved[index].items():
-                sums[name] += ratios
-    finally:
-        model.train(was_training)
-
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    selected = run.selected
-    provenance = {
-        "prompt_format": "context" + QUESTION_TEMPLATE,
-        "scope": settings.scope,
-        "oracle_aggregate": settings.aggregate,
-        "questions": len(selected),
-        "question_indices": selected if len(selected) < run.total_questions else "all",
-        "seed": settings.seed,
-        "context_tokens": t,
-        "calibration_sha256": run.context_sha,
-        "model_fingerprint": run.fingerprint,
-        "ratio_of": "evictable tokens (sinks and window excluded)",
-        "sliding": settings.sliding,
-        **(settings.extra or {}),
-    }
-    profiles = {
-        s.name: Profile(
-            grid=grid_arr.astype(np.float32),
-            evict_ratio=(sums[s.name] / len(selected)).astype(np.float32),
-            model_id=model_id,
-            scorer=s.name,
-            head_dim=int(head_dim),
-            scorer_params=_scorer_params(s),
-            sink=settings.sink,
-            window=windows[s.name],
-            min_keep=settings.min_keep,
+    # the oracle's passes (the context's prefill, its scores, the questions' decode) in oracle_dtype
+    oracle_dtype = table_dtype(model, settings.oracle_dtype)
+    with model_in(model, oracle_dtype) as oracle_model:
+        run = prepare_run(
+            oracle_model,
+            tokenizer,
+            calibration,
             k_max=settings.k_max,
-            calibration=run.description,
-            extra=provenance,
-            surrogate=surrogate if s.name == "kvzap" else None,
+            max_questions=settings.max_questions,
+            seed=settings.seed,
+            cache_dir=settings.cache_dir,
+            aggregate=settings.aggregate,
+            sliding=settings.sliding,
         )
-        for s in scorer_objs
-    }
+        t = run.context_len
+        windows = {s.name: s.window if settings.window is None else settings.window for s in scorer_objs}
+        for name, w in windows.items():
+            if t - settings.sink - w < 1:
+                raise ConfigurationError(
+                    f"The calibration context has {t} tokens: nothing left to evict after {settings.sink} sinks and a "
+                    f"window of {w} (scorer {name!r}). Use a longer context."
+                )
+        config = oracle_model.config.get_text_config()
+        torch.manual_seed(settings.seed)
+        was_training = oracle_model.training
+        oracle_model.eval()
+        try:
+            scores = {s.name: run.score_array(s) for s in scorer_objs}
+            held = {s.name: run.held(s) for s in scorer_objs}
+            shape = (len(grid_arr), config.num_hidden_layers, config.num_key_value_heads)
+            sums = {s.name: np.zeros(shape) for s in scorer_objs}
+            say = sayer(settings.show_progress)
+            solved: dict[int, dict[str, np.ndarray]] = {}
+
+            def solve(index: int, importance: np.ndarray) -> None:
+                solved[index] = {
+                    s.name: solve_evict_ratios(
+                        importance,
+                        scores[s.name][0],
+                        grid=grid_arr,
+                        sink=settings.sink,
+                        window=windows[s.name],
+                        min_keep=settings.min_keep,
+                        scope=settings.scope,
+                        layers=scores[s.name][1],
+                        held=held[s.name],
+                    )
+                    for s in scorer_objs
+                }
+
+            pending: list[int] = []
+            for index in range(len(run.selected)):  # an earlier build's results: each read once, solved now
+                importance = run.cached_oracle(index)
+                if importance is None:
+                    pending.append(index)
+                else:
+                    solve(index, importance)
+            if say is not None:
+                say(
+                    f"LU-KV profile: {count(len(run.selected), 'question')}, each decoding up to {settings.k_max} "
+                    f"answer tokens after the {t:,}-token context, decoded together in batches of up to "
+                    f"{len(run.batches(range(len(run.selected)))[0])}; {len(run.selected) - len(pending)} kept from an "
+                    "earlier build"
+                )
+            progress = tqdm(
+                total=len(run.selected),
+                initial=len(run.selected) - len(pending),
+                desc="LU-KV profile",
+                unit="question",
+                disable=not settings.show_progress,
+            )
+            with progress:
+                batches = run.batches(pending)
+                for number, batch in enumerate(batches):
+                    started, prefill = time.perf_counter(), run.prefill_seconds
+                    # decoded together, each saved: a stopped build resumes after the last whole batch
+                    for index, importance in zip(batch, run.decode(batch), strict=True):
+                        solve(index, importance)
+                    progress.update(len(batch))
+                    if (
+                        say is not None and number == 0 and len(batches) > 1
+                    ):  # the first batch: the rest's time
+                        seconds = time.perf_counter() - started - (run.prefill_seconds - prefill)
+                        rest = len(pending) - len(batch)
+                        how = f"; the context's prefill took {run.prefill_seconds:.0f} s more, once"
+                        say(
+                            estimate_line(
+                                f"LU-KV profile (a batch of {count(len(batch), 'question')} at a time)",
+                                "batch",
+                                seconds,
+                                seconds * rest / len(batch),
+                                f"{count(rest, 'question')} left",
+                                how,
+                            )
+                        )
+            for index in range(len(run.selected)):  # summed in one order, whichever were kept
+                for name, ratios in solved[index].items():
+                    sums[name] += ratios
+        finally:
+            oracle_model.train(was_training)
+
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        selected = run.selected
+        provenance = {
+            "prompt_format": "context" + QUESTION_TEMPLATE,
+            "scope": settings.scope,
+            "oracle_aggregate": settings.aggregate,
+            "questions": len(selected),
+            "question_indices": selected if len(selected) < run.total_questions else "all",
+            "seed": settings.seed,
+            "context_tokens": t,
+            "calibration_sha256": run.context_sha,
+            "model_fingerprint": run.fingerprint,
+            "ratio_of": "evictable tokens (sinks and window excluded)",
+            "sliding": settings.sliding,
+            "oracle_dtype": str(oracle_dtype).removeprefix("torch."),
+            **(settings.extra or {}),
+        }
+        profiles = {
+            s.name: Profile(
+                grid=grid_arr.astype(np.float32),
+                evict_ratio=(sums[s.name] / len(selected)).astype(np.float32),
+                model_id=model_id,
+                scorer=s.name,
+                head_dim=int(head_dim),
+                scorer_params=_scorer_params(s),
+                sink=settings.sink,
+                window=windows[s.name],
+                min_keep=settings.min_keep,
+                k_max=settings.k_max,
+                calibration=run.description,
+                extra=provenance,
+                surrogate=surrogate if s.name == "kvzap" else None,
+            )
+            for s in scorer_objs
+        }
     if settings.memory_table:
-        profiles = {name: _with_memory_table(p, run, calibration, settings) for name, p in profiles.items()}
+        profiles = {
+            name: _with_memory_table(p, model, run, calibration, settings) for name, p in profiles.items()
+        }
     return profiles
 
 
-def _with_memory_table(profile, run: CalibrationRun, calibration, settings: BuildSettings):
+def _with_memory_table(profile, model, run: CalibrationRun, calibration, settings: BuildSettings):
     """``profile`` with its memory table, measured on windows of the calibration context (a context too
     short for 128-token continuations gets shorter ones: :func:`~.memory_table.continuation_for`)."""
     from .memory_table import calibration_texts, continuation_for, measure_memory_table
 
     table = measure_memory_table(
-        run.model,
+        model,
         run.tokenizer,
         profile,
         calibration_texts(calibration),

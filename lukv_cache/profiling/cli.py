@@ -109,6 +109,7 @@ def _build_into(args: argparse.Namespace, scorers: list[str], mirror: Path | Non
         kvzap=kvzap,
         memory_table=not args.no_memory_table,
         table_dtype=args.table_dtype,
+        oracle_dtype=args.oracle_dtype,
         sliding=args.sliding,
     )
     for name, profile in profiles.items():

@@ -423,6 +423,10 @@ def test_lukv_build_table_dtype(tiny_model, byte_tokenizer, tiny_calibration, tm
     with pytest.raises(SystemExit):
         main([*args, "--table-dtype", "int8"])
     assert "--table-dtype: invalid choice" in capsys.readouterr().err
+    assert main([*args, "--oracle-dtype", "model", "--no-memory-table"]) == 0
+    assert Profile.load(tmp_path / "a.safetensors").extra["oracle_dtype"] == "float32"
+    assert main([*args, "--oracle-dtype", "bfloat16", "--no-memory-table"]) == 0
+    assert Profile.load(tmp_path / "a.safetensors").extra["oracle_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("scorer", ["kvzap", "kvzip", "snapkv"])
@@ -460,3 +464,39 @@ def test_the_copys_output_head_reads_a_fresh_copy_of_a_strided_input(tiny_model)
         head(hidden[:, -1:, :])  # strides (5 d, d, 1)
     assert seen == [(head.in_features, head.in_features, 1)]
     assert tiny_model.get_output_embeddings()._forward_pre_hooks == {}  # the user's model has no hook
+
+
+def test_the_oracle_runs_in_its_dtype_on_a_copy_and_leaves_the_model_alone(
+    tiny_model, byte_tokenizer, calibration_writer, tmp_path
+):
+    calibration = calibration_writer(tmp_path / "c.jsonl", context=TEXT[:440])
+    before = {name: p.clone() for name, p in tiny_model.state_dict().items()}
+
+    def build(model, dtype, folder):  # each its own result cache: nothing decoded is shared
+        return _build(
+            model, byte_tokenizer, calibration, tmp_path / folder, oracle_dtype=dtype, memory_table=False
+        )
+
+    bf16 = build(tiny_model, "bfloat16", "a")
+    assert all(torch.equal(before[name], p) for name, p in tiny_model.state_dict().items())
+    assert {p.dtype for p in tiny_model.parameters()} == {torch.float32}
+    by_hand = copy.deepcopy(tiny_model).eval()  # a copy cast by hand (parameters only) builds the same
+    for p in by_hand.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    np.testing.assert_array_equal(build(by_hand, "model", "b").evict_ratio, bf16.evict_ratio)
+    own = build(tiny_model, "model", "c")
+    assert not np.array_equal(own.evict_ratio, bf16.evict_ratio)
+    assert bf16.extra["oracle_dtype"] == "bfloat16" and own.extra["oracle_dtype"] == "float32"
+    with pytest.raises(ConfigurationError, match=r"The oracle's dtype \(oracle_dtype\) must be one of auto"):
+        build(tiny_model, "int8", "d")
+
+
+def test_the_table_runs_on_the_users_model_whatever_the_oracles_dtype(
+    tiny_model, byte_tokenizer, calibration_writer, tmp_path
+):
+    """table_dtype="model" is the user's model's precision, not the oracle's copy's."""
+    calibration = calibration_writer(tmp_path / "c.jsonl", context=TEXT[:440])
+    profile = _build(
+        tiny_model, byte_tokenizer, calibration, tmp_path, oracle_dtype="bfloat16", table_dtype="model"
+    )
+    assert profile.memory_table is not None and profile.memory_table.measure.endswith("float32 passes")
