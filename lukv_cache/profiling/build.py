@@ -564,24 +564,28 @@ def build_profiles(
             )
             for s in scorer_objs
         }
+    # the table runs on the user's model: the oracle's copy (the run holds it) and the context's cache go first
+    del run, oracle_model
     if settings.memory_table:
         profiles = {
-            name: _with_memory_table(p, model, run, calibration, settings) for name, p in profiles.items()
+            name: _with_memory_table(p, model, tokenizer, t, calibration, settings)
+            for name, p in profiles.items()
         }
     return profiles
 
 
-def _with_memory_table(profile, model, run: CalibrationRun, calibration, settings: BuildSettings):
-    """``profile`` with its memory table, measured on windows of the calibration context (a context too
-    short for 128-token continuations gets shorter ones: :func:`~.memory_table.continuation_for`)."""
+def _with_memory_table(profile, model, tokenizer, context_len: int, calibration, settings: BuildSettings):
+    """``profile`` with its memory table, measured on ``model`` (the user's) on windows of the calibration
+    context of ``context_len`` tokens (a context too short for 128-token continuations gets shorter ones:
+    :func:`~.memory_table.continuation_for`)."""
     from .memory_table import calibration_texts, continuation_for, measure_memory_table
 
     table = measure_memory_table(
         model,
-        run.tokenizer,
+        tokenizer,
         profile,
         calibration_texts(calibration),
-        continuation_tokens=continuation_for(run.context_len),
+        continuation_tokens=continuation_for(context_len),
         seed=settings.seed,
         show_progress=settings.show_progress,
         dtype=settings.table_dtype,

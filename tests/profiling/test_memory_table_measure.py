@@ -492,11 +492,32 @@ def test_the_oracle_runs_in_its_dtype_on_a_copy_and_leaves_the_model_alone(
 
 
 def test_the_table_runs_on_the_users_model_whatever_the_oracles_dtype(
-    tiny_model, byte_tokenizer, calibration_writer, tmp_path
+    tiny_model, byte_tokenizer, calibration_writer, tmp_path, monkeypatch
 ):
-    """table_dtype="model" is the user's model's precision, not the oracle's copy's."""
+    """table_dtype="model" is the user's model's precision, not the oracle's copy's; and the oracle's copy is
+    gone before the table starts (its bytes are not held through the table's passes)."""
+    import gc
+
+    from lukv_cache.profiling import memory_table
+
+    copies_alive = []
+    measure = memory_table.measure_memory_table
+
+    def counting(model, *args, **kwargs):
+        gc.collect()
+        copies_alive.append(
+            sum(
+                1
+                for obj in gc.get_objects()
+                if isinstance(obj, type(tiny_model)) and next(obj.parameters()).dtype == torch.bfloat16
+            )
+        )
+        return measure(model, *args, **kwargs)
+
+    monkeypatch.setattr(memory_table, "measure_memory_table", counting)
     calibration = calibration_writer(tmp_path / "c.jsonl", context=TEXT[:440])
     profile = _build(
         tiny_model, byte_tokenizer, calibration, tmp_path, oracle_dtype="bfloat16", table_dtype="model"
     )
     assert profile.memory_table is not None and profile.memory_table.measure.endswith("float32 passes")
+    assert copies_alive == [0]
