@@ -496,28 +496,36 @@ def test_the_table_runs_on_the_users_model_whatever_the_oracles_dtype(
 ):
     """table_dtype="model" is the user's model's precision, not the oracle's copy's; and the oracle's copy is
     gone before the table starts (its bytes are not held through the table's passes)."""
+    import contextlib
     import gc
+    import weakref
 
+    from lukv_cache.profiling import build as build_module
     from lukv_cache.profiling import memory_table
+
+    copies = []  # weak references to the oracle's copies: other tests' models alive in the process don't count
+    model_in = build_module.model_in
+
+    @contextlib.contextmanager
+    def recording(model, dtype):
+        with model_in(model, dtype) as copy_:
+            if copy_ is not model:
+                copies.append(weakref.ref(copy_))
+            yield copy_
 
     copies_alive = []
     measure = memory_table.measure_memory_table
 
     def counting(model, *args, **kwargs):
         gc.collect()
-        copies_alive.append(
-            sum(
-                1
-                for obj in gc.get_objects()
-                if isinstance(obj, type(tiny_model)) and next(obj.parameters()).dtype == torch.bfloat16
-            )
-        )
+        copies_alive.append(sum(ref() is not None for ref in copies))
         return measure(model, *args, **kwargs)
 
+    monkeypatch.setattr(build_module, "model_in", recording)
     monkeypatch.setattr(memory_table, "measure_memory_table", counting)
     calibration = calibration_writer(tmp_path / "c.jsonl", context=TEXT[:440])
     profile = _build(
         tiny_model, byte_tokenizer, calibration, tmp_path, oracle_dtype="bfloat16", table_dtype="model"
     )
     assert profile.memory_table is not None and profile.memory_table.measure.endswith("float32 passes")
-    assert copies_alive == [0]
+    assert len(copies) == 1 and copies_alive == [0]
