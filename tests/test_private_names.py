@@ -43,7 +43,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     },
     **{
         (f"benchmarks/results/table_kl/{script}", name): (
-            "a committed result script (the memory table's windows and layer passes, measured apart), kept as it ran"
+            "a committed result script (the memory table's windows and layer passes, measured apart), kept as it "
+            "ran (layer_est.py at c08ecb0: _LayerOutputs left with the layers' passes)"
         )
         for script, name in (
             ("cell_est.py", "_windows"),
@@ -51,6 +52,9 @@ ALLOWED: dict[tuple[str, str], str] = {
             ("layer_est.py", "_LayerOutputs"),
         )
     },
+    ("benchmarks/results/table_gradient/grad_est.py", "_windows"): (
+        "a committed result script (the layers' losses from one backward pass, measured apart), kept as it ran"
+    ),
 }
 
 

@@ -14,11 +14,10 @@ file that has none, without rebuilding it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -158,6 +157,7 @@ def measure_memory_table(
     share_prefill: bool = True,
     dtype: str | torch.dtype | None = None,
     layer_contexts: int | None = None,
+    layer_method: str = "gradient",
 ) -> MemoryTable:
     """The loss of ``profile``'s cache on ``model`` at every (``bits``, ``ratios``): the mean over
     ``contexts`` windows of ``texts`` of the continuation's excess NLL (nats per token) against the full
@@ -174,16 +174,22 @@ def measure_memory_table(
 
     ``layers`` (with 8 and 4 among ``bits``): also each decoder layer's ``layer_loss``, on the same windows:
     the cache at 8 bits evicting nothing but that layer's keys and values at 4 bits, against the same cache
-    with every layer at 8 (one more pass per window and layer): what a memory budget weighs when it keeps
-    some layers at 8 bits and the others at 4.
+    with every layer at 8: what a memory budget weighs when it keeps some layers at 8 bits and the others at
+    4. ``layer_method="passes"`` measures it, one more pass per window and layer. ``"gradient"`` (the
+    default, where the prefill is shared, below; else the passes) estimates every layer's at once from one
+    backward pass per window: the continuation's NLL differentiated with every layer's keys and values at
+    the midpoint of their 8- and 4-bit values, dotted with their difference. For one layer alone the
+    midpoint rule is exact to second order in the difference (it keeps the first-order shift of the text's
+    own tokens that a layer's rounding makes, and the second-order loss); the other layers' half-steps add
+    their cross terms. On Qwen2.5-Coder-0.5B it keeps the same layers at 8 bits as the passes
+    (``docs/profiles.md``) in a fraction of their time.
 
     ``share_prefill``: each window's context is prefilled once and replayed into every cell's cache
     (:class:`~lukv_cache.cache.compression.recorded.RecordedPrefill`: compression never changes a layer's
     prefill output, so every cell sees the same keys, values and queries); the same table as a prefill per
-    cell, for a fraction of the passes; and each layer's loss pass reuses the 8-bit pass's outputs of the
-    layers below that layer (they compute the same thing), about half of those passes' work. Not on models
-    with sliding-window layers or other attention than sdpa / eager, nor with a reconstruction scorer
-    (``kvzip``, whose repeat passes read the context): those prefill each cell and run every layer.
+    cell, for a fraction of the passes. Not on models with sliding-window layers or other attention than
+    sdpa / eager, nor with a reconstruction scorer (``kvzip``, whose repeat passes read the context): those
+    prefill each cell and measure the layers' losses with passes.
 
     ``dtype``: the precision of the passes (:func:`~lukv_cache.profiling.table_dtype.table_dtype`): ``None``
     (the model's own), a floating dtype or its name (every pass runs on a copy of the model in it; the model is
@@ -230,6 +236,8 @@ def measure_memory_table(
             f"A window of {context_tokens} context + {continuation_tokens} continuation tokens needs {need} "
             f"positions but the model has {limit}; ask for a shorter context_tokens."
         )
+    if layer_method not in ("gradient", "passes"):
+        raise ConfigurationError(f"layer_method must be 'gradient' or 'passes', got {layer_method!r}.")
     if layer_contexts is not None and not 1 <= layer_contexts <= contexts:
         raise ConfigurationError(
             f"layer_contexts must be between 1 and contexts ({contexts}), or None, got {layer_contexts}."
@@ -256,11 +264,13 @@ def measure_memory_table(
 
     scorer = quantized(ratio_list[0], bits[0]).policy.scorer
     share = share_prefill and shareable(model) and scorer.reconstruction is None
+    gradient = share and layer_method == "gradient"  # the views below read a replayed prefill
+    layer_runs = 1 if gradient else num_layers + 1
     users_model, was_training = model, model.training
     model.eval()
     cell_runs = 1 + len(bits) * len(ratio_list)
     bar = tqdm(
-        total=contexts * cell_runs + (layer_windows * (num_layers + 1) if num_layers else 0),
+        total=contexts * cell_runs + (layer_windows * layer_runs if num_layers else 0),
         desc="memory table",
         unit="run",
         disable=not show_progress,
@@ -271,8 +281,8 @@ def measure_memory_table(
             f"memory table: {count(contexts, 'window')} of {context_tokens:,} + {continuation_tokens} tokens, "
             f"{cell_runs} runs each ({len(bits)} precisions x {len(ratio_list)} ratios) in {_name(passes_dtype)}"
             + (
-                f", {num_layers + 1} more on {count(layer_windows, 'window')} for the layers' losses in "
-                f"{_name(layer_dtype)}"
+                f", {'one backward pass' if gradient else f'{layer_runs} more'} on "
+                f"{count(layer_windows, 'window')} for the layers' losses in {_name(layer_dtype)}"
                 if num_layers
                 else ""
             )
@@ -331,17 +341,19 @@ def measure_memory_table(
                 if layers_model is not cells_model:  # the window's prefill in the layers' precision
                     model = layers_model
                     recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
-                below = _LayerOutputs(model if recorded is not None else None)
-                with below.record():
+                if gradient and recorded is not None:  # (gradient: the prefill is shared)
+                    torch.manual_seed(seed)
+                    at_8, at_4 = (recorded.replay_into(quantized(0.0, b)).layers for b in (8, 4))
+                    layer_excess[:, w] = _midpoint_layer_losses(model, at_8, at_4, target)
+                    bar.update(1)
+                else:
                     at_8_bits = nll(model, quantized(0.0, 8), context, target, recorded)
-                bar.update(1)
-                for layer in range(num_layers):
-                    # the layers below `layer` see what they saw at 8 bits: their outputs are reused
-                    with below.reused_below(layer):
+                    bar.update(1)
+                    for layer in range(num_layers):
                         layer_excess[layer, w] = (
                             nll(model, quantized(0.0, 8, layer), context, target, recorded) - at_8_bits
                         )
-                    bar.update(1)
+                        bar.update(1)
                 if w == 0:
                     estimate(started, layer_windows - 1, "layers' losses")
     finally:
@@ -355,8 +367,9 @@ def measure_memory_table(
             f"tokens x {continuation_tokens} continuation tokens, allocator {allocator_name}, seed {seed}, "
             f"{_name(passes_dtype)} passes"
             + (
-                f" (layers' losses: {_name(layer_dtype)}, {count(layer_windows, 'context')})"
-                if num_layers and (layer_dtype != passes_dtype or layer_windows != contexts)
+                f" (layers' losses: {_name(layer_dtype)}, {count(layer_windows, 'context')}"
+                + (", midpoint gradient)" if gradient else ")")
+                if num_layers and (gradient or layer_dtype != passes_dtype or layer_windows != contexts)
                 else ""
             )
         ),
@@ -368,44 +381,32 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class _LayerOutputs:
-    """The decoder layers' outputs in one continuation pass (:meth:`record`), handed back in later passes
-    instead of computing them again (:meth:`reused_below`). A layer-loss pass differs from the 8-bit pass only
-    in one layer's store, so every layer below it computes exactly what it computed there (same inputs, same
-    8-bit keys and values): reusing them saves about half of those passes. The first layer always runs (it
-    opens each forward for the cache). Only for a shared prefill's models (every layer full attention, no
-    layer reading another's keys and values): ``model=None``, or a decoder without a ``layers`` list, records
-    and reuses nothing (every layer runs)."""
+def _midpoint_layer_losses(model: Any, at_8: Sequence[Any], at_4: Sequence[Any], target: torch.Tensor) -> Any:
+    """Each layer's loss at 4 bits against every layer at 8, to second order, from one backward pass: the
+    continuation's mean NLL (``target`` ``[1, n]``, teacher-forced; its first token, predicted by the
+    prefill, does not change) differentiated at the midpoint of the 8-bit (``at_8``) and 4-bit (``at_4``)
+    caches' keys and values, dotted with their difference, layer by layer. ``at_8``/``at_4``: the layers of
+    two caches holding the same context uncompressed (ratio 0)."""
+    from transformers import DynamicCache
 
-    def __init__(self, model: Any | None):
-        decoder = None if model is None else model.get_decoder()
-        self.layers = list(getattr(decoder, "layers", None) or [])
-        self.outputs: dict[int, Any] = {}
+    from .._compat import cache_kwarg
 
-    @contextlib.contextmanager
-    def record(self) -> Iterator[None]:
-        def keep(index: int) -> Any:
-            return lambda module, args, kwargs, output: self.outputs.__setitem__(index, output)
-
-        hooks = [
-            layer.register_forward_hook(keep(i), with_kwargs=True) for i, layer in enumerate(self.layers)
-        ]
-        try:
-            yield
-        finally:
-            for hook in hooks:
-                hook.remove()
-
-    @contextlib.contextmanager
-    def reused_below(self, layer: int) -> Iterator[None]:
-        skipped = [i for i in range(1, layer) if i in self.outputs]
-        for i in skipped:
-            self.layers[i].forward = lambda *args, _out=self.outputs[i], **kwargs: _out
-        try:
-            yield
-        finally:
-            for i in skipped:
-                del self.layers[i].forward  # the class's own forward again
+    dtype = next(model.parameters()).dtype
+    deltas, points = [], []
+    for wide, narrow in zip(at_8, at_4):
+        for a, b in ((wide.keys, narrow.keys), (wide.values, narrow.values)):
+            a, b = a.to(dtype), b.to(dtype)
+            deltas.append(b - a)
+            points.append(((a + b) / 2).requires_grad_(True))
+    with torch.enable_grad():
+        cache = DynamicCache(config=model.config)
+        for layer in range(len(points) // 2):
+            cache.update(points[2 * layer], points[2 * layer + 1], layer)
+        logits = model(input_ids=target[:, :-1], use_cache=True, **{cache_kwarg(model): cache}).logits
+        loss = torch.nn.functional.cross_entropy(logits[0].float(), target[0, 1:], reduction="sum")
+        grads = torch.autograd.grad(loss / target.shape[1], points)
+    per_tensor = [float((g.float() * d.float()).sum()) for g, d in zip(grads, deltas)]
+    return np.asarray(per_tensor, dtype=np.float64).reshape(-1, 2).sum(axis=1)
 
 
 def continuation_for(calibration_tokens: int, contexts: int = DEFAULT_CONTEXTS) -> int:
