@@ -176,13 +176,13 @@ def measure_memory_table(
     the cache at 8 bits evicting nothing but that layer's keys and values at 4 bits, against the same cache
     with every layer at 8: what a memory budget weighs when it keeps some layers at 8 bits and the others at
     4. ``layer_method="passes"`` measures it, one more pass per window and layer. ``"gradient"`` (the
-    default, where the prefill is shared, below; else the passes) estimates every layer's at once from one
-    backward pass per window: the continuation's NLL differentiated with every layer's keys and values at
-    the midpoint of their 8- and 4-bit values, dotted with their difference. For one layer alone the
-    midpoint rule is exact to second order in the difference (it keeps the first-order shift of the text's
-    own tokens that a layer's rounding makes, and the second-order loss); the other layers' half-steps add
-    their cross terms. On Qwen2.5-Coder-0.5B it keeps the same layers at 8 bits as the passes
-    (``docs/profiles.md``) in a fraction of their time.
+    default, where the prefill is shared, below, and outside ``torch.inference_mode``; else the passes)
+    estimates every layer's at once from one backward pass per window: the continuation's NLL differentiated
+    with every layer's keys and values at the midpoint of their 8- and 4-bit values, dotted with their
+    difference. For one layer alone the midpoint rule is exact to second order in the difference (it keeps
+    the first-order shift of the text's own tokens that a layer's rounding makes, and the second-order
+    loss); the other layers' half-steps add their cross terms. On Qwen2.5-Coder-0.5B it keeps the same
+    layers at 8 bits as the passes (``docs/profiles.md``) in a fraction of their time.
 
     ``share_prefill``: each window's context is prefilled once and replayed into every cell's cache
     (:class:`~lukv_cache.cache.compression.recorded.RecordedPrefill`: compression never changes a layer's
@@ -264,7 +264,8 @@ def measure_memory_table(
 
     scorer = quantized(ratio_list[0], bits[0]).policy.scorer
     share = share_prefill and shareable(model) and scorer.reconstruction is None
-    gradient = share and layer_method == "gradient"  # the views below read a replayed prefill
+    # the views below read a replayed prefill; under torch.inference_mode nothing can be differentiated
+    gradient = share and layer_method == "gradient" and not torch.is_inference_mode_enabled()
     layer_runs = 1 if gradient else num_layers + 1
     users_model, was_training = model, model.training
     model.eval()

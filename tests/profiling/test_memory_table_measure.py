@@ -313,6 +313,10 @@ def test_the_layers_losses_from_one_backward_pass_are_the_passes_to_second_order
     assert len(calls) == 2 * (1 + 1 + 3 + 1)
     with pytest.raises(ConfigurationError, match="layer_method must be 'gradient' or 'passes'"):
         measure_memory_table(model, tokenizer, profile, TEXT, layer_method="grad", **kwargs)
+    with torch.inference_mode():  # nothing to differentiate there: the passes
+        inside = measure_memory_table(model, tokenizer, profile, TEXT, **kwargs)
+    np.testing.assert_allclose(inside.layer_loss, passes.layer_loss, atol=2e-6)
+    assert inside.measure == passes.measure
 
 
 # ------------------------------------------------------------------------------------------ the passes' dtype
