@@ -402,10 +402,6 @@ def build_profiles(
     >>> profiles["snapkv"].window  # doctest: +SKIP
     32
     """
-    from tqdm.auto import tqdm
-
-    from ..profiles.profile import Profile
-
     settings = _settings(settings, options)
     scorer_objs = list({s.name: s for s in map(get_scorer, scorers)}.values())
     if not scorer_objs:
@@ -428,6 +424,29 @@ def build_profiles(
         raise ConfigurationError(
             "The model has no name_or_path; pass model_id='org/name' so the profile says which model it is for."
         )
+    # the oracle on its copy of the model; the copy and the context's cache are gone when it returns, before the
+    # table, which runs on the user's model
+    profiles, t = _oracle_profiles(
+        model, tokenizer, calibration, scorer_objs, grid_arr, model_id, surrogate, settings
+    )
+    if settings.memory_table:
+        profiles = {
+            name: _with_memory_table(p, model, tokenizer, t, calibration, settings)
+            for name, p in profiles.items()
+        }
+    return profiles
+
+
+def _oracle_profiles(
+    model, tokenizer, calibration, scorer_objs, grid_arr, model_id: str, surrogate, settings: BuildSettings
+) -> tuple[dict[str, Any], int]:
+    """Each scorer's profile from the oracle (the context's prefill and scores, the questions' decode) run on
+    ``model`` in ``settings.oracle_dtype`` (a copy when that is not the model's own, dropped on return), and the
+    calibration context's length."""
+    from tqdm.auto import tqdm
+
+    from ..profiles.profile import Profile
+
     # the oracle's passes (the context's prefill, its scores, the questions' decode) in oracle_dtype
     oracle_dtype = table_dtype(model, settings.oracle_dtype)
     with model_in(model, oracle_dtype) as oracle_model:
@@ -507,9 +526,8 @@ def build_profiles(
                     for index, importance in zip(batch, run.decode(batch), strict=True):
                         solve(index, importance)
                     progress.update(len(batch))
-                    if (
-                        say is not None and number == 0 and len(batches) > 1
-                    ):  # the first batch: the rest's time
+                    # the first batch: the rest's time
+                    if say is not None and number == 0 and len(batches) > 1:
                         seconds = time.perf_counter() - started - (run.prefill_seconds - prefill)
                         rest = len(pending) - len(batch)
                         how = f"; the context's prefill took {run.prefill_seconds:.0f} s more, once"
@@ -564,14 +582,7 @@ def build_profiles(
             )
             for s in scorer_objs
         }
-    # the table runs on the user's model: the oracle's copy (the run holds it) and the context's cache go first
-    del run, oracle_model
-    if settings.memory_table:
-        profiles = {
-            name: _with_memory_table(p, model, tokenizer, t, calibration, settings)
-            for name, p in profiles.items()
-        }
-    return profiles
+    return profiles, t
 
 
 def _with_memory_table(profile, model, tokenizer, context_len: int, calibration, settings: BuildSettings):
