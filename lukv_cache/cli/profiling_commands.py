@@ -46,10 +46,10 @@ def _table_dtype_argument(parser: argparse.ArgumentParser) -> None:
         "--table-dtype",
         choices=TABLE_DTYPES,
         default="auto",
-        help="precision of the memory table's passes: auto (the cells on a bfloat16 copy of a float32 model where "
-        "the CPU multiplies bfloat16 natively, the layers' losses at the model's precision: Qwen2.5-0.5B's table "
-        "in 172 s instead of 194 s, the same held-apart scores; elsewhere the model's own), model (the model's "
-        "own), or a dtype (every pass in it; docs/profiles.md) (default: %(default)s)",
+        help="precision of the memory table's passes: auto (on a bfloat16 copy of a float32 model where the CPU "
+        "multiplies bfloat16 natively, over each window's prefill at the model's precision, which the layers' "
+        "losses need; elsewhere the model's own), model (the model's own), or a dtype (every pass and prefill "
+        "in it; docs/profiles.md) (default: %(default)s)",
     )
 
 

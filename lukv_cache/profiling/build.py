@@ -316,8 +316,8 @@ class BuildSettings:
     eviction ratio) on windows of the calibration context and store it in the profile
     (:func:`~lukv_cache.profiling.memory_table.measure_memory_table`, what a memory budget picks its
     precision by; 4 windows of about a quarter of the context, each prefilled once and replayed into every
-    cell's cache). ``table_dtype``: the precision of the table's passes (``"auto"``, the default: the cells in
-    bfloat16 on a CPU that multiplies it natively, the layers' losses at the model's precision, elsewhere the
+    cell's cache). ``table_dtype``: the precision of the table's passes (``"auto"``, the default: in bfloat16
+    on a CPU that multiplies it natively, over each window's prefill at the model's precision, elsewhere the
     model's own; ``None`` or ``"model"``: the model's own;
     :func:`~lukv_cache.profiling.table_dtype.table_dtype`). ``oracle_dtype``: the precision of the oracle's
     passes (the context's prefill and scores, the questions' decode), picked the same way (``"auto"``, the

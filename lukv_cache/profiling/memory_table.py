@@ -194,9 +194,12 @@ def measure_memory_table(
     ``dtype``: the precision of the passes (:func:`~lukv_cache.profiling.table_dtype.table_dtype`): ``None``
     (the model's own), a floating dtype or its name (every pass runs on a copy of the model in it; the model is
     not changed), or ``"auto"``: the cells in bfloat16 for a float32 model on a CPU that multiplies bfloat16
-    natively (about 3x faster there, the cells as the float32 ones within their noise) and the layers' losses
-    in the model's own precision (a small difference of two passes: bfloat16's rounding makes it noisy);
-    ``measure`` names them. ``layer_contexts``: the layers' losses on the first this many windows only
+    natively (about 3x faster there, the cells as the float32 ones within their noise) over a prefill in the
+    model's own precision: each window's context prefilled once, at the model's precision (the layers'
+    losses are small differences: the rounding of a bfloat16 prefill's keys and values moves them), and
+    replayed into the cells cast to bfloat16; the layers' backward pass runs in bfloat16 over it too (with
+    ``layer_method="passes"``, the layers' passes in the model's precision); ``measure`` names them.
+    ``layer_contexts``: the layers' losses on the first this many windows only
     (``None``: all of them).
 
     >>> table = measure_memory_table(model, tokenizer, profile, calibration_texts("planted"))  # doctest: +SKIP
@@ -276,6 +279,11 @@ def measure_memory_table(
         unit="run",
         disable=not show_progress,
     )
+    # the cells replay the layers' prefill, cast to their precision
+    cast_prefill = share and bool(num_layers) and layer_dtype != passes_dtype
+    # the prefill's precision is what the layers' losses need: their backward pass runs in the cells' (on
+    # Qwen2.5-Coder-0.5B a bfloat16 pass over a float32 prefill orders the layers as a float32 one does)
+    gradient_dtype = passes_dtype if gradient and cast_prefill else layer_dtype
     say = sayer(show_progress)
     if say is not None:
         say(
@@ -283,11 +291,12 @@ def measure_memory_table(
             f"{cell_runs} runs each ({len(bits)} precisions x {len(ratio_list)} ratios) in {_name(passes_dtype)}"
             + (
                 f", {'one backward pass' if gradient else f'{layer_runs} more'} on "
-                f"{count(layer_windows, 'window')} for the layers' losses in {_name(layer_dtype)}"
+                f"{count(layer_windows, 'window')} for the layers' losses in {_name(gradient_dtype)}"
                 if num_layers
                 else ""
             )
             + (" (on a copy of the model)" if passes_dtype != next(model.parameters()).dtype else "")
+            + (f"; each window prefilled once, in {_name(layer_dtype)}" if cast_prefill else "")
         )
 
     def split(window: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,11 +330,16 @@ def measure_memory_table(
             model_in(model, passes_dtype) as cells_model,  # "auto": a bfloat16 copy for the cells
             model_in(users_model, layer_dtype) as layers_model,  # the same model when the dtypes agree
         ):
+            prefill_model = layers_model if num_layers else cells_model
             for w, window in enumerate(windows):
                 started = time.perf_counter()
                 context, target = split(window)
                 model = cells_model
-                recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
+                # one prefill per window, in the layers' precision (the cells replay it cast to theirs)
+                layers_recorded = recorded = None
+                if share:
+                    layers_recorded = RecordedPrefill.record(prefill_model, context, scorer.n_queries)
+                    recorded = layers_recorded.for_copy(cells_model, prefill_model)
                 full = nll(model, DynamicCache(config=model.config), context, target, recorded)
                 bar.update(1)
                 for i, b in enumerate(bits):
@@ -339,13 +353,12 @@ def measure_memory_table(
                 if not num_layers or w >= layer_windows:
                     continue
                 started = time.perf_counter()
-                if layers_model is not cells_model:  # the window's prefill in the layers' precision
-                    model = layers_model
-                    recorded = RecordedPrefill.record(model, context, scorer.n_queries) if share else None
+                model, recorded = layers_model, layers_recorded
                 if gradient and recorded is not None:  # (gradient: the prefill is shared)
                     torch.manual_seed(seed)
                     at_8, at_4 = (recorded.replay_into(quantized(0.0, b)).layers for b in (8, 4))
-                    layer_excess[:, w] = _midpoint_layer_losses(model, at_8, at_4, target)
+                    gradient_model = cells_model if gradient_dtype == passes_dtype else layers_model
+                    layer_excess[:, w] = _midpoint_layer_losses(gradient_model, at_8, at_4, target)
                     bar.update(1)
                 else:
                     at_8_bits = nll(model, quantized(0.0, 8), context, target, recorded)
@@ -367,8 +380,9 @@ def measure_memory_table(
             f"continuation excess NLL (nats/token) vs the full cache, {contexts} contexts of {context_tokens} "
             f"tokens x {continuation_tokens} continuation tokens, allocator {allocator_name}, seed {seed}, "
             f"{_name(passes_dtype)} passes"
+            + (f" over a {_name(layer_dtype)} prefill" if cast_prefill else "")
             + (
-                f" (layers' losses: {_name(layer_dtype)}, {count(layer_windows, 'context')}"
+                f" (layers' losses: {_name(gradient_dtype)}, {count(layer_windows, 'context')}"
                 + (", midpoint gradient)" if gradient else ")")
                 if num_layers and (gradient or layer_dtype != passes_dtype or layer_windows != contexts)
                 else ""

@@ -2,14 +2,15 @@
 
 A memory table is a few hundred teacher-forced passes (:mod:`~lukv_cache.profiling.memory_table`), all
 matrix products. A CPU with native bfloat16 matrix units (Intel AMX, AVX512-BF16) runs them 2-3x faster in
-bfloat16 than in float32, so ``"auto"`` (a build's default) runs a float32 model's table cells on a bfloat16
+bfloat16 than in float32, so ``"auto"`` (a build's default) runs a float32 model's table passes on a bfloat16
 copy of it there (half the model's bytes more while they run; skipped when that copy would take more than half
-the memory available) and its layers' losses at the model's own precision: a layer's loss at 4 bits is a small difference
-of two passes, and bfloat16's rounding makes it noisy (measured with every pass in bfloat16, the earlier
-``auto``: on Qwen2.5-0.5B that table kept 10-12 layers at 8 bits under ``memory=0.075`` and ``0.15`` where the
-float32 one kept 6-7, and held-apart multikey retrieval fell from 100.0 to 92.5 +- 3.8 at ``memory=0.15``,
-docs/profiles.md, "Cost"). An explicit dtype runs every pass in it. A model that already runs in bfloat16 (a
-GPU) measures its table in bfloat16 anyway.
+the memory available), each window's context prefilled once at the model's own precision and replayed into
+them cast to bfloat16: a layer's loss at 4 bits is a small difference, and the rounding of a bfloat16
+prefill's keys and values moves it (measured with every pass and prefill in bfloat16, the earlier ``auto``:
+on Qwen2.5-0.5B that table kept 10-12 layers at 8 bits under ``memory=0.075`` and ``0.15`` where the float32
+one kept 6-7, and held-apart multikey retrieval fell from 100.0 to 92.5 +- 3.8 at ``memory=0.15``;
+docs/profiles.md, "Cost"). An explicit dtype runs every pass and prefill in it. A model that already runs in
+bfloat16 (a GPU) measures its table in bfloat16 anyway.
 
 A build's oracle (the calibration context's prefill and scores, the questions' batched decode:
 :mod:`~lukv_cache.profiling.oracle`) is matrix products too, and ``BuildSettings(oracle_dtype=...)`` picks

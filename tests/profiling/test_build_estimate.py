@@ -35,9 +35,9 @@ def test_lukv_build_says_its_questions_then_an_estimate_measured_on_the_first(
     assert len(said) == 1, err  # once
     assert "the first batch took" in said[0] and "for the 2 questions left" in said[0]
     # the memory table says its windows and runs, then an estimate from its first window, once
-    # the cells in bfloat16 where the CPU multiplies it natively (--table-dtype auto), the layers' in float32
+    # (in bfloat16 over a float32 prefill where the CPU multiplies bfloat16 natively: --table-dtype auto)
     assert "memory table: 4 windows of " in err and "19 runs each (3 precisions x 6 ratios) in " in err
-    assert "one backward pass on 4 windows for the layers' losses in float32" in err
+    assert "one backward pass on 4 windows for the layers' losses in " in err
     table = [line for line in err.splitlines() if ESTIMATE in line and "memory table" in line]
     assert len(table) == 1 and "the first window took" in table[0] and "for the 3 windows left" in table[0]
     layers = [line for line in err.splitlines() if ESTIMATE in line and "layers' losses" in line]

@@ -81,6 +81,29 @@ class RecordedPrefill:
         recording.values = [cast(torch.Tensor, layer.values) for layer in layers]
         return recording
 
+    def for_copy(self, model: Any, recorded_on: Any) -> RecordedPrefill:
+        """This recording, made on ``recorded_on``, for ``model``: a copy of that model in another precision
+        (``profiling.table_dtype.model_in``). Its keys, values, queries and logits cast to ``model``'s dtype
+        and each layer's attention module ``model``'s own (the module of the same name), so replaying it is
+        replaying a prefill of ``model`` up to the rounding of the other precision. Itself when ``model`` is
+        ``recorded_on``."""
+        if model is recorded_on:
+            return self
+        dtype = next(model.parameters()).dtype
+        names = {id(module): name for name, module in recorded_on.named_modules()}
+        own = dict(model.named_modules())
+        return RecordedPrefill(
+            n_queries=self.n_queries,
+            attn_implementation=self.attn_implementation,
+            keys=[keys.to(dtype) for keys in self.keys],
+            values=[values.to(dtype) for values in self.values],
+            prefill_queries={layer: q.to(dtype) for layer, q in self.prefill_queries.items()},
+            modules={layer: own[names[id(module)]] for layer, module in self.modules.items()},
+            last_logits=None if self.last_logits is None else self.last_logits.to(dtype),
+            seconds=self.seconds,
+            input_ids=self.input_ids,
+        )
+
     def full_cache(self, config: Any) -> DynamicCache:
         """The full cache holding this context (copies of the recorded keys and values)."""
         cache = DynamicCache(config=config)
