@@ -566,3 +566,18 @@ def test_the_table_runs_on_the_users_model_whatever_the_oracles_dtype(
     assert profile.memory_table is not None and "float32 passes (" in profile.memory_table.measure
     assert len(copies) == 1 and copies_alive == [0]
 
+
+def test_the_continuation_nll_is_the_float32_cross_entropy_a_few_rows_at_a_time(monkeypatch):
+    """The table's and the continuation task's NLL casts a few rows of logits to float32 at a time (here 3 of
+    10): the cross entropy of the whole float32 logits, every row counted once."""
+    from lukv_cache.profiling import continuation
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(10, 50, generator=generator) * 4).bfloat16()
+    target = torch.randint(0, 50, (10,), generator=generator)
+    monkeypatch.setattr(continuation, "_CHUNK_BYTES", 3 * 4 * 50)
+    expected = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum")
+    assert float(continuation._nll_sum(logits, target)) == pytest.approx(float(expected), rel=1e-6)
+    assert float(continuation._nll_sum(logits[:1], target[:1])) == pytest.approx(
+        float(torch.nn.functional.cross_entropy(logits[:1].float(), target[:1], reduction="sum")), rel=1e-6
+    )
