@@ -242,7 +242,8 @@ class _RowsLayer(DynamicLayer):
 class _Rows:
     """What the batched attention reads besides its arguments, for the forward under way."""
 
-    context: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: the context's keys, values [1, H_kv, n, D]
+    # per layer: the context's keys and values [H_kv, n, D], in float32
+    context: list[tuple[torch.Tensor, torch.Tensor]]
     context_len: int
     query_pos: torch.Tensor  # [B, q] positions of this forward's queries (-1: a question's padding)
     key_pos: torch.Tensor  # [B, S] positions of the rows' own tokens held, this forward's too (-1: padding)
@@ -257,32 +258,34 @@ def _rows_attention(rec: _Recorder, module, query, key, value, scaling, softcap)
     Returns ``[B, q, H_q, D]`` as transformers' attention functions do."""
     rows = cast(_Rows, rec.rows)
     layer = module.layer_idx
-    context_keys, context_values = rows.context[layer]
+    context_keys, context_values = rows.context[layer]  # float32 [H_kv, n, D]
     n, t = context_keys.shape[-2], rows.context_len
     first = t - n  # a sliding layer holds the context's last tokens
     b, num_q, q, d = query.shape
     num_kv = key.shape[1]
     groups = num_q // num_kv
-    queries = query.float().view(b, num_kv, groups, q, d)
+    # head-major: every row's queries of a KV head are one matrix, [H_kv, B * G * q, D], so the logits over
+    # the context are one batched matmul per KV head; the scale goes on the queries (the smaller side)
+    queries = (query.float() * scaling).view(b, num_kv, groups, q, d).transpose(0, 1)  # [H_kv, B, G, q, D]
     # the logits over the context and over the row's own tokens, kept apart (no [.., n + S] copy): the
-    # context part, [B, H_kv, G, q, n], is the largest tensor of a batch
-    over_context = torch.einsum("bhgqd,hnd->bhgqn", queries, context_keys[0].float()).mul_(scaling)
-    over_own = torch.einsum("bhgqd,bhsd->bhgqs", queries, key.float()).mul_(scaling)
+    # context part, [H_kv, B, G, q, n], is the largest tensor of a batch
+    over_context = torch.bmm(queries.reshape(num_kv, -1, d), context_keys.transpose(1, 2))
+    over_context = over_context.view(num_kv, b, groups, q, n)
+    over_own = torch.einsum("hbgqd,bhsd->hbgqs", queries, key.float())
     if softcap is not None:
         for part in (over_context, over_own):
             part.div_(softcap).tanh_().mul_(softcap)
-    query_pos = rows.query_pos[:, None, None, :, None]  # [B, 1, 1, q, 1]
+    query_pos = rows.query_pos[None, :, None, :, None]  # [1, B, 1, q, 1]
     padding = query_pos < 0
-    context_pos = torch.arange(first, t, device=query.device)
-    key_pos = rows.key_pos[:, None, None, None, :]  # [B, 1, 1, 1, S]
-    see_context = context_pos <= query_pos
+    key_pos = rows.key_pos[None, :, None, None, :]  # [1, B, 1, 1, S]
     see_own = (key_pos >= 0) & (key_pos <= query_pos) & ~padding
     window = getattr(module, "sliding_window", None)
-    if window:
-        see_context = see_context & (query_pos - context_pos < window)
+    if window:  # a full-attention layer's queries all follow the context: every one sees all of it
+        context_pos = torch.arange(first, t, device=query.device)
+        see_context = (context_pos <= query_pos) & (query_pos - context_pos < window)
+        see_context = see_context | padding  # a padding query reads the context: finite, and never read
+        over_context.masked_fill_(~see_context, float("-inf"))
         see_own = see_own & (query_pos - key_pos < window)
-    see_context = see_context | padding  # a padding query reads the context: finite, and never read
-    over_context.masked_fill_(~see_context, float("-inf"))
     over_own.masked_fill_(~see_own, float("-inf"))
     # one softmax over both parts, in place
     peak = torch.maximum(over_context.amax(-1, keepdim=True), over_own.amax(-1, keepdim=True))
@@ -290,14 +293,14 @@ def _rows_attention(rec: _Recorder, module, query, key, value, scaling, softcap)
     over_own.sub_(peak).exp_()
     total = over_context.sum(-1, keepdim=True) + over_own.sum(-1, keepdim=True)
     weights, own_weights = over_context.div_(total), over_own.div_(total)
-    out = torch.einsum("bhgqn,hnd->bhgqd", weights, context_values[0].float()) + torch.einsum(
-        "bhgqs,bhsd->bhgqd", own_weights, value.float()
-    )
+    out = torch.bmm(weights.view(num_kv, -1, n), context_values).view(num_kv, b, groups, q, d)
+    out = out + torch.einsum("hbgqs,bhsd->hbgqd", own_weights, value.float())
     if layer in rec.value_norms:
         recorded = rows.recording & ((not window) or rec.sliding or (rows.before <= window - 1))
         if bool(recorded.any()):
-            norms = rec.value_norms[layer][:, first:].view(num_kv, groups, n)
-            step = (weights[:, :, :, -1] * norms).amax(dim=2)  # [B, H_kv, n], the newest query
+            norms = rec.value_norms[layer][:, first:].view(num_kv, 1, groups, n)
+            # the newest query's, [B, H_kv, n]
+            step = (weights[:, :, :, -1] * norms).amax(dim=2).transpose(0, 1)
             importance = rec.importance.setdefault(layer, step.new_zeros(b, num_kv, t))
             part = importance[:, :, first:]
             keep = recorded[:, None, None]
@@ -305,7 +308,8 @@ def _rows_attention(rec: _Recorder, module, query, key, value, scaling, softcap)
                 part.copy_(torch.where(keep, torch.maximum(part, step), part))
             else:
                 part.add_(step * keep)
-    return out.reshape(b, num_q, q, d).transpose(1, 2).contiguous().to(query.dtype)
+    # [H_kv, B, G, q, D] -> [B, q, H_q, D]
+    return out.permute(1, 3, 0, 2, 4).reshape(b, q, num_q, d).to(query.dtype)
 
 
 AGGREGATES = ("max", "mean")
@@ -353,8 +357,9 @@ def oracle_importances(
     positions = positions.masked_fill(padding, -1)
     eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
     rows = _Rows(
+        # in float32 once for the batch, not once a step
         context=[
-            (cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
+            (cast(torch.Tensor, layer.keys)[0].float(), cast(torch.Tensor, layer.values)[0].float())
             for layer in cast(list[DynamicLayer], state.cache.layers)
         ],
         context_len=t,
