@@ -334,8 +334,9 @@ def oracle_importances(
 ) -> list[tuple[np.ndarray, list[int]]]:
     """:func:`oracle_importance` of several questions after the same context, decoded as one batch: every
     decode step runs the model once for all of them and reads the context's keys and values once (the
-    context is shared, each row holds only its question and answer). The same importances and answers as
-    one question at a time."""
+    context is shared, each row holds only its question and answer); a question leaves the batch once
+    answered (its end-of-sequence token or ``k_max`` tokens). The same importances and answers as one
+    question at a time."""
     if aggregate not in AGGREGATES:
         raise ConfigurationError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {aggregate!r}.")
     if k_max < 1:
@@ -374,32 +375,51 @@ def oracle_importances(
     cache = DynamicCache()
     cache.layers = [_RowsLayer(t) for _ in state.cache.layers]
     answers: list[list[int]] = [[] for _ in range(b)]
+    finished: dict[int, dict[int, torch.Tensor]] = {}  # question -> layer -> its final importance [H_kv, T]
+    active = list(range(b))  # the question each row of the batch decodes
     passed = {cache_kwarg(model): cache}
     with _recording(model, rec), torch.inference_mode():
-        while bool(rows.recording.any()):
+        while active:
             logits = model(
                 input_ids=ids,
                 position_ids=rows.query_pos.clamp_min(0),
-                attention_mask=torch.ones((b, t + rows.key_pos.shape[1]), dtype=torch.long, device=device),
+                attention_mask=torch.ones(
+                    (len(active), t + rows.key_pos.shape[1]), dtype=torch.long, device=device
+                ),
                 use_cache=True,
                 logits_to_keep=1,
                 **passed,
             ).logits
             tokens = logits[:, -1].argmax(dim=-1)
             for row, token in enumerate(tokens.tolist()):
-                if bool(rows.recording[row]):
-                    answers[row].append(token)
-                    if token in eos or len(answers[row]) == k_max:
-                        rows.recording[row] = False
+                answers[active[row]].append(token)
+                if token in eos or len(answers[active[row]]) == k_max:
+                    rows.recording[row] = False
             ids = tokens[:, None]
             rows.before = rows.query_pos[:, -1] + 1
             rows.query_pos = rows.before[:, None]
             rows.key_pos = torch.cat([rows.key_pos, rows.query_pos], dim=1)
+            if not bool(rows.recording.all()):  # answered questions leave the batch, their importances final
+                for row in (~rows.recording).nonzero()[:, 0].tolist():
+                    finished[active[row]] = {layer: part[row] for layer, part in rec.importance.items()}
+                keep = rows.recording.nonzero()[:, 0]
+                active = [active[row] for row in keep.tolist()]
+                ids = ids[keep]
+                rows.before, rows.query_pos, rows.key_pos = (
+                    rows.before[keep],
+                    rows.query_pos[keep],
+                    rows.key_pos[keep],
+                )
+                rows.recording = rows.recording[keep]
+                rec.importance = {layer: part[keep] for layer, part in rec.importance.items()}
+                for held in cast(list[_RowsLayer], cache.layers):
+                    if held.keys is not None and held.values is not None:
+                        held.keys, held.values = held.keys[keep], held.values[keep]
     results = []
-    for row, answer in enumerate(answers):
+    for question, answer in enumerate(answers):
         out = np.zeros((state.num_layers, state.num_kv_heads, t), dtype=np.float32)
-        for layer, importance in rec.importance.items():
-            values = importance[row] / len(answer) if aggregate == "mean" else importance[row]
+        for layer, importance in finished[question].items():
+            values = importance / len(answer) if aggregate == "mean" else importance
             out[layer] = values.cpu().numpy()
         results.append((out, answer))
     return results

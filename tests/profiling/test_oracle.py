@@ -202,6 +202,31 @@ def test_a_question_batch_equals_one_question_at_a_time(family, options, sliding
     assert state.cache.get_seq_length() == 40  # the context is left as it was
 
 
+def test_an_answered_question_leaves_the_batch():
+    """Its importance is final once it is answered: the next steps decode the other questions only (with
+    the answers and importances each gets alone: above)."""
+    model = tiny_model("llama", seed=2)
+    state = prefill_context(model, torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0)))
+    questions = [torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 5)]
+    free = oracle_importance(model, state, questions[1], k_max=6)[1]
+    stop = next(k for k in range(1, len(free)) if free[k] not in free[:k])
+    rows: list[int] = []
+
+    def note(module, args, kwargs):
+        rows.append((args[0] if args else kwargs["hidden_states"]).shape[0])
+
+    hook = model.model.layers[0].register_forward_pre_hook(note, with_kwargs=True)
+    try:
+        batch = oracle_importances(model, state, questions, eos_token_id=free[stop], k_max=6)
+    finally:
+        hook.remove()
+    lengths = [len(answer) for _, answer in batch]
+    assert lengths[1] == stop + 1 < 6 == max(lengths)
+    # one forward per answer token: the whole batch until the second question's last, then the rest
+    assert rows == [3 - sum(length <= step for length in lengths) for step in range(6)]
+    assert rows[-1] < 3
+
+
 def test_a_sliding_layer_is_recorded_while_its_window_holds_the_whole_context():
     """sliding=False: a sliding layer whose window still holds every token so far (a context shorter than
     the window) is recorded as a full layer is, step by step, until the decode slides past the context's
