@@ -472,7 +472,7 @@ def _places_searched(model_id: str, hub: HubLocation, local_dir: str | os.PathLi
 # --scorer keydiff --threads 2` from an empty cache folder, docs/profiles.md "Cost"); the build prints its
 # own estimate before its long part
 BUILD_TIME = (
-    "a keydiff build took 2 min 37 s for Qwen2.5-0.5B on 2 CPU threads, its memory table included; "
+    "a keydiff build took 1 min 49 s for Qwen2.5-0.5B on 2 CPU threads, its memory table included; "
     "it says its own estimate before the long part"
 )
 

@@ -89,7 +89,7 @@ def test_the_fallback_logs_one_line_naming_the_model_the_method_and_lukv_build(
         f"lukv_cache: no profile for {UNPROFILED} (looked in the Hub repository {REPO!r} at "
         f"{hub_with_another_model.url} and the profiles shipped with lukv_cache); using the profile-free "
         "LUKVCache(ratio=..., scorer='keydiff', allocator='uniform'). For LU-KV's per-head budgets build one "
-        "(a keydiff build took 2 min 37 s for Qwen2.5-0.5B on 2 CPU threads, its memory table included; "
+        "(a keydiff build took 1 min 49 s for Qwen2.5-0.5B on 2 CPU threads, its memory table included; "
         f"it says its own estimate before the long part): lukv build {UNPROFILED}"
     )
 
