@@ -401,7 +401,10 @@ def oracle_importances(
             rows.key_pos = torch.cat([rows.key_pos, rows.query_pos], dim=1)
             if not bool(rows.recording.all()):  # answered questions leave the batch, their importances final
                 for row in (~rows.recording).nonzero()[:, 0].tolist():
-                    finished[active[row]] = {layer: part[row] for layer, part in rec.importance.items()}
+                    # (copies: the batch's tensor goes when the rows left are taken out of it)
+                    finished[active[row]] = {
+                        layer: part[row].clone() for layer, part in rec.importance.items()
+                    }
                 keep = rows.recording.nonzero()[:, 0]
                 active = [active[row] for row in keep.tolist()]
                 ids = ids[keep]
