@@ -14,6 +14,7 @@ file that has none, without rebuilding it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -328,7 +329,12 @@ def measure_memory_table(
             bar,
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
             model_in(model, passes_dtype) as cells_model,  # "auto": a bfloat16 copy for the cells
-            model_in(users_model, layer_dtype) as layers_model,  # the same model when the dtypes agree
+            # the cells' model when the dtypes agree (two copies in one dtype would be the same model twice)
+            (
+                contextlib.nullcontext(cells_model)
+                if layer_dtype == passes_dtype
+                else model_in(users_model, layer_dtype)
+            ) as layers_model,
         ):
             prefill_model = layers_model if num_layers else cells_model
             for w, window in enumerate(windows):

@@ -354,6 +354,20 @@ def test_a_bfloat16_table_is_the_table_of_a_bfloat16_copy_and_leaves_the_model_a
     )
 
 
+def test_a_bfloat16_table_runs_on_one_copy_of_the_model(tiny_model, byte_tokenizer):
+    """Every pass in one dtype that is not the model's: the cells, the prefill and the layers' losses all run
+    on one cast copy, not on one copy each."""
+    profile = _profile(tiny_model)
+    seen: set[int] = set()
+    # the copy is a deep copy: it carries the hook, and its layer is another module
+    hook = tiny_model.model.layers[0].register_forward_pre_hook(lambda module, args: seen.add(id(module)))
+    try:
+        measure_memory_table(tiny_model, byte_tokenizer, profile, DTYPE_TEXT, dtype="bfloat16", **GRID)
+    finally:
+        hook.remove()
+    assert len(seen) == 1 and id(tiny_model.model.layers[0]) not in seen
+
+
 def test_auto_measures_the_cells_in_bfloat16_and_the_layers_losses_at_the_models_precision(
     tiny_model, byte_tokenizer, monkeypatch
 ):
